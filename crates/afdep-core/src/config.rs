@@ -1,0 +1,277 @@
+//! Shapes and configuration, serializable with serde and validated with typed errors.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+use crate::topology::{ExpertPlacement, Topology};
+
+/// The shape of one MoE layer (brief section 4 notation in brackets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerShape {
+    /// Hidden size \[H\].
+    pub d_model: usize,
+    /// Expert width \[W\] (SwiGLU inner size of each routed expert).
+    pub width: usize,
+    /// Number of routed experts \[E\].
+    pub experts: usize,
+    /// Experts per token \[K\].
+    pub top_k: usize,
+    /// Shared-expert width \[S\]; 0 means no shared expert.
+    pub shared: usize,
+    /// Renormalise the selected top-k probabilities to sum to one (default on).
+    #[serde(default = "default_true")]
+    pub renormalize: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl LayerShape {
+    /// The shape of the MoE-layer record: d_model 512, width 128, 64 experts, top-8, shared 1024.
+    pub const RECORD: LayerShape = LayerShape {
+        d_model: 512,
+        width: 128,
+        experts: 64,
+        top_k: 8,
+        shared: 1024,
+        renormalize: true,
+    };
+
+    /// Checks that every field is usable.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        positive("d_model", self.d_model)?;
+        positive("width", self.width)?;
+        positive("experts", self.experts)?;
+        positive("top_k", self.top_k)?;
+        if self.top_k > self.experts {
+            return Err(ConfigError::Invalid {
+                field: "top_k",
+                value: self.top_k.to_string(),
+                reason: format!("more than the {} experts", self.experts),
+            });
+        }
+        if self.experts > i32::MAX as usize {
+            return Err(ConfigError::Invalid {
+                field: "experts",
+                value: self.experts.to_string(),
+                reason: "expert ids are i32".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn positive(field: &'static str, v: usize) -> Result<(), ConfigError> {
+    if v == 0 {
+        Err(ConfigError::Invalid { field, value: "0".into(), reason: "must be positive".into() })
+    } else {
+        Ok(())
+    }
+}
+
+/// How token rows travel in dispatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PayloadKind {
+    /// bf16 rows, as stored.
+    #[default]
+    Bf16,
+    /// fp8 e4m3 rows with one f32 scale per 128 channels per token.
+    Fp8E4m3,
+}
+
+impl std::fmt::Display for PayloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PayloadKind::Bf16 => "bf16",
+            PayloadKind::Fp8E4m3 => "fp8_e4m3",
+        })
+    }
+}
+
+/// The knobs of the fused exchange (brief section 4), agreed across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ExchangeKnobs {
+    /// Rounds with at least this many tokens on the largest source use count-first dispatch;
+    /// below it, payload-first.
+    pub min_token_bucket: usize,
+    /// Most SMs the streaming or copy epilogue may occupy on an FFN rank.
+    pub epilogue_sm_cap: u32,
+    /// Whether the epilogue waits on a per-source payload gate before reading rows.
+    pub payload_gate: bool,
+    /// Warps per work unit of the epilogue.
+    pub warps_per_unit: u32,
+    /// Minimum rows a work unit takes.
+    pub min_rows_per_unit: u32,
+    /// SMs the dispatch and combine kernels use for transport.
+    pub transport_sms: u32,
+}
+
+impl Default for ExchangeKnobs {
+    fn default() -> Self {
+        ExchangeKnobs {
+            min_token_bucket: 2048,
+            epilogue_sm_cap: 16,
+            payload_gate: true,
+            warps_per_unit: 4,
+            min_rows_per_unit: 8,
+            transport_sms: 24,
+        }
+    }
+}
+
+impl ExchangeKnobs {
+    /// Checks that every knob is usable.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        positive("knobs.min_token_bucket", self.min_token_bucket)?;
+        positive("knobs.epilogue_sm_cap", self.epilogue_sm_cap as usize)?;
+        positive("knobs.warps_per_unit", self.warps_per_unit as usize)?;
+        positive("knobs.min_rows_per_unit", self.min_rows_per_unit as usize)?;
+        positive("knobs.transport_sms", self.transport_sms as usize)?;
+        if self.warps_per_unit > 32 {
+            return Err(ConfigError::Invalid {
+                field: "knobs.warps_per_unit",
+                value: self.warps_per_unit.to_string(),
+                reason: "a unit is at most one 1024-thread block (32 warps)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The configuration of one AFD exchange; every rank must hold the same one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeConfig {
+    /// Roles of the ranks.
+    pub topology: Topology,
+    /// Hidden size of a token row.
+    pub hidden: usize,
+    /// Number of expert ids the router may emit.
+    pub experts: usize,
+    /// Experts owned by each FFN rank, contiguously; `experts_per_rank * ffn_ranks <= experts`,
+    /// and ids at or above the product are owned by nobody ("dummy").
+    pub experts_per_rank: usize,
+    /// Slots per token.
+    pub top_k: usize,
+    /// Most tokens an attention rank may send in one round.
+    pub capacity: usize,
+    /// Dispatch payload format.
+    #[serde(default)]
+    pub payload: PayloadKind,
+    /// Fused-engine knobs.
+    #[serde(default)]
+    pub knobs: ExchangeKnobs,
+}
+
+impl ExchangeConfig {
+    /// A configuration with every expert placed (`experts_per_rank = experts / ffn ranks`)
+    /// and default knobs.
+    pub fn new(
+        topology: Topology,
+        hidden: usize,
+        experts: usize,
+        top_k: usize,
+        capacity: usize,
+    ) -> Result<Self, ConfigError> {
+        let f = topology.ffn_count();
+        if f == 0 || experts % f != 0 {
+            return Err(ConfigError::Invalid {
+                field: "experts",
+                value: experts.to_string(),
+                reason: format!("must be a multiple of the {f} FFN ranks"),
+            });
+        }
+        let cfg = ExchangeConfig {
+            topology,
+            hidden,
+            experts,
+            experts_per_rank: experts / f,
+            top_k,
+            capacity,
+            payload: PayloadKind::Bf16,
+            knobs: ExchangeKnobs::default(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the configuration.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.topology.validate()?;
+        positive("hidden", self.hidden)?;
+        positive("experts", self.experts)?;
+        positive("experts_per_rank", self.experts_per_rank)?;
+        positive("top_k", self.top_k)?;
+        positive("capacity", self.capacity)?;
+        if self.top_k > self.experts {
+            return Err(ConfigError::Invalid {
+                field: "top_k",
+                value: self.top_k.to_string(),
+                reason: format!("more than the {} experts", self.experts),
+            });
+        }
+        if self.experts_per_rank * self.topology.ffn_count() > self.experts {
+            return Err(ConfigError::Invalid {
+                field: "experts_per_rank",
+                value: self.experts_per_rank.to_string(),
+                reason: format!(
+                    "{} FFN ranks would own more than the {} experts",
+                    self.topology.ffn_count(),
+                    self.experts
+                ),
+            });
+        }
+        if self.payload == PayloadKind::Fp8E4m3 && self.hidden % 128 != 0 {
+            return Err(ConfigError::Invalid {
+                field: "hidden",
+                value: self.hidden.to_string(),
+                reason: "fp8 payloads need a multiple of 128 channels (one scale per 128)".into(),
+            });
+        }
+        self.knobs.validate()
+    }
+
+    /// The expert placement this configuration implies.
+    pub fn placement(&self) -> ExpertPlacement {
+        ExpertPlacement {
+            experts: self.experts,
+            ffn_ranks: self.topology.ffn_count(),
+            experts_per_rank: self.experts_per_rank,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_shape_is_valid_and_round_trips() {
+        LayerShape::RECORD.validate().unwrap();
+        let s = serde_json::to_string(&LayerShape::RECORD).unwrap();
+        let back: LayerShape = serde_json::from_str(&s).unwrap();
+        assert_eq!(back, LayerShape::RECORD);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut s = LayerShape::RECORD;
+        s.top_k = 65;
+        match s.validate() {
+            Err(ConfigError::Invalid { field: "top_k", .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        let t: Topology = "1A:3F".parse().unwrap();
+        assert!(matches!(
+            ExchangeConfig::new(t, 2048, 128, 8, 2048),
+            Err(ConfigError::Invalid { field: "experts", .. })
+        ));
+        let mut c = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
+        c.knobs.transport_sms = 0;
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Invalid { field: "knobs.transport_sms", .. })
+        ));
+    }
+}

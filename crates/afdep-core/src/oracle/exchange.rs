@@ -1,0 +1,1 @@
+//! The AFD exchange reference.

@@ -1,0 +1,1 @@
+//! The MoE layer oracle (forward and train step). Placeholder until written.
