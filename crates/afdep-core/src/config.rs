@@ -267,6 +267,7 @@ mod tests {
             ExchangeConfig::new(t, 2048, 128, 8, 2048),
             Err(ConfigError::Invalid { field: "experts", .. })
         ));
+        let t: Topology = "3A:1F".parse().unwrap();
         let mut c = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
         c.knobs.transport_sms = 0;
         assert!(matches!(
