@@ -1,1 +1,113 @@
-fn main() {}
+//! `afdep`: run and benchmark MoE layers and AFD exchanges.
+//!
+//! ```text
+//! afdep moe       [--backend auto|cpu|cuda] [--tokens N,..] [shape flags] [--input F] [--output F]
+//! afdep exchange  [--backend cpu] [--transport loopback] [--topology 3A:1F] [--tokens N,..] ...
+//! afdep kernels   --digest
+//! ```
+//! Every command prints one JSON row per measurement on stdout (logs go to stderr, filtered
+//! by `RUST_LOG`).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand, ValueEnum};
+
+mod exchange_cmd;
+mod moe_cmd;
+mod tensor_file;
+
+/// Where a command runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// CUDA if a usable GPU and driver are present, else the CPU.
+    Auto,
+    /// The CPU oracle / staged engine.
+    Cpu,
+    /// The GPU.
+    Cuda,
+}
+
+#[derive(Parser)]
+#[command(name = "afdep", version, about = "afdep: MoE layers and attention–FFN exchange on NVIDIA GPUs")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the MoE layer (forward and train step) and print JSON rows.
+    Moe(moe_cmd::MoeArgs),
+    /// Run AFD exchange rounds (dispatch + experts + combine) and print JSON rows.
+    Exchange(exchange_cmd::ExchangeArgs),
+    /// Information on the embedded kernels.
+    Kernels {
+        /// Print the digest of the embedded kernel sources.
+        #[arg(long)]
+        digest: bool,
+    },
+}
+
+/// A comma-separated list of token counts (`1,8,2048`; `16k` and `1M` allowed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenList(pub Vec<usize>);
+
+impl std::str::FromStr for TokenList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_tokens(s).map(TokenList)
+    }
+}
+
+/// Parses a comma-separated list of token counts (`1,8,2048` or `16k`, `1M`).
+pub fn parse_tokens(s: &str) -> Result<Vec<usize>, String> {
+    s.split(',')
+        .map(|p| {
+            let p = p.trim();
+            let (num, mul) = match p.chars().last() {
+                Some('k' | 'K') => (&p[..p.len() - 1], 1024),
+                Some('m' | 'M') => (&p[..p.len() - 1], 1024 * 1024),
+                _ => (p, 1),
+            };
+            num.parse::<usize>().map(|n| n * mul).map_err(|e| format!("bad token count {p:?}: {e}"))
+        })
+        .collect()
+}
+
+/// An optional path argument (documented per command).
+pub type PathArg = Option<PathBuf>;
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "afdep=info,warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Moe(a) => moe_cmd::run(a),
+        Cmd::Exchange(a) => exchange_cmd::run(a),
+        Cmd::Kernels { digest } => {
+            if digest {
+                println!("{}", afdep_kernels::source_digest());
+            } else {
+                println!("kernel source digest: {}", afdep_kernels::source_digest());
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_lists() {
+        assert_eq!(parse_tokens("1,8, 2048").unwrap(), vec![1, 8, 2048]);
+        assert_eq!(parse_tokens("16k,1M").unwrap(), vec![16384, 1 << 20]);
+        assert!(parse_tokens("x").is_err());
+    }
+}

@@ -1,1 +1,15 @@
-//! afdep-moe
+//! afdep-moe: roles and exchange engines.
+//!
+//! - [`staged`]: the **staged exchange engine**, host-driven over any
+//!   [`afdep_transport::Transport`]: attention ranks validate and route, counts go first (one
+//!   all-gather), token rows go by all-to-all-v in the compact layout, FFN ranks expand them
+//!   (the payload-first copy epilogue) and run their experts, results come back by a second
+//!   all-to-all-v and are combined in the brief's fixed order. Its results are bit-identical to
+//!   [`afdep_core::oracle::exchange`].
+//! - [`error`]: the engine's typed errors.
+
+pub mod error;
+pub mod staged;
+
+pub use error::ExchangeError;
+pub use staged::{ExpertFn, RoundOutput, StagedEngine};

@@ -1,0 +1,349 @@
+//! The staged exchange engine: host-driven AFD dispatch and combine over any [`Transport`].
+//!
+//! One round, on every rank of the topology (each rank calls [`StagedEngine::round`]):
+//!
+//! 1. **status + counts** (one all-gather): each attention rank validates its routes and
+//!    publishes its error word ([`RouteError::to_word`], zero when valid) and its
+//!    [`SourceCounts`]. If any word is non-zero, every rank returns
+//!    [`ExchangeError::Route`] with the error of the lowest-numbered rejecting rank, before any
+//!    row moves; the next round starts clean.
+//! 2. **plans**: every rank computes every FFN rank's [`FfnPlan`] from the gathered counts, so
+//!    sources and FFN ranks agree on all sizes without another message.
+//! 3. **dispatch** (all-to-all-v): each source sends each FFN rank its payload-first slab —
+//!    each token once, in token order, with its K local expert ids and weights. The FFN rank
+//!    expands the rows into the expanded layout with the copy epilogue ([`copy_plan`]).
+//! 4. **experts**: each FFN rank applies its experts to each local expert's group of rows.
+//! 5. **combine** (all-to-all-v): each FFN rank returns to each source its blocks for that
+//!    source, in local-expert order; the source combines them in the fixed order of
+//!    [`afdep_core::oracle::exchange`], so results are bit-identical to the oracle.
+//!
+//! Wire formats are native-endian (afdep runs on little-endian hosts). A dispatch message of
+//! `n` tokens is `[n × hidden bf16][n u32 token indices][n × K i32 local ids][n × K f32
+//! weights]`; a combine message
+//! of `m` rows is `m × hidden bf16`.
+
+use std::time::{Duration, Instant};
+
+use afdep_core::error::ROUTE_ERROR_WORDS;
+use afdep_core::fingerprint::Fingerprint;
+use afdep_core::layout::{FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions};
+use afdep_core::oracle::exchange::{FfnReceived, SourceInput, check_rows, combine_source};
+use afdep_core::route::{RouteRules, validate};
+use afdep_core::{ExchangeConfig, RouteError, bf16};
+use afdep_transport::{Span, Transport, TransportBuffer};
+use tracing::debug;
+
+use crate::error::ExchangeError;
+
+/// An FFN rank's experts: `expert(global_expert_id, rows, n) -> n × hidden` bf16 rows. Each
+/// call gets one local expert's whole group of expanded rows.
+pub trait ExpertFn: Fn(usize, &[bf16], usize) -> Vec<bf16> {}
+impl<F: Fn(usize, &[bf16], usize) -> Vec<bf16>> ExpertFn for F {}
+
+/// Wall time of each phase of one round on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Validation, counting and the status+count all-gather.
+    pub counts: Duration,
+    /// Packing, the dispatch all-to-all-v and expansion.
+    pub dispatch: Duration,
+    /// Expert application (FFN ranks).
+    pub experts: Duration,
+    /// The combine all-to-all-v and the weighted sums.
+    pub combine: Duration,
+}
+
+/// What one rank gets from a round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundOutput {
+    /// Attention ranks: the combined rows of their tokens, T × hidden.
+    pub combined: Option<Vec<bf16>>,
+    /// FFN ranks: what they received (expanded layout and compact view).
+    pub received: Option<FfnReceived>,
+    /// Phase times.
+    pub times: PhaseTimes,
+}
+
+/// The staged engine of one rank.
+pub struct StagedEngine<T: Transport> {
+    cfg: ExchangeConfig,
+    transport: T,
+    send: Option<T::Buffer>,
+    recv: Option<T::Buffer>,
+}
+
+fn u8s_of<P: bytemuck::Pod>(v: &[P]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+impl<T: Transport> StagedEngine<T> {
+    /// Sets up the engine on this rank: validates the config, checks that the transport's world
+    /// matches the topology, and compares config fingerprints with every rank (the error names
+    /// the first field that differs and the lowest rank that differs). Collective.
+    pub fn new(cfg: ExchangeConfig, mut transport: T) -> Result<Self, ExchangeError> {
+        let rank = transport.rank();
+        // Agree first, so that a rank with a broken config still takes part in the
+        // collective and every rank learns about it.
+        let mine = Fingerprint::of_exchange(&cfg).to_bytes();
+        let lens = transport.all_gather(&(mine.len() as u64).to_ne_bytes())?;
+        let lens: Vec<usize> =
+            lens.chunks(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize).collect();
+        let max = lens.iter().copied().max().unwrap_or(0);
+        let mut padded = mine.clone();
+        padded.resize(max, 0);
+        let all = transport.all_gather(&padded)?;
+        let local = Fingerprint::of_exchange(&cfg);
+        for (r, (blob, &len)) in all.chunks(max.max(1)).zip(&lens).enumerate() {
+            if r == rank {
+                continue;
+            }
+            let remote = Fingerprint::from_bytes(&blob[..len])?;
+            local.compare(rank, &remote, r)?;
+        }
+        cfg.validate()?;
+        if transport.world_size() != cfg.topology.world_size() {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "the transport has {} ranks, topology {} needs {}",
+                    transport.world_size(),
+                    cfg.topology,
+                    cfg.topology.world_size()
+                ),
+            });
+        }
+        Ok(StagedEngine { cfg, transport, send: None, recv: None })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ExchangeConfig {
+        &self.cfg
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// The transport (for barriers and timing between rounds).
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    fn buffers(&mut self, send: usize, recv: usize) -> Result<(), ExchangeError> {
+        if self.send.as_ref().is_none_or(|b| b.len() < send) {
+            self.send = Some(self.transport.alloc(send.next_power_of_two().max(64))?);
+        }
+        if self.recv.as_ref().is_none_or(|b| b.len() < recv) {
+            self.recv = Some(self.transport.alloc(recv.next_power_of_two().max(64))?);
+        }
+        Ok(())
+    }
+
+    /// Runs one round. Attention ranks pass `Some(input)`; FFN-only ranks pass `None`.
+    /// `expert` is used on FFN ranks. Collective: every rank of the topology must call it.
+    pub fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> Result<RoundOutput, ExchangeError> {
+        let rank = self.rank();
+        let cfg = self.cfg.clone();
+        let topo = cfg.topology;
+        let p = cfg.placement();
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        let nf = p.ffn_ranks;
+        let world = topo.world_size();
+        let src_index = topo.attention_index(rank);
+        let ffn_index = topo.ffn_index(rank);
+        let mut times = PhaseTimes::default();
+
+        // 1. status + counts
+        let t0 = Instant::now();
+        let local: Result<Option<SourceCounts>, RouteError> = match (src_index, input) {
+            (Some(s), Some(inp)) => check_rows(&cfg, s, inp)
+                .and_then(|_| validate(&inp.routes, &RouteRules::exchange(&cfg), s))
+                .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
+            (Some(s), None) => Err(RouteError::Malformed { rank: s, what: "an attention rank was given no input".into() }),
+            (None, Some(_)) => Err(RouteError::Malformed { rank, what: "an FFN-only rank was given input".into() }),
+            (None, None) => Ok(None),
+        };
+        let count_words = p.owned() + 2 * nf;
+        let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words];
+        match &local {
+            Err(e) => {
+                let w = e.to_word();
+                let w32: &mut [u32] = bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
+                w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
+            }
+            Ok(Some(c)) => msg[ROUTE_ERROR_WORDS.div_ceil(2)..].copy_from_slice(&c.to_words()),
+            Ok(None) => {}
+        }
+        let gathered = self.transport.all_gather(u8s_of(&msg))?;
+        let per = msg.len() * 8;
+        let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
+        for r in 0..world {
+            let blob = &gathered[r * per..(r + 1) * per];
+            let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
+            let w32: Vec<u32> = bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
+            let word: [u32; ROUTE_ERROR_WORDS] = w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
+            if word[0] != 0 {
+                let error = match (&local, r == rank) {
+                    (Err(e), true) => e.clone(),
+                    _ => RouteError::from_word(word).unwrap_or(RouteError::Malformed {
+                        rank: r,
+                        what: format!("unknown error class {}", word[0]),
+                    }),
+                };
+                debug!(rank, from = r, %error, "round rejected");
+                return Err(ExchangeError::Route { reporter: rank, error });
+            }
+            if topo.attention_index(r).is_some() {
+                let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p).ok_or_else(|| {
+                    ExchangeError::Input { rank, what: format!("malformed counts from rank {r}") }
+                })?;
+                sources.push(c);
+            }
+        }
+        let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
+        times.counts = t0.elapsed();
+
+        // 2-3. dispatch: compact slabs with metadata
+        let t1 = Instant::now();
+        let row_bytes = h * 2 + 4 + k * 8;
+        let mut send_spans = vec![Span { offset: 0, len: 0 }; world];
+        let mut recv_spans = vec![Span { offset: 0, len: 0 }; world];
+        let mut packed: Vec<u8> = Vec::new();
+        if let (Some(s), Some(inp)) = (src_index, input) {
+            for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
+                let start = packed.len();
+                for &t in slab {
+                    packed.extend_from_slice(u8s_of(&inp.x[t as usize * h..(t as usize + 1) * h]));
+                }
+                packed.extend_from_slice(u8s_of(slab));
+                let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
+                packed.extend_from_slice(u8s_of(&ids));
+                packed.extend_from_slice(u8s_of(&ws));
+                debug_assert_eq!(packed.len() - start, slab.len() * row_bytes);
+                debug_assert_eq!(slab.len() as u64, sources[s].ffn_tokens[f]);
+                send_spans[topo.ffn_rank(f)] = Span { offset: start as u64, len: (packed.len() - start) as u64 };
+            }
+        }
+        let mut recv_total = 0u64;
+        if let Some(f) = ffn_index {
+            for (s, c) in sources.iter().enumerate() {
+                let len = c.ffn_tokens[f] * row_bytes as u64;
+                recv_spans[topo.attention_ranks().start + s] = Span { offset: recv_total, len };
+                recv_total += len;
+            }
+        }
+        // the combine phase reuses the buffers: size them for both phases
+        let ret_send: u64 = ffn_index.map_or(0, |f| sources.iter().map(|c| c.ffn_rows[f]).sum::<u64>() * h as u64 * 2);
+        let ret_recv: u64 = src_index.map_or(0, |s| sources[s].ffn_rows.iter().sum::<u64>() * h as u64 * 2);
+        self.buffers(packed.len().max(ret_send as usize), (recv_total.max(ret_recv)) as usize)?;
+        let send = self.send.as_mut().expect("allocated");
+        send.write(0, &packed)?;
+        let recv = self.recv.as_mut().expect("allocated");
+        self.transport.all_to_all_v(send, &send_spans, recv, &recv_spans)?;
+
+        let mut received = None;
+        let mut y_rows: Vec<bf16> = Vec::new();
+        if let Some(f) = ffn_index {
+            let plan = plans[f].clone();
+            let mut compact_tokens = Vec::new();
+            let mut compact_x = Vec::new();
+            let mut compact_ids = Vec::new();
+            let mut compact_weights = Vec::new();
+            let mut bytes = vec![0u8; recv_total as usize];
+            recv.read(0, &mut bytes)?;
+            for (s, c) in sources.iter().enumerate() {
+                let n = c.ffn_tokens[f] as usize;
+                let base = recv_spans[topo.attention_ranks().start + s].offset as usize;
+                let msg = &bytes[base..base + n * row_bytes];
+                let (xs, rest) = msg.split_at(n * h * 2);
+                let (toks, rest) = rest.split_at(n * 4);
+                let (ids, ws) = rest.split_at(n * k * 4);
+                compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(xs));
+                let toks: Vec<u32> = bytemuck::pod_collect_to_vec(toks);
+                compact_tokens.extend(toks.into_iter().map(|t| (s as u32, t)));
+                compact_ids.extend(bytemuck::pod_collect_to_vec::<u8, i32>(ids));
+                compact_weights.extend(bytemuck::pod_collect_to_vec::<u8, f32>(ws));
+            }
+            let mut expanded = vec![bf16::ZERO; plan.total_rows() as usize * h];
+            for (row, dst) in copy_plan(&compact_ids, k, &plan.expert_offsets) {
+                let (row, dst) = (row as usize, dst as usize);
+                expanded[dst * h..(dst + 1) * h].copy_from_slice(&compact_x[row * h..(row + 1) * h]);
+            }
+            times.dispatch = t1.elapsed();
+
+            // 4. experts
+            let t2 = Instant::now();
+            y_rows.reserve(expanded.len());
+            for l in 0..p.experts_per_rank {
+                let (a, b) = (plan.expert_offsets[l] as usize, plan.expert_offsets[l + 1] as usize);
+                let ye = expert(p.experts_of(f).start + l, &expanded[a * h..b * h], b - a);
+                if ye.len() != (b - a) * h {
+                    return Err(ExchangeError::Input {
+                        rank,
+                        what: format!("expert {} returned {} values for {} rows", p.experts_of(f).start + l, ye.len(), b - a),
+                    });
+                }
+                y_rows.extend(ye);
+            }
+            times.experts = t2.elapsed();
+            received = Some(FfnReceived { plan, expanded, compact_tokens, compact_x, compact_ids, compact_weights });
+        } else {
+            times.dispatch = t1.elapsed();
+        }
+
+        // 5. combine
+        let t3 = Instant::now();
+        let mut send_spans = vec![Span { offset: 0, len: 0 }; world];
+        let mut recv_spans = vec![Span { offset: 0, len: 0 }; world];
+        let mut back: Vec<u8> = Vec::new();
+        if let Some(f) = ffn_index {
+            let plan = &plans[f];
+            for s in 0..sources.len() {
+                let start = back.len();
+                for l in 0..p.experts_per_rank {
+                    let a = plan.block_start(l, s) as usize;
+                    let n = plan.counts[l * plan.sources + s] as usize;
+                    back.extend_from_slice(u8s_of(&y_rows[a * h..(a + n) * h]));
+                }
+                send_spans[topo.attention_ranks().start + s] =
+                    Span { offset: start as u64, len: (back.len() - start) as u64 };
+            }
+        }
+        let mut off = 0u64;
+        if let Some(s) = src_index {
+            for f in 0..nf {
+                let len = sources[s].ffn_rows[f] * h as u64 * 2;
+                recv_spans[topo.ffn_rank(f)] = Span { offset: off, len };
+                off += len;
+            }
+        }
+        let send = self.send.as_mut().expect("allocated");
+        send.write(0, &back)?;
+        let recv = self.recv.as_mut().expect("allocated");
+        self.transport.all_to_all_v(send, &send_spans, recv, &recv_spans)?;
+        let mut combined = None;
+        if let (Some(s), Some(inp)) = (src_index, input) {
+            let mut bytes = vec![0u8; off as usize];
+            recv.read(0, &mut bytes)?;
+            let rows: Vec<Vec<bf16>> = (0..nf)
+                .map(|f| {
+                    let sp = recv_spans[topo.ffn_rank(f)];
+                    bytemuck::pod_collect_to_vec(&bytes[sp.offset as usize..(sp.offset + sp.len) as usize])
+                })
+                .collect();
+            let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
+            let pos = return_positions(&inp.routes, &p, &sources[s]);
+            let out = combine_source(
+                &inp.routes,
+                h,
+                |e| p.owner(e).expect("validated"),
+                |i| pos[i].expect("unmasked").row,
+                &refs,
+            );
+            combined = Some(out);
+        }
+        times.combine = t3.elapsed();
+        Ok(RoundOutput { combined, received, times })
+    }
+}

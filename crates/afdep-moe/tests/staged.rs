@@ -1,0 +1,299 @@
+//! The staged engine over Loopback against the oracle: every ratio, uneven ranks, a zero-token
+//! rank, a hot expert, masked slots, rejected routes, a rank with a different config, and the
+//! one-device layer.
+
+use std::time::Duration;
+
+use afdep_core::oracle::LayerParams;
+use afdep_core::oracle::exchange::{self as reference, SourceInput};
+use afdep_core::oracle::layer;
+use afdep_core::route::{MASKED, Routes};
+use afdep_core::tensor::{rng, uniform_bf16};
+use afdep_core::{ConfigError, ExchangeConfig, LayerShape, RouteError, bf16};
+use afdep_moe::{ExchangeError, RoundOutput, StagedEngine};
+use afdep_transport::Loopback;
+use rand::Rng;
+use rand::seq::SliceRandom;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+fn cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
+    ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, top_k, 64).unwrap()
+}
+
+fn params(cfg: &ExchangeConfig, width: usize, seed: u64) -> LayerParams {
+    LayerParams::random(
+        LayerShape { d_model: cfg.hidden, width, experts: cfg.experts, top_k: cfg.top_k, shared: 0, renormalize: true },
+        seed,
+    )
+}
+
+/// Random routes: distinct experts per token, every 4th slot masked at random, and, when `hot`
+/// is set, expert `hot` in slot 0 of 90% of the tokens.
+fn routes(tokens: usize, k: usize, owned: usize, hot: Option<i32>, seed: u64) -> Routes {
+    let mut r = rng(seed, 7);
+    let mut idx = Vec::new();
+    let mut weights = Vec::new();
+    for _ in 0..tokens {
+        let mut ids: Vec<i32> = (0..owned as i32).collect();
+        ids.shuffle(&mut r);
+        let mut sel: Vec<i32> = ids[..k].to_vec();
+        if let Some(h) = hot {
+            if r.gen_bool(0.9) {
+                if let Some(p) = sel.iter().position(|&e| e == h) {
+                    sel.swap(0, p);
+                } else {
+                    sel[0] = h;
+                }
+            }
+        }
+        for e in sel {
+            idx.push(if r.gen_bool(0.25) { MASKED } else { e });
+            weights.push(r.gen_range(0.05f32..1.0));
+        }
+    }
+    Routes { tokens, top_k: k, idx, weights }
+}
+
+fn sources(cfg: &ExchangeConfig, tokens: &[usize], hot: Option<i32>, seed: u64) -> Vec<SourceInput> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(s, &t)| SourceInput {
+            x: uniform_bf16(t * cfg.hidden, 1.0, seed, 50 + s as u64),
+            routes: routes(t, cfg.top_k, cfg.placement().owned(), hot, seed * 31 + s as u64),
+        })
+        .collect()
+}
+
+type RankResult = Result<RoundOutput, ExchangeError>;
+
+/// Runs the given rounds on one Loopback group (one engine per rank, kept across rounds);
+/// `cfgs[r]` is rank r's config. Returns `[round][rank]` results, or each rank's set-up error.
+fn run(cfgs: &[ExchangeConfig], rounds: &[Vec<SourceInput>], p: Option<&LayerParams>) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
+    let world = cfgs[0].topology.world_size();
+    let group = Loopback::group(world, TIMEOUT);
+    let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let cfg = cfgs[rank].clone();
+                sc.spawn(move || {
+                    let mut eng = StagedEngine::new(cfg.clone(), t)?;
+                    let expert = |e: usize, rows: &[bf16], n: usize| match p {
+                        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
+                        None => rows.iter().map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0))).collect(),
+                    };
+                    Ok(rounds
+                        .iter()
+                        .map(|inp| eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert))
+                        .collect())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    });
+    let mut ok = Vec::new();
+    let mut errs = Vec::new();
+    for r in per_rank {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => errs.push(e),
+        }
+    }
+    if !errs.is_empty() {
+        assert_eq!(errs.len(), world, "set-up failed on some ranks only");
+        return Err(errs);
+    }
+    // transpose to [round][rank]
+    let nr = rounds.len();
+    let mut out: Vec<Vec<RankResult>> = (0..nr).map(|_| Vec::new()).collect();
+    for rank_results in ok {
+        for (i, r) in rank_results.into_iter().enumerate() {
+            out[i].push(r);
+        }
+    }
+    Ok(out)
+}
+
+fn check_round(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], p: Option<&LayerParams>) {
+    let expert = |e: usize, rows: &[bf16], n: usize| match p {
+        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
+        None => rows.iter().map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0))).collect(),
+    };
+    let want_rx = reference::dispatch(cfg, inp).unwrap();
+    let want = reference::exchange(cfg, inp, expert).unwrap();
+    for (rank, r) in got.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        if let Some(s) = cfg.topology.attention_index(rank) {
+            let c = r.combined.as_ref().expect("attention rank combines");
+            assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
+            // bitwise: compare the bits so that -0/+0 differences fail too
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(c), bits(&want[s]), "{}: combine of source {s} differs", cfg.topology);
+        }
+        if let Some(f) = cfg.topology.ffn_index(rank) {
+            let rx = r.received.as_ref().expect("FFN rank receives");
+            assert_eq!(rx, &want_rx[f], "{}: dispatch to FFN rank {f} differs", cfg.topology);
+        }
+    }
+}
+
+#[test]
+fn every_ratio_is_bit_identical_to_the_oracle() {
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
+        let c = cfg(topo, 24, 12, 3);
+        let a = c.topology.attention_count();
+        let p = params(&c, 8, 5);
+        let token_sets: [&[usize]; 3] = [&[7, 0, 13, 2], &[1, 1, 1, 1], &[0, 0, 0, 0]];
+        let rounds: Vec<Vec<SourceInput>> = token_sets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| sources(&c, &t[..a], if i == 0 { Some(5) } else { None }, i as u64 + 1))
+            .chain(std::iter::once(sources(&c, &[33, 5, 0, 20][..a], Some(11), 9)))
+            .collect();
+        let got = run(&vec![c.clone(); c.topology.world_size()], &rounds, Some(&p)).unwrap();
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, Some(&p));
+        }
+    }
+}
+
+#[test]
+fn unplaced_experts_and_two_experts_per_rank_work() {
+    // 1A:3F with 6 of 9 experts placed (2 per rank); the router never picks 6..9 here.
+    let mut c = cfg("1A:3F", 16, 9, 2);
+    c.experts_per_rank = 2;
+    c.validate().unwrap();
+    let inp = sources(&c, &[9], Some(1), 3);
+    let got = run(&vec![c.clone(); 4], std::slice::from_ref(&inp), None).unwrap();
+    check_round(&c, &inp, &got[0], None);
+}
+
+#[test]
+fn a_rejected_route_fails_every_rank_and_the_next_round_works() {
+    let c = cfg("3A:1F", 16, 8, 2);
+    let mut c_dummy = c.clone();
+    c_dummy.experts_per_rank = 6; // experts 6, 7 unplaced
+    type Corrupt = fn(&mut Vec<SourceInput>);
+    let cases: Vec<(&ExchangeConfig, Corrupt, RouteError)> = vec![
+        (&c, |s| s[1].routes.idx[2 * 2 + 1] = s[1].routes.idx[2 * 2], RouteError::Duplicate { rank: 1, token: 2, slot: 1, expert: 0, first_slot: 0 }),
+        (&c, |s| s[2].routes.idx[1] = -2, RouteError::Negative { rank: 2, token: 0, slot: 1, value: -2 }),
+        (&c, |s| s[0].routes.idx[4] = 8, RouteError::Wide { rank: 0, token: 2, slot: 0, value: 8, experts: 8 }),
+        (&c_dummy, |s| s[1].routes.idx[0] = 7, RouteError::Dummy { rank: 1, token: 0, slot: 0, value: 7, owned: 6 }),
+        (&c, |s| s[1].routes.weights[3] = f32::INFINITY, RouteError::NonFiniteWeight { rank: 1, token: 1, slot: 1, value: f32::INFINITY }),
+        (&c, |s| {
+            let extra = sources(&cfg("3A:1F", 16, 8, 2), &[70], None, 4).remove(0);
+            s[2] = extra;
+        }, RouteError::OverCapacity { rank: 2, tokens: 70, capacity: 64 }),
+    ];
+    for (cf, corrupt, want) in cases {
+        // fixed, unmasked routes so the corruption lands where the expected error says
+        let mut bad: Vec<SourceInput> = (0..3)
+            .map(|s| {
+                let t = 4;
+                let idx: Vec<i32> = (0..t * 2).map(|i| ((i / 2 + (i % 2) * 3 + s) % 6) as i32).collect();
+                SourceInput {
+                    x: uniform_bf16(t * 16, 1.0, 8, s as u64),
+                    routes: Routes { tokens: t, top_k: 2, idx, weights: vec![0.5; t * 2] },
+                }
+            })
+            .collect();
+        // the duplicate case needs slot 0 of token 2 on rank 1 to be expert 0: set it
+        bad[1].routes.idx[4] = 0;
+        bad[1].routes.idx[5] = 1;
+        corrupt(&mut bad);
+        let good = sources(cf, &[3, 0, 5], Some(2), 12);
+        let got = run(&vec![cf.clone(); 4], &[bad, good.clone()], None).unwrap();
+        for (rank, r) in got[0].iter().enumerate() {
+            match r {
+                Err(ExchangeError::Route { reporter, error }) => {
+                    assert_eq!(*reporter, rank);
+                    assert_eq!(error.to_word(), want.to_word(), "rank {rank}: {error} (wanted {want})");
+                }
+                other => panic!("rank {rank}: expected the route error {want}, got {other:?}"),
+            }
+        }
+        check_round(cf, &good, &got[1], None);
+    }
+}
+
+#[test]
+fn a_rank_with_a_different_config_fails_at_set_up() {
+    let c = cfg("2A:2F", 16, 8, 2);
+    let mut other = c.clone();
+    other.knobs.min_rows_per_unit = 3;
+    let mut cfgs = vec![c.clone(); 4];
+    cfgs[2] = other;
+    let errs = run(&cfgs, &[], None).unwrap_err();
+    for (rank, e) in errs.iter().enumerate() {
+        match e {
+            ExchangeError::Config(ConfigError::Mismatch { field, local_rank, remote_rank, .. }) => {
+                assert_eq!(field, "knobs.min_rows_per_unit");
+                assert_eq!(*local_rank, rank);
+                assert_eq!(*remote_rank, if rank == 2 { 0 } else { 2 });
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+/// The routed part of the one-device layer, from the same tokens, parameters and routes, split
+/// over the attention ranks. The exchange rounds each expert output to bf16 before combining
+/// and sums per FFN rank first; the layer keeps y in f32 and sums slots in order. With
+/// u = 2^-8 (bf16 unit roundoff) the difference per element is at most
+/// u·|a_layer| + u·|a_exchange| + u·Σ|w y| + 2K·2^-24·Σ|w y| ≤ (3u + 2K·2^-24)·Σ_k |w_k y_k|,
+/// and Σ|w y| ≤ Σ|w ŷ| / (1 − u) with ŷ the bf16 rows.
+#[test]
+fn exchange_equals_the_one_device_layer() {
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
+        let c = cfg(topo, 32, 12, 3);
+        let p = params(&c, 16, 21);
+        let a = c.topology.attention_count();
+        let tokens = [9usize, 0, 14, 5];
+        let total: usize = tokens[..a].iter().sum();
+        let x = uniform_bf16(total * c.hidden, 1.0, 77, 0);
+        let fwd = layer::forward(&p, &x, total).unwrap();
+        let mut inputs = Vec::new();
+        let mut start = 0;
+        for &t in &tokens[..a] {
+            let k = c.top_k;
+            inputs.push(SourceInput {
+                x: x[start * c.hidden..(start + t) * c.hidden].to_vec(),
+                routes: Routes {
+                    tokens: t,
+                    top_k: k,
+                    idx: fwd.routes.idx[start * k..(start + t) * k].to_vec(),
+                    weights: fwd.routes.weights[start * k..(start + t) * k].to_vec(),
+                },
+            });
+            start += t;
+        }
+        let got = run(&vec![c.clone(); c.topology.world_size()], std::slice::from_ref(&inputs), Some(&p)).unwrap();
+        check_round(&c, &inputs, &got[0], Some(&p));
+        let u = 2f64.powi(-8);
+        let bound_factor = (3.0 * u + 2.0 * c.top_k as f64 * 2f64.powi(-24)) / (1.0 - u);
+        let mut start = 0;
+        for (s, inp) in inputs.iter().enumerate() {
+            let out = got[0][s].as_ref().unwrap().combined.as_ref().unwrap();
+            for t in 0..inp.routes.tokens {
+                let row = &inp.x[t * c.hidden..(t + 1) * c.hidden];
+                let mut mag = vec![0f64; c.hidden];
+                for (e, w) in inp.routes.slots(t) {
+                    let y = layer::expert_rows(&p, e as usize, row, 1).unwrap();
+                    for (m, v) in mag.iter_mut().zip(&y) {
+                        *m += (w as f64 * v.to_f64()).abs();
+                    }
+                }
+                for h in 0..c.hidden {
+                    let l = fwd.out[(start + t) * c.hidden + h].to_f64();
+                    let x = out[t * c.hidden + h].to_f64();
+                    let bound = bound_factor * mag[h] + 1e-30;
+                    assert!((l - x).abs() <= bound, "{topo} source {s} token {t} ch {h}: layer {l} exchange {x} bound {bound}");
+                }
+            }
+            start += inp.routes.tokens;
+        }
+    }
+}

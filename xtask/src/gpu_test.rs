@@ -1,0 +1,121 @@
+//! `cargo xtask gpu-test`: the GPU test matrix.
+//!
+//! GPU test targets are the integration tests named `gpu_*` in the workspace crates. Without
+//! `--bundle`, they are built and run here (a machine with a GPU and Rust). With `--bundle DIR`
+//! they are built in release mode, stripped, and copied into `DIR/tests/` together with the
+//! `afdep` binary (`DIR/bin/afdep`) and `DIR/run.sh`, so that a GPU machine without Rust runs
+//! the whole matrix with `DIR/run.sh` and gets `summary.txt` / `summary.json` and one log per
+//! test binary (see docs/gpu.md).
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+/// Arguments of `cargo xtask gpu-test`.
+#[derive(clap::Args)]
+pub struct GpuTestArgs {
+    /// Build a self-contained bundle into this folder instead of running here.
+    #[arg(long)]
+    pub bundle: Option<PathBuf>,
+    /// Only test binaries whose name contains this.
+    #[arg(long)]
+    pub filter: Option<String>,
+}
+
+const RUN_SH: &str = include_str!("gpu_run.sh");
+
+fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(["test", "--workspace", "--no-run", "--message-format=json-render-diagnostics"]);
+    if release {
+        cmd.arg("--release");
+    }
+    cmd.stdout(Stdio::piped());
+    eprintln!("xtask: building test binaries{}", if release { " (release)" } else { "" });
+    let mut child = cmd.spawn().context("starting cargo test --no-run")?;
+    let mut out = Vec::new();
+    for line in std::io::BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line?;
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+        if v["reason"] != "compiler-artifact" || v["profile"]["test"] != true {
+            continue;
+        }
+        let (Some(name), Some(exe)) = (v["target"]["name"].as_str(), v["executable"].as_str()) else { continue };
+        if v["target"]["kind"][0] == "test" && name.starts_with("gpu_") {
+            out.push((name.to_string(), PathBuf::from(exe)));
+        }
+    }
+    if !child.wait()?.success() {
+        bail!("building the test binaries failed");
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn build_afdep() -> Result<PathBuf> {
+    crate::run(
+        {
+            let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            c.args(["build", "--release", "-p", "afdep-bench", "--bin", "afdep"]);
+            c
+        },
+        "cargo build --release afdep",
+    )?;
+    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from("target"));
+    Ok(target.join("release").join("afdep"))
+}
+
+fn copy_stripped(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::copy(src, dst).with_context(|| format!("copying {}", src.display()))?;
+    // strip debug info to keep the bundle small; a missing `strip` only costs size
+    let _ = Command::new("strip").arg("--strip-debug").arg(dst).status();
+    Ok(())
+}
+
+/// Runs `cargo xtask gpu-test`.
+pub fn run(a: GpuTestArgs) -> Result<()> {
+    let release = a.bundle.is_some();
+    let mut tests = build_tests(release)?;
+    if let Some(f) = &a.filter {
+        tests.retain(|(n, _)| n.contains(f.as_str()));
+    }
+    if tests.is_empty() {
+        bail!("no gpu_* test targets found");
+    }
+    let dir = match &a.bundle {
+        Some(d) => d.clone(),
+        None => PathBuf::from("target/gpu-test"),
+    };
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir.join("tests"))?;
+    std::fs::create_dir_all(dir.join("bin"))?;
+    for (name, exe) in &tests {
+        copy_stripped(exe, &dir.join("tests").join(name))?;
+    }
+    let afdep = build_afdep()?;
+    copy_stripped(&afdep, &dir.join("bin").join("afdep"))?;
+    let script = dir.join("run.sh");
+    std::fs::write(&script, RUN_SH)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let names: Vec<&str> = tests.iter().map(|(n, _)| n.as_str()).collect();
+    eprintln!("xtask: bundle at {} with {}", dir.display(), names.join(", "));
+    if a.bundle.is_none() {
+        crate::run(
+            {
+                let mut c = Command::new("bash");
+                c.arg(&script);
+                c
+            },
+            "the GPU test matrix",
+        )?;
+    }
+    Ok(())
+}
