@@ -1,6 +1,6 @@
 //! `afdep exchange`: AFD dispatch + experts + combine rounds.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use afdep_core::oracle::exchange::{self as reference, SourceInput};
@@ -163,7 +163,7 @@ fn generate(a: &ExchangeArgs, cfg: &ExchangeConfig, tokens: usize) -> Result<Vec
         .collect())
 }
 
-fn read_problem(path: &PathBuf, a: &ExchangeArgs, cfg: &ExchangeConfig) -> Result<(Vec<SourceInput>, Option<LayerParams>)> {
+fn read_problem(path: &Path, a: &ExchangeArgs, cfg: &ExchangeConfig) -> Result<(Vec<SourceInput>, Option<LayerParams>)> {
     let f = TensorFile::read(path)?;
     let mut inputs = Vec::new();
     for s in 0..cfg.topology.attention_count() {

@@ -1,6 +1,6 @@
 //! `afdep moe`: the MoE layer, forward and train step.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use afdep_core::oracle::layer;
@@ -124,7 +124,7 @@ fn shape_of(a: &MoeArgs) -> LayerShape {
 
 /// Reads layer inputs from a safetensors file; the shape comes from the tensors, `top_k` and
 /// `renormalize` from the metadata (else from the flags).
-fn read_inputs(path: &PathBuf, a: &MoeArgs, seed: u64) -> Result<Inputs> {
+fn read_inputs(path: &Path, a: &MoeArgs, seed: u64) -> Result<Inputs> {
     let f = TensorFile::read(path)?;
     let (xs, x) = f.bf16("x")?;
     let (ws, _) = f.bf16("wr")?;
@@ -172,7 +172,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn write_outputs(path: &PathBuf, inp: &Inputs, y: &[bf16], grads: Option<&LayerGrads>) -> Result<()> {
+fn write_outputs(path: &Path, inp: &Inputs, y: &[bf16], grads: Option<&LayerGrads>) -> Result<()> {
     let s = inp.params.shape;
     let mut f = TensorFile::default();
     f.put_bf16("y", &[inp.tokens, s.d_model], y);

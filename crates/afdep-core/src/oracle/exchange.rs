@@ -83,7 +83,6 @@ pub fn dispatch(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<Vec<FfnR
     let h = cfg.hidden;
     let counts: Vec<SourceCounts> = inputs.iter().map(|i| SourceCounts::build(&i.routes, &p)).collect();
     let positions: Vec<Vec<Option<u64>>> = inputs.iter().map(|i| block_positions(&i.routes, &p)).collect();
-    let slabs: Vec<Vec<Vec<u32>>> = inputs.iter().map(|i| payload_first_slabs(&i.routes, &p)).collect();
     let mut out = Vec::with_capacity(p.ffn_ranks);
     for f in 0..p.ffn_ranks {
         let plan = FfnPlan::build(f, &p, &counts);
@@ -103,7 +102,7 @@ pub fn dispatch(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<Vec<FfnR
         let mut compact_ids = Vec::new();
         let mut compact_weights = Vec::new();
         for (s, inp) in inputs.iter().enumerate() {
-            let slab = &slabs[s][f];
+            let slab = &payload_first_slabs(&inp.routes, &p)[f];
             let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
             compact_ids.extend(ids);
             compact_weights.extend(ws);
@@ -141,9 +140,16 @@ where
         .collect()
 }
 
-/// Combine one source's tokens from the rows each FFN rank returns. `row_of(slot index) ->
-/// (ffn, row)` locates a slot's row in `ffn_rows[ffn]`; the arithmetic is the module's.
-pub fn combine_source<'a, R>(routes: &Routes, hidden: usize, owner: impl Fn(usize) -> usize, row_of: R, ffn_rows: &[&'a [bf16]]) -> Vec<bf16>
+/// Combine one source's tokens from the rows each FFN rank returns: `owner(expert)` is the FFN
+/// index holding an expert and `row_of(slot index)` the slot's row in `ffn_rows[owner]`; the
+/// arithmetic is the module's.
+pub fn combine_source<R>(
+    routes: &Routes,
+    hidden: usize,
+    owner: impl Fn(usize) -> usize,
+    row_of: R,
+    ffn_rows: &[&[bf16]],
+) -> Vec<bf16>
 where
     R: Fn(usize) -> u64,
 {
