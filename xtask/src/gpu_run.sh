@@ -15,6 +15,8 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$logs"
 export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$logs/kernel-cache}
+# on the GPU machine a missing GPU is a failure, not a skip
+export AFDEP_REQUIRE_GPU=${AFDEP_REQUIRE_GPU:-1}
 summary="$logs/summary.txt"; : > "$summary"
 json="$logs/summary.json"; echo "[" > "$json"; first=1
 tp=0; tf=0; ts=0; bins_failed=0

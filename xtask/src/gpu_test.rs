@@ -28,21 +28,34 @@ const RUN_SH: &str = include_str!("gpu_run.sh");
 
 fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.args(["test", "--workspace", "--no-run", "--message-format=json-render-diagnostics"]);
+    cmd.args([
+        "test",
+        "--workspace",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ]);
     if release {
         cmd.arg("--release");
     }
     cmd.stdout(Stdio::piped());
-    eprintln!("xtask: building test binaries{}", if release { " (release)" } else { "" });
+    eprintln!(
+        "xtask: building test binaries{}",
+        if release { " (release)" } else { "" }
+    );
     let mut child = cmd.spawn().context("starting cargo test --no-run")?;
     let mut out = Vec::new();
     for line in std::io::BufReader::new(child.stdout.take().expect("piped")).lines() {
         let line = line?;
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
         if v["reason"] != "compiler-artifact" || v["profile"]["test"] != true {
             continue;
         }
-        let (Some(name), Some(exe)) = (v["target"]["name"].as_str(), v["executable"].as_str()) else { continue };
+        let (Some(name), Some(exe)) = (v["target"]["name"].as_str(), v["executable"].as_str())
+        else {
+            continue;
+        };
         if v["target"]["kind"][0] == "test" && name.starts_with("gpu_") {
             out.push((name.to_string(), PathBuf::from(exe)));
         }
@@ -63,7 +76,9 @@ fn build_afdep() -> Result<PathBuf> {
         },
         "cargo build --release afdep",
     )?;
-    let target = std::env::var("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from("target"));
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from("target"));
     Ok(target.join("release").join("afdep"))
 }
 
@@ -106,7 +121,11 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
     }
     let names: Vec<&str> = tests.iter().map(|(n, _)| n.as_str()).collect();
-    eprintln!("xtask: bundle at {} with {}", dir.display(), names.join(", "));
+    eprintln!(
+        "xtask: bundle at {} with {}",
+        dir.display(),
+        names.join(", ")
+    );
     if a.bundle.is_none() {
         crate::run(
             {

@@ -3,13 +3,16 @@
 //! - `lint`: rustfmt check and clippy with warnings as errors;
 //! - `test`: the workspace tests (the README's test command runs this);
 //! - `kernels`: compile every kernel variant with NVRTC on a machine without a GPU and report
-//!   registers, shared memory and spills.
+//!   registers, shared memory and spills;
+//! - `gpu-test`: the GPU test matrix, run here or packed into a bundle for a GPU machine
+//!   without Rust (`--bundle DIR`, see docs/gpu.md).
 
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod gpu_test;
 mod kernels;
 
 #[derive(Parser)]
@@ -31,6 +34,8 @@ enum Cmd {
     },
     /// Compile every kernel variant with NVRTC (no GPU needed) and report resources.
     Kernels(kernels::KernelsArgs),
+    /// Run the GPU test matrix, or build a self-contained bundle of it (`--bundle DIR`).
+    GpuTest(gpu_test::GpuTestArgs),
 }
 
 fn cargo() -> Command {
@@ -54,7 +59,14 @@ fn main() -> Result<()> {
             fmt.args(["fmt", "--all", "--", "--check"]);
             run(fmt, "cargo fmt --check")?;
             let mut clippy = cargo();
-            clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+            clippy.args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]);
             run(clippy, "cargo clippy -D warnings")
         }
         Cmd::Test { args } => {
@@ -63,5 +75,6 @@ fn main() -> Result<()> {
             run(t, "cargo test --workspace")
         }
         Cmd::Kernels(a) => kernels::run(a),
+        Cmd::GpuTest(a) => gpu_test::run(a),
     }
 }

@@ -3,10 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::{self as reference, SourceInput};
 use afdep_core::oracle::layer;
 use afdep_core::oracle::params::random_tokens;
-use afdep_core::oracle::LayerParams;
 use afdep_core::route::{Routes, route};
 use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, LayerShape, Topology, bf16};
@@ -145,7 +145,12 @@ fn generate(a: &ExchangeArgs, cfg: &ExchangeConfig, tokens: usize) -> Result<Vec
         shared: 0,
         renormalize: true,
     };
-    let wr = uniform_bf16(cfg.hidden * cfg.experts, 1.0 / (cfg.hidden as f32).sqrt(), a.seed, 1);
+    let wr = uniform_bf16(
+        cfg.hidden * cfg.experts,
+        1.0 / (cfg.hidden as f32).sqrt(),
+        a.seed,
+        1,
+    );
     let owned = cfg.placement().owned();
     Ok((0..cfg.topology.attention_count())
         .map(|s| {
@@ -163,15 +168,28 @@ fn generate(a: &ExchangeArgs, cfg: &ExchangeConfig, tokens: usize) -> Result<Vec
         .collect())
 }
 
-fn read_problem(path: &Path, a: &ExchangeArgs, cfg: &ExchangeConfig) -> Result<(Vec<SourceInput>, Option<LayerParams>)> {
+fn read_problem(
+    path: &Path,
+    a: &ExchangeArgs,
+    cfg: &ExchangeConfig,
+) -> Result<(Vec<SourceInput>, Option<LayerParams>)> {
     let f = TensorFile::read(path)?;
     let mut inputs = Vec::new();
     for s in 0..cfg.topology.attention_count() {
         let (xs, x) = f.bf16(&format!("x.{s}"))?;
         let (is, idx) = f.i32(&format!("topk_idx.{s}"))?;
         let (_, weights) = f.f32(&format!("topk_weights.{s}"))?;
-        if xs.len() != 2 || xs[1] != cfg.hidden || is.len() != 2 || is[1] != cfg.top_k || is[0] != xs[0] {
-            bail!("rank {s}: x.{s} is {xs:?} and topk_idx.{s} is {is:?}; need T × {} and T × {}", cfg.hidden, cfg.top_k);
+        if xs.len() != 2
+            || xs[1] != cfg.hidden
+            || is.len() != 2
+            || is[1] != cfg.top_k
+            || is[0] != xs[0]
+        {
+            bail!(
+                "rank {s}: x.{s} is {xs:?} and topk_idx.{s} is {is:?}; need T × {} and T × {}",
+                cfg.hidden,
+                cfg.top_k
+            );
         }
         let routes = Routes::new(xs[0], cfg.top_k, idx, weights)?;
         inputs.push(SourceInput { x, routes });
@@ -205,7 +223,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs `rounds` rounds of `prob` on a fresh Loopback group, one thread per rank; returns
 /// each rank's outputs of the last round and the per-round slowest-rank phase times.
-fn run_loopback(prob: &Problem, expert: ExpertArg, rounds: usize, timeout: Duration) -> Result<(Vec<RoundOutput>, Vec<[f64; 5]>)> {
+fn run_loopback(
+    prob: &Problem,
+    expert: ExpertArg,
+    rounds: usize,
+    timeout: Duration,
+) -> Result<(Vec<RoundOutput>, Vec<[f64; 5]>)> {
     let world = prob.cfg.topology.world_size();
     let group = Loopback::group(world, timeout);
     let results: Vec<Result<(RoundOutput, Vec<[f64; 5]>)>> = std::thread::scope(|sc| {
@@ -218,7 +241,9 @@ fn run_loopback(prob: &Problem, expert: ExpertArg, rounds: usize, timeout: Durat
                     let mut eng = StagedEngine::new(cfg.clone(), t)?;
                     let input = cfg.topology.attention_index(rank).map(|s| &prob.inputs[s]);
                     let f = |e: usize, rows: &[bf16], n: usize| match (expert, &prob.params) {
-                        (ExpertArg::Swiglu, Some(p)) => layer::expert_rows(p, e, rows, n).expect("validated expert input"),
+                        (ExpertArg::Swiglu, Some(p)) => {
+                            layer::expert_rows(p, e, rows, n).expect("validated expert input")
+                        }
                         _ => rows.to_vec(),
                     };
                     let mut times = Vec::new();
@@ -229,14 +254,26 @@ fn run_loopback(prob: &Problem, expert: ExpertArg, rounds: usize, timeout: Durat
                         let out = eng.round(input, &f)?;
                         let total = t0.elapsed().as_secs_f64() * 1e6;
                         let us = |d: Duration| d.as_secs_f64() * 1e6;
-                        times.push([total, us(out.times.counts), us(out.times.dispatch), us(out.times.experts), us(out.times.combine)]);
+                        times.push([
+                            total,
+                            us(out.times.counts),
+                            us(out.times.dispatch),
+                            us(out.times.experts),
+                            us(out.times.combine),
+                        ]);
                         last = Some(out);
                     }
                     Ok((last.expect("rounds >= 1"), times))
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank thread panicked"))?).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a rank thread panicked"))?
+            })
+            .collect()
     });
     let mut outs = Vec::new();
     let mut per_round = vec![[0f64; 5]; rounds];
@@ -255,7 +292,9 @@ fn run_loopback(prob: &Problem, expert: ExpertArg, rounds: usize, timeout: Durat
 /// Runs `afdep exchange`.
 pub fn run(a: ExchangeArgs) -> Result<()> {
     if a.backend == Backend::Cuda {
-        bail!("the CUDA backend of `afdep exchange` (fused NVLink engine) does not exist yet; use --backend cpu");
+        bail!(
+            "the CUDA backend of `afdep exchange` (fused NVLink engine) does not exist yet; use --backend cpu"
+        );
     }
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
@@ -264,7 +303,9 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         topology: a.topology,
         hidden: a.hidden,
         experts: a.experts,
-        experts_per_rank: a.experts_per_rank.unwrap_or(a.experts / a.topology.ffn_count()),
+        experts_per_rank: a
+            .experts_per_rank
+            .unwrap_or(a.experts / a.topology.ffn_count()),
         top_k: a.top_k,
         capacity: a.capacity,
         payload: Default::default(),
@@ -274,19 +315,34 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     let timeout = Duration::from_millis(a.timeout_ms);
     let problems: Vec<(Vec<SourceInput>, Option<LayerParams>)> = match &a.input {
         Some(p) => vec![read_problem(p, &a, &cfg)?],
-        None => a.tokens.0.iter().map(|&t| Ok((generate(&a, &cfg, t)?, None))).collect::<Result<_>>()?,
+        None => a
+            .tokens
+            .0
+            .iter()
+            .map(|&t| Ok((generate(&a, &cfg, t)?, None)))
+            .collect::<Result<_>>()?,
     };
     if a.output.is_some() && problems.len() != 1 {
         bail!("--output needs exactly one token count");
     }
     let random_params = || {
         LayerParams::random(
-            LayerShape { d_model: cfg.hidden, width: a.width, experts: cfg.experts, top_k: cfg.top_k, shared: 0, renormalize: true },
+            LayerShape {
+                d_model: cfg.hidden,
+                width: a.width,
+                experts: cfg.experts,
+                top_k: cfg.top_k,
+                shared: 0,
+                renormalize: true,
+            },
             a.seed,
         )
     };
     let bar = ProgressBar::new(problems.len() as u64);
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}").expect("template"));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("template"),
+    );
     for (inputs, params) in problems {
         let params = match (a.expert, params) {
             (ExpertArg::Swiglu, Some(p)) => Some(p),
@@ -294,8 +350,15 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             (ExpertArg::Identity, _) => None,
         };
         let tokens: Vec<usize> = inputs.iter().map(|i| i.routes.tokens).collect();
-        bar.set_message(format!("{} staged/loopback, tokens {tokens:?}", cfg.topology));
-        let prob = Problem { cfg: cfg.clone(), inputs, params };
+        bar.set_message(format!(
+            "{} staged/loopback, tokens {tokens:?}",
+            cfg.topology
+        ));
+        let prob = Problem {
+            cfg: cfg.clone(),
+            inputs,
+            params,
+        };
         let (outs, per_round) = run_loopback(&prob, a.expert, a.rounds, timeout)?;
         let combined: Vec<Vec<bf16>> = cfg
             .topology
@@ -305,11 +368,17 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         let status = if a.no_verify {
             "unverified".to_string()
         } else {
-            let want = reference::exchange(&cfg, &prob.inputs, |e, rows: &[bf16], n| match &prob.params {
+            let want = reference::exchange(&cfg, &prob.inputs, |e, rows: &[bf16], n| match &prob
+                .params
+            {
                 Some(p) => layer::expert_rows(p, e, rows, n).expect("validated expert input"),
                 None => rows.to_vec(),
             })?;
-            if want == combined { "ok".into() } else { "mismatch".into() }
+            if want == combined {
+                "ok".into()
+            } else {
+                "mismatch".into()
+            }
         };
         let col = |i: usize| median(per_round.iter().map(|r| r[i]).collect());
         let row = ExchangeRow {
@@ -334,7 +403,11 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         if let Some(p) = &a.output {
             let mut f = TensorFile::default();
             for (s, y) in combined.iter().enumerate() {
-                f.put_bf16(&format!("y.{s}"), &[prob.inputs[s].routes.tokens, cfg.hidden], y);
+                f.put_bf16(
+                    &format!("y.{s}"),
+                    &[prob.inputs[s].routes.tokens, cfg.hidden],
+                    y,
+                );
             }
             f.write(p)?;
         }

@@ -29,7 +29,11 @@ pub enum Backend {
 }
 
 #[derive(Parser)]
-#[command(name = "afdep", version, about = "afdep: MoE layers and attention–FFN exchange on NVIDIA GPUs")]
+#[command(
+    name = "afdep",
+    version,
+    about = "afdep: MoE layers and attention–FFN exchange on NVIDIA GPUs"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -71,7 +75,9 @@ pub fn parse_tokens(s: &str) -> Result<Vec<usize>, String> {
                 Some('m' | 'M') => (&p[..p.len() - 1], 1024 * 1024),
                 _ => (p, 1),
             };
-            num.parse::<usize>().map(|n| n * mul).map_err(|e| format!("bad token count {p:?}: {e}"))
+            num.parse::<usize>()
+                .map(|n| n * mul)
+                .map_err(|e| format!("bad token count {p:?}: {e}"))
         })
         .collect()
 }
@@ -82,7 +88,8 @@ pub type PathArg = Option<PathBuf>;
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "afdep=info,warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "afdep=info,warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -132,16 +132,31 @@ fn read_inputs(path: &Path, a: &MoeArgs, seed: u64) -> Result<Inputs> {
     if xs.len() != 2 || ws.len() != 2 || w1s.len() != 3 {
         bail!("x must be T × H, wr H × E, w1 E × H × W (got {xs:?}, {ws:?}, {w1s:?})");
     }
-    let shared = if f.has("s1") { f.bf16("s1")?.0.get(1).copied().unwrap_or(0) } else { 0 };
+    let shared = if f.has("s1") {
+        f.bf16("s1")?.0.get(1).copied().unwrap_or(0)
+    } else {
+        0
+    };
     let top_k = match f.metadata.get("top_k") {
-        Some(k) => k.parse().with_context(|| format!("metadata top_k = {k:?}"))?,
+        Some(k) => k
+            .parse()
+            .with_context(|| format!("metadata top_k = {k:?}"))?,
         None => a.top_k,
     };
     let renormalize = match f.metadata.get("renormalize") {
-        Some(v) => v.parse().with_context(|| format!("metadata renormalize = {v:?}"))?,
+        Some(v) => v
+            .parse()
+            .with_context(|| format!("metadata renormalize = {v:?}"))?,
         None => !a.no_renormalize,
     };
-    let shape = LayerShape { d_model: xs[1], width: w1s[2], experts: ws[1], top_k, shared, renormalize };
+    let shape = LayerShape {
+        d_model: xs[1],
+        width: w1s[2],
+        experts: ws[1],
+        top_k,
+        shared,
+        renormalize,
+    };
     shape.validate()?;
     let mut params = LayerParams::random(shape, 0);
     for (name, t) in PARAM_NAMES.iter().zip(params.tensors_mut()) {
@@ -164,7 +179,12 @@ fn read_inputs(path: &Path, a: &MoeArgs, seed: u64) -> Result<Inputs> {
     } else {
         uniform_bf16(tokens * shape.d_model, 1.0, seed, 200)
     };
-    Ok(Inputs { params, x, dy, tokens })
+    Ok(Inputs {
+        params,
+        x,
+        dy,
+        tokens,
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -178,7 +198,11 @@ fn write_outputs(path: &Path, inp: &Inputs, y: &[bf16], grads: Option<&LayerGrad
     f.put_bf16("y", &[inp.tokens, s.d_model], y);
     if let Some(g) = grads {
         f.put_bf16("dx", &[inp.tokens, s.d_model], &g.dx);
-        for ((name, t), dims) in PARAM_NAMES.iter().zip(g.params()).zip(LayerParams::dims(&s)) {
+        for ((name, t), dims) in PARAM_NAMES
+            .iter()
+            .zip(g.params())
+            .zip(LayerParams::dims(&s))
+        {
             f.put_bf16(&format!("d{name}"), &dims, t);
         }
     }
@@ -225,7 +249,10 @@ pub fn run(a: MoeArgs) -> Result<()> {
     }
     let steps = runs.len() * a.repeats * if a.forward_only { 1 } else { 2 };
     let bar = ProgressBar::new(steps as u64);
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}").expect("template"));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("template"),
+    );
     for inp in &runs {
         let s = inp.params.shape;
         bar.set_message(format!("cpu layer, {} tokens", inp.tokens));
@@ -261,7 +288,11 @@ pub fn run(a: MoeArgs) -> Result<()> {
             out_err: None,
             gx_err: None,
             gw_err: None,
-            status: if nan { "nan in output".into() } else { "ok".into() },
+            status: if nan {
+                "nan in output".into()
+            } else {
+                "ok".into()
+            },
             kernel_digest: afdep_kernels::source_digest(),
             repeats: a.repeats,
         };

@@ -50,16 +50,24 @@ impl TensorFile {
     /// Reads a safetensors file.
     pub fn read(path: &Path) -> Result<Self> {
         let buf = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let st = SafeTensors::deserialize(&buf).with_context(|| format!("parsing {} as safetensors", path.display()))?;
+        let st = SafeTensors::deserialize(&buf)
+            .with_context(|| format!("parsing {} as safetensors", path.display()))?;
         let (_, meta) = SafeTensors::read_metadata(&buf)?;
         let mut tensors = HashMap::new();
         for (name, view) in st.tensors() {
             tensors.insert(
                 name,
-                Tensor { dtype: view.dtype(), shape: view.shape().to_vec(), bytes: view.data().to_vec() },
+                Tensor {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    bytes: view.data().to_vec(),
+                },
             );
         }
-        Ok(TensorFile { tensors, metadata: meta.metadata().clone().unwrap_or_default() })
+        Ok(TensorFile {
+            tensors,
+            metadata: meta.metadata().clone().unwrap_or_default(),
+        })
     }
 
     /// Writes the tensors (sorted by name) and metadata to `path`.
@@ -69,10 +77,14 @@ impl TensorFile {
         names.sort();
         for n in names {
             let t = &self.tensors[n];
-            views.push((n.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?));
+            views.push((
+                n.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
+            ));
         }
         let meta = (!self.metadata.is_empty()).then(|| self.metadata.clone());
-        safetensors::serialize_to_file(views, &meta, path).with_context(|| format!("writing {}", path.display()))
+        safetensors::serialize_to_file(views, &meta, path)
+            .with_context(|| format!("writing {}", path.display()))
     }
 
     /// Whether a tensor is present.
@@ -81,13 +93,20 @@ impl TensorFile {
     }
 
     fn get(&self, name: &str, dtype: Dtype) -> Result<&Tensor> {
-        let t = self.tensors.get(name).with_context(|| format!("tensor `{name}` is missing"))?;
+        let t = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("tensor `{name}` is missing"))?;
         if t.dtype != dtype {
             bail!("tensor `{name}` is {:?}, expected {dtype:?}", t.dtype);
         }
         let n: usize = t.shape.iter().product();
         if n * dtype_size(dtype) != t.bytes.len() {
-            bail!("tensor `{name}`: shape {:?} does not match {} bytes", t.shape, t.bytes.len());
+            bail!(
+                "tensor `{name}`: shape {:?} does not match {} bytes",
+                t.shape,
+                t.bytes.len()
+            );
         }
         Ok(t)
     }
@@ -95,29 +114,63 @@ impl TensorFile {
     /// A bf16 tensor: its shape and values.
     pub fn bf16(&self, name: &str) -> Result<(Vec<usize>, Vec<bf16>)> {
         let t = self.get(name, Dtype::BF16)?;
-        Ok((t.shape.clone(), t.bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()))
+        Ok((
+            t.shape.clone(),
+            t.bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        ))
     }
 
     /// An i32 tensor.
     pub fn i32(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>)> {
         let t = self.get(name, Dtype::I32)?;
-        Ok((t.shape.clone(), t.bytes.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()))
+        Ok((
+            t.shape.clone(),
+            t.bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ))
     }
 
     /// An f32 tensor.
     pub fn f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let t = self.get(name, Dtype::F32)?;
-        Ok((t.shape.clone(), t.bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()))
+        Ok((
+            t.shape.clone(),
+            t.bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ))
     }
 
     /// Adds a bf16 tensor.
     pub fn put_bf16(&mut self, name: &str, shape: &[usize], v: &[bf16]) {
-        self.put(name, Dtype::BF16, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect());
+        self.put(
+            name,
+            Dtype::BF16,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
     }
 
     fn put(&mut self, name: &str, dtype: Dtype, shape: &[usize], bytes: Vec<u8>) {
-        assert_eq!(shape.iter().product::<usize>() * dtype_size(dtype), bytes.len(), "{name}: shape and data disagree");
-        self.tensors.insert(name.to_string(), Tensor { dtype, shape: shape.to_vec(), bytes });
+        assert_eq!(
+            shape.iter().product::<usize>() * dtype_size(dtype),
+            bytes.len(),
+            "{name}: shape and data disagree"
+        );
+        self.tensors.insert(
+            name.to_string(),
+            Tensor {
+                dtype,
+                shape: shape.to_vec(),
+                bytes,
+            },
+        );
     }
 }
 
@@ -132,7 +185,12 @@ mod tests {
         let mut f = TensorFile::default();
         let v: Vec<bf16> = (0..6).map(|i| bf16::from_f32(i as f32 * 0.5)).collect();
         f.put_bf16("x", &[2, 3], &v);
-        f.put("i", Dtype::I32, &[3], [-1i32, 0, 7].iter().flat_map(|v| v.to_le_bytes()).collect());
+        f.put(
+            "i",
+            Dtype::I32,
+            &[3],
+            [-1i32, 0, 7].iter().flat_map(|v| v.to_le_bytes()).collect(),
+        );
         f.put("w", Dtype::F32, &[1], 0.25f32.to_le_bytes().to_vec());
         f.metadata.insert("top_k".into(), "2".into());
         f.write(&p).unwrap();

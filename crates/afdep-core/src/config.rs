@@ -64,7 +64,11 @@ impl LayerShape {
 
 pub(crate) fn positive(field: &'static str, v: usize) -> Result<(), ConfigError> {
     if v == 0 {
-        Err(ConfigError::Invalid { field, value: "0".into(), reason: "must be positive".into() })
+        Err(ConfigError::Invalid {
+            field,
+            value: "0".into(),
+            reason: "must be positive".into(),
+        })
     } else {
         Ok(())
     }
@@ -265,14 +269,20 @@ mod tests {
         let t: Topology = "1A:3F".parse().unwrap();
         assert!(matches!(
             ExchangeConfig::new(t, 2048, 128, 8, 2048),
-            Err(ConfigError::Invalid { field: "experts", .. })
+            Err(ConfigError::Invalid {
+                field: "experts",
+                ..
+            })
         ));
         let t: Topology = "3A:1F".parse().unwrap();
         let mut c = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
         c.knobs.transport_sms = 0;
         assert!(matches!(
             c.validate(),
-            Err(ConfigError::Invalid { field: "knobs.transport_sms", .. })
+            Err(ConfigError::Invalid {
+                field: "knobs.transport_sms",
+                ..
+            })
         ));
     }
 }

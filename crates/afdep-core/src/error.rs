@@ -52,7 +52,9 @@ pub enum ConfigError {
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum RouteError {
     /// The same expert appears twice for one token.
-    #[error("duplicate route: rank {rank} token {token} slot {slot} repeats expert {expert} of slot {first_slot}")]
+    #[error(
+        "duplicate route: rank {rank} token {token} slot {slot} repeats expert {expert} of slot {first_slot}"
+    )]
     Duplicate {
         /// Attention rank.
         rank: usize,
@@ -66,7 +68,9 @@ pub enum RouteError {
         first_slot: usize,
     },
     /// An expert id below -1 (-1 is the masked slot).
-    #[error("negative route: rank {rank} token {token} slot {slot} has expert id {value} (only -1, a masked slot, may be negative)")]
+    #[error(
+        "negative route: rank {rank} token {token} slot {slot} has expert id {value} (only -1, a masked slot, may be negative)"
+    )]
     Negative {
         /// Attention rank.
         rank: usize,
@@ -78,7 +82,9 @@ pub enum RouteError {
         value: i32,
     },
     /// An expert id at or above the number of experts.
-    #[error("wide route: rank {rank} token {token} slot {slot} has expert id {value}, but there are {experts} experts")]
+    #[error(
+        "wide route: rank {rank} token {token} slot {slot} has expert id {value}, but there are {experts} experts"
+    )]
     Wide {
         /// Attention rank.
         rank: usize,
@@ -92,7 +98,9 @@ pub enum RouteError {
         experts: usize,
     },
     /// An expert id that no FFN rank owns.
-    #[error("dummy route: rank {rank} token {token} slot {slot} has expert id {value}, which no FFN rank owns (experts 0..{owned} are placed)")]
+    #[error(
+        "dummy route: rank {rank} token {token} slot {slot} has expert id {value}, which no FFN rank owns (experts 0..{owned} are placed)"
+    )]
     Dummy {
         /// Attention rank.
         rank: usize,
@@ -184,24 +192,58 @@ impl RouteError {
         use route_class::*;
         let c = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         match *self {
-            RouteError::Duplicate { rank, token, slot, expert, first_slot } => {
-                [DUPLICATE, c(rank), c(token), c(slot), expert as u32, c(first_slot)]
-            }
-            RouteError::Negative { rank, token, slot, value } => {
-                [NEGATIVE, c(rank), c(token), c(slot), value as u32, 0]
-            }
-            RouteError::Wide { rank, token, slot, value, experts } => {
-                [WIDE, c(rank), c(token), c(slot), value as u32, c(experts)]
-            }
-            RouteError::Dummy { rank, token, slot, value, owned } => {
-                [DUMMY, c(rank), c(token), c(slot), value as u32, c(owned)]
-            }
-            RouteError::NonFiniteWeight { rank, token, slot, value } => {
-                [NON_FINITE_WEIGHT, c(rank), c(token), c(slot), value.to_bits(), 0]
-            }
-            RouteError::OverCapacity { rank, tokens, capacity } => {
-                [OVER_CAPACITY, c(rank), c(tokens), 0, 0, c(capacity)]
-            }
+            RouteError::Duplicate {
+                rank,
+                token,
+                slot,
+                expert,
+                first_slot,
+            } => [
+                DUPLICATE,
+                c(rank),
+                c(token),
+                c(slot),
+                expert as u32,
+                c(first_slot),
+            ],
+            RouteError::Negative {
+                rank,
+                token,
+                slot,
+                value,
+            } => [NEGATIVE, c(rank), c(token), c(slot), value as u32, 0],
+            RouteError::Wide {
+                rank,
+                token,
+                slot,
+                value,
+                experts,
+            } => [WIDE, c(rank), c(token), c(slot), value as u32, c(experts)],
+            RouteError::Dummy {
+                rank,
+                token,
+                slot,
+                value,
+                owned,
+            } => [DUMMY, c(rank), c(token), c(slot), value as u32, c(owned)],
+            RouteError::NonFiniteWeight {
+                rank,
+                token,
+                slot,
+                value,
+            } => [
+                NON_FINITE_WEIGHT,
+                c(rank),
+                c(token),
+                c(slot),
+                value.to_bits(),
+                0,
+            ],
+            RouteError::OverCapacity {
+                rank,
+                tokens,
+                capacity,
+            } => [OVER_CAPACITY, c(rank), c(tokens), 0, 0, c(capacity)],
             RouteError::Malformed { rank, .. } => [MALFORMED, c(rank), 0, 0, 0, 0],
         }
     }
@@ -218,14 +260,41 @@ impl RouteError {
                 expert: w[4] as i32,
                 first_slot: w[5] as usize,
             },
-            NEGATIVE => RouteError::Negative { rank, token, slot, value: w[4] as i32 },
-            WIDE => RouteError::Wide { rank, token, slot, value: w[4] as i32, experts: w[5] as usize },
-            DUMMY => RouteError::Dummy { rank, token, slot, value: w[4] as i32, owned: w[5] as usize },
-            NON_FINITE_WEIGHT => {
-                RouteError::NonFiniteWeight { rank, token, slot, value: f32::from_bits(w[4]) }
-            }
-            OVER_CAPACITY => RouteError::OverCapacity { rank, tokens: token, capacity: w[5] as usize },
-            MALFORMED => RouteError::Malformed { rank, what: "reported by a peer".into() },
+            NEGATIVE => RouteError::Negative {
+                rank,
+                token,
+                slot,
+                value: w[4] as i32,
+            },
+            WIDE => RouteError::Wide {
+                rank,
+                token,
+                slot,
+                value: w[4] as i32,
+                experts: w[5] as usize,
+            },
+            DUMMY => RouteError::Dummy {
+                rank,
+                token,
+                slot,
+                value: w[4] as i32,
+                owned: w[5] as usize,
+            },
+            NON_FINITE_WEIGHT => RouteError::NonFiniteWeight {
+                rank,
+                token,
+                slot,
+                value: f32::from_bits(w[4]),
+            },
+            OVER_CAPACITY => RouteError::OverCapacity {
+                rank,
+                tokens: token,
+                capacity: w[5] as usize,
+            },
+            MALFORMED => RouteError::Malformed {
+                rank,
+                what: "reported by a peer".into(),
+            },
             _ => return None,
         })
     }
@@ -238,17 +307,54 @@ mod tests {
     #[test]
     fn error_word_round_trips() {
         let cases = vec![
-            RouteError::Duplicate { rank: 2, token: 7, slot: 3, expert: 11, first_slot: 1 },
-            RouteError::Negative { rank: 0, token: 1, slot: 0, value: -5 },
-            RouteError::Wide { rank: 1, token: 9, slot: 7, value: 128, experts: 128 },
-            RouteError::Dummy { rank: 3, token: 0, slot: 2, value: 100, owned: 96 },
-            RouteError::NonFiniteWeight { rank: 1, token: 4, slot: 5, value: f32::INFINITY },
-            RouteError::OverCapacity { rank: 2, tokens: 3000, capacity: 2048 },
+            RouteError::Duplicate {
+                rank: 2,
+                token: 7,
+                slot: 3,
+                expert: 11,
+                first_slot: 1,
+            },
+            RouteError::Negative {
+                rank: 0,
+                token: 1,
+                slot: 0,
+                value: -5,
+            },
+            RouteError::Wide {
+                rank: 1,
+                token: 9,
+                slot: 7,
+                value: 128,
+                experts: 128,
+            },
+            RouteError::Dummy {
+                rank: 3,
+                token: 0,
+                slot: 2,
+                value: 100,
+                owned: 96,
+            },
+            RouteError::NonFiniteWeight {
+                rank: 1,
+                token: 4,
+                slot: 5,
+                value: f32::INFINITY,
+            },
+            RouteError::OverCapacity {
+                rank: 2,
+                tokens: 3000,
+                capacity: 2048,
+            },
         ];
         for e in cases {
             assert_eq!(RouteError::from_word(e.to_word()), Some(e.clone()), "{e}");
         }
-        let nan = RouteError::NonFiniteWeight { rank: 0, token: 0, slot: 0, value: f32::NAN };
+        let nan = RouteError::NonFiniteWeight {
+            rank: 0,
+            token: 0,
+            slot: 0,
+            value: f32::NAN,
+        };
         match RouteError::from_word(nan.to_word()) {
             Some(RouteError::NonFiniteWeight { value, .. }) => assert!(value.is_nan()),
             other => panic!("{other:?}"),

@@ -70,7 +70,12 @@ impl Fingerprint {
 
     /// Compares this rank's fingerprint with `remote`'s; the error names the first field that
     /// differs (or a field present on one side only).
-    pub fn compare(&self, local_rank: usize, remote: &Fingerprint, remote_rank: usize) -> Result<(), ConfigError> {
+    pub fn compare(
+        &self,
+        local_rank: usize,
+        remote: &Fingerprint,
+        remote_rank: usize,
+    ) -> Result<(), ConfigError> {
         let n = self.fields.len().max(remote.fields.len());
         for i in 0..n {
             let a = self.fields.get(i);
@@ -111,7 +116,13 @@ mod tests {
         let fb = Fingerprint::from_bytes(&Fingerprint::of_exchange(&b).to_bytes()).unwrap();
         assert_ne!(fa.digest(), fb.digest());
         match fa.compare(0, &fb, 3) {
-            Err(ConfigError::Mismatch { field, local, remote, local_rank: 0, remote_rank: 3 }) => {
+            Err(ConfigError::Mismatch {
+                field,
+                local,
+                remote,
+                local_rank: 0,
+                remote_rank: 3,
+            }) => {
                 assert_eq!(field, "knobs.warps_per_unit");
                 assert_eq!((local.as_str(), remote.as_str()), ("4", "8"));
             }

@@ -70,7 +70,11 @@ impl SourceCounts {
                 }
             }
         }
-        SourceCounts { expert_rows, ffn_rows, ffn_tokens }
+        SourceCounts {
+            expert_rows,
+            ffn_rows,
+            ffn_tokens,
+        }
     }
 
     /// The counts of FFN rank `f`'s local experts.
@@ -132,8 +136,17 @@ impl FfnPlan {
         let starts = exclusive_prefix(&counts);
         let expert_offsets = (0..=nl).map(|l| starts[l * ns]).collect();
         let block_starts = starts[..nl * ns].to_vec();
-        let slab_offsets = exclusive_prefix(&sources.iter().map(|c| c.ffn_tokens[f]).collect::<Vec<_>>());
-        FfnPlan { ffn: f, sources: ns, local_experts: nl, counts, expert_offsets, block_starts, slab_offsets }
+        let slab_offsets =
+            exclusive_prefix(&sources.iter().map(|c| c.ffn_tokens[f]).collect::<Vec<_>>());
+        FfnPlan {
+            ffn: f,
+            sources: ns,
+            local_experts: nl,
+            counts,
+            expert_offsets,
+            block_starts,
+            slab_offsets,
+        }
     }
 
     /// Total expanded rows.
@@ -153,7 +166,9 @@ impl FfnPlan {
 
     /// The block starts that source `s` needs for count-first, one per local expert.
     pub fn offsets_for_source(&self, s: usize) -> Vec<u64> {
-        (0..self.local_experts).map(|l| self.block_start(l, s)).collect()
+        (0..self.local_experts)
+            .map(|l| self.block_start(l, s))
+            .collect()
     }
 }
 
@@ -185,7 +200,11 @@ pub fn block_positions(routes: &Routes, p: &ExpertPlacement) -> Vec<Option<u64>>
 
 /// Count-first: the final expanded row of every slot of source `s`, given each FFN rank's
 /// published block starts for `s` (`offsets[f][l]`, from [`FfnPlan::offsets_for_source`]).
-pub fn count_first_destinations(routes: &Routes, p: &ExpertPlacement, offsets: &[Vec<u64>]) -> Vec<Option<Dest>> {
+pub fn count_first_destinations(
+    routes: &Routes,
+    p: &ExpertPlacement,
+    offsets: &[Vec<u64>],
+) -> Vec<Option<Dest>> {
     block_positions(routes, p)
         .into_iter()
         .zip(&routes.idx)
@@ -193,7 +212,10 @@ pub fn count_first_destinations(routes: &Routes, p: &ExpertPlacement, offsets: &
             pos.map(|pos| {
                 let e = e as usize;
                 let f = p.owner(e).expect("validated");
-                Dest { ffn: f, row: offsets[f][p.local(e)] + pos }
+                Dest {
+                    ffn: f,
+                    row: offsets[f][p.local(e)] + pos,
+                }
             })
         })
         .collect()
@@ -202,8 +224,14 @@ pub fn count_first_destinations(routes: &Routes, p: &ExpertPlacement, offsets: &
 /// Where the rows of source `s` come back in combine: FFN rank `f` returns to `s` its blocks
 /// for `s` concatenated in local-expert order, so the slot's row in that return buffer is the
 /// source's own prefix over `f`'s experts plus the block position.
-pub fn return_positions(routes: &Routes, p: &ExpertPlacement, counts: &SourceCounts) -> Vec<Option<Dest>> {
-    let starts: Vec<Vec<u64>> = (0..p.ffn_ranks).map(|f| exclusive_prefix(counts.local(f, p))).collect();
+pub fn return_positions(
+    routes: &Routes,
+    p: &ExpertPlacement,
+    counts: &SourceCounts,
+) -> Vec<Option<Dest>> {
+    let starts: Vec<Vec<u64>> = (0..p.ffn_ranks)
+        .map(|f| exclusive_prefix(counts.local(f, p)))
+        .collect();
     block_positions(routes, p)
         .into_iter()
         .zip(&routes.idx)
@@ -211,7 +239,10 @@ pub fn return_positions(routes: &Routes, p: &ExpertPlacement, counts: &SourceCou
             pos.map(|pos| {
                 let e = e as usize;
                 let f = p.owner(e).expect("validated");
-                Dest { ffn: f, row: starts[f][p.local(e)] + pos }
+                Dest {
+                    ffn: f,
+                    row: starts[f][p.local(e)] + pos,
+                }
             })
         })
         .collect()
@@ -224,8 +255,11 @@ pub fn payload_first_slabs(routes: &Routes, p: &ExpertPlacement) -> Vec<Vec<u32>
     for t in 0..routes.tokens {
         let mut last = usize::MAX;
         // slots are not sorted by rank: collect distinct ranks of this token
-        let mut ranks: Vec<usize> =
-            routes.slots(t).filter(|&(e, _)| e != MASKED).map(|(e, _)| p.owner(e as usize).expect("validated")).collect();
+        let mut ranks: Vec<usize> = routes
+            .slots(t)
+            .filter(|&(e, _)| e != MASKED)
+            .map(|(e, _)| p.owner(e as usize).expect("validated"))
+            .collect();
         ranks.sort_unstable();
         for f in ranks {
             if f != last {
@@ -240,7 +274,12 @@ pub fn payload_first_slabs(routes: &Routes, p: &ExpertPlacement) -> Vec<Vec<u32>
 /// The compact collect view's per-row slot metadata for FFN rank `f`: for each token of
 /// `slab` (one source's slab for `f`), the K slots as local expert ids (`-1` elsewhere or
 /// masked) and their weights (0 where the id is -1).
-pub fn compact_slots(routes: &Routes, p: &ExpertPlacement, f: usize, slab: &[u32]) -> (Vec<i32>, Vec<f32>) {
+pub fn compact_slots(
+    routes: &Routes,
+    p: &ExpertPlacement,
+    f: usize,
+    slab: &[u32],
+) -> (Vec<i32>, Vec<f32>) {
     let mut ids = Vec::with_capacity(slab.len() * routes.top_k);
     let mut ws = Vec::with_capacity(slab.len() * routes.top_k);
     for &t in slab {
@@ -284,7 +323,10 @@ mod tests {
     fn routes_strategy(owned: usize, k: usize) -> impl Strategy<Value = Routes> {
         (0usize..40).prop_flat_map(move |t| {
             proptest::collection::vec(
-                (proptest::sample::subsequence((0..owned as i32).collect::<Vec<_>>(), k), proptest::collection::vec(any::<bool>(), k)),
+                (
+                    proptest::sample::subsequence((0..owned as i32).collect::<Vec<_>>(), k),
+                    proptest::collection::vec(any::<bool>(), k),
+                ),
                 t,
             )
             .prop_map(move |rows| {
@@ -299,7 +341,12 @@ mod tests {
                     }
                 }
                 let n = idx.len();
-                Routes { tokens: n / k, top_k: k, idx, weights: (0..n).map(|i| i as f32 * 0.01).collect() }
+                Routes {
+                    tokens: n / k,
+                    top_k: k,
+                    idx,
+                    weights: (0..n).map(|i| i as f32 * 0.01).collect(),
+                }
             })
         })
     }

@@ -35,15 +35,30 @@ pub struct Routes {
 
 impl Routes {
     /// Routes from arrays, checking their sizes.
-    pub fn new(tokens: usize, top_k: usize, idx: Vec<i32>, weights: Vec<f32>) -> Result<Self, RouteError> {
-        let r = Routes { tokens, top_k, idx, weights };
+    pub fn new(
+        tokens: usize,
+        top_k: usize,
+        idx: Vec<i32>,
+        weights: Vec<f32>,
+    ) -> Result<Self, RouteError> {
+        let r = Routes {
+            tokens,
+            top_k,
+            idx,
+            weights,
+        };
         r.check_sizes(0)?;
         Ok(r)
     }
 
     /// No tokens.
     pub fn empty(top_k: usize) -> Self {
-        Routes { tokens: 0, top_k, idx: Vec::new(), weights: Vec::new() }
+        Routes {
+            tokens: 0,
+            top_k,
+            idx: Vec::new(),
+            weights: Vec::new(),
+        }
     }
 
     fn check_sizes(&self, rank: usize) -> Result<(), RouteError> {
@@ -66,7 +81,10 @@ impl Routes {
     /// The (expert, weight) pairs of token `t`.
     pub fn slots(&self, t: usize) -> impl Iterator<Item = (i32, f32)> + '_ {
         let k = self.top_k;
-        self.idx[t * k..(t + 1) * k].iter().copied().zip(self.weights[t * k..(t + 1) * k].iter().copied())
+        self.idx[t * k..(t + 1) * k]
+            .iter()
+            .copied()
+            .zip(self.weights[t * k..(t + 1) * k].iter().copied())
     }
 }
 
@@ -86,7 +104,12 @@ pub struct RouteRules {
 impl RouteRules {
     /// The rules of one GPU's layer: every expert owned, no capacity limit.
     pub fn layer(shape: &LayerShape) -> Self {
-        RouteRules { experts: shape.experts, owned: shape.experts, capacity: usize::MAX, top_k: shape.top_k }
+        RouteRules {
+            experts: shape.experts,
+            owned: shape.experts,
+            capacity: usize::MAX,
+            top_k: shape.top_k,
+        }
     }
 
     /// The rules of an exchange configuration.
@@ -105,12 +128,19 @@ pub fn validate(routes: &Routes, rules: &RouteRules, rank: usize) -> Result<(), 
     if routes.top_k != rules.top_k {
         return Err(RouteError::Malformed {
             rank,
-            what: format!("routes have {} slots per token, the config says {}", routes.top_k, rules.top_k),
+            what: format!(
+                "routes have {} slots per token, the config says {}",
+                routes.top_k, rules.top_k
+            ),
         });
     }
     routes.check_sizes(rank)?;
     if routes.tokens > rules.capacity {
-        return Err(RouteError::OverCapacity { rank, tokens: routes.tokens, capacity: rules.capacity });
+        return Err(RouteError::OverCapacity {
+            rank,
+            tokens: routes.tokens,
+            capacity: rules.capacity,
+        });
     }
     let k = routes.top_k;
     for token in 0..routes.tokens {
@@ -122,19 +152,47 @@ pub fn validate(routes: &Routes, rules: &RouteRules, rank: usize) -> Result<(), 
                 continue;
             }
             if value < MASKED {
-                return Err(RouteError::Negative { rank, token, slot, value });
+                return Err(RouteError::Negative {
+                    rank,
+                    token,
+                    slot,
+                    value,
+                });
             }
             if value as usize >= rules.experts {
-                return Err(RouteError::Wide { rank, token, slot, value, experts: rules.experts });
+                return Err(RouteError::Wide {
+                    rank,
+                    token,
+                    slot,
+                    value,
+                    experts: rules.experts,
+                });
             }
             if value as usize >= rules.owned {
-                return Err(RouteError::Dummy { rank, token, slot, value, owned: rules.owned });
+                return Err(RouteError::Dummy {
+                    rank,
+                    token,
+                    slot,
+                    value,
+                    owned: rules.owned,
+                });
             }
             if !ws[slot].is_finite() {
-                return Err(RouteError::NonFiniteWeight { rank, token, slot, value: ws[slot] });
+                return Err(RouteError::NonFiniteWeight {
+                    rank,
+                    token,
+                    slot,
+                    value: ws[slot],
+                });
             }
             if let Some(first_slot) = ids[..slot].iter().position(|&e| e == value) {
-                return Err(RouteError::Duplicate { rank, token, slot, expert: value, first_slot });
+                return Err(RouteError::Duplicate {
+                    rank,
+                    token,
+                    slot,
+                    expert: value,
+                    first_slot,
+                });
             }
         }
     }
@@ -189,10 +247,19 @@ pub fn select(p: &[f32], tokens: usize, shape: &LayerShape) -> Routes {
         let sum: f32 = sel.iter().fold(0f32, |s, &j| s + row[j]);
         for &j in &sel {
             idx.push(j as i32);
-            weights.push(if shape.renormalize { row[j] / sum } else { row[j] });
+            weights.push(if shape.renormalize {
+                row[j] / sum
+            } else {
+                row[j]
+            });
         }
     }
-    Routes { tokens, top_k: k, idx, weights }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
 }
 
 /// The reference router: probabilities, top-K and weights for `tokens` rows of `x`.
@@ -206,10 +273,17 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const RULES: RouteRules = RouteRules { experts: 16, owned: 12, capacity: 20, top_k: 3 };
+    const RULES: RouteRules = RouteRules {
+        experts: 16,
+        owned: 12,
+        capacity: 20,
+        top_k: 3,
+    };
 
     fn ok_routes(tokens: usize) -> Routes {
-        let idx = (0..tokens * 3).map(|i| ((i / 3 + i % 3 * 4) % 12) as i32).collect();
+        let idx = (0..tokens * 3)
+            .map(|i| ((i / 3 + i % 3 * 4) % 12) as i32)
+            .collect();
         Routes::new(tokens, 3, idx, vec![0.25; tokens * 3]).unwrap()
     }
 
@@ -221,7 +295,14 @@ mod tests {
 
     #[test]
     fn renormalised_weights_sum_to_one() {
-        let shape = LayerShape { d_model: 8, width: 4, experts: 6, top_k: 2, shared: 0, renormalize: true };
+        let shape = LayerShape {
+            d_model: 8,
+            width: 4,
+            experts: 6,
+            top_k: 2,
+            shared: 0,
+            renormalize: true,
+        };
         let x = crate::tensor::uniform_bf16(5 * 8, 1.0, 3, 0);
         let wr = crate::tensor::uniform_bf16(8 * 6, 1.0, 3, 1);
         let r = route(&x, &wr, 5, &shape);
@@ -250,7 +331,13 @@ mod tests {
         r.idx[4 * 3] = -7; // token 4 slot 0: negative
         assert_eq!(
             validate(&r, &RULES, 5),
-            Err(RouteError::Wide { rank: 5, token: 3, slot: 2, value: 99, experts: 16 })
+            Err(RouteError::Wide {
+                rank: 5,
+                token: 3,
+                slot: 2,
+                value: 99,
+                experts: 16
+            })
         );
     }
 
@@ -336,6 +423,9 @@ mod tests {
 
     #[test]
     fn malformed_sizes() {
-        assert!(matches!(Routes::new(2, 3, vec![0; 5], vec![0.0; 6]), Err(RouteError::Malformed { .. })));
+        assert!(matches!(
+            Routes::new(2, 3, vec![0; 5], vec![0.0; 6]),
+            Err(RouteError::Malformed { .. })
+        ));
     }
 }

@@ -28,7 +28,9 @@ pub fn rng(seed: u64, stream: u64) -> ChaCha8Rng {
 /// `n` bf16 values uniform in `[-scale, scale)`.
 pub fn uniform_bf16(n: usize, scale: f32, seed: u64, stream: u64) -> Vec<bf16> {
     let mut r = rng(seed, stream);
-    (0..n).map(|_| bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale)).collect()
+    (0..n)
+        .map(|_| bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale))
+        .collect()
 }
 
 /// Max |a - b| / max |b| over all elements (the error definition of benchmark rows);

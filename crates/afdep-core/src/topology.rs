@@ -99,7 +99,9 @@ impl Topology {
                 if rank < attention {
                     Some(Role::Attention { index: rank })
                 } else if rank < attention + ffn {
-                    Some(Role::Ffn { index: rank - attention })
+                    Some(Role::Ffn {
+                        index: rank - attention,
+                    })
                 } else {
                     None
                 }
@@ -126,7 +128,10 @@ impl Topology {
 
     /// Checks that there is at least one rank of each role.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |reason: &str| ConfigError::Topology { text: self.to_string(), reason: reason.into() };
+        let bad = |reason: &str| ConfigError::Topology {
+            text: self.to_string(),
+            reason: reason.into(),
+        };
         match *self {
             Topology::Afd { attention, ffn } => {
                 if attention == 0 || ffn == 0 {
@@ -158,17 +163,35 @@ impl FromStr for Topology {
     /// Parses `3A:1F` (any case, spaces allowed around the colon) or `EP4`.
     fn from_str(s: &str) -> Result<Self, ConfigError> {
         let text = s.trim();
-        let err = |reason: &str| ConfigError::Topology { text: s.to_string(), reason: reason.into() };
+        let err = |reason: &str| ConfigError::Topology {
+            text: s.to_string(),
+            reason: reason.into(),
+        };
         let up = text.to_ascii_uppercase();
         let t = if let Some(n) = up.strip_prefix("EP") {
-            let ranks = n.trim().parse::<usize>().map_err(|_| err("EP must be followed by a rank count"))?;
+            let ranks = n
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| err("EP must be followed by a rank count"))?;
             Topology::Classic { ranks }
         } else {
             let (a, f) = up.split_once(':').ok_or_else(|| err("missing ':'"))?;
-            let a = a.trim().strip_suffix('A').ok_or_else(|| err("the attention part must end in 'A'"))?;
-            let f = f.trim().strip_suffix('F').ok_or_else(|| err("the FFN part must end in 'F'"))?;
-            let attention = a.trim().parse::<usize>().map_err(|_| err("bad attention rank count"))?;
-            let ffn = f.trim().parse::<usize>().map_err(|_| err("bad FFN rank count"))?;
+            let a = a
+                .trim()
+                .strip_suffix('A')
+                .ok_or_else(|| err("the attention part must end in 'A'"))?;
+            let f = f
+                .trim()
+                .strip_suffix('F')
+                .ok_or_else(|| err("the FFN part must end in 'F'"))?;
+            let attention = a
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| err("bad attention rank count"))?;
+            let ffn = f
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| err("bad FFN rank count"))?;
             Topology::Afd { attention, ffn }
         };
         t.validate().map_err(|e| match e {
@@ -215,7 +238,11 @@ impl ExpertPlacement {
                 reason: format!("must be a positive multiple of the {ffn_ranks} FFN ranks"),
             });
         }
-        Ok(ExpertPlacement { experts, ffn_ranks, experts_per_rank: experts / ffn_ranks })
+        Ok(ExpertPlacement {
+            experts,
+            ffn_ranks,
+            experts_per_rank: experts / ffn_ranks,
+        })
     }
 
     /// Number of experts owned by some FFN rank.
@@ -246,9 +273,27 @@ mod tests {
     #[test]
     fn parses_and_prints() {
         for (s, t) in [
-            ("3A:1F", Topology::Afd { attention: 3, ffn: 1 }),
-            ("2a : 2f", Topology::Afd { attention: 2, ffn: 2 }),
-            ("1A:3F", Topology::Afd { attention: 1, ffn: 3 }),
+            (
+                "3A:1F",
+                Topology::Afd {
+                    attention: 3,
+                    ffn: 1,
+                },
+            ),
+            (
+                "2a : 2f",
+                Topology::Afd {
+                    attention: 2,
+                    ffn: 2,
+                },
+            ),
+            (
+                "1A:3F",
+                Topology::Afd {
+                    attention: 1,
+                    ffn: 3,
+                },
+            ),
             ("EP4", Topology::Classic { ranks: 4 }),
             ("ep 2", Topology::Classic { ranks: 2 }),
         ] {
@@ -256,7 +301,10 @@ mod tests {
             assert_eq!(t.to_string().parse::<Topology>().unwrap(), t);
         }
         for bad in ["", "3A", "3:1", "0A:1F", "3A:0F", "xA:1F", "EP0", "EP"] {
-            assert!(matches!(bad.parse::<Topology>(), Err(ConfigError::Topology { .. })), "{bad}");
+            assert!(
+                matches!(bad.parse::<Topology>(), Err(ConfigError::Topology { .. })),
+                "{bad}"
+            );
         }
     }
 
@@ -279,7 +327,11 @@ mod tests {
         assert_eq!(p.owner(31), Some(0));
         assert_eq!(p.owner(32), Some(1));
         assert_eq!(p.local(33), 1);
-        let partial = ExpertPlacement { experts: 128, ffn_ranks: 3, experts_per_rank: 32 };
+        let partial = ExpertPlacement {
+            experts: 128,
+            ffn_ranks: 3,
+            experts_per_rank: 32,
+        };
         assert_eq!(partial.owner(95), Some(2));
         assert_eq!(partial.owner(96), None);
         assert!(ExpertPlacement::contiguous(10, 3).is_err());

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use afdep_core::error::ROUTE_ERROR_WORDS;
 use afdep_core::fingerprint::Fingerprint;
-use afdep_core::layout::{FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions};
+use afdep_core::layout::{
+    FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
+};
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput, check_rows, combine_source};
 use afdep_core::route::{RouteRules, validate};
 use afdep_core::{ExchangeConfig, RouteError, bf16};
@@ -86,8 +88,10 @@ impl<T: Transport> StagedEngine<T> {
         // collective and every rank learns about it.
         let mine = Fingerprint::of_exchange(&cfg).to_bytes();
         let lens = transport.all_gather(&(mine.len() as u64).to_ne_bytes())?;
-        let lens: Vec<usize> =
-            lens.chunks(8).map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize).collect();
+        let lens: Vec<usize> = lens
+            .chunks(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
         let max = lens.iter().copied().max().unwrap_or(0);
         let mut padded = mine.clone();
         padded.resize(max, 0);
@@ -112,7 +116,12 @@ impl<T: Transport> StagedEngine<T> {
                 ),
             });
         }
-        Ok(StagedEngine { cfg, transport, send: None, recv: None })
+        Ok(StagedEngine {
+            cfg,
+            transport,
+            send: None,
+            recv: None,
+        })
     }
 
     /// The configuration.
@@ -142,7 +151,11 @@ impl<T: Transport> StagedEngine<T> {
 
     /// Runs one round. Attention ranks pass `Some(input)`; FFN-only ranks pass `None`.
     /// `expert` is used on FFN ranks. Collective: every rank of the topology must call it.
-    pub fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> Result<RoundOutput, ExchangeError> {
+    pub fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
         let rank = self.rank();
         let cfg = self.cfg.clone();
         let topo = cfg.topology;
@@ -160,8 +173,14 @@ impl<T: Transport> StagedEngine<T> {
             (Some(s), Some(inp)) => check_rows(&cfg, s, inp)
                 .and_then(|_| validate(&inp.routes, &RouteRules::exchange(&cfg), s))
                 .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
-            (Some(s), None) => Err(RouteError::Malformed { rank: s, what: "an attention rank was given no input".into() }),
-            (None, Some(_)) => Err(RouteError::Malformed { rank, what: "an FFN-only rank was given input".into() }),
+            (Some(s), None) => Err(RouteError::Malformed {
+                rank: s,
+                what: "an attention rank was given no input".into(),
+            }),
+            (None, Some(_)) => Err(RouteError::Malformed {
+                rank,
+                what: "an FFN-only rank was given input".into(),
+            }),
             (None, None) => Ok(None),
         };
         let count_words = p.owned() + 2 * nf;
@@ -169,7 +188,8 @@ impl<T: Transport> StagedEngine<T> {
         match &local {
             Err(e) => {
                 let w = e.to_word();
-                let w32: &mut [u32] = bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
+                let w32: &mut [u32] =
+                    bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
                 w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
             }
             Ok(Some(c)) => msg[ROUTE_ERROR_WORDS.div_ceil(2)..].copy_from_slice(&c.to_words()),
@@ -181,8 +201,10 @@ impl<T: Transport> StagedEngine<T> {
         for r in 0..world {
             let blob = &gathered[r * per..(r + 1) * per];
             let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
-            let w32: Vec<u32> = bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
-            let word: [u32; ROUTE_ERROR_WORDS] = w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
+            let w32: Vec<u32> =
+                bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
+            let word: [u32; ROUTE_ERROR_WORDS] =
+                w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
             if word[0] != 0 {
                 let error = match (&local, r == rank) {
                     (Err(e), true) => e.clone(),
@@ -192,12 +214,17 @@ impl<T: Transport> StagedEngine<T> {
                     }),
                 };
                 debug!(rank, from = r, %error, "round rejected");
-                return Err(ExchangeError::Route { reporter: rank, error });
+                return Err(ExchangeError::Route {
+                    reporter: rank,
+                    error,
+                });
             }
             if topo.attention_index(r).is_some() {
-                let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p).ok_or_else(|| {
-                    ExchangeError::Input { rank, what: format!("malformed counts from rank {r}") }
-                })?;
+                let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p)
+                    .ok_or_else(|| ExchangeError::Input {
+                        rank,
+                        what: format!("malformed counts from rank {r}"),
+                    })?;
                 sources.push(c);
             }
         }
@@ -222,25 +249,39 @@ impl<T: Transport> StagedEngine<T> {
                 packed.extend_from_slice(u8s_of(&ws));
                 debug_assert_eq!(packed.len() - start, slab.len() * row_bytes);
                 debug_assert_eq!(slab.len() as u64, sources[s].ffn_tokens[f]);
-                send_spans[topo.ffn_rank(f)] = Span { offset: start as u64, len: (packed.len() - start) as u64 };
+                send_spans[topo.ffn_rank(f)] = Span {
+                    offset: start as u64,
+                    len: (packed.len() - start) as u64,
+                };
             }
         }
         let mut recv_total = 0u64;
         if let Some(f) = ffn_index {
             for (s, c) in sources.iter().enumerate() {
                 let len = c.ffn_tokens[f] * row_bytes as u64;
-                recv_spans[topo.attention_ranks().start + s] = Span { offset: recv_total, len };
+                recv_spans[topo.attention_ranks().start + s] = Span {
+                    offset: recv_total,
+                    len,
+                };
                 recv_total += len;
             }
         }
         // the combine phase reuses the buffers: size them for both phases
-        let ret_send: u64 = ffn_index.map_or(0, |f| sources.iter().map(|c| c.ffn_rows[f]).sum::<u64>() * h as u64 * 2);
-        let ret_recv: u64 = src_index.map_or(0, |s| sources[s].ffn_rows.iter().sum::<u64>() * h as u64 * 2);
-        self.buffers(packed.len().max(ret_send as usize), (recv_total.max(ret_recv)) as usize)?;
+        let ret_send: u64 = ffn_index.map_or(0, |f| {
+            sources.iter().map(|c| c.ffn_rows[f]).sum::<u64>() * h as u64 * 2
+        });
+        let ret_recv: u64 = src_index.map_or(0, |s| {
+            sources[s].ffn_rows.iter().sum::<u64>() * h as u64 * 2
+        });
+        self.buffers(
+            packed.len().max(ret_send as usize),
+            (recv_total.max(ret_recv)) as usize,
+        )?;
         let send = self.send.as_mut().expect("allocated");
         send.write(0, &packed)?;
         let recv = self.recv.as_mut().expect("allocated");
-        self.transport.all_to_all_v(send, &send_spans, recv, &recv_spans)?;
+        self.transport
+            .all_to_all_v(send, &send_spans, recv, &recv_spans)?;
 
         let mut received = None;
         let mut y_rows: Vec<bf16> = Vec::new();
@@ -268,7 +309,8 @@ impl<T: Transport> StagedEngine<T> {
             let mut expanded = vec![bf16::ZERO; plan.total_rows() as usize * h];
             for (row, dst) in copy_plan(&compact_ids, k, &plan.expert_offsets) {
                 let (row, dst) = (row as usize, dst as usize);
-                expanded[dst * h..(dst + 1) * h].copy_from_slice(&compact_x[row * h..(row + 1) * h]);
+                expanded[dst * h..(dst + 1) * h]
+                    .copy_from_slice(&compact_x[row * h..(row + 1) * h]);
             }
             times.dispatch = t1.elapsed();
 
@@ -276,18 +318,33 @@ impl<T: Transport> StagedEngine<T> {
             let t2 = Instant::now();
             y_rows.reserve(expanded.len());
             for l in 0..p.experts_per_rank {
-                let (a, b) = (plan.expert_offsets[l] as usize, plan.expert_offsets[l + 1] as usize);
+                let (a, b) = (
+                    plan.expert_offsets[l] as usize,
+                    plan.expert_offsets[l + 1] as usize,
+                );
                 let ye = expert(p.experts_of(f).start + l, &expanded[a * h..b * h], b - a);
                 if ye.len() != (b - a) * h {
                     return Err(ExchangeError::Input {
                         rank,
-                        what: format!("expert {} returned {} values for {} rows", p.experts_of(f).start + l, ye.len(), b - a),
+                        what: format!(
+                            "expert {} returned {} values for {} rows",
+                            p.experts_of(f).start + l,
+                            ye.len(),
+                            b - a
+                        ),
                     });
                 }
                 y_rows.extend(ye);
             }
             times.experts = t2.elapsed();
-            received = Some(FfnReceived { plan, expanded, compact_tokens, compact_x, compact_ids, compact_weights });
+            received = Some(FfnReceived {
+                plan,
+                expanded,
+                compact_tokens,
+                compact_x,
+                compact_ids,
+                compact_weights,
+            });
         } else {
             times.dispatch = t1.elapsed();
         }
@@ -306,8 +363,10 @@ impl<T: Transport> StagedEngine<T> {
                     let n = plan.counts[l * plan.sources + s] as usize;
                     back.extend_from_slice(u8s_of(&y_rows[a * h..(a + n) * h]));
                 }
-                send_spans[topo.attention_ranks().start + s] =
-                    Span { offset: start as u64, len: (back.len() - start) as u64 };
+                send_spans[topo.attention_ranks().start + s] = Span {
+                    offset: start as u64,
+                    len: (back.len() - start) as u64,
+                };
             }
         }
         let mut off = 0u64;
@@ -321,7 +380,8 @@ impl<T: Transport> StagedEngine<T> {
         let send = self.send.as_mut().expect("allocated");
         send.write(0, &back)?;
         let recv = self.recv.as_mut().expect("allocated");
-        self.transport.all_to_all_v(send, &send_spans, recv, &recv_spans)?;
+        self.transport
+            .all_to_all_v(send, &send_spans, recv, &recv_spans)?;
         let mut combined = None;
         if let (Some(s), Some(inp)) = (src_index, input) {
             let mut bytes = vec![0u8; off as usize];
@@ -329,7 +389,9 @@ impl<T: Transport> StagedEngine<T> {
             let rows: Vec<Vec<bf16>> = (0..nf)
                 .map(|f| {
                     let sp = recv_spans[topo.ffn_rank(f)];
-                    bytemuck::pod_collect_to_vec(&bytes[sp.offset as usize..(sp.offset + sp.len) as usize])
+                    bytemuck::pod_collect_to_vec(
+                        &bytes[sp.offset as usize..(sp.offset + sp.len) as usize],
+                    )
                 })
                 .collect();
             let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
@@ -344,6 +406,10 @@ impl<T: Transport> StagedEngine<T> {
             combined = Some(out);
         }
         times.combine = t3.elapsed();
-        Ok(RoundOutput { combined, received, times })
+        Ok(RoundOutput {
+            combined,
+            received,
+            times,
+        })
     }
 }

@@ -23,7 +23,14 @@ fn cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfi
 
 fn params(cfg: &ExchangeConfig, width: usize, seed: u64) -> LayerParams {
     LayerParams::random(
-        LayerShape { d_model: cfg.hidden, width, experts: cfg.experts, top_k: cfg.top_k, shared: 0, renormalize: true },
+        LayerShape {
+            d_model: cfg.hidden,
+            width,
+            experts: cfg.experts,
+            top_k: cfg.top_k,
+            shared: 0,
+            renormalize: true,
+        },
         seed,
     )
 }
@@ -52,16 +59,32 @@ fn routes(tokens: usize, k: usize, owned: usize, hot: Option<i32>, seed: u64) ->
             weights.push(r.gen_range(0.05f32..1.0));
         }
     }
-    Routes { tokens, top_k: k, idx, weights }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
 }
 
-fn sources(cfg: &ExchangeConfig, tokens: &[usize], hot: Option<i32>, seed: u64) -> Vec<SourceInput> {
+fn sources(
+    cfg: &ExchangeConfig,
+    tokens: &[usize],
+    hot: Option<i32>,
+    seed: u64,
+) -> Vec<SourceInput> {
     tokens
         .iter()
         .enumerate()
         .map(|(s, &t)| SourceInput {
             x: uniform_bf16(t * cfg.hidden, 1.0, seed, 50 + s as u64),
-            routes: routes(t, cfg.top_k, cfg.placement().owned(), hot, seed * 31 + s as u64),
+            routes: routes(
+                t,
+                cfg.top_k,
+                cfg.placement().owned(),
+                hot,
+                seed * 31 + s as u64,
+            ),
         })
         .collect()
 }
@@ -70,7 +93,11 @@ type RankResult = Result<RoundOutput, ExchangeError>;
 
 /// Runs the given rounds on one Loopback group (one engine per rank, kept across rounds);
 /// `cfgs[r]` is rank r's config. Returns `[round][rank]` results, or each rank's set-up error.
-fn run(cfgs: &[ExchangeConfig], rounds: &[Vec<SourceInput>], p: Option<&LayerParams>) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
+fn run(
+    cfgs: &[ExchangeConfig],
+    rounds: &[Vec<SourceInput>],
+    p: Option<&LayerParams>,
+) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
     let world = cfgs[0].topology.world_size();
     let group = Loopback::group(world, TIMEOUT);
     let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
@@ -83,16 +110,23 @@ fn run(cfgs: &[ExchangeConfig], rounds: &[Vec<SourceInput>], p: Option<&LayerPar
                     let mut eng = StagedEngine::new(cfg.clone(), t)?;
                     let expert = |e: usize, rows: &[bf16], n: usize| match p {
                         Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
-                        None => rows.iter().map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0))).collect(),
+                        None => rows
+                            .iter()
+                            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+                            .collect(),
                     };
                     Ok(rounds
                         .iter()
-                        .map(|inp| eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert))
+                        .map(|inp| {
+                            eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert)
+                        })
                         .collect())
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
     });
     let mut ok = Vec::new();
     let mut errs = Vec::new();
@@ -117,10 +151,18 @@ fn run(cfgs: &[ExchangeConfig], rounds: &[Vec<SourceInput>], p: Option<&LayerPar
     Ok(out)
 }
 
-fn check_round(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], p: Option<&LayerParams>) {
+fn check_round(
+    cfg: &ExchangeConfig,
+    inp: &[SourceInput],
+    got: &[RankResult],
+    p: Option<&LayerParams>,
+) {
     let expert = |e: usize, rows: &[bf16], n: usize| match p {
         Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
-        None => rows.iter().map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0))).collect(),
+        None => rows
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+            .collect(),
     };
     let want_rx = reference::dispatch(cfg, inp).unwrap();
     let want = reference::exchange(cfg, inp, expert).unwrap();
@@ -131,11 +173,20 @@ fn check_round(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], p:
             assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
             // bitwise: compare the bits so that -0/+0 differences fail too
             let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(c), bits(&want[s]), "{}: combine of source {s} differs", cfg.topology);
+            assert_eq!(
+                bits(c),
+                bits(&want[s]),
+                "{}: combine of source {s} differs",
+                cfg.topology
+            );
         }
         if let Some(f) = cfg.topology.ffn_index(rank) {
             let rx = r.received.as_ref().expect("FFN rank receives");
-            assert_eq!(rx, &want_rx[f], "{}: dispatch to FFN rank {f} differs", cfg.topology);
+            assert_eq!(
+                rx, &want_rx[f],
+                "{}: dispatch to FFN rank {f} differs",
+                cfg.topology
+            );
         }
     }
 }
@@ -150,8 +201,20 @@ fn every_ratio_is_bit_identical_to_the_oracle() {
         let rounds: Vec<Vec<SourceInput>> = token_sets
             .iter()
             .enumerate()
-            .map(|(i, t)| sources(&c, &t[..a], if i == 0 { Some(5) } else { None }, i as u64 + 1))
-            .chain(std::iter::once(sources(&c, &[33, 5, 0, 20][..a], Some(11), 9)))
+            .map(|(i, t)| {
+                sources(
+                    &c,
+                    &t[..a],
+                    if i == 0 { Some(5) } else { None },
+                    i as u64 + 1,
+                )
+            })
+            .chain(std::iter::once(sources(
+                &c,
+                &[33, 5, 0, 20][..a],
+                Some(11),
+                9,
+            )))
             .collect();
         let got = run(&vec![c.clone(); c.topology.world_size()], &rounds, Some(&p)).unwrap();
         for (inp, g) in rounds.iter().zip(&got) {
@@ -178,25 +241,88 @@ fn a_rejected_route_fails_every_rank_and_the_next_round_works() {
     c_dummy.experts_per_rank = 6; // experts 6, 7 unplaced
     type Corrupt = fn(&mut Vec<SourceInput>);
     let cases: Vec<(&ExchangeConfig, Corrupt, RouteError)> = vec![
-        (&c, |s| s[1].routes.idx[2 * 2 + 1] = s[1].routes.idx[2 * 2], RouteError::Duplicate { rank: 1, token: 2, slot: 1, expert: 0, first_slot: 0 }),
-        (&c, |s| s[2].routes.idx[1] = -2, RouteError::Negative { rank: 2, token: 0, slot: 1, value: -2 }),
-        (&c, |s| s[0].routes.idx[4] = 8, RouteError::Wide { rank: 0, token: 2, slot: 0, value: 8, experts: 8 }),
-        (&c_dummy, |s| s[1].routes.idx[0] = 7, RouteError::Dummy { rank: 1, token: 0, slot: 0, value: 7, owned: 6 }),
-        (&c, |s| s[1].routes.weights[3] = f32::INFINITY, RouteError::NonFiniteWeight { rank: 1, token: 1, slot: 1, value: f32::INFINITY }),
-        (&c, |s| {
-            let extra = sources(&cfg("3A:1F", 16, 8, 2), &[70], None, 4).remove(0);
-            s[2] = extra;
-        }, RouteError::OverCapacity { rank: 2, tokens: 70, capacity: 64 }),
+        (
+            &c,
+            |s| s[1].routes.idx[2 * 2 + 1] = s[1].routes.idx[2 * 2],
+            RouteError::Duplicate {
+                rank: 1,
+                token: 2,
+                slot: 1,
+                expert: 0,
+                first_slot: 0,
+            },
+        ),
+        (
+            &c,
+            |s| s[2].routes.idx[1] = -2,
+            RouteError::Negative {
+                rank: 2,
+                token: 0,
+                slot: 1,
+                value: -2,
+            },
+        ),
+        (
+            &c,
+            |s| s[0].routes.idx[4] = 8,
+            RouteError::Wide {
+                rank: 0,
+                token: 2,
+                slot: 0,
+                value: 8,
+                experts: 8,
+            },
+        ),
+        (
+            &c_dummy,
+            |s| s[1].routes.idx[0] = 7,
+            RouteError::Dummy {
+                rank: 1,
+                token: 0,
+                slot: 0,
+                value: 7,
+                owned: 6,
+            },
+        ),
+        (
+            &c,
+            |s| s[1].routes.weights[3] = f32::INFINITY,
+            RouteError::NonFiniteWeight {
+                rank: 1,
+                token: 1,
+                slot: 1,
+                value: f32::INFINITY,
+            },
+        ),
+        (
+            &c,
+            |s| {
+                let extra = sources(&cfg("3A:1F", 16, 8, 2), &[70], None, 4).remove(0);
+                s[2] = extra;
+            },
+            RouteError::OverCapacity {
+                rank: 2,
+                tokens: 70,
+                capacity: 64,
+            },
+        ),
     ];
     for (cf, corrupt, want) in cases {
         // fixed, unmasked routes so the corruption lands where the expected error says
         let mut bad: Vec<SourceInput> = (0..3)
             .map(|s| {
                 let t = 4;
-                let idx: Vec<i32> = (0..t * 2).map(|i| ((i / 2 + (i % 2) * 3 + s) % 6) as i32).collect();
+                let idx: Vec<i32> = (0..t * 2)
+                    .map(|i| ((i / 2 + (i % 2) * 3 + s) % 6) as i32)
+                    .collect();
                 SourceInput {
                     x: uniform_bf16(t * 16, 1.0, 8, s as u64),
-                    routes: Routes { tokens: t, top_k: 2, idx, weights: vec![0.5; t * 2] },
+                    routes: Routes {
+                        tokens: t,
+                        top_k: 2,
+                        idx,
+                        weights: vec![0.5; t * 2],
+                    },
                 }
             })
             .collect();
@@ -210,7 +336,11 @@ fn a_rejected_route_fails_every_rank_and_the_next_round_works() {
             match r {
                 Err(ExchangeError::Route { reporter, error }) => {
                     assert_eq!(*reporter, rank);
-                    assert_eq!(error.to_word(), want.to_word(), "rank {rank}: {error} (wanted {want})");
+                    assert_eq!(
+                        error.to_word(),
+                        want.to_word(),
+                        "rank {rank}: {error} (wanted {want})"
+                    );
                 }
                 other => panic!("rank {rank}: expected the route error {want}, got {other:?}"),
             }
@@ -229,7 +359,12 @@ fn a_rank_with_a_different_config_fails_at_set_up() {
     let errs = run(&cfgs, &[], None).unwrap_err();
     for (rank, e) in errs.iter().enumerate() {
         match e {
-            ExchangeError::Config(ConfigError::Mismatch { field, local_rank, remote_rank, .. }) => {
+            ExchangeError::Config(ConfigError::Mismatch {
+                field,
+                local_rank,
+                remote_rank,
+                ..
+            }) => {
                 assert_eq!(field, "knobs.min_rows_per_unit");
                 assert_eq!(*local_rank, rank);
                 assert_eq!(*remote_rank, if rank == 2 { 0 } else { 2 });
@@ -270,7 +405,12 @@ fn exchange_equals_the_one_device_layer() {
             });
             start += t;
         }
-        let got = run(&vec![c.clone(); c.topology.world_size()], std::slice::from_ref(&inputs), Some(&p)).unwrap();
+        let got = run(
+            &vec![c.clone(); c.topology.world_size()],
+            std::slice::from_ref(&inputs),
+            Some(&p),
+        )
+        .unwrap();
         check_round(&c, &inputs, &got[0], Some(&p));
         let u = 2f64.powi(-8);
         let bound_factor = (3.0 * u + 2.0 * c.top_k as f64 * 2f64.powi(-24)) / (1.0 - u);
@@ -290,7 +430,10 @@ fn exchange_equals_the_one_device_layer() {
                     let l = fwd.out[(start + t) * c.hidden + h].to_f64();
                     let x = out[t * c.hidden + h].to_f64();
                     let bound = bound_factor * mag[h] + 1e-30;
-                    assert!((l - x).abs() <= bound, "{topo} source {s} token {t} ch {h}: layer {l} exchange {x} bound {bound}");
+                    assert!(
+                        (l - x).abs() <= bound,
+                        "{topo} source {s} token {t} ch {h}: layer {l} exchange {x} bound {bound}"
+                    );
                 }
             }
             start += inp.routes.tokens;

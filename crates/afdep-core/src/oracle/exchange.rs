@@ -49,7 +49,11 @@ pub fn validate_sources(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<
     if inputs.len() != cfg.topology.attention_count() {
         return Err(RouteError::Malformed {
             rank: 0,
-            what: format!("{} sources given, the topology has {}", inputs.len(), cfg.topology.attention_count()),
+            what: format!(
+                "{} sources given, the topology has {}",
+                inputs.len(),
+                cfg.topology.attention_count()
+            ),
         });
     }
     for (s, inp) in inputs.iter().enumerate() {
@@ -77,12 +81,21 @@ pub fn check_rows(cfg: &ExchangeConfig, rank: usize, inp: &SourceInput) -> Resul
 }
 
 /// Dispatch: what every FFN rank receives, in FFN-index order.
-pub fn dispatch(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<Vec<FfnReceived>, RouteError> {
+pub fn dispatch(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+) -> Result<Vec<FfnReceived>, RouteError> {
     validate_sources(cfg, inputs)?;
     let p = cfg.placement();
     let h = cfg.hidden;
-    let counts: Vec<SourceCounts> = inputs.iter().map(|i| SourceCounts::build(&i.routes, &p)).collect();
-    let positions: Vec<Vec<Option<u64>>> = inputs.iter().map(|i| block_positions(&i.routes, &p)).collect();
+    let counts: Vec<SourceCounts> = inputs
+        .iter()
+        .map(|i| SourceCounts::build(&i.routes, &p))
+        .collect();
+    let positions: Vec<Vec<Option<u64>>> = inputs
+        .iter()
+        .map(|i| block_positions(&i.routes, &p))
+        .collect();
     let mut out = Vec::with_capacity(p.ffn_ranks);
     for f in 0..p.ffn_ranks {
         let plan = FfnPlan::build(f, &p, &counts);
@@ -92,9 +105,11 @@ pub fn dispatch(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<Vec<FfnR
                 if e == MASKED || p.owner(e as usize) != Some(f) {
                     continue;
                 }
-                let row = plan.block_start(p.local(e as usize), s) + positions[s][i].expect("unmasked");
+                let row =
+                    plan.block_start(p.local(e as usize), s) + positions[s][i].expect("unmasked");
                 let t = i / inp.routes.top_k;
-                expanded[row as usize * h..(row as usize + 1) * h].copy_from_slice(&inp.x[t * h..(t + 1) * h]);
+                expanded[row as usize * h..(row as usize + 1) * h]
+                    .copy_from_slice(&inp.x[t * h..(t + 1) * h]);
             }
         }
         let mut compact_tokens = Vec::new();
@@ -111,7 +126,14 @@ pub fn dispatch(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<Vec<FfnR
                 compact_x.extend_from_slice(&inp.x[t as usize * h..(t as usize + 1) * h]);
             }
         }
-        out.push(FfnReceived { plan, expanded, compact_tokens, compact_x, compact_ids, compact_weights });
+        out.push(FfnReceived {
+            plan,
+            expanded,
+            compact_tokens,
+            compact_x,
+            compact_ids,
+            compact_weights,
+        });
     }
     Ok(out)
 }
@@ -130,7 +152,10 @@ where
         .map(|(f, r)| {
             let mut y = Vec::with_capacity(r.expanded.len());
             for l in 0..p.experts_per_rank {
-                let (a, b) = (r.plan.expert_offsets[l] as usize, r.plan.expert_offsets[l + 1] as usize);
+                let (a, b) = (
+                    r.plan.expert_offsets[l] as usize,
+                    r.plan.expert_offsets[l + 1] as usize,
+                );
                 let ye = expert(p.experts_of(f).start + l, &r.expanded[a * h..b * h], b - a);
                 assert_eq!(ye.len(), (b - a) * h, "expert output must be rows × hidden");
                 y.extend(ye);
@@ -195,7 +220,12 @@ where
 }
 
 /// Combine: the output of every source, from the expanded rows `y[f]` of every FFN rank.
-pub fn combine(cfg: &ExchangeConfig, inputs: &[SourceInput], received: &[FfnReceived], y: &[Vec<bf16>]) -> Vec<Vec<bf16>> {
+pub fn combine(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+    received: &[FfnReceived],
+    y: &[Vec<bf16>],
+) -> Vec<Vec<bf16>> {
     let p = cfg.placement();
     let rows: Vec<&[bf16]> = y.iter().map(|v| v.as_slice()).collect();
     inputs
@@ -208,13 +238,23 @@ pub fn combine(cfg: &ExchangeConfig, inputs: &[SourceInput], received: &[FfnRece
                 let f = p.owner(e).expect("validated");
                 received[f].plan.block_start(p.local(e), s) + pos[i].expect("unmasked")
             };
-            combine_source(&inp.routes, cfg.hidden, |e| p.owner(e).expect("validated"), row_of, &rows)
+            combine_source(
+                &inp.routes,
+                cfg.hidden,
+                |e| p.owner(e).expect("validated"),
+                row_of,
+                &rows,
+            )
         })
         .collect()
 }
 
 /// The whole round: validate, dispatch, apply experts, combine. Returns each source's output.
-pub fn exchange<F>(cfg: &ExchangeConfig, inputs: &[SourceInput], expert: F) -> Result<Vec<Vec<bf16>>, RouteError>
+pub fn exchange<F>(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+    expert: F,
+) -> Result<Vec<Vec<bf16>>, RouteError>
 where
     F: Fn(usize, &[bf16], usize) -> Vec<bf16>,
 {
@@ -246,7 +286,15 @@ mod tests {
                     }
                 }
                 let weights = (0..t * k).map(|i| 0.1 + (i % 5) as f32 * 0.2).collect();
-                SourceInput { x, routes: Routes { tokens: t, top_k: k, idx, weights } }
+                SourceInput {
+                    x,
+                    routes: Routes {
+                        tokens: t,
+                        top_k: k,
+                        idx,
+                        weights,
+                    },
+                }
             })
             .collect()
     }
@@ -259,7 +307,9 @@ mod tests {
             let cfg = ExchangeConfig::new(t, 16, 12, 3, 64).unwrap();
             let inp = inputs(&cfg, &[5, 0, 9, 3][..t.attention_count()], 1);
             let scale = |e: usize, rows: &[bf16], _n: usize| {
-                rows.iter().map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0))).collect()
+                rows.iter()
+                    .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+                    .collect()
             };
             let out = exchange(&cfg, &inp, scale).unwrap();
             let p = cfg.placement();
@@ -272,7 +322,9 @@ mod tests {
                             let mut any = false;
                             for (e, w) in i.routes.slots(tok) {
                                 if e != MASKED && p.owner(e as usize) == Some(f) {
-                                    let y = bf16::from_f32(i.x[tok * cfg.hidden + c].to_f32() * (e as f32 + 1.0));
+                                    let y = bf16::from_f32(
+                                        i.x[tok * cfg.hidden + c].to_f32() * (e as f32 + 1.0),
+                                    );
                                     part += w * y.to_f32();
                                     any = true;
                                 }
@@ -281,7 +333,11 @@ mod tests {
                                 acc += part;
                             }
                         }
-                        assert_eq!(out[s][tok * cfg.hidden + c], bf16::from_f32(acc), "{topo} s{s} t{tok} c{c}");
+                        assert_eq!(
+                            out[s][tok * cfg.hidden + c],
+                            bf16::from_f32(acc),
+                            "{topo} s{s} t{tok} c{c}"
+                        );
                     }
                 }
             }
@@ -299,9 +355,15 @@ mod tests {
             for (i, &(s, tok)) in r.compact_tokens.iter().enumerate() {
                 assert!(seen.insert((s, tok)));
                 let row = &r.compact_x[i * 8..(i + 1) * 8];
-                assert_eq!(row, &inp[s as usize].x[tok as usize * 8..(tok as usize + 1) * 8]);
+                assert_eq!(
+                    row,
+                    &inp[s as usize].x[tok as usize * 8..(tok as usize + 1) * 8]
+                );
                 let ids = &r.compact_ids[i * 2..(i + 1) * 2];
-                assert!(ids.iter().any(|&l| l >= 0), "rank {f} got a token with no local expert");
+                assert!(
+                    ids.iter().any(|&l| l >= 0),
+                    "rank {f} got a token with no local expert"
+                );
             }
             let mut sorted = r.compact_tokens.clone();
             sorted.sort();
@@ -318,7 +380,12 @@ mod tests {
         inp[1].routes.idx[4] = -3;
         assert_eq!(
             dispatch(&cfg, &inp).unwrap_err(),
-            RouteError::Negative { rank: 1, token: 2, slot: 0, value: -3 }
+            RouteError::Negative {
+                rank: 1,
+                token: 2,
+                slot: 0,
+                value: -3
+            }
         );
     }
 }

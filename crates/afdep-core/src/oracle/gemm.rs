@@ -128,9 +128,32 @@ real_impl!(f32, sgemm);
 real_impl!(f64, dgemm);
 
 /// `C[m×n] = A[m×k] · B[k×n]` (+ C when `accumulate`), all row-major and contiguous.
-pub fn matmul<T: Real>(m: usize, k: usize, n: usize, a: &[T], b: &[T], c: &mut [T], accumulate: bool) {
+pub fn matmul<T: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    accumulate: bool,
+) {
     let beta = if accumulate { T::ONE } else { T::ZERO };
-    T::gemm_raw(m, k, n, T::ONE, a, k as isize, 1, b, n as isize, 1, beta, c, n as isize, 1);
+    T::gemm_raw(
+        m,
+        k,
+        n,
+        T::ONE,
+        a,
+        k as isize,
+        1,
+        b,
+        n as isize,
+        1,
+        beta,
+        c,
+        n as isize,
+        1,
+    );
 }
 
 /// `C[m×n] (+)= A[m×k] · Bᵀ` where B is stored row-major as n × k.
@@ -144,7 +167,22 @@ pub fn matmul_bt<T: Real>(
     accumulate: bool,
 ) {
     let beta = if accumulate { T::ONE } else { T::ZERO };
-    T::gemm_raw(m, k, n, T::ONE, a, k as isize, 1, b, 1, k as isize, beta, c, n as isize, 1);
+    T::gemm_raw(
+        m,
+        k,
+        n,
+        T::ONE,
+        a,
+        k as isize,
+        1,
+        b,
+        1,
+        k as isize,
+        beta,
+        c,
+        n as isize,
+        1,
+    );
 }
 
 /// `C[m×n] (+)= Aᵀ · B` where A is stored row-major as k × m and B as k × n.
@@ -158,7 +196,22 @@ pub fn matmul_at<T: Real>(
     accumulate: bool,
 ) {
     let beta = if accumulate { T::ONE } else { T::ZERO };
-    T::gemm_raw(m, k, n, T::ONE, a, 1, m as isize, b, n as isize, 1, beta, c, n as isize, 1);
+    T::gemm_raw(
+        m,
+        k,
+        n,
+        T::ONE,
+        a,
+        1,
+        m as isize,
+        b,
+        n as isize,
+        1,
+        beta,
+        c,
+        n as isize,
+        1,
+    );
 }
 
 #[cfg(test)]

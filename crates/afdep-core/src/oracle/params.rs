@@ -78,7 +78,9 @@ impl LayerParams {
 
     /// The tensors in [`PARAM_NAMES`] order.
     pub fn tensors(&self) -> [&Vec<bf16>; 7] {
-        [&self.wr, &self.w1, &self.w3, &self.w2, &self.s1, &self.s3, &self.s2]
+        [
+            &self.wr, &self.w1, &self.w3, &self.w2, &self.s1, &self.s3, &self.s2,
+        ]
     }
 
     /// Mutable tensors in [`PARAM_NAMES`] order.
@@ -97,7 +99,11 @@ impl LayerParams {
     /// Checks every tensor's length against the shape; the error names the tensor.
     pub fn check(&self) -> Result<(), crate::error::ConfigError> {
         self.shape.validate()?;
-        for ((name, t), n) in PARAM_NAMES.iter().zip(self.tensors()).zip(Self::sizes(&self.shape)) {
+        for ((name, t), n) in PARAM_NAMES
+            .iter()
+            .zip(self.tensors())
+            .zip(Self::sizes(&self.shape))
+        {
             if t.len() != n {
                 return Err(crate::error::ConfigError::Invalid {
                     field: name,
@@ -139,6 +145,8 @@ pub struct LayerGrads {
 impl LayerGrads {
     /// The parameter gradients in [`PARAM_NAMES`] order.
     pub fn params(&self) -> [&Vec<bf16>; 7] {
-        [&self.dwr, &self.dw1, &self.dw3, &self.dw2, &self.ds1, &self.ds3, &self.ds2]
+        [
+            &self.dwr, &self.dw1, &self.dw3, &self.dw2, &self.ds1, &self.ds3, &self.ds2,
+        ]
     }
 }

@@ -1,0 +1,112 @@
+// afdep kernels: PTX wrappers, bf16 conversions, warp helpers and bounded waits.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "common/types.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// bf16 <-> f32. Storage is raw u16 bits on both sides (half::bf16 on the host).
+
+// Exact widening of bf16 bits to f32.
+static __device__ __forceinline__ float afdep_bf16_to_f32(u16 bits) {
+    return __uint_as_float(((u32)bits) << 16);
+}
+
+// f32 to bf16 bits, round to nearest even (the rounding of half::bf16::from_f32 for every
+// non-NaN value).
+static __device__ __forceinline__ u16 afdep_f32_to_bf16(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-byte global memory access.
+
+// A 16-byte read through the read-only (non-coherent) path: for inputs that no kernel writes
+// while this one runs.
+static __device__ __forceinline__ uint4 afdep_ld_nc_v4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// A 16-byte global store.
+static __device__ __forceinline__ void afdep_st_v4(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Whether a pointer is 16-byte aligned.
+static __device__ __forceinline__ bool afdep_aligned16(const void* p) {
+    return (((u64)p) & 15u) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp helpers.
+
+static __device__ __forceinline__ u32 afdep_lane() {
+    u32 l;
+    asm("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+}
+
+// Bit i set for every lane i below this one.
+static __device__ __forceinline__ u32 afdep_lanemask_lt() {
+    u32 m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+static __device__ __forceinline__ float afdep_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Butterfly sum: every lane ends with the same value (the order is fixed, so it is
+// deterministic, but it is a tree, not an ascending sum).
+static __device__ __forceinline__ float afdep_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Acquire/release flags and bounded waits (used by the exchange kernels: a wait that runs out
+// of time reports it instead of hanging; there is no device trap anywhere in afdep).
+
+static __device__ __forceinline__ u32 afdep_ld_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ u32 afdep_ld_acquire_sys(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void afdep_st_release_sys(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+static __device__ __forceinline__ u64 afdep_globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Waits until *flag >= target (system-scope acquire), at most timeout_ns nanoseconds.
+// Returns whether the value was reached.
+static __device__ __forceinline__ bool afdep_wait_ge(const u32* flag, u32 target, u64 timeout_ns) {
+    const u64 start = afdep_globaltimer_ns();
+    while (afdep_ld_acquire_sys(flag) < target) {
+        if (afdep_globaltimer_ns() - start > timeout_ns) return false;
+        __nanosleep(64);
+    }
+    return true;
+}

@@ -1,0 +1,125 @@
+// Route validation on the device (afdep_core::route::validate, bit for bit in the error word).
+// Specialised by AFDEP_TOP_K (K).
+//
+// Pass 1 (afdep_validate_scan): one thread per token finds the token's first offending slot,
+// checking slots in ascending order and, within a slot, negative, wide, dummy, non-finite
+// weight, duplicate (masked -1 slots are skipped). The offence with the smallest key
+// 1 + token * K + slot wins through a 64-bit atomicMax on the inverted key; key 0 (checked
+// before any slot) is over-capacity. Pass 2 (afdep_validate_word, one thread) rebuilds the
+// winning offence and writes the error word, then clears the key, so the state is ready for
+// the next validation without a memset. No trap, no assert: a bad route never breaks the
+// context.
+
+#include "common/types.cuh"
+#include "layout/route_error.cuh"
+
+#ifndef AFDEP_TOP_K
+#error "validate.cu needs AFDEP_TOP_K"
+#endif
+#define K AFDEP_TOP_K
+
+struct Offence {
+    u32 cls;    // AFDEP_ROUTE_* (OK: none)
+    u32 slot;   // offending slot
+    u32 value;  // value bits
+    u32 extra;  // extra word
+};
+
+// The first offence of token t, in slot order.
+static __device__ __forceinline__ Offence afdep_check_token(const i32* __restrict__ idx,
+                                                           const float* __restrict__ w, u64 t,
+                                                           u64 experts, u64 owned) {
+    i32 ids[K];
+#pragma unroll
+    for (int s = 0; s < K; s++) ids[s] = idx[t * K + s];
+    Offence o = {AFDEP_ROUTE_OK, 0, 0, 0};
+#pragma unroll
+    for (int s = 0; s < K; s++) {
+        const i32 v = ids[s];
+        if (v == AFDEP_MASKED) continue;
+        o.slot = (u32)s;
+        o.value = (u32)v;
+        if (v < AFDEP_MASKED) {
+            o.cls = AFDEP_ROUTE_NEGATIVE;
+            return o;
+        }
+        if ((u64)v >= experts) {
+            o.cls = AFDEP_ROUTE_WIDE;
+            o.extra = afdep_sat_u32(experts);
+            return o;
+        }
+        if ((u64)v >= owned) {
+            o.cls = AFDEP_ROUTE_DUMMY;
+            o.extra = afdep_sat_u32(owned);
+            return o;
+        }
+        const u32 wb = __float_as_uint(w[t * K + s]);
+        if ((wb & 0x7f800000u) == 0x7f800000u) {
+            o.cls = AFDEP_ROUTE_NON_FINITE_WEIGHT;
+            o.value = wb;
+            return o;
+        }
+        // The earliest equal slot (earlier slots are masked or valid, or we returned there).
+        for (int j = 0; j < s; j++) {
+            if (ids[j] == v) {
+                o.cls = AFDEP_ROUTE_DUPLICATE;
+                o.extra = (u32)j;
+                return o;
+            }
+        }
+    }
+    o.cls = AFDEP_ROUTE_OK;
+    return o;
+}
+
+// state: AFDEP_ROUTE_STATE_WORDS u32 (see layout/route_error.cuh). Grid-stride over tokens.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_validate_scan(const i32* __restrict__ idx, const float* __restrict__ w, u32* state,
+                        u64 tokens, u64 experts, u64 owned, u64 capacity) {
+    u64* key = (u64*)(state + AFDEP_ROUTE_STATE_KEY_WORD);
+    if (tokens > capacity) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) atomicMax(key, ~0ull);  // ~(key 0)
+        return;
+    }
+    const u64 stride = (u64)gridDim.x * AFDEP_BLOCK;
+    for (u64 t = (u64)blockIdx.x * AFDEP_BLOCK + threadIdx.x; t < tokens; t += stride) {
+        // An offence before this token is already known: no later token can win.
+        if (*(volatile u64*)key > ~(1ull + t * K)) break;
+        const Offence o = afdep_check_token(idx, w, t, experts, owned);
+        if (o.cls != AFDEP_ROUTE_OK) {
+            atomicMax(key, ~(1ull + t * K + o.slot));
+            break;
+        }
+    }
+}
+
+// One thread: turns the winning key into the error word (all zero: no error) and clears it.
+extern "C" __global__ void afdep_validate_word(const i32* __restrict__ idx,
+                                               const float* __restrict__ w, u32* state,
+                                               u64 tokens, u64 experts, u64 owned, u64 capacity,
+                                               u32 rank) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    u64* keyp = (u64*)(state + AFDEP_ROUTE_STATE_KEY_WORD);
+    const u64 inv = *keyp;
+    u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
+    if (inv != 0) {
+        const u64 key = ~inv;
+        word[1] = rank;
+        if (key == 0) {
+            word[0] = AFDEP_ROUTE_OVER_CAPACITY;
+            word[2] = afdep_sat_u32(tokens);
+            word[5] = afdep_sat_u32(capacity);
+        } else {
+            const u64 t = (key - 1) / K;
+            const Offence o = afdep_check_token(idx, w, t, experts, owned);
+            word[0] = o.cls;
+            word[2] = afdep_sat_u32(t);
+            word[3] = o.slot;
+            word[4] = o.value;
+            word[5] = o.extra;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) state[i] = word[i];
+    *keyp = 0;
+}

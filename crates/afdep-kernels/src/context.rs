@@ -1,0 +1,243 @@
+//! [`GpuContext`]: one device, one stream, the JIT, and the modules loaded on it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, sys as cu};
+use cudarc::nvrtc::Ptx;
+
+use crate::error::KernelError;
+use crate::jit::{Arch, Jit, JitOptions};
+use crate::sources::{KernelId, ModuleSpec};
+
+/// A CUDA device context for afdep's kernels: the cudarc context and one stream every
+/// launcher uses, the [`Jit`], and the modules loaded so far (each compiled, or read from the
+/// disk cache, and loaded once, at first use).
+pub struct GpuContext {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    jit: Jit,
+    modules: Mutex<HashMap<ModuleSpec, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(ModuleSpec, KernelId), CudaFunction>>,
+}
+
+impl std::fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+/// Checks that the driver library can be loaded and initialised and sees at least one device;
+/// [`KernelError::NoDriver`] with the reason otherwise. Returns the number of devices.
+pub fn probe_driver() -> Result<usize, KernelError> {
+    // SAFETY: loading libcuda runs its initialisers, which is what any CUDA program does; the
+    // probe only tries the candidate names.
+    if !unsafe { cu::is_culib_present() } {
+        return Err(KernelError::NoDriver {
+            why: "libcuda.so (the NVIDIA driver library) cannot be loaded: no NVIDIA driver is \
+                  installed on this machine, or it is not on the library path"
+                .into(),
+        });
+    }
+    cudarc::driver::result::init().map_err(|e| KernelError::NoDriver {
+        why: format!("the NVIDIA driver failed to initialise (cuInit): {e}"),
+    })?;
+    let n = CudaContext::device_count().map_err(|e| KernelError::NoDriver {
+        why: format!("the NVIDIA driver cannot count devices: {e}"),
+    })?;
+    if n <= 0 {
+        return Err(KernelError::NoDriver {
+            why: "the NVIDIA driver sees no CUDA device".into(),
+        });
+    }
+    Ok(n as usize)
+}
+
+impl GpuContext {
+    /// A context on device `ordinal` with the JIT settings of [`JitOptions::from_env`].
+    ///
+    /// Without a usable driver this is [`KernelError::NoDriver`] (never a panic); without
+    /// NVRTC [`KernelError::NoNvrtc`]; without CUDA headers [`KernelError::NoHeaders`].
+    pub fn new(ordinal: usize) -> Result<GpuContext, KernelError> {
+        GpuContext::with_options(ordinal, JitOptions::from_env())
+    }
+
+    /// A context on device `ordinal` with explicit JIT settings. The architecture comes from
+    /// the device's compute capability ([`Arch::from_compute_capability`]), or from
+    /// `AFDEP_KERNEL_ARCH` when set.
+    pub fn with_options(ordinal: usize, options: JitOptions) -> Result<GpuContext, KernelError> {
+        let devices = probe_driver()?;
+        if ordinal >= devices {
+            return Err(KernelError::Unsupported(format!(
+                "device {ordinal} requested, the driver sees {devices}"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(KernelError::driver(format!(
+            "creating a context on device {ordinal}"
+        )))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(KernelError::driver("reading the compute capability"))?;
+        let arch = match std::env::var("AFDEP_KERNEL_ARCH") {
+            Ok(a) if !a.is_empty() => Arch::parse(&a).ok_or_else(|| {
+                KernelError::Unsupported(format!("AFDEP_KERNEL_ARCH={a} is not sm_XY[a]"))
+            })?,
+            _ => Arch::from_compute_capability(major, minor),
+        };
+        let jit = Jit::new(options)?;
+        let stream = ctx
+            .new_stream()
+            .map_err(KernelError::driver("creating a stream"))?;
+        tracing::info!(
+            ordinal,
+            device = ctx.name().unwrap_or_default(),
+            %arch,
+            nvrtc = ?jit.nvrtc_version(),
+            "afdep GPU context"
+        );
+        Ok(GpuContext {
+            ctx,
+            stream,
+            arch,
+            jit,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The cudarc context.
+    pub fn cuda(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every launcher of this context uses.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The architecture modules are compiled for.
+    pub fn arch(&self) -> &Arch {
+        &self.arch
+    }
+
+    /// The JIT.
+    pub fn jit(&self) -> &Jit {
+        &self.jit
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> Result<String, KernelError> {
+        self.ctx
+            .name()
+            .map_err(KernelError::driver("reading the device name"))
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        self.stream
+            .synchronize()
+            .map_err(KernelError::driver("synchronising the stream"))
+    }
+
+    /// The module `spec`, compiled (or read from the cache) and loaded at its first use.
+    pub fn module(&self, spec: &ModuleSpec) -> Result<Arc<CudaModule>, KernelError> {
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = modules.get(spec) {
+            return Ok(m.clone());
+        }
+        let compiled = self.jit.compile(spec, &self.arch)?;
+        for r in compiled.resources().iter().filter(|r| r.spills()) {
+            tracing::warn!(module = %spec, kernel = %r.name, stores = r.spill_stores, loads = r.spill_loads, "kernel spills registers");
+        }
+        let m = self
+            .ctx
+            .load_module(Ptx::from_binary(compiled.cubin))
+            .map_err(KernelError::driver(format!(
+                "loading module {spec} ({})",
+                self.arch
+            )))?;
+        modules.insert(*spec, m.clone());
+        Ok(m)
+    }
+
+    /// The function of `kernel` specialised for `experts` and `top_k` (values the kernel's
+    /// file is not specialised by are ignored).
+    pub fn function(
+        &self,
+        kernel: KernelId,
+        experts: u32,
+        top_k: u32,
+    ) -> Result<CudaFunction, KernelError> {
+        let spec = ModuleSpec::of(kernel, experts, top_k);
+        if let Some(f) = self
+            .functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(spec, kernel))
+        {
+            return Ok(f.clone());
+        }
+        let m = self.module(&spec)?;
+        let f = m
+            .load_function(kernel.entry())
+            .map_err(KernelError::driver(format!("loading {kernel} from {spec}")))?;
+        self.functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((spec, kernel), f.clone());
+        Ok(f)
+    }
+
+    /// Loads the given modules now (e.g. before timing), instead of at first use.
+    pub fn preload(&self, specs: &[ModuleSpec]) -> Result<(), KernelError> {
+        for s in specs {
+            self.module(s)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the context for an earlier asynchronous failure (a faulting kernel).
+    pub fn check(&self) -> Result<(), KernelError> {
+        self.ctx
+            .check_err()
+            .map_err(KernelError::driver("an earlier launch"))
+    }
+}
+
+/// Maps a driver error of a launch.
+pub(crate) fn launch_err(kernel: KernelId) -> impl FnOnce(DriverError) -> KernelError {
+    KernelError::driver(format!("launching {kernel}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn context_can_be_shared_across_threads() {
+        send_sync::<GpuContext>();
+        send_sync::<crate::ops::DeviceRoutes>();
+        send_sync::<crate::ExpertLayout>();
+    }
+
+    #[test]
+    fn no_driver_here_is_a_typed_error() {
+        // On a machine without libcuda this is NoDriver (and never a panic); with a driver
+        // it succeeds or fails for another reason.
+        if let Err(e) = probe_driver() {
+            assert!(e.is_no_driver(), "{e}");
+            assert!(e.to_string().contains("no usable NVIDIA driver"));
+        }
+    }
+}

@@ -1,0 +1,473 @@
+//! The embedded CUDA C++ sources, the kernel ids, and the specialisations they are compiled for.
+//!
+//! Every `.cu` and `.cuh` file under `crates/afdep-kernels/cuda/` is embedded with
+//! `include_str!`. Headers are handed to NVRTC as in-memory headers (by their path relative to
+//! `cuda/`, e.g. `common/ptx.cuh`), so a compiled module depends only on the embedded text, the
+//! options, the NVRTC version and the architecture: exactly what the cache key hashes.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// The embedded headers: `(include name, text)`, sorted by name.
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
+    ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
+    (
+        "layout/route_error.cuh",
+        include_str!("../cuda/layout/route_error.cuh"),
+    ),
+];
+
+/// Threads per block of every kernel (`AFDEP_BLOCK` on the device).
+pub const BLOCK: u32 = 256;
+
+/// Slots per block of the layout kernels (`AFDEP_LAYOUT_CHUNK` on the device).
+pub const LAYOUT_CHUNK: u32 = 4096;
+
+/// Most experts a module may be specialised for.
+pub const MAX_EXPERTS: u32 = 1024;
+
+/// Most slots per token a module may be specialised for.
+pub const MAX_TOP_K: u32 = 32;
+
+/// The top-k values the runtime compiles for (`cargo xtask kernels` builds all of them).
+pub const RUNTIME_TOP_K: [u32; 4] = [1, 2, 6, 8];
+
+/// The expert counts the runtime compiles for (`cargo xtask kernels` builds all of them).
+pub const RUNTIME_EXPERTS: [u32; 3] = [64, 96, 128];
+
+/// One `.cu` file: a module of one or more kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SourceFile {
+    /// `router.cu`: logits GEMM and softmax/top-k (specialised by experts and top-k).
+    Router,
+    /// `validate.cu`: route validation into the error word (specialised by top-k).
+    Validate,
+    /// `layout.cu`: per-expert counts, offsets and the counting sort (specialised by experts).
+    Layout,
+    /// `permute.cu`: permute and weighted un-permute (specialised by top-k).
+    Permute,
+}
+
+impl SourceFile {
+    /// Every source file.
+    pub const ALL: [SourceFile; 4] = [
+        SourceFile::Router,
+        SourceFile::Validate,
+        SourceFile::Layout,
+        SourceFile::Permute,
+    ];
+
+    /// The file name (also the NVRTC program name).
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceFile::Router => "router.cu",
+            SourceFile::Validate => "validate.cu",
+            SourceFile::Layout => "layout.cu",
+            SourceFile::Permute => "permute.cu",
+        }
+    }
+
+    /// The embedded text.
+    pub fn text(self) -> &'static str {
+        match self {
+            SourceFile::Router => include_str!("../cuda/router.cu"),
+            SourceFile::Validate => include_str!("../cuda/validate.cu"),
+            SourceFile::Layout => include_str!("../cuda/layout.cu"),
+            SourceFile::Permute => include_str!("../cuda/permute.cu"),
+        }
+    }
+
+    /// Whether the module is specialised by the number of experts.
+    pub fn uses_experts(self) -> bool {
+        matches!(self, SourceFile::Router | SourceFile::Layout)
+    }
+
+    /// Whether the module is specialised by top-k.
+    pub fn uses_top_k(self) -> bool {
+        matches!(
+            self,
+            SourceFile::Router | SourceFile::Validate | SourceFile::Permute
+        )
+    }
+
+    /// The kernels the file defines.
+    pub fn kernels(self) -> impl Iterator<Item = KernelId> {
+        KernelId::ALL
+            .into_iter()
+            .filter(move |k| k.source() == self)
+    }
+}
+
+/// A kernel: its source file and its entry point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelId {
+    /// `logits = x·Wr` in f32 (tiled, bf16 inputs).
+    RouterLogits,
+    /// Softmax, top-k with ties to the lower id, renormalisation.
+    RouterTopk,
+    /// Route validation, pass 1: the first offending (token, slot) by an atomic on its key.
+    ValidateRoutes,
+    /// Route validation, pass 2: writes the error word of the winning offence.
+    ValidateWord,
+    /// Layout: per-block, per-expert slot counts.
+    ExpertCounts,
+    /// Layout: per-expert scan of the block counts and the expert totals.
+    ExpertScanBlocks,
+    /// Layout: 64-bit exclusive offsets of the experts.
+    ExpertOffsets,
+    /// Layout: the stable scatter of slots to rows.
+    ExpertScatter,
+    /// Gather token rows into expert order.
+    Permute,
+    /// Weighted sum of expert rows back into token order.
+    Unpermute,
+}
+
+impl KernelId {
+    /// Every kernel.
+    pub const ALL: [KernelId; 10] = [
+        KernelId::RouterLogits,
+        KernelId::RouterTopk,
+        KernelId::ValidateRoutes,
+        KernelId::ValidateWord,
+        KernelId::ExpertCounts,
+        KernelId::ExpertScanBlocks,
+        KernelId::ExpertOffsets,
+        KernelId::ExpertScatter,
+        KernelId::Permute,
+        KernelId::Unpermute,
+    ];
+
+    /// The source file that defines the kernel.
+    pub fn source(self) -> SourceFile {
+        match self {
+            KernelId::RouterLogits | KernelId::RouterTopk => SourceFile::Router,
+            KernelId::ValidateRoutes | KernelId::ValidateWord => SourceFile::Validate,
+            KernelId::ExpertCounts
+            | KernelId::ExpertScanBlocks
+            | KernelId::ExpertOffsets
+            | KernelId::ExpertScatter => SourceFile::Layout,
+            KernelId::Permute | KernelId::Unpermute => SourceFile::Permute,
+        }
+    }
+
+    /// The `extern "C"` entry name.
+    pub fn entry(self) -> &'static str {
+        match self {
+            KernelId::RouterLogits => "afdep_router_logits",
+            KernelId::RouterTopk => "afdep_router_topk",
+            KernelId::ValidateRoutes => "afdep_validate_scan",
+            KernelId::ValidateWord => "afdep_validate_word",
+            KernelId::ExpertCounts => "afdep_layout_count",
+            KernelId::ExpertScanBlocks => "afdep_layout_scan_blocks",
+            KernelId::ExpertOffsets => "afdep_layout_scan_experts",
+            KernelId::ExpertScatter => "afdep_layout_scatter",
+            KernelId::Permute => "afdep_permute",
+            KernelId::Unpermute => "afdep_unpermute",
+        }
+    }
+
+    /// The kernel whose entry name is `entry`.
+    pub fn from_entry(entry: &str) -> Option<KernelId> {
+        KernelId::ALL.into_iter().find(|k| k.entry() == entry)
+    }
+
+    /// Whether the kernel may use local memory for spills (`cargo xtask kernels` fails on any
+    /// spill of a kernel not allowed here). None may, for now.
+    pub fn may_spill(self) -> bool {
+        false
+    }
+}
+
+impl fmt::Display for KernelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.entry())
+    }
+}
+
+/// The compile-time constants a module is specialised by. Values a file does not use are
+/// `None` (see [`ModuleSpec::new`]), so every kernel of one specialisation shares one module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModuleSpec {
+    /// The source file.
+    pub file: SourceFile,
+    /// `AFDEP_EXPERTS`, for files that use it.
+    pub experts: Option<u32>,
+    /// `AFDEP_TOP_K`, for files that use it.
+    pub top_k: Option<u32>,
+}
+
+impl ModuleSpec {
+    /// The module of `file` for `experts` and `top_k`, keeping only the values the file uses.
+    pub fn new(file: SourceFile, experts: u32, top_k: u32) -> ModuleSpec {
+        ModuleSpec {
+            file,
+            experts: file.uses_experts().then_some(experts),
+            top_k: file.uses_top_k().then_some(top_k),
+        }
+    }
+
+    /// The module that holds `kernel` for `experts` and `top_k`.
+    pub fn of(kernel: KernelId, experts: u32, top_k: u32) -> ModuleSpec {
+        ModuleSpec::new(kernel.source(), experts, top_k)
+    }
+
+    /// Checks the constants against the supported ranges; the reason when they are out.
+    pub fn check(&self) -> Result<(), String> {
+        match (self.experts, self.top_k) {
+            (Some(e), _) if !(1..=MAX_EXPERTS).contains(&e) => {
+                Err(format!("{e} experts: supported are 1..={MAX_EXPERTS}"))
+            }
+            (_, Some(k)) if !(1..=MAX_TOP_K).contains(&k) => {
+                Err(format!("top-k {k}: supported are 1..={MAX_TOP_K}"))
+            }
+            (Some(e), Some(k)) if k > e => Err(format!("top-k {k} above the {e} experts")),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `-D` defines of the module (always `AFDEP_BLOCK`, the layout chunk for the layout).
+    pub fn defines(&self) -> Vec<(&'static str, u32)> {
+        let mut d = vec![("AFDEP_BLOCK", BLOCK)];
+        if let Some(e) = self.experts {
+            d.push(("AFDEP_EXPERTS", e));
+        }
+        if let Some(k) = self.top_k {
+            d.push(("AFDEP_TOP_K", k));
+        }
+        if self.file == SourceFile::Layout {
+            d.push(("AFDEP_LAYOUT_CHUNK", LAYOUT_CHUNK));
+        }
+        d
+    }
+
+    /// A short label, e.g. `router E=64 K=8`.
+    pub fn label(&self) -> String {
+        let mut s = self.file.name().trim_end_matches(".cu").to_string();
+        if let Some(e) = self.experts {
+            s.push_str(&format!(" E={e}"));
+        }
+        if let Some(k) = self.top_k {
+            s.push_str(&format!(" K={k}"));
+        }
+        s
+    }
+}
+
+impl fmt::Display for ModuleSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+/// Every module variant the runtime uses: each source file × [`RUNTIME_EXPERTS`] ×
+/// [`RUNTIME_TOP_K`], deduplicated by what the file is specialised by. This is the list
+/// `cargo xtask kernels` compiles.
+pub fn runtime_variants() -> Vec<ModuleSpec> {
+    let mut v = Vec::new();
+    for file in SourceFile::ALL {
+        for e in RUNTIME_EXPERTS {
+            for k in RUNTIME_TOP_K {
+                let m = ModuleSpec::new(file, e, k);
+                if !v.contains(&m) {
+                    v.push(m);
+                }
+            }
+        }
+    }
+    v
+}
+
+/// SHA-256 over every embedded source (file names and texts, in a fixed order) and the
+/// block and chunk constants, as lowercase hex.
+pub fn source_digest_full() -> String {
+    let mut h = Sha256::new();
+    h.update(b"afdep-kernels sources v1\0");
+    for (name, text) in HEADERS {
+        hash_part(&mut h, name.as_bytes());
+        hash_part(&mut h, text.as_bytes());
+    }
+    for f in SourceFile::ALL {
+        hash_part(&mut h, f.name().as_bytes());
+        hash_part(&mut h, f.text().as_bytes());
+    }
+    hash_part(
+        &mut h,
+        format!("BLOCK={BLOCK} LAYOUT_CHUNK={LAYOUT_CHUNK}").as_bytes(),
+    );
+    hex(&h.finalize())
+}
+
+/// A short hex digest (16 hex digits) of all embedded kernel sources: printed by
+/// `afdep kernels --digest` and carried by every benchmark row, so a result names the exact
+/// kernels that produced it.
+pub fn source_digest() -> String {
+    source_digest_full()[..16].to_string()
+}
+
+/// Hashes a length-prefixed part, so that concatenations cannot collide.
+pub(crate) fn hash_part(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+/// Lowercase hex of bytes.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_is_short_stable_hex() {
+        let d = source_digest();
+        assert_eq!(d.len(), 16);
+        assert!(
+            d.chars()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        );
+        assert_eq!(d, source_digest());
+        assert!(source_digest_full().starts_with(&d));
+        assert_eq!(source_digest_full().len(), 64);
+    }
+
+    #[test]
+    fn digest_covers_every_source() {
+        // Every file the sources include is embedded, and every embedded file is hashed.
+        let mut names: Vec<&str> = HEADERS.iter().map(|(n, _)| *n).collect();
+        let sorted = {
+            let mut s = names.clone();
+            s.sort_unstable();
+            s
+        };
+        assert_eq!(names, sorted, "HEADERS must stay sorted");
+        for f in SourceFile::ALL {
+            names.push(f.name());
+        }
+        let texts = HEADERS
+            .iter()
+            .map(|(_, t)| *t)
+            .chain(SourceFile::ALL.iter().map(|f| f.text()));
+        for t in texts {
+            for line in t.lines() {
+                if let Some(rest) = line.trim().strip_prefix("#include \"") {
+                    let inc = rest.trim_end_matches('"');
+                    assert!(names.contains(&inc), "{inc} is included but not embedded");
+                }
+            }
+        }
+        // The cuda/ folder holds exactly the embedded files.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("cuda");
+        let mut on_disk = Vec::new();
+        let mut stack = vec![dir.clone()];
+        while let Some(d) = stack.pop() {
+            for ent in std::fs::read_dir(&d).unwrap() {
+                let p = ent.unwrap().path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else if matches!(p.extension().and_then(|e| e.to_str()), Some("cu" | "cuh")) {
+                    on_disk.push(
+                        p.strip_prefix(&dir)
+                            .unwrap()
+                            .to_string_lossy()
+                            .replace('\\', "/"),
+                    );
+                }
+            }
+        }
+        on_disk.sort();
+        let mut embedded: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+        embedded.sort();
+        assert_eq!(on_disk, embedded, "every file under cuda/ must be embedded");
+    }
+
+    #[test]
+    fn kernels_map_to_unique_entries_and_back() {
+        for k in KernelId::ALL {
+            assert_eq!(KernelId::from_entry(k.entry()), Some(k));
+            assert!(
+                k.source().text().contains(&format!("{}(", k.entry())),
+                "{k} not in {}",
+                k.source().name()
+            );
+            assert!(k.source().kernels().any(|x| x == k));
+        }
+    }
+
+    #[test]
+    fn specs_keep_only_used_constants() {
+        let a = ModuleSpec::of(KernelId::Permute, 64, 8);
+        let b = ModuleSpec::of(KernelId::Unpermute, 128, 8);
+        assert_eq!(a, b, "permute is specialised by top-k only");
+        assert_eq!(
+            ModuleSpec::of(KernelId::ExpertCounts, 96, 1),
+            ModuleSpec::of(KernelId::ExpertScatter, 96, 8)
+        );
+        assert_eq!(
+            ModuleSpec::of(KernelId::RouterTopk, 96, 6).label(),
+            "router E=96 K=6"
+        );
+        assert!(ModuleSpec::new(SourceFile::Router, 4, 8).check().is_err());
+        assert!(
+            ModuleSpec::new(SourceFile::Layout, 2048, 1)
+                .check()
+                .is_err()
+        );
+        assert!(
+            ModuleSpec::new(SourceFile::Validate, 1, 33)
+                .check()
+                .is_err()
+        );
+        let v = runtime_variants();
+        assert_eq!(v.len(), 12 + 4 + 3 + 4);
+        assert!(v.iter().all(|m| m.check().is_ok()));
+    }
+
+    /// The error-word class codes of the device header equal afdep-core's.
+    #[test]
+    fn route_error_header_matches_core() {
+        use afdep_core::error::route_class as c;
+        let text = HEADERS
+            .iter()
+            .find(|(n, _)| *n == "layout/route_error.cuh")
+            .unwrap()
+            .1;
+        let get = |name: &str| -> u32 {
+            let line = text
+                .lines()
+                .find(|l| l.split_whitespace().nth(1) == Some(name))
+                .unwrap_or_else(|| panic!("{name} missing"));
+            line.split_whitespace()
+                .nth(2)
+                .unwrap()
+                .trim_end_matches('u')
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(get("AFDEP_ROUTE_OK"), c::OK);
+        assert_eq!(get("AFDEP_ROUTE_DUPLICATE"), c::DUPLICATE);
+        assert_eq!(get("AFDEP_ROUTE_NEGATIVE"), c::NEGATIVE);
+        assert_eq!(get("AFDEP_ROUTE_WIDE"), c::WIDE);
+        assert_eq!(get("AFDEP_ROUTE_DUMMY"), c::DUMMY);
+        assert_eq!(get("AFDEP_ROUTE_NON_FINITE_WEIGHT"), c::NON_FINITE_WEIGHT);
+        assert_eq!(get("AFDEP_ROUTE_OVER_CAPACITY"), c::OVER_CAPACITY);
+        assert_eq!(get("AFDEP_ROUTE_MALFORMED"), c::MALFORMED);
+        assert_eq!(
+            get("AFDEP_ROUTE_ERROR_WORDS") as usize,
+            afdep_core::error::ROUTE_ERROR_WORDS
+        );
+        assert_eq!(
+            get("AFDEP_ROUTE_STATE_WORDS") as usize,
+            crate::ops::validate::STATE_WORDS
+        );
+    }
+}

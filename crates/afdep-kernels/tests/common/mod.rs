@@ -1,0 +1,132 @@
+//! Shared helpers of the GPU tests: the context (or the reason to skip), random inputs, and
+//! the CPU side of the comparisons.
+#![allow(dead_code)]
+
+use afdep_core::route::{MASKED, Routes};
+use afdep_kernels::{GpuContext, KernelError};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// The token counts every kernel is checked at.
+pub const TOKENS: [usize; 5] = [1, 7, 1000, 16384, 1 << 20];
+/// The expert counts every kernel is checked at.
+pub const EXPERTS: [usize; 3] = [64, 96, 128];
+/// The top-k values every kernel is checked at.
+pub const TOP_K: [usize; 4] = [1, 2, 6, 8];
+
+/// The GPU context of device 0, or `None` after printing `SKIP: <reason>` when there is no
+/// driver. With `AFDEP_REQUIRE_GPU=1` a missing driver fails the test instead (the GPU
+/// machine's run script sets it, so a broken setup cannot pass as skipped).
+pub fn gpu() -> Option<GpuContext> {
+    match GpuContext::new(0) {
+        Ok(c) => Some(c),
+        Err(KernelError::NoDriver { why }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
+            }
+            println!("SKIP: {why}");
+            None
+        }
+        Err(e) => panic!("creating the GPU context failed: {e}"),
+    }
+}
+
+/// A seeded generator.
+pub fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Valid routes: each token picks `k` distinct experts of `0..owned` in random order; a
+/// fraction `masked` of the slots is masked (their weight is NaN or junk, which validation
+/// must ignore).
+pub fn valid_routes(
+    r: &mut ChaCha8Rng,
+    tokens: usize,
+    k: usize,
+    owned: usize,
+    masked: f64,
+) -> Routes {
+    let all: Vec<i32> = (0..owned as i32).collect();
+    let mut idx = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        for &e in all.choose_multiple(r, k) {
+            if masked > 0.0 && r.gen_bool(masked) {
+                idx.push(MASKED);
+                weights.push(if r.gen_bool(0.5) { f32::NAN } else { 7.0 });
+            } else {
+                idx.push(e);
+                weights.push(r.gen_range(0.0f32..1.0));
+            }
+        }
+    }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
+}
+
+/// Routes concentrated on few experts: every token uses experts `0..k` (in a random order),
+/// so each of them receives up to `tokens` rows.
+pub fn skewed_routes(r: &mut ChaCha8Rng, tokens: usize, k: usize) -> Routes {
+    let mut idx = Vec::with_capacity(tokens * k);
+    let mut base: Vec<i32> = (0..k as i32).collect();
+    for _ in 0..tokens {
+        base.shuffle(r);
+        idx.extend_from_slice(&base);
+    }
+    let weights = (0..tokens * k).map(|i| (i % 7) as f32 * 0.125).collect();
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
+}
+
+/// `f(chunk index, range)` over `0..n` split in chunks, on all cores; results in order.
+pub fn par_chunks<T: Send>(
+    n: usize,
+    chunk: usize,
+    f: impl Fn(std::ops::Range<usize>) -> T + Sync,
+) -> Vec<T> {
+    let ranges: Vec<_> = (0..n.div_ceil(chunk))
+        .map(|i| i * chunk..((i + 1) * chunk).min(n))
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(4)
+        .min(ranges.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out: std::sync::Mutex<Vec<(usize, T)>> = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(r) = ranges.get(i) else { break };
+                    let v = f(r.clone());
+                    out.lock().unwrap().push((i, v));
+                }
+            });
+        }
+    });
+    let mut v = out.into_inner().unwrap();
+    v.sort_by_key(|(i, _)| *i);
+    v.into_iter().map(|(_, x)| x).collect()
+}
+
+/// The bits of a bf16 slice (NaN-safe equality).
+pub fn bf16_bits(v: &[half::bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Random bf16 values in `[-scale, scale)`.
+pub fn random_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<half::bf16> {
+    (0..n)
+        .map(|_| half::bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale))
+        .collect()
+}
