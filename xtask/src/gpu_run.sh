@@ -37,7 +37,10 @@ for t in "$here"/tests/*; do
     "$t" --test-threads=1 --nocapture > "$log" 2>&1; rc=$?
   fi
   secs=$(( $(date +%s) - start ))
-  p=$(grep -cE '^test .* \.\.\. ok$' "$log"); f=$(grep -cE '^test .* \.\.\. FAILED$' "$log")
+  # libtest's closing line per binary ("test result: ok. N passed; M failed; ...") is the count;
+  # per-test lines can interleave with the tests' own output under --nocapture
+  p=$(grep -oE 'test result: [a-zA-Z]+\. [0-9]+ passed' "$log" | awk '{s+=$4} END {print s+0}')
+  f=$(grep -oE '; [0-9]+ failed' "$log" | awk '{s+=$2} END {print s+0}')
   s=$(grep -c '^SKIP: ' "$log")
   # a skipped test prints one `SKIP: reason` line and then reports ok to libtest
   p=$((p - s)); [ $p -lt 0 ] && p=0
@@ -46,7 +49,7 @@ for t in "$here"/tests/*; do
   line="$name: rc=$rc passed=$p failed=$f skipped=$s (${secs}s)"
   echo "$line" | tee -a "$summary"
   grep '^SKIP: ' "$log" | sort | uniq -c | sed 's/^/    /' | tee -a "$summary"
-  grep -E '^test .* \.\.\. FAILED$' "$log" | sed 's/^/    /' | tee -a "$summary"
+  grep -E '\.\.\. FAILED$' "$log" | sed 's/^/    /' | tee -a "$summary"
   [ $first -eq 0 ] && echo "," >> "$json"; first=0
   printf '{"binary":"%s","rc":%d,"passed":%d,"failed":%d,"skipped":%d,"seconds":%d}' "$name" $rc $p $f $s $secs >> "$json"
 done
