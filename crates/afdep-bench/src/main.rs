@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod cuda_stages;
 mod exchange_cmd;
 mod moe_cmd;
 mod tensor_file;
@@ -92,6 +93,7 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| "afdep=info,warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match Cli::parse().cmd {
         Cmd::Moe(a) => moe_cmd::run(a),

@@ -212,17 +212,24 @@ fn write_outputs(path: &Path, inp: &Inputs, y: &[bf16], grads: Option<&LayerGrad
 
 /// Runs `afdep moe`.
 pub fn run(a: MoeArgs) -> Result<()> {
-    let backend = match a.backend {
-        Backend::Cpu => Backend::Cpu,
-        Backend::Cuda => bail!(
-            "the CUDA backend of `afdep moe` does not exist yet (grouped-GEMM layer pending); use --backend cpu"
-        ),
-        Backend::Auto => {
-            warn!("`afdep moe` runs on the CPU oracle: the CUDA layer is not built yet");
-            Backend::Cpu
-        }
+    // The GPU runs the stages it has (router, validation, layout, permute, un-permute), each
+    // checked against afdep-core; the whole layer (forward and train step) runs on the CPU
+    // oracle until the grouped-GEMM layer lands.
+    let gpu = match a.backend {
+        Backend::Cpu => false,
+        Backend::Cuda => true,
+        Backend::Auto => crate::cuda_stages::gpu_available(),
     };
-    debug_assert_eq!(backend, Backend::Cpu);
+    if a.backend == Backend::Auto {
+        info!(
+            gpu,
+            "backend auto: GPU stages {}",
+            if gpu { "on" } else { "off (no usable GPU)" }
+        );
+    }
+    warn!(
+        "the MoE layer's forward and train step run on the CPU oracle: the CUDA layer is not built yet"
+    );
     if a.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
@@ -255,6 +262,18 @@ pub fn run(a: MoeArgs) -> Result<()> {
     );
     for inp in &runs {
         let s = inp.params.shape;
+        if gpu {
+            let row = crate::cuda_stages::run(&inp.params, &inp.x, inp.tokens)?;
+            let ok = row.status == "ok";
+            bar.suspend(|| println!("{}", serde_json::to_string(&row).expect("row serializes")));
+            if !ok {
+                bail!(
+                    "GPU stages disagree with afdep-core at {} tokens: {}",
+                    inp.tokens,
+                    row.status
+                );
+            }
+        }
         bar.set_message(format!("cpu layer, {} tokens", inp.tokens));
         let mut fwd = Vec::new();
         let mut train = Vec::new();
