@@ -9,7 +9,7 @@
 use afdep_core::RouteError;
 use afdep_core::error::ROUTE_ERROR_WORDS;
 use afdep_core::route::RouteRules;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{DeviceRoutes, as_u32, download, grid, zeros};
 use crate::context::{GpuContext, launch_err};
@@ -124,6 +124,28 @@ impl RouteValidator {
         // state's first 6 words and clears its key.
         unsafe { b.launch(one) }.map_err(launch_err(KernelId::ValidateWord))?;
         Ok(())
+    }
+
+    /// Fills the error word (the state's first [`ROUTE_ERROR_WORDS`] words) with `0xFF` bytes,
+    /// without waiting and without touching the key the next validation starts from: poison it
+    /// before a correctness run (e.g. a graph replay), so that a validation that did not run
+    /// reads as an undecodable word ([`KernelError::BadErrorWord`]), never as "valid".
+    pub fn poison_word(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
+        let stream = ctx.stream();
+        let mut word = self.state.slice_mut(..ROUTE_ERROR_WORDS);
+        let (ptr, _record) = word.device_ptr_mut(stream);
+        // SAFETY: `ptr` addresses the state's first ROUTE_ERROR_WORDS u32 (STATE_WORDS are
+        // allocated by `new`), borrowed mutably for the call; the key at word 6 is not touched.
+        // Every bit pattern is a valid u32.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                ptr,
+                0xFF,
+                ROUTE_ERROR_WORDS * std::mem::size_of::<u32>(),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(KernelError::driver("poisoning the route error word"))
     }
 
     /// Waits for the last validation and reads its error word.
