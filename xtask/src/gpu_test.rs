@@ -3,7 +3,7 @@
 //! GPU test targets are the integration tests named `gpu_*` in the workspace crates. Without
 //! `--bundle`, they are built and run here (a machine with a GPU and Rust). With `--bundle DIR`
 //! they are built in release mode, stripped, and copied into `DIR/tests/` together with the
-//! `afdep` binary (`DIR/bin/afdep`) and `DIR/run.sh`, so that a GPU machine without Rust runs
+//! `afdep` binary and the benchmark programs (`DIR/bin/`) and `DIR/run.sh`, so that a GPU machine without Rust runs
 //! the whole matrix with `DIR/run.sh` and gets `summary.txt` / `summary.json` and one log per
 //! test binary (see docs/gpu.md).
 
@@ -67,6 +67,42 @@ fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     Ok(out)
 }
 
+/// Release builds of the benchmark programs (examples named `bench_*`), for `DIR/bin/`.
+fn build_benches() -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args([
+        "build",
+        "--release",
+        "--workspace",
+        "--examples",
+        "--message-format=json-render-diagnostics",
+    ]);
+    cmd.stdout(Stdio::piped());
+    eprintln!("xtask: building benchmark programs (release)");
+    let mut child = cmd.spawn().context("starting cargo build --examples")?;
+    let mut out = Vec::new();
+    for line in std::io::BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line?;
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if v["reason"] != "compiler-artifact" || v["target"]["kind"][0] != "example" {
+            continue;
+        }
+        let (Some(name), Some(exe)) = (v["target"]["name"].as_str(), v["executable"].as_str())
+        else {
+            continue;
+        };
+        if name.starts_with("bench_") {
+            out.push((name.to_string(), PathBuf::from(exe)));
+        }
+    }
+    if !child.wait()?.success() {
+        bail!("building the benchmark programs failed");
+    }
+    Ok(out)
+}
+
 fn build_afdep() -> Result<PathBuf> {
     crate::run(
         {
@@ -113,6 +149,9 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     }
     let afdep = build_afdep()?;
     copy_stripped(&afdep, &dir.join("bin").join("afdep"))?;
+    for (name, exe) in build_benches()? {
+        copy_stripped(&exe, &dir.join("bin").join(name))?;
+    }
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
     #[cfg(unix)]

@@ -36,7 +36,7 @@ use afdep_kernels::ops::layout::NO_ROW;
 use afdep_kernels::ops::validate::RouteValidator;
 use afdep_kernels::ops::{download, poison};
 use afdep_kernels::{DeviceRoutes, ExpertLayout, GpuContext, KernelError};
-use common::{gpu, rng, valid_routes};
+use common::{gpu, rng, size_allowed, valid_routes};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -676,6 +676,9 @@ fn graph_finds_an_offender_near_the_end_of_a_million_tokens() {
     // T = 2^20, K = 8: slot indices up to 2^23 and the scan's grid-stride loop (4096 blocks
     // of 256 threads cover 2^20 tokens exactly once; a later offence must lose to an earlier
     // one found by another block).
+    if !size_allowed(1 << 20) {
+        return;
+    }
     let _serial = serial();
     let Some(ctx) = graph_gpu() else { return };
     let mut r = rng(43);

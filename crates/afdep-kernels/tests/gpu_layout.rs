@@ -10,7 +10,7 @@ use afdep_core::route::Routes;
 use afdep_kernels::ops::layout::NO_ROW;
 use afdep_kernels::ops::{download, poison};
 use afdep_kernels::{DeviceRoutes, ExpertLayout, GpuContext};
-use common::{EXPERTS, TOKENS, TOP_K, gpu, rng, skewed_routes, valid_routes};
+use common::{EXPERTS, TOP_K, gpu, rng, skewed_routes, tokens, valid_routes};
 
 fn check(ctx: &GpuContext, routes: &Routes, experts: usize, what: &str) {
     let d = DeviceRoutes::upload(ctx, routes).unwrap();
@@ -73,7 +73,7 @@ fn check(ctx: &GpuContext, routes: &Routes, experts: usize, what: &str) {
 fn layout_matches_core_on_random_routes() {
     let Some(ctx) = gpu() else { return };
     let mut r = rng(21);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &e in &EXPERTS {
             for &k in &TOP_K {
                 let routes = valid_routes(&mut r, t, k, e, 0.1);
@@ -89,7 +89,7 @@ fn layout_matches_core_on_skewed_routes() {
     // layout block; and a table whose slots are all masked.
     let Some(ctx) = gpu() else { return };
     let mut r = rng(22);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &(e, k) in &[(64usize, 8usize), (96, 1), (128, 6)] {
             let routes = skewed_routes(&mut r, t, k);
             check(&ctx, &routes, e, &format!("skewed T={t} E={e} K={k}"));

@@ -7,7 +7,7 @@ use afdep_core::oracle::exchange::combine_source;
 use afdep_core::route::Routes;
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{CombineOrder, DeviceRoutes, ExpertLayout, GpuContext, permute, unpermute};
-use common::{EXPERTS, TOKENS, TOP_K, bf16_bits, gpu, random_bf16, rng, valid_routes};
+use common::{EXPERTS, TOP_K, bf16_bits, gpu, random_bf16, rng, tokens, valid_routes};
 use half::bf16;
 
 /// Hidden sizes per token count: multiples of 8 (vector path) and odd ones (scalar path);
@@ -32,7 +32,7 @@ fn layout(ctx: &GpuContext, d: &DeviceRoutes, e: usize) -> ExpertLayout {
 fn permute_gathers_rows_in_expert_order() {
     let Some(ctx) = gpu() else { return };
     let mut r = rng(31);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &k in &TOP_K {
             let e = EXPERTS[(t + k) % EXPERTS.len()];
             let routes = valid_routes(&mut r, t, k, e, 0.1);
@@ -102,7 +102,7 @@ fn check_unpermute(
 fn unpermute_is_bit_identical_to_core() {
     let Some(ctx) = gpu() else { return };
     let mut r = rng(32);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &k in &TOP_K {
             for &e in &EXPERTS {
                 // The full matrix at the smaller sizes; one expert count per K beyond.

@@ -11,7 +11,7 @@ use afdep_core::route::{self, Routes};
 use afdep_kernels::ops::router::{router, router_logits, router_topk};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext};
-use common::{EXPERTS, TOKENS, TOP_K, gpu, par_chunks, random_bf16, rng};
+use common::{EXPERTS, TOP_K, gpu, par_chunks, random_bf16, rng, tokens};
 use half::bf16;
 use rand::Rng;
 
@@ -130,7 +130,7 @@ fn topk_on_tied_logits_is_exact() {
     // values differ by a factor e in probability, so no near ties.
     let Some(ctx) = gpu() else { return };
     let mut r = rng(41);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &e in &EXPERTS {
             for &k in &TOP_K {
                 for renorm in [true, false] {
@@ -162,7 +162,7 @@ fn topk_on_tied_logits_is_exact() {
 fn topk_on_continuous_logits_within_tolerance() {
     let Some(ctx) = gpu() else { return };
     let mut r = rng(42);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         for &e in &EXPERTS {
             for &k in &TOP_K {
                 let logits: Vec<f32> = (0..t * e).map(|_| r.gen_range(-4.0f32..4.0)).collect();
@@ -190,7 +190,7 @@ fn topk_on_continuous_logits_within_tolerance() {
 fn logits_within_tolerance() {
     let Some(ctx) = gpu() else { return };
     let mut r = rng(43);
-    for &t in &TOKENS {
+    for &t in &tokens() {
         let hs: &[usize] = if t >= 1 << 20 { &[32] } else { &[1, 33, 512] };
         for &h in hs {
             for &e in &EXPERTS {

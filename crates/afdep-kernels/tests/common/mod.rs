@@ -10,6 +10,36 @@ use rand_chacha::ChaCha8Rng;
 
 /// The token counts every kernel is checked at.
 pub const TOKENS: [usize; 5] = [1, 7, 1000, 16384, 1 << 20];
+/// `AFDEP_TEST_MAX_TOKENS`: the largest token count to test (default: all). The sanitizer runs
+/// of the bundle set it, since compute-sanitizer makes the million-token cases very slow.
+pub fn max_tokens() -> usize {
+    std::env::var("AFDEP_TEST_MAX_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(usize::MAX)
+}
+
+/// [`TOKENS`] up to [`max_tokens`].
+pub fn tokens() -> Vec<usize> {
+    TOKENS
+        .iter()
+        .copied()
+        .filter(|&t| t <= max_tokens())
+        .collect()
+}
+
+/// Whether a test at `t` tokens runs under [`max_tokens`]; prints `SKIP: <reason>` if not.
+pub fn size_allowed(t: usize) -> bool {
+    let ok = t <= max_tokens();
+    if !ok {
+        println!(
+            "SKIP: {t} tokens is above AFDEP_TEST_MAX_TOKENS = {}",
+            max_tokens()
+        );
+    }
+    ok
+}
+
 /// The expert counts every kernel is checked at.
 pub const EXPERTS: [usize; 3] = [64, 96, 128];
 /// The top-k values every kernel is checked at.
