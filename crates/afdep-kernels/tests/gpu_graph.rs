@@ -36,7 +36,7 @@ use afdep_kernels::ops::layout::NO_ROW;
 use afdep_kernels::ops::validate::RouteValidator;
 use afdep_kernels::ops::{download, poison};
 use afdep_kernels::{DeviceRoutes, ExpertLayout, GpuContext, KernelError};
-use common::{gpu, rng, size_allowed, valid_routes};
+use common::{gpu, plant, rng, size_allowed, valid_routes};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -501,49 +501,6 @@ fn location(e: &RouteError) -> (usize, Option<(usize, usize)>) {
         } => (rank, Some((token, slot))),
         RouteError::OverCapacity { rank, .. } | RouteError::Malformed { rank, .. } => (rank, None),
     }
-}
-
-/// Plants an offence of exactly `class` at (token, slot) of a table whose slots before it are
-/// valid; false when it cannot be planted there (a duplicate needs an earlier unmasked slot,
-/// a dummy unowned experts). A slot that is unmasked for the offence gets a finite weight
-/// unless the offence is the weight, so that its class is the planted one.
-fn plant(
-    r: &mut ChaCha8Rng,
-    routes: &mut Routes,
-    rules: &RouteRules,
-    class: u32,
-    token: usize,
-    slot: usize,
-) -> bool {
-    let k = routes.top_k;
-    let i = token * k + slot;
-    let (e, o) = (rules.experts as i32, rules.owned as i32);
-    match class {
-        route_class::NEGATIVE => routes.idx[i] = r.gen_range(i32::MIN..MASKED),
-        route_class::WIDE => routes.idx[i] = r.gen_range(e..e.saturating_add(1000)),
-        route_class::DUMMY if o < e => routes.idx[i] = r.gen_range(o..e),
-        route_class::NON_FINITE_WEIGHT => {
-            if routes.idx[i] == MASKED {
-                routes.idx[i] = r.gen_range(0..o);
-            }
-            routes.weights[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][r.gen_range(0..3)];
-        }
-        route_class::DUPLICATE if slot > 0 => {
-            let earlier: Vec<usize> = (0..slot)
-                .filter(|&j| routes.idx[token * k + j] != MASKED)
-                .collect();
-            if earlier.is_empty() {
-                return false;
-            }
-            let j = earlier[r.gen_range(0..earlier.len())];
-            routes.idx[i] = routes.idx[token * k + j];
-            if !routes.weights[i].is_finite() {
-                routes.weights[i] = 0.5;
-            }
-        }
-        _ => return false,
-    }
-    true
 }
 
 /// A copy of `base` with one offence of `class` at a random place (sometimes the last token);

@@ -9,9 +9,8 @@ use afdep_core::error::route_class;
 use afdep_core::route::{MASKED, RouteRules, Routes, validate};
 use afdep_kernels::ops::validate::{RouteValidator, validate_routes_with};
 use afdep_kernels::{DeviceRoutes, GpuContext, KernelError, validate_routes};
-use common::{EXPERTS, TOP_K, gpu, rng, tokens, valid_routes};
+use common::{EXPERTS, TOP_K, gpu, plant, rng, tokens, valid_routes};
 use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 
 /// The device's word for `routes` (all zero when valid).
 fn device_word(
@@ -34,41 +33,6 @@ fn cpu_word(routes: &Routes, rules: &RouteRules, rank: usize) -> [u32; 6] {
         Ok(()) => [0; 6],
         Err(e) => e.to_word(),
     }
-}
-
-/// Plants an offence of `class` at (token, slot); returns false when the class cannot be
-/// planted there (a duplicate needs an earlier unmasked slot, a dummy needs unowned experts).
-fn plant(
-    r: &mut ChaCha8Rng,
-    routes: &mut Routes,
-    rules: &RouteRules,
-    class: u32,
-    token: usize,
-    slot: usize,
-) -> bool {
-    let k = routes.top_k;
-    let i = token * k + slot;
-    let (e, o) = (rules.experts as i32, rules.owned as i32);
-    match class {
-        route_class::NEGATIVE => routes.idx[i] = r.gen_range(i32::MIN..MASKED),
-        route_class::WIDE => routes.idx[i] = r.gen_range(e..e.saturating_add(1000)),
-        route_class::DUMMY if o < e => routes.idx[i] = r.gen_range(o..e),
-        route_class::NON_FINITE_WEIGHT => {
-            if routes.idx[i] == MASKED {
-                routes.idx[i] = r.gen_range(0..o);
-            }
-            routes.weights[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][r.gen_range(0..3)];
-        }
-        route_class::DUPLICATE if slot > 0 => {
-            let j = r.gen_range(0..slot);
-            if routes.idx[token * k + j] == MASKED {
-                return false;
-            }
-            routes.idx[i] = routes.idx[token * k + j];
-        }
-        _ => return false,
-    }
-    true
 }
 
 #[test]

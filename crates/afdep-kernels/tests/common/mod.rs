@@ -2,7 +2,8 @@
 //! the CPU side of the comparisons.
 #![allow(dead_code)]
 
-use afdep_core::route::{MASKED, Routes};
+use afdep_core::error::route_class;
+use afdep_core::route::{MASKED, RouteRules, Routes};
 use afdep_kernels::{GpuContext, KernelError};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -159,4 +160,47 @@ pub fn random_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<half::bf16> 
     (0..n)
         .map(|_| half::bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale))
         .collect()
+}
+
+/// Plants an offence of exactly `class` at (token, slot) of a table whose slots before it are
+/// valid; false when it cannot be planted there (a duplicate needs an earlier unmasked slot,
+/// a dummy unowned experts). A slot that is unmasked for the offence gets a finite weight
+/// unless the offence is the weight, so that its class is the planted one.
+pub fn plant(
+    r: &mut ChaCha8Rng,
+    routes: &mut Routes,
+    rules: &RouteRules,
+    class: u32,
+    token: usize,
+    slot: usize,
+) -> bool {
+    let k = routes.top_k;
+    let i = token * k + slot;
+    let (e, o) = (rules.experts as i32, rules.owned as i32);
+    match class {
+        route_class::NEGATIVE => routes.idx[i] = r.gen_range(i32::MIN..MASKED),
+        route_class::WIDE => routes.idx[i] = r.gen_range(e..e.saturating_add(1000)),
+        route_class::DUMMY if o < e => routes.idx[i] = r.gen_range(o..e),
+        route_class::NON_FINITE_WEIGHT => {
+            if routes.idx[i] == MASKED {
+                routes.idx[i] = r.gen_range(0..o);
+            }
+            routes.weights[i] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][r.gen_range(0..3)];
+        }
+        route_class::DUPLICATE if slot > 0 => {
+            let earlier: Vec<usize> = (0..slot)
+                .filter(|&j| routes.idx[token * k + j] != MASKED)
+                .collect();
+            if earlier.is_empty() {
+                return false;
+            }
+            let j = earlier[r.gen_range(0..earlier.len())];
+            routes.idx[i] = routes.idx[token * k + j];
+            if !routes.weights[i].is_finite() {
+                routes.weights[i] = 0.5;
+            }
+        }
+        _ => return false,
+    }
+    true
 }
