@@ -125,7 +125,8 @@ fn moe_round_trip_matches_the_oracle() {
     }
 }
 
-fn exchange_round_trip(transport: &str) {
+#[test]
+fn exchange_round_trip_matches_the_oracle() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ExchangeConfig::new("2A:2F".parse().unwrap(), 16, 8, 2, 64).unwrap();
     let shape = LayerShape {
@@ -198,16 +199,6 @@ fn exchange_round_trip(transport: &str) {
     for (s, w) in want.iter().enumerate() {
         assert_eq!(&read_bf16(&buf, &format!("y.{s}")), w, "y.{s}");
     }
-}
-
-#[test]
-fn exchange_round_trip_over_loopback_matches_the_oracle() {
-    exchange_round_trip("loopback");
-}
-
-#[test]
-fn exchange_round_trip_over_tcp_matches_the_oracle() {
-    exchange_round_trip("tcp");
 }
 
 #[test]
