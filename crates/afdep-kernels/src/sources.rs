@@ -14,6 +14,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
     (
+        "layout/gemm_problem.cuh",
+        include_str!("../cuda/layout/gemm_problem.cuh"),
+    ),
+    (
         "layout/route_error.cuh",
         include_str!("../cuda/layout/route_error.cuh"),
     ),
@@ -48,15 +52,21 @@ pub enum SourceFile {
     Layout,
     /// `permute.cu`: permute and weighted un-permute (specialised by top-k).
     Permute,
+    /// `gemm.cu`: the grouped GEMMs of the MoE layer (not specialised).
+    Gemm,
+    /// `moe.cu`: combine, cast and router backward (specialised by experts and top-k).
+    Moe,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 4] = [
+    pub const ALL: [SourceFile; 6] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
         SourceFile::Permute,
+        SourceFile::Gemm,
+        SourceFile::Moe,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -66,6 +76,8 @@ impl SourceFile {
             SourceFile::Validate => "validate.cu",
             SourceFile::Layout => "layout.cu",
             SourceFile::Permute => "permute.cu",
+            SourceFile::Gemm => "gemm.cu",
+            SourceFile::Moe => "moe.cu",
         }
     }
 
@@ -76,19 +88,24 @@ impl SourceFile {
             SourceFile::Validate => include_str!("../cuda/validate.cu"),
             SourceFile::Layout => include_str!("../cuda/layout.cu"),
             SourceFile::Permute => include_str!("../cuda/permute.cu"),
+            SourceFile::Gemm => include_str!("../cuda/gemm.cu"),
+            SourceFile::Moe => include_str!("../cuda/moe.cu"),
         }
     }
 
     /// Whether the module is specialised by the number of experts.
     pub fn uses_experts(self) -> bool {
-        matches!(self, SourceFile::Router | SourceFile::Layout)
+        matches!(
+            self,
+            SourceFile::Router | SourceFile::Layout | SourceFile::Moe
+        )
     }
 
     /// Whether the module is specialised by top-k.
     pub fn uses_top_k(self) -> bool {
         matches!(
             self,
-            SourceFile::Router | SourceFile::Validate | SourceFile::Permute
+            SourceFile::Router | SourceFile::Validate | SourceFile::Permute | SourceFile::Moe
         )
     }
 
@@ -123,11 +140,39 @@ pub enum KernelId {
     Permute,
     /// Weighted sum of expert rows back into token order.
     Unpermute,
+    /// Grouped GEMM: forward up-projection with SwiGLU.
+    GemmUpSwiglu,
+    /// Grouped GEMM: down-projection into rows.
+    GemmDownStore,
+    /// Grouped GEMM: down-projection scattered into token order.
+    GemmDownScatter,
+    /// Grouped GEMM: down-projection added to an accumulator, cast to bf16.
+    GemmDownAcc,
+    /// Grouped GEMM: dy·W2ᵀ with the SwiGLU backward.
+    GemmDhDswiglu,
+    /// Grouped GEMM: data gradient into rows.
+    GemmDxStore,
+    /// Grouped GEMM: data gradient scattered into token order.
+    GemmDxScatter,
+    /// Grouped GEMM: data gradient added in place (f32).
+    GemmDxAdd,
+    /// Grouped GEMM: data gradient added to an accumulator, cast to bf16.
+    GemmDxAcc,
+    /// Grouped GEMM: weight-gradient partials.
+    GemmWgrad,
+    /// Sum of weight-gradient partials in split order.
+    GemmReduce,
+    /// Routed combine into an f32 accumulator.
+    MoeCombine,
+    /// f32 to bf16.
+    MoeCast,
+    /// Router backward: softmax and renormalisation.
+    RouterBackward,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 10] = [
+    pub const ALL: [KernelId; 24] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -138,6 +183,20 @@ impl KernelId {
         KernelId::ExpertScatter,
         KernelId::Permute,
         KernelId::Unpermute,
+        KernelId::GemmUpSwiglu,
+        KernelId::GemmDownStore,
+        KernelId::GemmDownScatter,
+        KernelId::GemmDownAcc,
+        KernelId::GemmDhDswiglu,
+        KernelId::GemmDxStore,
+        KernelId::GemmDxScatter,
+        KernelId::GemmDxAdd,
+        KernelId::GemmDxAcc,
+        KernelId::GemmWgrad,
+        KernelId::GemmReduce,
+        KernelId::MoeCombine,
+        KernelId::MoeCast,
+        KernelId::RouterBackward,
     ];
 
     /// The source file that defines the kernel.
@@ -150,6 +209,8 @@ impl KernelId {
             | KernelId::ExpertOffsets
             | KernelId::ExpertScatter => SourceFile::Layout,
             KernelId::Permute | KernelId::Unpermute => SourceFile::Permute,
+            KernelId::MoeCombine | KernelId::MoeCast | KernelId::RouterBackward => SourceFile::Moe,
+            _ => SourceFile::Gemm,
         }
     }
 
@@ -166,6 +227,20 @@ impl KernelId {
             KernelId::ExpertScatter => "afdep_layout_scatter",
             KernelId::Permute => "afdep_permute",
             KernelId::Unpermute => "afdep_unpermute",
+            KernelId::GemmUpSwiglu => "afdep_gemm_up_swiglu",
+            KernelId::GemmDownStore => "afdep_gemm_down_store",
+            KernelId::GemmDownScatter => "afdep_gemm_down_scatter",
+            KernelId::GemmDownAcc => "afdep_gemm_down_acc",
+            KernelId::GemmDhDswiglu => "afdep_gemm_dh_dswiglu",
+            KernelId::GemmDxStore => "afdep_gemm_dx_store",
+            KernelId::GemmDxScatter => "afdep_gemm_dx_scatter",
+            KernelId::GemmDxAdd => "afdep_gemm_dx_add",
+            KernelId::GemmDxAcc => "afdep_gemm_dx_acc",
+            KernelId::GemmWgrad => "afdep_gemm_wgrad",
+            KernelId::GemmReduce => "afdep_gemm_reduce",
+            KernelId::MoeCombine => "afdep_moe_combine",
+            KernelId::MoeCast => "afdep_moe_cast",
+            KernelId::RouterBackward => "afdep_router_backward",
         }
     }
 
@@ -395,7 +470,9 @@ mod tests {
         for k in KernelId::ALL {
             assert_eq!(KernelId::from_entry(k.entry()), Some(k));
             assert!(
-                k.source().text().contains(&format!("{}(", k.entry())),
+                // Defined directly, or through an entry macro (`ROWS_ENTRY(name, ...)`).
+                k.source().text().contains(&format!("{}(", k.entry()))
+                    || k.source().text().contains(&format!("({},", k.entry())),
                 "{k} not in {}",
                 k.source().name()
             );
@@ -428,7 +505,7 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        assert_eq!(v.len(), 12 + 4 + 3 + 4);
+        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12);
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

@@ -4,7 +4,9 @@
 //! ([`KernelError::Shape`]), launches on the context's stream, and returns without waiting:
 //! results are read with the stream's copies, which order after the launches.
 
+pub mod gemm;
 pub mod layout;
+pub mod moe;
 pub mod permute;
 pub mod router;
 pub mod validate;

@@ -1,0 +1,704 @@
+//! Grouped GEMMs of the MoE layer (`cuda/gemm.cu`): bf16 operands, f32 accumulation on tensor
+//! cores, a persistent grid scheduled from the device-side group offsets (no host sync, so a
+//! whole layer step can be captured in a CUDA graph), 64-bit row offsets.
+//!
+//! Two problem shapes:
+//! - **rows** ([`Groups`] of output rows; N and K fixed; per-group weights): the forward up- and
+//!   down-projections and the data gradients, each with its epilogue (SwiGLU, weighted store,
+//!   scatter into token order, accumulate, SwiGLU backward);
+//! - **k-sum** ([`wgrad`]): per group an `M × N` product over the group's rows (weight
+//!   gradients), split in a fixed number of chunks whose f32 partials are summed in chunk order
+//!   (deterministic, no atomics).
+//!
+//! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
+//! gradients ([`dx`]'s `width`) a multiple of 32; the launchers return
+//! [`KernelError::Unsupported`] otherwise.
+
+use afdep_core::bf16;
+use cudarc::driver::{
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    sys as cu,
+};
+
+use super::{as_u32, grid, need};
+use crate::context::{GpuContext, launch_err};
+use crate::error::KernelError;
+use crate::sources::{BLOCK, KernelId};
+
+/// Output rows per tile (and M rows of a k-sum tile).
+pub const TILE_M: usize = 128;
+/// Output columns per tile.
+pub const TILE_N: usize = 128;
+/// K per pipeline stage.
+pub const TILE_K: usize = 32;
+/// Dynamic shared memory of a GEMM kernel: 4 stages of two 128 × 32 bf16 tiles.
+pub const SMEM_BYTES: usize = 4 * 2 * TILE_M * TILE_K * 2;
+/// Most groups per launch (`AFDEP_GEMM_MAX_GROUPS`).
+pub const MAX_GROUPS: usize = 1024;
+
+/// The device descriptor (`cuda/layout/gemm_problem.cuh`), field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct GemmProblem {
+    a: u64,
+    b: u64,
+    b2: u64,
+    offsets: u64,
+    a_idx: u64,
+    b_idx: u64,
+    c: u64,
+    c2: u64,
+    c3: u64,
+    c4: u64,
+    aux: u64,
+    r_idx: u64,
+    weights: u64,
+    gsum: u64,
+    lda: u64,
+    ldb: u64,
+    b_gs: u64,
+    ldc: u64,
+    m: u32,
+    n: u32,
+    k: u32,
+    groups: u32,
+    a_div: u32,
+    b_div: u32,
+    b_split: u32,
+    splits: u32,
+    r_div: u32,
+    pad: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<GemmProblem>() == 184);
+
+// SAFETY: plain old data of u64/u32 fields with the C layout of the device struct (size
+// asserted above and on the device); the kernel takes it by value.
+unsafe impl DeviceRepr for GemmProblem {}
+
+/// The groups of a rows problem: which output rows belong to which expert.
+#[derive(Debug, Clone, Copy)]
+pub enum Groups<'a> {
+    /// One group of `rows` rows (a dense GEMM: the shared expert, the router).
+    Dense {
+        /// Rows.
+        rows: usize,
+    },
+    /// `experts` groups; group `e` owns rows `offsets[e] .. offsets[e + 1]` (device values,
+    /// `experts + 1` of them); `capacity` bounds the total (the buffers' row count).
+    Experts {
+        /// `u64[experts + 1]` offsets (an [`ExpertLayout`](super::layout::ExpertLayout)'s).
+        offsets: &'a CudaSlice<u64>,
+        /// Groups.
+        experts: usize,
+        /// Upper bound of `offsets[experts]`.
+        capacity: usize,
+    },
+}
+
+impl Groups<'_> {
+    fn count(&self) -> usize {
+        match self {
+            Groups::Dense { .. } => 1,
+            Groups::Experts { experts, .. } => *experts,
+        }
+    }
+    fn capacity(&self) -> usize {
+        match self {
+            Groups::Dense { rows } => *rows,
+            Groups::Experts { capacity, .. } => *capacity,
+        }
+    }
+}
+
+/// Rows of an operand read through a gather: row `r` of the problem reads row
+/// `index[r] / div` (the layout's `row_slot` with `div = top_k` gives token rows).
+#[derive(Debug, Clone, Copy)]
+pub struct Gather<'a> {
+    /// `u32` index per problem row.
+    pub index: &'a CudaSlice<u32>,
+    /// Divisor of the index.
+    pub div: usize,
+}
+
+/// Per-row router weights of a rows problem: row `r` is slot `row_slot[r]`, weight
+/// `weights[row_slot[r]]`.
+#[derive(Debug, Clone, Copy)]
+pub struct RowWeights<'a> {
+    /// Row → slot (`t·K + k`).
+    pub row_slot: &'a CudaSlice<u32>,
+    /// f32 per slot.
+    pub weights: &'a CudaSlice<f32>,
+    /// Slots per token.
+    pub top_k: usize,
+}
+
+/// Where a down-projection or data-gradient GEMM writes `v` (row `r`, column `n`).
+#[derive(Debug)]
+pub enum RowsOut<'a> {
+    /// `out[r, n] = bf16(w_r · v)` (`w_r = 1` without weights), rows in problem order.
+    Store {
+        /// `capacity × n` bf16.
+        out: &'a mut CudaSlice<bf16>,
+        /// Optional row weights.
+        weights: Option<RowWeights<'a>>,
+    },
+    /// `acc[token(r), n] += w_r · v` with f32 atomics (token order; the order of the adds is
+    /// not fixed).
+    Scatter {
+        /// `tokens × n` f32.
+        acc: &'a mut CudaSlice<f32>,
+        /// Row weights (`weights` may be all ones by passing ones).
+        weights: RowWeights<'a>,
+        /// Whether to multiply by the weight.
+        weighted: bool,
+    },
+    /// `acc[r, n] += v` in f32 (dense problems only: rows are tokens).
+    Add {
+        /// `rows × n` f32.
+        acc: &'a mut CudaSlice<f32>,
+    },
+    /// `out[r, n] = bf16(acc[r, n] + v)` (dense problems: the last term of a sum).
+    Finish {
+        /// `rows × n` f32.
+        acc: &'a CudaSlice<f32>,
+        /// `rows × n` bf16.
+        out: &'a mut CudaSlice<bf16>,
+    },
+}
+
+/// The SwiGLU backward's per-row inputs and outputs ([`dh_dswiglu`]).
+#[derive(Debug)]
+pub struct DswigluIo<'a> {
+    /// `a = x·W1` of the forward, `capacity × width` bf16.
+    pub a: &'a CudaSlice<bf16>,
+    /// `b = x·W3` of the forward.
+    pub b: &'a CudaSlice<bf16>,
+    /// Output `[da | db]`, `capacity × 2·width` bf16.
+    pub dab: &'a mut CudaSlice<bf16>,
+    /// Output `w·h` (the dW2 operand), `capacity × width`, or none.
+    pub hw: Option<&'a mut CudaSlice<bf16>>,
+    /// Router weights of the rows (none: weight 1, the shared expert).
+    pub weights: Option<RowWeights<'a>>,
+    /// Output `g[slot] += <G_row, h_row>` (f32 per slot, zeroed by the caller), or none.
+    pub gsum: Option<&'a mut CudaSlice<f32>>,
+}
+
+/// Collects device pointers and their stream guards for one launch.
+struct Ptrs<'a> {
+    stream: &'a cudarc::driver::CudaStream,
+    guards: Vec<SyncOnDrop<'a>>,
+}
+
+impl<'a> Ptrs<'a> {
+    fn new(stream: &'a cudarc::driver::CudaStream) -> Self {
+        Ptrs {
+            stream,
+            guards: Vec::new(),
+        }
+    }
+    fn r<T>(&mut self, s: &'a CudaSlice<T>) -> u64 {
+        if s.is_empty() {
+            return 0;
+        }
+        let (p, g) = s.device_ptr(self.stream);
+        self.guards.push(g);
+        p
+    }
+    fn w<T>(&mut self, s: &'a mut CudaSlice<T>) -> u64 {
+        if s.is_empty() {
+            return 0;
+        }
+        let (p, g) = s.device_ptr_mut(self.stream);
+        self.guards.push(g);
+        p
+    }
+}
+
+fn mult(what: &str, v: usize, m: usize) -> Result<u32, KernelError> {
+    if v == 0 || v % m != 0 {
+        return Err(KernelError::Unsupported(format!(
+            "{what} = {v}: the grouped GEMM needs a positive multiple of {m}"
+        )));
+    }
+    as_u32(what, v)
+}
+
+fn sm_count(ctx: &GpuContext) -> Result<u32, KernelError> {
+    let n = ctx
+        .cuda()
+        .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(KernelError::driver("reading the SM count"))?;
+    Ok(n.max(1) as u32)
+}
+
+/// Launches `kernel` on a persistent grid of at most `tiles` blocks.
+fn launch(
+    ctx: &GpuContext,
+    kernel: KernelId,
+    p: &GemmProblem,
+    tiles: u64,
+) -> Result<(), KernelError> {
+    let f = ctx.function(kernel, 0, 0)?;
+    f.set_attribute(
+        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        SMEM_BYTES as i32,
+    )
+    .map_err(KernelError::driver("setting the GEMM's shared memory size"))?;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(BLOCK, SMEM_BYTES, None)
+        .map_err(KernelError::driver("reading the GEMM's occupancy"))?
+        .max(1);
+    let blocks = tiles.clamp(1, u64::from(sm_count(ctx)? * per_sm));
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: SMEM_BYTES as u32,
+    };
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(p);
+    // SAFETY: every kernel of gemm.cu takes one GemmProblem by value (layout asserted on both
+    // sides). The callers below fill it with pointers to live buffers whose sizes they checked
+    // against the problem: the kernel reads A rows `< capacity` (or gathered rows the index
+    // names, checked `< rows of the operand` by construction of the layout), B for `groups`
+    // groups, and writes outputs only for rows below the device total (`offsets[groups]` ≤
+    // capacity) and columns below n. The guards in `Ptrs` outlive the launch call.
+    unsafe { b.launch(cfg) }.map_err(launch_err(kernel))?;
+    Ok(())
+}
+
+/// Fills the group fields; returns the upper bound of row tiles.
+fn set_groups<'a>(
+    pr: &mut GemmProblem,
+    ptrs: &mut Ptrs<'a>,
+    groups: &Groups<'a>,
+) -> Result<u64, KernelError> {
+    let count = groups.count();
+    if count == 0 || count > MAX_GROUPS {
+        return Err(KernelError::Unsupported(format!(
+            "{count} groups: supported are 1..={MAX_GROUPS}"
+        )));
+    }
+    pr.groups = count as u32;
+    match groups {
+        Groups::Dense { rows } => {
+            pr.m = as_u32("rows", *rows)?;
+            pr.offsets = 0;
+        }
+        Groups::Experts { offsets, .. } => {
+            need("group offsets", offsets, count + 1)?;
+            // SAFETY of the reborrow: offsets outlives the launch (a shared borrow).
+            let (p, g) = offsets.device_ptr(ptrs.stream);
+            ptrs.guards.push(g);
+            pr.offsets = p;
+        }
+    }
+    Ok((groups.capacity().div_ceil(TILE_M) + count) as u64)
+}
+
+/// The forward up-projection with SwiGLU: for every row `r` of `groups` (expert `e`),
+/// `a = x_r·W1_e`, `b = x_r·W3_e` (f32), `h[r] = bf16(silu(a)·b)`, and, for the train step,
+/// `a_out[r] = bf16(a)`, `b_out[r] = bf16(b)`. `x` is read at row `r` or through `gather`.
+/// `w1`, `w3` are `groups × hidden × width` (the shared expert: one group, `hidden × S`).
+#[allow(clippy::too_many_arguments)]
+pub fn up_swiglu(
+    ctx: &GpuContext,
+    groups: Groups<'_>,
+    x: &CudaSlice<bf16>,
+    gather: Option<Gather<'_>>,
+    w1: &CudaSlice<bf16>,
+    w3: &CudaSlice<bf16>,
+    hidden: usize,
+    width: usize,
+    h: &mut CudaSlice<bf16>,
+    a_out: Option<&mut CudaSlice<bf16>>,
+    b_out: Option<&mut CudaSlice<bf16>>,
+) -> Result<(), KernelError> {
+    let cap = groups.capacity();
+    if cap == 0 {
+        return Ok(());
+    }
+    let hk = mult("hidden", hidden, 8)?;
+    let wn = mult("width", width, 8)?;
+    let g = groups.count();
+    need("W1", w1, g * hidden * width)?;
+    need("W3", w3, g * hidden * width)?;
+    need("h", h, cap * width)?;
+    if gather.is_none() {
+        need("x", x, cap * hidden)?;
+    }
+    let stream = ctx.stream();
+    let mut ptrs = Ptrs::new(stream);
+    let mut p = GemmProblem {
+        a: ptrs.r(x),
+        b: ptrs.r(w1),
+        b2: ptrs.r(w3),
+        lda: hidden as u64,
+        ldb: width as u64,
+        b_gs: (hidden * width) as u64,
+        ldc: width as u64,
+        n: wn,
+        k: hk,
+        ..Default::default()
+    };
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
+    if let Some(gt) = gather {
+        p.a_idx = ptrs.r(gt.index);
+        p.a_div = as_u32("gather divisor", gt.div.max(1))?;
+        need("gather index", gt.index, cap)?;
+    }
+    if let Some(a) = a_out {
+        need("a", a, cap * width)?;
+        p.c2 = ptrs.w(a);
+    }
+    if let Some(b) = b_out {
+        need("b", b, cap * width)?;
+        p.c3 = ptrs.w(b);
+    }
+    p.c = ptrs.w(h);
+    let tiles = tiles * width.div_ceil(TILE_N / 2) as u64;
+    launch(ctx, KernelId::GemmUpSwiglu, &p, tiles)
+}
+
+fn set_out<'a>(
+    p: &mut GemmProblem,
+    ptrs: &mut Ptrs<'a>,
+    out: RowsOut<'a>,
+    cap: usize,
+    dense: bool,
+    n: usize,
+) -> Result<u8, KernelError> {
+    Ok(match out {
+        RowsOut::Store { out, weights } => {
+            need("output", out, cap * n)?;
+            if let Some(w) = weights {
+                need("row slots", w.row_slot, cap)?;
+                p.r_idx = ptrs.r(w.row_slot);
+                p.weights = ptrs.r(w.weights);
+            }
+            p.c = ptrs.w(out);
+            0
+        }
+        RowsOut::Scatter {
+            acc,
+            weights,
+            weighted,
+        } => {
+            need("row slots", weights.row_slot, cap)?;
+            let tokens = weights.weights.len() / weights.top_k.max(1);
+            need("accumulator", acc, tokens * n)?;
+            p.r_idx = ptrs.r(weights.row_slot);
+            if weighted {
+                p.weights = ptrs.r(weights.weights);
+            }
+            p.r_div = as_u32("top_k", weights.top_k.max(1))?;
+            p.aux = ptrs.w(acc);
+            1
+        }
+        RowsOut::Add { acc } => {
+            if !dense {
+                return Err(KernelError::Unsupported(
+                    "an in-place add needs a dense problem".into(),
+                ));
+            }
+            need("accumulator", acc, cap * n)?;
+            p.aux = ptrs.w(acc);
+            2
+        }
+        RowsOut::Finish { acc, out } => {
+            if !dense {
+                return Err(KernelError::Unsupported(
+                    "a finishing add needs a dense problem".into(),
+                ));
+            }
+            need("accumulator", acc, cap * n)?;
+            need("output", out, cap * n)?;
+            p.aux = ptrs.r(acc);
+            p.c = ptrs.w(out);
+            3
+        }
+    })
+}
+
+/// The down-projection `v = h_r·W2_e` (`h`: `capacity × width`, `w2`: `groups × width ×
+/// hidden`), written per `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn down(
+    ctx: &GpuContext,
+    groups: Groups<'_>,
+    h: &CudaSlice<bf16>,
+    w2: &CudaSlice<bf16>,
+    width: usize,
+    hidden: usize,
+    out: RowsOut<'_>,
+) -> Result<(), KernelError> {
+    let cap = groups.capacity();
+    if cap == 0 {
+        return Ok(());
+    }
+    let wk = mult("width", width, 8)?;
+    let hn = mult("hidden", hidden, 8)?;
+    let g = groups.count();
+    need("W2", w2, g * width * hidden)?;
+    need("h", h, cap * width)?;
+    let dense = matches!(groups, Groups::Dense { .. });
+    let stream = ctx.stream();
+    let mut ptrs = Ptrs::new(stream);
+    let mut p = GemmProblem {
+        a: ptrs.r(h),
+        b: ptrs.r(w2),
+        lda: width as u64,
+        ldb: hidden as u64,
+        b_gs: (width * hidden) as u64,
+        ldc: hidden as u64,
+        n: hn,
+        k: wk,
+        ..Default::default()
+    };
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * hidden.div_ceil(TILE_N) as u64;
+    let kernel = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => KernelId::GemmDownStore,
+        1 => KernelId::GemmDownScatter,
+        3 => KernelId::GemmDownAcc,
+        _ => {
+            return Err(KernelError::Unsupported(
+                "the down-projection has no in-place add".into(),
+            ));
+        }
+    };
+    launch(ctx, kernel, &p, tiles)
+}
+
+/// The backward of the down-projection and of SwiGLU: `G = dy_r·W2_eᵀ` (`dy` read at row `r`
+/// or through `gather`; `w2`: `groups × width × hidden`), then per element with the forward's
+/// `a`, `b`: `h = silu(a)·b`, `g[slot] += G·h`, `dh = w·G`, `da = dh·b·silu'(a)`,
+/// `db = dh·silu(a)`, `w·h`.
+#[allow(clippy::too_many_arguments)]
+pub fn dh_dswiglu(
+    ctx: &GpuContext,
+    groups: Groups<'_>,
+    dy: &CudaSlice<bf16>,
+    gather: Option<Gather<'_>>,
+    w2: &CudaSlice<bf16>,
+    width: usize,
+    hidden: usize,
+    io: DswigluIo<'_>,
+) -> Result<(), KernelError> {
+    let cap = groups.capacity();
+    if cap == 0 {
+        return Ok(());
+    }
+    let wn = mult("width", width, 8)?;
+    let hk = mult("hidden", hidden, 8)?;
+    let g = groups.count();
+    need("W2", w2, g * width * hidden)?;
+    if gather.is_none() {
+        need("dy", dy, cap * hidden)?;
+    }
+    need("a", io.a, cap * width)?;
+    need("b", io.b, cap * width)?;
+    need("[da | db]", io.dab, cap * 2 * width)?;
+    let stream = ctx.stream();
+    let mut ptrs = Ptrs::new(stream);
+    let mut p = GemmProblem {
+        a: ptrs.r(dy),
+        b: ptrs.r(w2),
+        lda: hidden as u64,
+        ldb: hidden as u64,
+        b_gs: (width * hidden) as u64,
+        ldc: width as u64,
+        n: wn,
+        k: hk,
+        c2: ptrs.r(io.a),
+        c3: ptrs.r(io.b),
+        ..Default::default()
+    };
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * width.div_ceil(TILE_N) as u64;
+    if let Some(gt) = gather {
+        need("gather index", gt.index, cap)?;
+        p.a_idx = ptrs.r(gt.index);
+        p.a_div = as_u32("gather divisor", gt.div.max(1))?;
+    }
+    if let Some(w) = io.weights {
+        need("row slots", w.row_slot, cap)?;
+        p.r_idx = ptrs.r(w.row_slot);
+        p.weights = ptrs.r(w.weights);
+    }
+    if let Some(gs) = io.gsum {
+        if p.r_idx == 0 {
+            return Err(KernelError::Unsupported(
+                "the router gradient needs row weights".into(),
+            ));
+        }
+        p.gsum = ptrs.w(gs);
+    }
+    if let Some(hw) = io.hw {
+        need("w·h", hw, cap * width)?;
+        p.c4 = ptrs.w(hw);
+    }
+    p.c = ptrs.w(io.dab);
+    launch(ctx, KernelId::GemmDhDswiglu, &p, tiles)
+}
+
+/// The data gradient `v = [da | db]_r·[W1_e | W3_e]ᵀ` (`dab`: `capacity × 2·width`; `w1`,
+/// `w3`: `groups × hidden × width`), or with `w3 = None` the plain `v = A_r·W1_eᵀ` over K =
+/// `width` (the router: `A = dlogits`, `W1 = Wr`). Written per `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn dx(
+    ctx: &GpuContext,
+    groups: Groups<'_>,
+    dab: &CudaSlice<bf16>,
+    w1: &CudaSlice<bf16>,
+    w3: Option<&CudaSlice<bf16>>,
+    width: usize,
+    hidden: usize,
+    out: RowsOut<'_>,
+) -> Result<(), KernelError> {
+    let cap = groups.capacity();
+    if cap == 0 {
+        return Ok(());
+    }
+    let hn = mult("hidden", hidden, 8)?;
+    let g = groups.count();
+    need("W1", w1, g * hidden * width)?;
+    let halves = if w3.is_some() { 2 } else { 1 };
+    need("A", dab, cap * halves * width)?;
+    let dense = matches!(groups, Groups::Dense { .. });
+    let stream = ctx.stream();
+    let mut ptrs = Ptrs::new(stream);
+    let mut p = GemmProblem {
+        a: ptrs.r(dab),
+        b: ptrs.r(w1),
+        lda: (halves * width) as u64,
+        ldb: width as u64,
+        b_gs: (hidden * width) as u64,
+        ldc: hidden as u64,
+        n: hn,
+        ..Default::default()
+    };
+    if let Some(w3) = w3 {
+        need("W3", w3, g * hidden * width)?;
+        p.b2 = ptrs.r(w3);
+        p.b_split = mult("width", width, TILE_K)?;
+        p.k = mult("2·width", 2 * width, 8)?;
+    } else {
+        p.k = mult("width", width, 8)?;
+    }
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * hidden.div_ceil(TILE_N) as u64;
+    let kernel = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => KernelId::GemmDxStore,
+        1 => KernelId::GemmDxScatter,
+        2 => KernelId::GemmDxAdd,
+        _ => KernelId::GemmDxAcc,
+    };
+    launch(ctx, kernel, &p, tiles)
+}
+
+/// One operand of a weight gradient: row `r` of the sum reads `buf[row(r)·ld ..][..cols]`,
+/// `row(r) = r` or `gather.index[r] / gather.div`.
+#[derive(Debug, Clone, Copy)]
+pub struct KOperand<'a> {
+    /// The bf16 buffer.
+    pub buf: &'a CudaSlice<bf16>,
+    /// Elements between rows.
+    pub ld: usize,
+    /// Optional gather of rows.
+    pub gather: Option<Gather<'a>>,
+}
+
+/// Weight gradients: for each group `g` (rows `r` of `groups`), `C_g = Σ_r a_rᵀ b_r`, an `m × n`
+/// matrix, summed in f32 over `splits` chunks of rows (each an f32 partial in `ws`, at least
+/// `groups × splits × m × n`), then cast once to bf16 into `out` (`groups × m × n`), or, with
+/// `out2 = Some((c2, n1))`, columns `< n1` into `out` (`groups × m × n1`) and the rest into
+/// `c2` (`groups × m × (n − n1)`).
+#[allow(clippy::too_many_arguments)]
+pub fn wgrad(
+    ctx: &GpuContext,
+    groups: Groups<'_>,
+    a: KOperand<'_>,
+    b: KOperand<'_>,
+    m: usize,
+    n: usize,
+    splits: usize,
+    ws: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<bf16>,
+    out2: Option<(&mut CudaSlice<bf16>, usize)>,
+) -> Result<(), KernelError> {
+    let gcount = groups.count();
+    let mm = mult("m", m, 8)?;
+    let nn = mult("n", n, 8)?;
+    let splits = splits.clamp(1, 1 << 16);
+    need("workspace", ws, gcount * splits * m * n)?;
+    let stream = ctx.stream();
+    {
+        let mut ptrs = Ptrs::new(stream);
+        let mut p = GemmProblem {
+            a: ptrs.r(a.buf),
+            b: ptrs.r(b.buf),
+            lda: a.ld as u64,
+            ldb: b.ld as u64,
+            m: mm,
+            n: nn,
+            splits: splits as u32,
+            ..Default::default()
+        };
+        set_groups(&mut p, &mut ptrs, &groups)?;
+        if let Groups::Dense { rows } = groups {
+            p.k = as_u32("rows", rows)?;
+            p.m = mm;
+        }
+        if let Some(g) = a.gather {
+            p.a_idx = ptrs.r(g.index);
+            p.a_div = as_u32("gather divisor", g.div.max(1))?;
+        } else if a.gather.is_none() && matches!(groups, Groups::Dense { .. }) {
+            need("A", a.buf, groups.capacity().saturating_sub(1) * a.ld + m)?;
+        }
+        if let Some(g) = b.gather {
+            p.b_idx = ptrs.r(g.index);
+            p.b_div = as_u32("gather divisor", g.div.max(1))?;
+        }
+        p.c = ptrs.w(ws);
+        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
+        launch(ctx, KernelId::GemmWgrad, &p, tiles)?;
+    }
+    let (o2, n1) = match out2 {
+        Some((o2, n1)) => {
+            if n1 == 0 || n1 >= n {
+                return Err(KernelError::Shape(format!(
+                    "split column {n1} outside 1..{n}"
+                )));
+            }
+            need("second output", o2, gcount * m * (n - n1))?;
+            need("output", out, gcount * m * n1)?;
+            (Some(o2), n1)
+        }
+        None => {
+            need("output", out, gcount * m * n)?;
+            (None, n)
+        }
+    };
+    let f = ctx.function(KernelId::GemmReduce, 0, 0)?;
+    let total = (gcount * m * n) as u64;
+    let gr = as_u32("groups", gcount)?;
+    let sp = splits as u32;
+    let n1 = n1 as u32;
+    let mut bld = stream.launch_builder(&f);
+    bld.arg(&*ws).arg(out);
+    let null: u64 = 0;
+    match o2 {
+        Some(o) => {
+            bld.arg(o);
+        }
+        None => {
+            bld.arg(&null);
+        }
+    }
+    bld.arg(&gr).arg(&sp).arg(&mm).arg(&nn).arg(&n1);
+    // SAFETY: afdep_gemm_reduce(const float* ws, u16* out, u16* out2, u32 groups, u32 splits,
+    // u32 m, u32 n, u32 n1): reads groups × splits × m × n partials (ws checked) and writes
+    // groups × m × n outputs split at column n1 between out and out2 (both checked); a null
+    // out2 sends every column to out.
+    unsafe { bld.launch(grid(total.div_ceil(u64::from(BLOCK)).min(1 << 16))?) }
+        .map_err(launch_err(KernelId::GemmReduce))?;
+    Ok(())
+}
