@@ -6,10 +6,15 @@
 //!   (the payload-first copy epilogue) and run their experts, results come back by a second
 //!   all-to-all-v and are combined in the brief's fixed order. Its results are bit-identical to
 //!   [`afdep_core::oracle::exchange`].
+//! - [`layer`]: [`MoeLayer`], the dropless MoE layer on one GPU (forward and train step, four
+//!   dispatch strategies) on the grouped GEMMs of afdep-kernels.
 //! - [`error`]: the engine's typed errors.
 
+pub mod accuracy;
 pub mod error;
+pub mod layer;
 pub mod staged;
 
 pub use error::ExchangeError;
+pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};

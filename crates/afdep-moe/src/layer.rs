@@ -1,0 +1,1017 @@
+//! `MoeLayer`: the dropless MoE layer of brief section 4 on one GPU, forward and train step.
+//!
+//! A layer is built for one shape, one token count and one [`Dispatch`] strategy; every buffer
+//! it needs (inputs, outputs, intermediates, gradients, GEMM workspaces) is allocated once in
+//! [`MoeLayer::new`] and reused by every step. A step only queues kernels on the context's
+//! stream ([`MoeLayer::enqueue_forward`], [`MoeLayer::enqueue_train_step`]): no host sync, no
+//! allocation, so a whole step can be captured in a CUDA graph and replayed after writing new
+//! inputs (and new routes) into the layer's input buffers. [`MoeLayer::finish`] waits for the
+//! stream and reports a rejected route table as a typed error; on rejection the outputs are
+//! poisoned (all bits set: NaN), never left looking valid.
+//!
+//! # Dispatch strategies (all compute the same function)
+//! - [`Dispatch::Sorted`]: the (token, slot) pairs are sorted by expert, x is permuted into an
+//!   expert-sorted copy, the grouped GEMMs read contiguous rows; the down-projection stores the
+//!   unweighted `y` rows and the combine gathers each token's K rows with their weights.
+//! - [`Dispatch::Gather`]: no permuted copy: the up-projection and the `dW1 | dW3` product read
+//!   x rows through the sort index; the down-projection's epilogue applies the router weight
+//!   (`w·y` stored in bf16) and the combine sums each token's K rows.
+//! - [`Dispatch::Fused`]: gather into the up-projection (SwiGLU in its epilogue); the
+//!   down-projection's epilogue multiplies by the router weight and adds straight into the
+//!   token-order f32 accumulator with atomics (the order of the adds is not fixed); the data
+//!   gradient is scattered the same way.
+//! - [`Dispatch::FusedGsum`]: gather into the up-projection; the down-projection writes
+//!   expert-sorted rows; a combine kernel gathers each token's K rows and sums them with their
+//!   weights in slot order (no atomics, deterministic).
+//!
+//! # Numerics (what differs from the f32 oracle)
+//! Storage between kernels is bf16 where the oracle keeps f32: `a`, `b`, `h` and `y` rows of
+//! the forward; `[da | db]`, `w·h`, the per-row data gradients and the router's `dlogits` in
+//! the train step. Sums are f32 (tensor-core accumulation in ascending k-tiles; the combine in
+//! slot order; the weight gradients in fixed row chunks summed in chunk order). The router is
+//! as documented in `afdep_kernels::ops::router`. The tests derive their tolerances from the
+//! number of these roundings on each path.
+//!
+//! # Requirements
+//! `d_model`, `width` and `shared` multiples of 32, `experts` a multiple of 8 and at most the
+//! router's and layout's limits, `top_k` of a compiled router variant (see
+//! `afdep_kernels::sources`); otherwise [`LayerGpuError::Unsupported`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use afdep_core::route::RouteRules;
+use afdep_core::{LayerShape, RouteError, Routes, bf16};
+use afdep_kernels::cudarc::driver::CudaSlice;
+use afdep_kernels::ops::gemm::{
+    self, DswigluIo, Gather, Groups, KOperand, RowWeights, RowsOut, TILE_M, TILE_N,
+};
+use afdep_kernels::ops::{moe, poison, zeros};
+use afdep_kernels::{
+    DeviceRoutes, ExpertLayout, GpuContext, KernelError, RouteValidator, permute, router_logits,
+    router_topk,
+};
+use thiserror::Error;
+
+/// How tokens reach the experts and come back (see the module documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dispatch {
+    /// Permuted copy of x, contiguous groups, weighted combine.
+    Sorted,
+    /// Rows gathered through the sort index, weight in the down-projection, plain combine.
+    Gather,
+    /// Gather in, weighted atomic scatter out.
+    Fused,
+    /// Gather in, expert-sorted rows out, weighted gathered sum (deterministic).
+    FusedGsum,
+}
+
+impl Dispatch {
+    /// Every strategy, in the record's order.
+    pub const ALL: [Dispatch; 4] = [
+        Dispatch::Sorted,
+        Dispatch::Gather,
+        Dispatch::Fused,
+        Dispatch::FusedGsum,
+    ];
+
+    /// The record's name (`sorted`, `gather`, `fused`, `fused_gsum`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dispatch::Sorted => "sorted",
+            Dispatch::Gather => "gather",
+            Dispatch::Fused => "fused",
+            Dispatch::FusedGsum => "fused_gsum",
+        }
+    }
+}
+
+impl fmt::Display for Dispatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dispatch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Dispatch::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                format!("unknown dispatch `{s}`: expected sorted, gather, fused or fused_gsum")
+            })
+    }
+}
+
+/// Where a step's routes come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerRouting {
+    /// The layer's own router (differentiated in the train step).
+    Router,
+    /// The routes in [`MoeLayer::routes_mut`], written by the caller before the step; they
+    /// are validated on the device ([`RouteRules::layer`], rank 0) and their weights are
+    /// constants (the router weight gradient is zero).
+    Given,
+}
+
+/// Why a GPU layer could not be built or a step failed.
+#[derive(Debug, Error)]
+pub enum LayerGpuError {
+    /// A kernel launch, copy or allocation failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The shape cannot run on these kernels.
+    #[error("unsupported layer: {0}")]
+    Unsupported(String),
+    /// The routes of the step were rejected (outputs are poisoned).
+    #[error("routes rejected: {0}")]
+    Route(RouteError),
+    /// Host data of the wrong size.
+    #[error("`{what}` has {got} elements, the layer needs {want}")]
+    Size {
+        /// The input.
+        what: &'static str,
+        /// Given.
+        got: usize,
+        /// Needed.
+        want: usize,
+    },
+}
+
+/// The layer's parameters (or their gradients) on the device, layouts of
+/// [`afdep_core::oracle::LayerParams`].
+#[derive(Debug)]
+pub struct DeviceParams {
+    /// Router, H × E.
+    pub wr: CudaSlice<bf16>,
+    /// E × H × W.
+    pub w1: CudaSlice<bf16>,
+    /// E × H × W.
+    pub w3: CudaSlice<bf16>,
+    /// E × W × H.
+    pub w2: CudaSlice<bf16>,
+    /// H × S.
+    pub s1: CudaSlice<bf16>,
+    /// H × S.
+    pub s3: CudaSlice<bf16>,
+    /// S × H.
+    pub s2: CudaSlice<bf16>,
+}
+
+impl DeviceParams {
+    fn zeros(ctx: &GpuContext, shape: &LayerShape) -> Result<Self, KernelError> {
+        let [wr, w1, w3, w2, s1, s3, s2] = afdep_core::oracle::LayerParams::sizes(shape);
+        Ok(DeviceParams {
+            wr: zeros(ctx, wr)?,
+            w1: zeros(ctx, w1)?,
+            w3: zeros(ctx, w3)?,
+            w2: zeros(ctx, w2)?,
+            s1: zeros(ctx, s1)?,
+            s3: zeros(ctx, s3)?,
+            s2: zeros(ctx, s2)?,
+        })
+    }
+
+    /// The tensors in `PARAM_NAMES` order.
+    pub fn tensors(&self) -> [&CudaSlice<bf16>; 7] {
+        [
+            &self.wr, &self.w1, &self.w3, &self.w2, &self.s1, &self.s3, &self.s2,
+        ]
+    }
+
+    fn tensors_mut(&mut self) -> [&mut CudaSlice<bf16>; 7] {
+        [
+            &mut self.wr,
+            &mut self.w1,
+            &mut self.w3,
+            &mut self.w2,
+            &mut self.s1,
+            &mut self.s3,
+            &mut self.s2,
+        ]
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.tensors().iter().map(|t| t.len() * 2).sum()
+    }
+}
+
+/// Row chunks of one weight-gradient product (see [`splits_for`]).
+#[derive(Debug, Clone, Copy)]
+struct Splits {
+    w2: usize,
+    w13: usize,
+    s2: usize,
+    s13: usize,
+    wr: usize,
+}
+
+/// Chunks of the row sum of a weight gradient with `tiles` output tiles over `rows` rows: enough
+/// tiles to fill the GPU twice, each chunk at least 1024 rows, at most 32 chunks.
+fn splits_for(tiles: usize, rows: usize, sms: usize) -> usize {
+    let want = (2 * sms).div_ceil(tiles.max(1));
+    want.min(rows / 1024).clamp(1, 32)
+}
+
+/// The MoE layer on one GPU (see the module documentation).
+#[derive(Debug)]
+pub struct MoeLayer {
+    shape: LayerShape,
+    tokens: usize,
+    dispatch: Dispatch,
+    train: bool,
+    params: DeviceParams,
+    grads: Option<DeviceParams>,
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    routes: DeviceRoutes,
+    logits: CudaSlice<f32>,
+    layout: ExpertLayout,
+    validator: RouteValidator,
+    /// Permuted x (sorted only), slots × H.
+    xs: CudaSlice<bf16>,
+    /// a, b (train only) and h of the routed experts, slots × W.
+    a: CudaSlice<bf16>,
+    b: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
+    /// Expert-sorted rows (y in the forward, dx rows in the backward), slots × H; empty for
+    /// fused.
+    rows: CudaSlice<bf16>,
+    /// Token-order f32 accumulator (output, then dx), T × H.
+    acc: CudaSlice<f32>,
+    /// Shared expert a, b (train), h, T × S.
+    sa: CudaSlice<bf16>,
+    sb: CudaSlice<bf16>,
+    sh: CudaSlice<bf16>,
+    /// [da | db] rows: max(slots × 2W, T × 2S) (train).
+    dab: CudaSlice<bf16>,
+    /// w·h rows, slots × W (train).
+    hw: CudaSlice<bf16>,
+    /// g[slot] = <dy_t, y_k> (train, router).
+    gsum: CudaSlice<f32>,
+    /// dlogits, T × E (train, router).
+    dlogits: CudaSlice<bf16>,
+    /// Weight-gradient partials.
+    ws: CudaSlice<f32>,
+    splits: Splits,
+}
+
+fn mult_of(what: &str, v: usize, m: usize) -> Result<(), LayerGpuError> {
+    if v == 0 || v % m != 0 {
+        return Err(LayerGpuError::Unsupported(format!(
+            "{what} = {v}: must be a positive multiple of {m}"
+        )));
+    }
+    Ok(())
+}
+
+impl MoeLayer {
+    /// A layer of `shape` for `tokens` tokens; `train` also allocates what the train step
+    /// needs. Parameters, inputs and outputs start zeroed.
+    pub fn new(
+        ctx: &GpuContext,
+        shape: LayerShape,
+        tokens: usize,
+        dispatch: Dispatch,
+        train: bool,
+    ) -> Result<Self, LayerGpuError> {
+        shape
+            .validate()
+            .map_err(|e| LayerGpuError::Unsupported(e.to_string()))?;
+        let (h, w, e, k, s) = (
+            shape.d_model,
+            shape.width,
+            shape.experts,
+            shape.top_k,
+            shape.shared,
+        );
+        mult_of("d_model", h, 32)?;
+        mult_of("width", w, 32)?;
+        mult_of("experts", e, 8)?;
+        if s > 0 {
+            mult_of("shared", s, 32)?;
+        }
+        if e > gemm::MAX_GROUPS {
+            return Err(LayerGpuError::Unsupported(format!(
+                "{e} experts: the grouped GEMM takes at most {}",
+                gemm::MAX_GROUPS
+            )));
+        }
+        let slots = tokens
+            .checked_mul(k)
+            .ok_or_else(|| LayerGpuError::Unsupported("tokens × top_k overflows".into()))?;
+        let t = |n: bool, len: usize| if n { len } else { 0 };
+        let sorted = dispatch == Dispatch::Sorted;
+        let fused = dispatch == Dispatch::Fused;
+        let sms = ctx
+            .cuda()
+            .attribute(
+                afdep_kernels::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(KernelError::driver("reading the SM count"))?
+            .max(1) as usize;
+        let tiles = |m: usize, n: usize| m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
+        let per_expert = slots / e;
+        let splits = Splits {
+            w2: splits_for(e * tiles(w, h), per_expert, sms),
+            w13: splits_for(e * tiles(h, 2 * w), per_expert, sms),
+            s2: splits_for(tiles(s, h), tokens, sms),
+            s13: splits_for(tiles(h, 2 * s), tokens, sms),
+            wr: splits_for(tiles(h, e), tokens, sms),
+        };
+        let ws_len = if train {
+            [
+                e * splits.w2 * w * h,
+                e * splits.w13 * h * 2 * w,
+                splits.s2 * s * h,
+                splits.s13 * h * 2 * s,
+                splits.wr * h * e,
+            ]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+        } else {
+            0
+        };
+        let layout = ExpertLayout::new(ctx, tokens, k, e)?;
+        Ok(MoeLayer {
+            shape,
+            tokens,
+            dispatch,
+            train,
+            params: DeviceParams::zeros(ctx, &shape)?,
+            grads: if train {
+                Some(DeviceParams::zeros(ctx, &shape)?)
+            } else {
+                None
+            },
+            x: zeros(ctx, tokens * h)?,
+            dy: zeros(ctx, t(train, tokens * h))?,
+            out: zeros(ctx, tokens * h)?,
+            dx: zeros(ctx, t(train, tokens * h))?,
+            routes: DeviceRoutes::zeros(ctx, tokens, k)?,
+            logits: zeros(ctx, tokens * e)?,
+            layout,
+            validator: RouteValidator::new(ctx)?,
+            xs: zeros(ctx, t(sorted, slots * h))?,
+            a: zeros(ctx, t(train, slots * w))?,
+            b: zeros(ctx, t(train, slots * w))?,
+            h: zeros(ctx, slots * w)?,
+            rows: zeros(ctx, t(!fused, slots * h))?,
+            acc: zeros(ctx, tokens * h)?,
+            sa: zeros(ctx, t(train, tokens * s))?,
+            sb: zeros(ctx, t(train, tokens * s))?,
+            sh: zeros(ctx, tokens * s)?,
+            dab: zeros(ctx, t(train, (slots * 2 * w).max(tokens * 2 * s)))?,
+            hw: zeros(ctx, t(train, slots * w))?,
+            gsum: zeros(ctx, t(train, slots))?,
+            dlogits: zeros(ctx, t(train, tokens * e))?,
+            ws: zeros(ctx, ws_len)?,
+            splits,
+        })
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &LayerShape {
+        &self.shape
+    }
+    /// Tokens per step.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// The dispatch strategy.
+    pub fn dispatch(&self) -> Dispatch {
+        self.dispatch
+    }
+    /// The parameters (write them with [`MoeLayer::upload_params`] or in place).
+    pub fn params_mut(&mut self) -> &mut DeviceParams {
+        &mut self.params
+    }
+    /// The parameter gradients of the last train step (none for a forward-only layer).
+    pub fn grads(&self) -> Option<&DeviceParams> {
+        self.grads.as_ref()
+    }
+    /// The input x, T × H.
+    pub fn x_mut(&mut self) -> &mut CudaSlice<bf16> {
+        &mut self.x
+    }
+    /// The upstream gradient dy, T × H (train layers).
+    pub fn dy_mut(&mut self) -> &mut CudaSlice<bf16> {
+        &mut self.dy
+    }
+    /// The output of the last step, T × H.
+    pub fn out(&self) -> &CudaSlice<bf16> {
+        &self.out
+    }
+    /// dx of the last train step, T × H.
+    pub fn dx(&self) -> &CudaSlice<bf16> {
+        &self.dx
+    }
+    /// The routes of the last step (the router's), or where to write given routes.
+    pub fn routes(&self) -> &DeviceRoutes {
+        &self.routes
+    }
+    /// The route buffers, to write given routes before a [`LayerRouting::Given`] step.
+    pub fn routes_mut(&mut self) -> &mut DeviceRoutes {
+        &mut self.routes
+    }
+
+    /// Device bytes held by the layer (every buffer; allocated once, so this is the layer's
+    /// peak).
+    pub fn device_bytes(&self) -> usize {
+        let g = self.grads.as_ref().map_or(0, DeviceParams::bytes);
+        let b16 = [
+            &self.x,
+            &self.dy,
+            &self.out,
+            &self.dx,
+            &self.xs,
+            &self.a,
+            &self.b,
+            &self.h,
+            &self.rows,
+            &self.sa,
+            &self.sb,
+            &self.sh,
+            &self.dab,
+            &self.hw,
+            &self.dlogits,
+        ]
+        .iter()
+        .map(|s| s.len() * 2)
+        .sum::<usize>();
+        let f32s = [&self.acc, &self.gsum, &self.ws, &self.logits]
+            .iter()
+            .map(|s| s.len() * 4)
+            .sum::<usize>();
+        let layout = self.tokens * self.shape.top_k * (4 + 4 + 4 + 4) + self.shape.experts * 16;
+        self.params.bytes() + g + b16 + f32s + layout
+    }
+
+    /// Copies host parameters to the device (waits for nothing).
+    pub fn upload_params(
+        &mut self,
+        ctx: &GpuContext,
+        p: &afdep_core::oracle::LayerParams,
+    ) -> Result<(), LayerGpuError> {
+        if p.shape != self.shape {
+            return Err(LayerGpuError::Unsupported(format!(
+                "parameters of shape {:?} for a layer of shape {:?}",
+                p.shape, self.shape
+            )));
+        }
+        for (dst, src) in self.params.tensors_mut().into_iter().zip(p.tensors()) {
+            upload_into(ctx, "parameter", src, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Copies host x (T × H) into the layer.
+    pub fn upload_x(&mut self, ctx: &GpuContext, x: &[bf16]) -> Result<(), LayerGpuError> {
+        upload_into(ctx, "x", x, &mut self.x)
+    }
+
+    /// Copies host dy (T × H) into the layer.
+    pub fn upload_dy(&mut self, ctx: &GpuContext, dy: &[bf16]) -> Result<(), LayerGpuError> {
+        upload_into(ctx, "dy", dy, &mut self.dy)
+    }
+
+    /// Copies host routes into the layer (for [`LayerRouting::Given`]).
+    pub fn upload_routes(&mut self, ctx: &GpuContext, r: &Routes) -> Result<(), LayerGpuError> {
+        if r.tokens != self.tokens || r.top_k != self.shape.top_k {
+            return Err(LayerGpuError::Size {
+                what: "routes",
+                got: r.tokens * r.top_k,
+                want: self.tokens * self.shape.top_k,
+            });
+        }
+        upload_into(ctx, "route ids", &r.idx, &mut self.routes.idx)?;
+        upload_into(ctx, "route weights", &r.weights, &mut self.routes.weights)
+    }
+
+    /// Queues the forward pass (no host sync): routes, validation, layout, experts, combine,
+    /// shared expert, one cast. Call [`MoeLayer::finish`] before reading the output.
+    pub fn enqueue_forward(
+        &mut self,
+        ctx: &GpuContext,
+        routing: LayerRouting,
+    ) -> Result<(), LayerGpuError> {
+        let sh = self.shape;
+        let (hd, w, e, k, s) = (sh.d_model, sh.width, sh.experts, sh.top_k, sh.shared);
+        let tokens = self.tokens;
+        let slots = tokens * k;
+        if routing == LayerRouting::Router {
+            router_logits(
+                ctx,
+                &self.x,
+                &self.params.wr,
+                tokens,
+                hd,
+                e,
+                k,
+                &mut self.logits,
+            )?;
+            router_topk(
+                ctx,
+                &self.logits,
+                tokens,
+                e,
+                k,
+                sh.renormalize,
+                &mut self.routes,
+            )?;
+        }
+        self.validator.poison_word(ctx)?;
+        self.validator.launch(
+            ctx,
+            &self.routes.idx,
+            &self.routes.weights,
+            tokens,
+            k,
+            &RouteRules::layer(&sh),
+            0,
+        )?;
+        self.layout.build(ctx, &self.routes.idx)?;
+        let groups = Groups::Experts {
+            offsets: &self.layout.offsets,
+            experts: e,
+            capacity: slots,
+        };
+        let gather = Gather {
+            index: &self.layout.row_slot,
+            div: k,
+        };
+        let (xin, xg) = if self.dispatch == Dispatch::Sorted {
+            permute(ctx, &self.x, hd, &self.layout, &mut self.xs)?;
+            (&self.xs, None)
+        } else {
+            (&self.x, Some(gather))
+        };
+        let (a_out, b_out) = if self.train {
+            (Some(&mut self.a), Some(&mut self.b))
+        } else {
+            (None, None)
+        };
+        gemm::up_swiglu(
+            ctx,
+            groups,
+            xin,
+            xg,
+            &self.params.w1,
+            &self.params.w3,
+            hd,
+            w,
+            &mut self.h,
+            a_out,
+            b_out,
+        )?;
+        let rw = RowWeights {
+            row_slot: &self.layout.row_slot,
+            weights: &self.routes.weights,
+            top_k: k,
+        };
+        match self.dispatch {
+            Dispatch::Sorted | Dispatch::FusedGsum => {
+                gemm::down(
+                    ctx,
+                    groups,
+                    &self.h,
+                    &self.params.w2,
+                    w,
+                    hd,
+                    RowsOut::Store {
+                        out: &mut self.rows,
+                        weights: None,
+                    },
+                )?;
+                moe::combine(
+                    ctx,
+                    &self.rows,
+                    hd,
+                    &self.layout,
+                    Some(&self.routes.weights),
+                    &mut self.acc,
+                )?;
+            }
+            Dispatch::Gather => {
+                gemm::down(
+                    ctx,
+                    groups,
+                    &self.h,
+                    &self.params.w2,
+                    w,
+                    hd,
+                    RowsOut::Store {
+                        out: &mut self.rows,
+                        weights: Some(rw),
+                    },
+                )?;
+                moe::combine(ctx, &self.rows, hd, &self.layout, None, &mut self.acc)?;
+            }
+            Dispatch::Fused => {
+                ctx.stream()
+                    .memset_zeros(&mut self.acc)
+                    .map_err(KernelError::driver("zeroing the accumulator"))?;
+                gemm::down(
+                    ctx,
+                    groups,
+                    &self.h,
+                    &self.params.w2,
+                    w,
+                    hd,
+                    RowsOut::Scatter {
+                        acc: &mut self.acc,
+                        weights: rw,
+                        weighted: true,
+                    },
+                )?;
+            }
+        }
+        if s > 0 {
+            let dense = Groups::Dense { rows: tokens };
+            let (a_out, b_out) = if self.train {
+                (Some(&mut self.sa), Some(&mut self.sb))
+            } else {
+                (None, None)
+            };
+            gemm::up_swiglu(
+                ctx,
+                dense,
+                &self.x,
+                None,
+                &self.params.s1,
+                &self.params.s3,
+                hd,
+                s,
+                &mut self.sh,
+                a_out,
+                b_out,
+            )?;
+            gemm::down(
+                ctx,
+                dense,
+                &self.sh,
+                &self.params.s2,
+                s,
+                hd,
+                RowsOut::Finish {
+                    acc: &self.acc,
+                    out: &mut self.out,
+                },
+            )?;
+        } else {
+            moe::cast(ctx, &self.acc, tokens * hd, e, k, &mut self.out)?;
+        }
+        Ok(())
+    }
+
+    /// Queues a train step (no host sync): the forward pass, then the gradients of
+    /// `Σ(out ⊙ dy)` with respect to x ([`MoeLayer::dx`]) and every parameter
+    /// ([`MoeLayer::grads`]), dy taken from [`MoeLayer::dy_mut`].
+    pub fn enqueue_train_step(
+        &mut self,
+        ctx: &GpuContext,
+        routing: LayerRouting,
+    ) -> Result<(), LayerGpuError> {
+        if !self.train {
+            return Err(LayerGpuError::Unsupported(
+                "this layer was built for the forward pass only".into(),
+            ));
+        }
+        self.enqueue_forward(ctx, routing)?;
+        let sh = self.shape;
+        let (hd, w, e, k, s) = (sh.d_model, sh.width, sh.experts, sh.top_k, sh.shared);
+        let tokens = self.tokens;
+        let slots = tokens * k;
+        let router = routing == LayerRouting::Router;
+        let grads = self.grads.as_mut().expect("train layers have gradients");
+        let stream = ctx.stream();
+        let groups = Groups::Experts {
+            offsets: &self.layout.offsets,
+            experts: e,
+            capacity: slots,
+        };
+        let gather = Gather {
+            index: &self.layout.row_slot,
+            div: k,
+        };
+        let rw = RowWeights {
+            row_slot: &self.layout.row_slot,
+            weights: &self.routes.weights,
+            top_k: k,
+        };
+        if router {
+            stream
+                .memset_zeros(&mut self.gsum)
+                .map_err(KernelError::driver("zeroing the router gradient sums"))?;
+        }
+        // G = dy·W2ᵀ with the SwiGLU backward: [da | db], w·h, g.
+        gemm::dh_dswiglu(
+            ctx,
+            groups,
+            &self.dy,
+            Some(gather),
+            &self.params.w2,
+            w,
+            hd,
+            DswigluIo {
+                a: &self.a,
+                b: &self.b,
+                dab: &mut self.dab,
+                hw: Some(&mut self.hw),
+                weights: Some(rw),
+                gsum: if router { Some(&mut self.gsum) } else { None },
+            },
+        )?;
+        // dW2_e = Σ (w·h)ᵀ dy over the expert's rows.
+        gemm::wgrad(
+            ctx,
+            groups,
+            KOperand {
+                buf: &self.hw,
+                ld: w,
+                gather: None,
+            },
+            KOperand {
+                buf: &self.dy,
+                ld: hd,
+                gather: Some(gather),
+            },
+            w,
+            hd,
+            self.splits.w2,
+            &mut self.ws,
+            &mut grads.w2,
+            None,
+        )?;
+        // [dW1 | dW3]_e = Σ xᵀ [da | db].
+        let xop = if self.dispatch == Dispatch::Sorted {
+            KOperand {
+                buf: &self.xs,
+                ld: hd,
+                gather: None,
+            }
+        } else {
+            KOperand {
+                buf: &self.x,
+                ld: hd,
+                gather: Some(gather),
+            }
+        };
+        gemm::wgrad(
+            ctx,
+            groups,
+            xop,
+            KOperand {
+                buf: &self.dab,
+                ld: 2 * w,
+                gather: None,
+            },
+            hd,
+            2 * w,
+            self.splits.w13,
+            &mut self.ws,
+            &mut grads.w1,
+            Some((&mut grads.w3, w)),
+        )?;
+        // dx_k = [da | db]·[W1 | W3]ᵀ, summed per token in slot order (or scattered).
+        if self.dispatch == Dispatch::Fused {
+            stream
+                .memset_zeros(&mut self.acc)
+                .map_err(KernelError::driver("zeroing the dx accumulator"))?;
+            gemm::dx(
+                ctx,
+                groups,
+                &self.dab,
+                &self.params.w1,
+                Some(&self.params.w3),
+                w,
+                hd,
+                RowsOut::Scatter {
+                    acc: &mut self.acc,
+                    weights: rw,
+                    weighted: false,
+                },
+            )?;
+        } else {
+            gemm::dx(
+                ctx,
+                groups,
+                &self.dab,
+                &self.params.w1,
+                Some(&self.params.w3),
+                w,
+                hd,
+                RowsOut::Store {
+                    out: &mut self.rows,
+                    weights: None,
+                },
+            )?;
+            moe::combine(ctx, &self.rows, hd, &self.layout, None, &mut self.acc)?;
+        }
+        // The shared expert, weight 1 on every token.
+        if s > 0 {
+            let dense = Groups::Dense { rows: tokens };
+            gemm::dh_dswiglu(
+                ctx,
+                dense,
+                &self.dy,
+                None,
+                &self.params.s2,
+                s,
+                hd,
+                DswigluIo {
+                    a: &self.sa,
+                    b: &self.sb,
+                    dab: &mut self.dab,
+                    hw: Some(&mut self.sh),
+                    weights: None,
+                    gsum: None,
+                },
+            )?;
+            gemm::wgrad(
+                ctx,
+                dense,
+                KOperand {
+                    buf: &self.sh,
+                    ld: s,
+                    gather: None,
+                },
+                KOperand {
+                    buf: &self.dy,
+                    ld: hd,
+                    gather: None,
+                },
+                s,
+                hd,
+                self.splits.s2,
+                &mut self.ws,
+                &mut grads.s2,
+                None,
+            )?;
+            gemm::wgrad(
+                ctx,
+                dense,
+                KOperand {
+                    buf: &self.x,
+                    ld: hd,
+                    gather: None,
+                },
+                KOperand {
+                    buf: &self.dab,
+                    ld: 2 * s,
+                    gather: None,
+                },
+                hd,
+                2 * s,
+                self.splits.s13,
+                &mut self.ws,
+                &mut grads.s1,
+                Some((&mut grads.s3, s)),
+            )?;
+            let out = if router {
+                RowsOut::Add { acc: &mut self.acc }
+            } else {
+                RowsOut::Finish {
+                    acc: &self.acc,
+                    out: &mut self.dx,
+                }
+            };
+            // `Finish` reads acc and writes dx; `Add` updates acc in place.
+            gemm::dx(
+                ctx,
+                dense,
+                &self.dab,
+                &self.params.s1,
+                Some(&self.params.s3),
+                s,
+                hd,
+                out,
+            )?;
+        }
+        if router {
+            moe::router_backward(
+                ctx,
+                &self.logits,
+                &self.routes,
+                e,
+                &self.gsum,
+                sh.renormalize,
+                &mut self.dlogits,
+            )?;
+            gemm::wgrad(
+                ctx,
+                Groups::Dense { rows: tokens },
+                KOperand {
+                    buf: &self.x,
+                    ld: hd,
+                    gather: None,
+                },
+                KOperand {
+                    buf: &self.dlogits,
+                    ld: e,
+                    gather: None,
+                },
+                hd,
+                e,
+                self.splits.wr,
+                &mut self.ws,
+                &mut grads.wr,
+                None,
+            )?;
+            gemm::dx(
+                ctx,
+                Groups::Dense { rows: tokens },
+                &self.dlogits,
+                &self.params.wr,
+                None,
+                e,
+                hd,
+                RowsOut::Finish {
+                    acc: &self.acc,
+                    out: &mut self.dx,
+                },
+            )?;
+        } else {
+            stream
+                .memset_zeros(&mut grads.wr)
+                .map_err(KernelError::driver("zeroing the router gradient"))?;
+            if s == 0 {
+                moe::cast(ctx, &self.acc, tokens * hd, e, k, &mut self.dx)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the outputs (out, dx, the gradients) with all-ones bits (NaN), without waiting:
+    /// before a correctness run, so that anything a step fails to write reads as NaN.
+    pub fn poison_outputs(&mut self, ctx: &GpuContext) -> Result<(), LayerGpuError> {
+        poison(ctx, &mut self.out)?;
+        poison(ctx, &mut self.dx)?;
+        if let Some(g) = self.grads.as_mut() {
+            for t in g.tensors_mut() {
+                poison(ctx, t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the queued step and checks its routes: a rejected table poisons the outputs
+    /// (and gradients) and is returned as [`LayerGpuError::Route`].
+    pub fn finish(&mut self, ctx: &GpuContext) -> Result<(), LayerGpuError> {
+        match self.validator.result(ctx)? {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.poison_outputs(ctx)?;
+                ctx.synchronize()?;
+                Err(LayerGpuError::Route(e))
+            }
+        }
+    }
+
+    /// [`MoeLayer::enqueue_forward`] then [`MoeLayer::finish`].
+    pub fn forward(
+        &mut self,
+        ctx: &GpuContext,
+        routing: LayerRouting,
+    ) -> Result<(), LayerGpuError> {
+        self.enqueue_forward(ctx, routing)?;
+        self.finish(ctx)
+    }
+
+    /// [`MoeLayer::enqueue_train_step`] then [`MoeLayer::finish`].
+    pub fn train_step(
+        &mut self,
+        ctx: &GpuContext,
+        routing: LayerRouting,
+    ) -> Result<(), LayerGpuError> {
+        self.enqueue_train_step(ctx, routing)?;
+        self.finish(ctx)
+    }
+}
+
+fn upload_into<T: afdep_kernels::cudarc::driver::DeviceRepr + Copy>(
+    ctx: &GpuContext,
+    what: &'static str,
+    src: &[T],
+    dst: &mut CudaSlice<T>,
+) -> Result<(), LayerGpuError> {
+    if src.len() != dst.len() {
+        return Err(LayerGpuError::Size {
+            what,
+            got: src.len(),
+            want: dst.len(),
+        });
+    }
+    if src.is_empty() {
+        return Ok(());
+    }
+    ctx.stream()
+        .memcpy_htod(src, dst)
+        .map_err(KernelError::driver(format!("uploading {what}")))?;
+    Ok(())
+}
