@@ -78,8 +78,10 @@ fn compare(
     grads: &afdep_core::oracle::LayerGrads,
 ) -> Vec<String> {
     let mut bad = Vec::new();
+    let mut line = format!("{what}:");
     let mut check = |name: &str, a: &[bf16], b: &[bf16], tol: f64| {
         let e = max_rel_err(a, b);
+        line.push_str(&format!(" {name} {e:.2e}"));
         if e > tol {
             bad.push(format!("{what}: {name} error {e:.3e} above {tol:.3e}"));
         }
@@ -89,6 +91,7 @@ fn compare(
     for ((name, a), b) in PARAM_NAMES.iter().zip(&got.grads).zip(grads.params()) {
         check(&format!("d{name}"), a, b, GRAD_TOL);
     }
+    println!("{line}");
     bad
 }
 
