@@ -1,7 +1,13 @@
-// Grouped GEMM for the MoE layer: bf16 operands, f32 accumulation, tensor cores (mma.sync
-// m16n8k16, operands staged through shared memory by a cp.async pipeline), a persistent grid
-// whose tile schedule is derived from the group offsets on the device (no host sync), 64-bit
-// row offsets, and one epilogue per layer step.
+// Grouped GEMM for the MoE layer: bf16 operands, f32 accumulation on Hopper's warpgroup tensor
+// cores (wgmma.mma_async, SASS HGMMA), both operands read from shared memory through matrix
+// descriptors; the operands are staged by a cp.async pipeline into the 128-byte-swizzled layouts
+// wgmma reads; a persistent grid whose tile schedule is derived from the group offsets on the
+// device (no host sync), 64-bit row offsets, and one epilogue per layer step.
+//
+// Why cp.async and not TMA for the operand loads: the A rows of the gather strategies and both
+// operands of the weight gradients are gathered row by row through an index (slot -> token),
+// which Hopper's TMA (tiled boxes of a dense tensor) cannot express; one loader for every
+// variant keeps the pipeline and its synchronisation in one place.
 //
 // Two shapes of problem (see layout/gemm_problem.cuh for the descriptor):
 // - ROWS: group g owns output rows offsets[g] .. offsets[g+1] (M varies per group); N and K are
@@ -11,45 +17,51 @@
 //   `splits` chunks; each chunk writes an f32 partial, summed in split order by
 //   afdep_gemm_reduce (deterministic, no atomics).
 //
-// Summation order: each output is one f32 accumulator per thread fed by the tensor-core
-// products in ascending k-tile order (the order inside one mma is the hardware's). This is not
-// the CPU oracle's order; results agree within the bf16 tolerance documented in afdep-moe.
+// Block: 256 threads = two warpgroups; a 128 x 128 output tile, warpgroup w computes rows
+// 64w .. 64w + 63 with one m64n128k16 wgmma per 16 of K. Pipeline: STAGES shared-memory stages
+// of a 128 x 64 A tile and a 128 x 64 B tile (K = 64 bf16 = one 128-byte swizzle row);
+// PREFETCH k-tiles are loading while one is multiplied and the wgmma of the previous one may
+// still be reading (so STAGES = PREFETCH + 2).
+//
+// Summation order: each output is one f32 accumulator fed by the tensor-core products in
+// ascending k-tile order (the order inside one wgmma is the hardware's). This is not the CPU
+// oracle's order; results agree within the bf16 tolerance documented in afdep-moe.
 
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/gemm_problem.cuh"
 
-static_assert(AFDEP_BLOCK == 256, "the GEMM tiling assumes 8 warps");
+static_assert(AFDEP_BLOCK == 256, "the GEMM tiling assumes two warpgroups");
 
 #define BM 128
 #define BN 128
-#define BK 32
-#define STAGES 4
-#define WARPS_M 2
-#define WARPS_N 4
-#define WM (BM / WARPS_M)  // 64
-#define WN (BN / WARPS_N)  // 32
-#define MI (WM / 16)       // 4 m16 tiles per warp
-#define NI (WN / 8)        // 4 n8 tiles per warp
-
-// Shared memory per stage: an A tile and a B tile of 4096 bf16 each (8 KiB).
-#define TILE_ELEMS (BM * BK)
-#define STAGE_ELEMS (2 * TILE_ELEMS)
-// Dynamic shared memory of every GEMM kernel: the stages plus the per-group tile prefix.
+#define BK 64
+#define PREFETCH 1
+#define STAGES (PREFETCH + 2)
+// One operand tile: 128 rows of 64 bf16 (K-major) or 64 rows of 128 bf16 (M/N-major).
+#define TILE_BYTES (BM * BK * 2)
+#define STAGE_BYTES (2 * TILE_BYTES)
+// The swizzle atom (8 rows of 128 bytes): stages start on this alignment.
+#define ATOM_BYTES 1024
+// Dynamic shared memory of every GEMM kernel: the stages plus the slack to align them.
 // Must equal afdep_kernels::ops::gemm::SMEM_BYTES.
-#define SMEM_STAGE_BYTES (STAGES * STAGE_ELEMS * 2)
+#define SMEM_DYN_BYTES (STAGES * STAGE_BYTES + ATOM_BYTES)
 
 static_assert(BM == BN, "square tiles: both operand tiles have the same shape");
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory tile layouts (16-byte chunks, XOR-swizzled so that ldmatrix is conflict free).
-// K-major tile: 128 rows (m or n) x 32 k = 4 chunks per row.
+// Shared-memory tile layouts: wgmma's canonical 128-byte-swizzled layouts. A 16-byte chunk c
+// of a 128-byte row r lands at chunk position c ^ (r % 8); 8 rows form a 1024-byte atom.
+//
+// K-major tile (rows = m or n, 128 of them; 64 k per row = 8 chunks): atoms of 8 rows follow
+// each other (stride 1024 bytes: the descriptor's SBO; LBO is unused when swizzled).
 static __device__ __forceinline__ u32 kmaj_off(u32 r, u32 c) {
-    return (r * 4 + (c ^ ((r >> 1) & 3))) * 8;  // in elements
+    return r * 128 + ((c ^ (r & 7)) << 4);  // bytes
 }
-// MN-major tile: 32 rows (k) x 128 m/n = 16 chunks per row.
+// M/N-major tile (rows = k, 64 of them; 128 m/n per row = 16 chunks): two halves of 64 m/n
+// (8192 bytes apart: LBO), each 8 atoms of 8 k-rows (1024 bytes apart: SBO).
 static __device__ __forceinline__ u32 mnmaj_off(u32 r, u32 c) {
-    return (r * 16 + (c ^ (r & 7))) * 8;
+    return (c >> 3) * 8192 + (r >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
 static __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -69,24 +81,77 @@ template <int N>
 static __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
-
-static __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-static __device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
+// Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async proxy
+// that wgmma reads shared memory through.
+static __device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-static __device__ __forceinline__ void mma_bf16(float* d, const u32* a, const u32* b) {
+// ---------------------------------------------------------------------------------------------
+// wgmma.
+
+// A shared-memory matrix descriptor: start address, leading and stride byte offsets (all >> 4),
+// 128-byte swizzle (layout type 1 in bits 62-63). Stages are 1024-byte aligned, so the base
+// offset field stays 0; a start inside an atom (the k16 steps of a K-major tile) is how the
+// hardware is told to begin at a later 32-byte column of the swizzled rows.
+static __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+static __device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// One wgmma m64n128k16 (bf16 in, f32 accumulate into d, D = A·B + D), both operands in shared
+// memory. TRANS_A / TRANS_B: 0 = K-major, 1 = M- / N-major (bf16 allows both).
+template <int TRANS_A, int TRANS_B>
+static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 desc_a, u64 desc_b) {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, %67, %68;\n"
+        "}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// The warpgroup's wgmmas on one stage (K = 64: four k16 steps). sa, sb: shared addresses of
+// the A and B tiles; wg: the warpgroup (rows 64 wg .. of the tile).
+template <bool A_KMAJ, bool B_KMAJ>
+static __device__ __forceinline__ void mma_stage(u32 sa, u32 sb, float (&acc)[64], u32 wg) {
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++) {
+        // K-major: the warpgroup's 64 rows start 64 * 128 bytes in; a k16 step is 32 bytes.
+        // M-major: the warpgroup's 64 m are the tile's half wg (8192 bytes); a k16 step is two
+        // 8-row atoms (2048 bytes).
+        const u64 da = A_KMAJ ? smem_desc(sa + wg * 8192 + ks * 32, 16, 1024)
+                              : smem_desc(sa + wg * 8192 + ks * 2048, 8192, 1024);
+        const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024)
+                              : smem_desc(sb + ks * 2048, 8192, 1024);
+        wgmma_m64n128k16<A_KMAJ ? 0 : 1, B_KMAJ ? 0 : 1>(acc, da, db);
+    }
 }
 
 static __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -97,16 +162,6 @@ static __device__ __forceinline__ float2 unpack_bf16(u32 v) {
 }
 
 static __device__ __forceinline__ float sigmoidf_(float a) { return 1.0f / (1.0f + expf(-a)); }
-
-// ---------------------------------------------------------------------------------------------
-// One tile's coordinates.
-struct Tile {
-    u32 group;
-    u64 row0;   // ROWS: first output row of the tile; KSUM: first K-row of the chunk
-    u64 rows;   // ROWS: valid output rows (<= BM); KSUM: K-rows of the chunk
-    u32 m0, n0; // ROWS: n0 only (tile column); KSUM: output tile origin
-    u32 split;
-};
 
 // Group start of g (0 when offsets are absent).
 static __device__ __forceinline__ u64 group_begin(const GemmProblem& p, u32 g) {
@@ -122,70 +177,83 @@ static __device__ __forceinline__ u32 tile_cols() {
     return DUAL_N ? BN / 2 : BN;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Loaders. Each stage loads 512 chunks of A and 512 of B: 2 + 2 per thread.
+// The shared address of the stages: the dynamic shared memory rounded up to the atom.
+static __device__ __forceinline__ u32 stages_base(const void* dyn) {
+    const u32 s = smem_u32(dyn);
+    return (s + ATOM_BYTES - 1) & ~(u32)(ATOM_BYTES - 1);
+}
 
-// ROWS A (K-major, rows gathered): row_ptr[] holds the element offset of each tile row (or
+// Accumulator fragment of wgmma m64nNk16 (f32): element 4 j + 2 h + e of a thread is the output
+// at row 16 (warp % 4) + lane / 4 + 8 h of its warpgroup's 64 rows and column 8 j + 2 (lane % 4)
+// + e.
+
+// ---------------------------------------------------------------------------------------------
+// Loaders. Each stage loads 1024 16-byte chunks of A and 1024 of B: 4 + 4 per thread.
+
+// ROWS A (K-major, rows gathered): row_off[] holds the element offset of each tile row (or
 // ~0 for rows past the group), computed once per tile.
 static __device__ __forceinline__ void load_a_rows(const GemmProblem& p, const u64* row_off,
-                                                   u16* sa, u32 k0) {
+                                                   u32 sa, u32 k0) {
     const u16* a = (const u16*)p.a;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
-        const u32 r = id / 4, c = id % 4;
+        const u32 r = id / 8, c = id % 8;
         const u64 off = row_off[r];
         const u32 kk = k0 + c * 8;
         const bool ok = off != ~0ull && kk < p.k;
-        cp_async16(smem_u32(sa + kmaj_off(r, c)), ok ? a + off + kk : a, ok);
+        cp_async16(sa + kmaj_off(r, c), ok ? a + off + kk : a, ok);
     }
 }
 
-// ROWS B for group g: K-major ([n][k], ldb) or N-major ([k][n], ldb).
+// ROWS B for group g: K-major ([n][k], ldb) or N-major ([k][n], ldb). Without DUAL_N, a second
+// B (b2) holds the K rows from b_split on (the data gradient's [W1 | W3]^T); with DUAL_N the
+// tile's first 64 columns are b's and the last 64 b2's (x·[W1 | W3]).
 template <bool B_KMAJ, bool DUAL_N>
-static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, u16* sb, u32 n0,
+static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, u32 sb, u32 n0,
                                                    u32 k0) {
-    const u16* b = (const u16*)p.b;
-    u32 kb = k0;
-    if (!DUAL_N && p.b2 && k0 >= p.b_split) {
-        b = (const u16*)p.b2;
-        kb = k0 - p.b_split;
-    }
-    b += (u64)g * p.b_gs;
-    const u32 klim = (!DUAL_N && p.b2) ? (k0 >= p.b_split ? p.k - p.b_split : p.b_split) : p.k;
+    static_assert(!DUAL_N || !B_KMAJ, "dual-N B is N-major");
+    const u16* b1 = (const u16*)p.b + (u64)g * p.b_gs;
+    const u16* b2 = p.b2 ? (const u16*)p.b2 + (u64)g * p.b_gs : b1;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
         if (B_KMAJ) {
-            static_assert(!DUAL_N || !B_KMAJ, "dual-N B is N-major");
-            const u32 r = id / 4, c = id % 4;  // r: n within the tile, c: k chunk
-            const u32 nn = n0 + r, kk = kb + c * 8;
-            const bool ok = nn < p.n && kk < klim;
-            cp_async16(smem_u32(sb + kmaj_off(r, c)), ok ? b + (u64)nn * p.ldb + kk : b, ok);
+            const u32 r = id / 8, c = id % 8;  // r: n within the tile, c: k chunk
+            const u32 nn = n0 + r, kk = k0 + c * 8;
+            const bool second = p.b2 && kk >= p.b_split;
+            const u16* src = second ? b2 : b1;
+            const u32 kb = second ? kk - p.b_split : kk;
+            const bool ok = nn < p.n && kk < p.k;
+            cp_async16(sb + kmaj_off(r, c), ok ? src + (u64)nn * p.ldb + kb : src, ok);
         } else {
             const u32 r = id / 16, c = id % 16;  // r: k within the tile, c: n chunk
-            const u32 kk = kb + r;
-            u32 nn;
-            const u16* src = b;
+            const u32 kk = k0 + r;
+            const u16* src = b1;
+            u32 nn, kb = kk;
             if (DUAL_N) {
                 // chunks 0..7: b columns n0 + 8c; chunks 8..15: b2 columns n0 + 8(c - 8)
                 nn = n0 + (c % 8) * 8;
-                if (c >= 8) src = (const u16*)p.b2 + (u64)g * p.b_gs;
+                if (c >= 8) src = b2;
             } else {
                 nn = n0 + c * 8;
+                if (p.b2 && kk >= p.b_split) {
+                    src = b2;
+                    kb = kk - p.b_split;
+                }
             }
-            const bool ok = nn < p.n && kk < klim;
-            cp_async16(smem_u32(sb + mnmaj_off(r, c)), ok ? src + (u64)kk * p.ldb + nn : src, ok);
+            const bool ok = nn < p.n && kk < p.k;
+            cp_async16(sb + mnmaj_off(r, c), ok ? src + (u64)kb * p.ldb + nn : src, ok);
         }
     }
 }
 
 // KSUM operand (MN-major [r][m], rows gathered through idx/div): tile rows are K-rows
-// r0 .. r0 + 31 (< rend), columns c0 .. c0 + 127 (< lim).
-static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, u64 idx, u32 div,
-                                                 u16* s, u64 r0, u64 rend, u32 c0, u32 lim) {
+// r0 .. r0 + 63 (< rend), columns c0 .. c0 + 127 (< lim).
+static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, u64 idx, u32 div, u32 s,
+                                                 u64 r0, u64 rend, u32 c0, u32 lim) {
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
         const u32 r = id / 16, c = id % 16;
         const u64 rr = r0 + r;
@@ -196,59 +264,8 @@ static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, u64 id
             const u64 row = idx ? (u64)(((const u32*)idx)[rr] / div) : rr;
             src = base + row * ld + cc;
         }
-        cp_async16(smem_u32(s + mnmaj_off(r, c)), src, ok);
+        cp_async16(s + mnmaj_off(r, c), src, ok);
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The warp's MMAs on one stage.
-template <bool A_KMAJ, bool B_KMAJ, bool DUAL_N>
-static __device__ __forceinline__ void mma_stage(const u16* sa, const u16* sb, float (&acc)[MI][NI][4],
-                                                 u32 wm, u32 wn) {
-    const u32 lane = afdep_lane();
-    const u32 q = lane / 8, j = lane % 8;
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-        u32 af[MI][4];
-        u32 bfr[NI][2];
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++) {
-            const u32 m0 = wm * WM + mi * 16;
-            if (A_KMAJ) {
-                const u32 r = m0 + (q % 2) * 8 + j, c = (kk + (q / 2) * 8) / 8;
-                ldsm_x4(smem_u32(sa + kmaj_off(r, c)), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
-            } else {
-                const u32 r = kk + (q / 2) * 8 + j, c = (m0 + (q % 2) * 8) / 8;
-                ldsm_x4_t(smem_u32(sa + mnmaj_off(r, c)), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
-            }
-        }
-#pragma unroll
-        for (int pr = 0; pr < NI / 2; pr++) {
-            // 16 columns per ldmatrix.x4: two n8 tiles.
-            const u32 n0 = DUAL_N ? (pr == 0 ? wn * (WN / 2) : BN / 2 + wn * (WN / 2))
-                                  : wn * WN + pr * 16;
-            if (B_KMAJ) {
-                const u32 r = n0 + (q / 2) * 8 + j, c = (kk + (q % 2) * 8) / 8;
-                ldsm_x4(smem_u32(sb + kmaj_off(r, c)), bfr[2 * pr][0], bfr[2 * pr][1],
-                        bfr[2 * pr + 1][0], bfr[2 * pr + 1][1]);
-            } else {
-                const u32 r = kk + (q % 2) * 8 + j, c = (n0 + (q / 2) * 8) / 8;
-                ldsm_x4_t(smem_u32(sb + mnmaj_off(r, c)), bfr[2 * pr][0], bfr[2 * pr][1],
-                          bfr[2 * pr + 1][0], bfr[2 * pr + 1][1]);
-            }
-        }
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int ni = 0; ni < NI; ni++) mma_bf16(acc[mi][ni], af[mi], bfr[ni]);
-    }
-}
-
-// Output column (within the problem's N) of accumulator column block ni, lane quad t.
-template <bool DUAL_N>
-static __device__ __forceinline__ u32 out_col(u32 n0, u32 wn, int ni, u32 t) {
-    if (DUAL_N) return n0 + wn * (WN / 2) + (ni % (NI / 2)) * 8 + 2 * t;
-    return n0 + wn * WN + ni * 8 + 2 * t;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -316,13 +333,50 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
 }
 
 // ---------------------------------------------------------------------------------------------
+// The k-loop shared by both problem shapes. LOAD(slot_address, k_tile) issues one stage's
+// cp.async loads (A tile at the address, B tile TILE_BYTES after it).
+//
+// Synchronisation, per k-tile kt: wait for this thread's loads of kt, fence them into the async
+// proxy, barrier (everyone's loads of kt are visible, and every warpgroup has retired the wgmma
+// of kt - 2, which read the slot that is loaded next); issue the loads of kt + PREFETCH into the
+// slot of kt - 2 (mod STAGES); issue kt's wgmmas; wait until at most one wgmma group (kt's) is
+// in flight, i.e. kt - 1's has retired.
+template <bool A_KMAJ, bool B_KMAJ, typename Load>
+static __device__ __forceinline__ void k_loop(u32 base, u32 ktiles, float (&acc)[64], u32 wg,
+                                              Load load) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < PREFETCH; s++) {
+        if ((u32)s < ktiles) load(base + s * STAGE_BYTES, (u32)s);
+        cp_async_commit();
+    }
+    for (u32 kt = 0; kt < ktiles; kt++) {
+        cp_async_wait<PREFETCH - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        const u32 nk = kt + PREFETCH;
+        if (nk < ktiles) load(base + (nk % STAGES) * STAGE_BYTES, nk);
+        cp_async_commit();
+        const u32 sa = base + (kt % STAGES) * STAGE_BYTES;
+        wgmma_fence();
+        mma_stage<A_KMAJ, B_KMAJ>(sa, sa + TILE_BYTES, acc, wg);
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------
 // The ROWS kernel body.
 template <bool B_KMAJ, bool DUAL_N, int EPI>
 static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
-    extern __shared__ __align__(128) u16 smem[];
+    extern __shared__ __align__(1024) u8 smem_dyn[];
     __shared__ u32 tile_prefix[AFDEP_GEMM_MAX_GROUPS + 1];
     __shared__ u64 row_off[BM];
     __shared__ u64 row_glob[BM];
+    const u32 base = stages_base(smem_dyn);
 
     const u32 cols = tile_cols<DUAL_N>();
     const u32 ntiles_n = (p.n + cols - 1) / cols;
@@ -339,8 +393,7 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
     __syncthreads();
     const u32 total = tile_prefix[p.groups];
 
-    const u32 warp = threadIdx.x / 32, lane = afdep_lane();
-    const u32 wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const u32 wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
     const u32 gq = lane / 4, tq = lane % 4;
     const u32 ktiles = (p.k + BK - 1) / BK;
 
@@ -359,7 +412,7 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
         const u64 rows = ge - row0 < BM ? ge - row0 : BM;
         const u32 n0 = nt * cols;
 
-        __syncthreads();  // the previous tile is done with row_off
+        __syncthreads();  // the previous tile is done with row_off and the stages
         for (u32 r = threadIdx.x; r < BM; r += AFDEP_BLOCK) {
             if (r < rows) {
                 const u64 row = row0 + r;
@@ -373,67 +426,38 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
         }
         __syncthreads();
 
-        float acc[MI][NI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int ni = 0; ni < NI; ni++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.0f;
-
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; s++) {
-            if ((u32)s < ktiles) {
-                u16* st = smem + s * STAGE_ELEMS;
-                load_a_rows(p, row_off, st, s * BK);
-                load_b_rows<B_KMAJ, DUAL_N>(p, g, st + TILE_ELEMS, n0, s * BK);
-            }
-            cp_async_commit();
-        }
-        for (u32 kt = 0; kt < ktiles; kt++) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();
-            const u32 nk = kt + STAGES - 1;
-            if (nk < ktiles) {
-                u16* st = smem + (nk % STAGES) * STAGE_ELEMS;
-                load_a_rows(p, row_off, st, nk * BK);
-                load_b_rows<B_KMAJ, DUAL_N>(p, g, st + TILE_ELEMS, n0, nk * BK);
-            }
-            cp_async_commit();
-            const u16* st = smem + (kt % STAGES) * STAGE_ELEMS;
-            mma_stage<true, B_KMAJ, DUAL_N>(st, st + TILE_ELEMS, acc, wm, wn);
-        }
-        cp_async_wait<0>();
+        float acc[64];
+        k_loop<true, B_KMAJ>(base, ktiles, acc, wg, [&](u32 sa, u32 kt) {
+            load_a_rows(p, row_off, sa, kt * BK);
+            load_b_rows<B_KMAJ, DUAL_N>(p, g, sa + TILE_BYTES, n0, kt * BK);
+        });
 
         // Epilogue straight from the accumulators.
 #pragma unroll
-        for (int mi = 0; mi < MI; mi++) {
+        for (int hr = 0; hr < 2; hr++) {
+            const u32 r = wg * 64 + warp * 16 + gq + hr * 8;
+            const u64 row = row_glob[r];
+            float gpart = 0.0f;
+            if (row != ~0ull) {
 #pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                const u32 r = wm * WM + mi * 16 + gq + hr * 8;
-                const u64 row = row_glob[r];
-                float gpart = 0.0f;
-                if (row != ~0ull) {
-#pragma unroll
-                    for (int ni = 0; ni < (DUAL_N ? NI / 2 : NI); ni++) {
-                        const u32 col = out_col<DUAL_N>(n0, wn, ni, tq);
-                        if (col >= p.n) continue;
-                        const float v0 = acc[mi][ni][2 * hr], v1 = acc[mi][ni][2 * hr + 1];
-                        float u0 = 0.0f, u1 = 0.0f;
-                        if (DUAL_N) {
-                            u0 = acc[mi][ni + NI / 2][2 * hr];
-                            u1 = acc[mi][ni + NI / 2][2 * hr + 1];
-                        }
-                        epi_rows<EPI>(p, row, col, v0, v1, u0, u1, gpart);
+                for (int j = 0; j < (DUAL_N ? 8 : 16); j++) {
+                    const u32 col = n0 + j * 8 + 2 * tq;
+                    if (col >= p.n) continue;
+                    const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+                    float u0 = 0.0f, u1 = 0.0f;
+                    if (DUAL_N) {
+                        u0 = acc[4 * (j + 8) + 2 * hr];
+                        u1 = acc[4 * (j + 8) + 2 * hr + 1];
                     }
+                    epi_rows<EPI>(p, row, col, v0, v1, u0, u1, gpart);
                 }
-                if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
-                    // The quad holds the row's columns of this warp: reduce, one atomic per row.
-                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
-                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
-                    if (row != ~0ull && tq == 0)
-                        atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
-                }
+            }
+            if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
+                // The quad holds the row's columns of this tile: reduce, one atomic per row.
+                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
+                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
+                if (row != ~0ull && tq == 0)
+                    atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
             }
         }
     }
@@ -442,11 +466,11 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
 // ---------------------------------------------------------------------------------------------
 // The KSUM kernel body: tiles (group, m tile, n tile, split); f32 partials.
 static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
-    extern __shared__ __align__(128) u16 smem[];
+    extern __shared__ __align__(1024) u8 smem_dyn[];
+    const u32 base = stages_base(smem_dyn);
     const u32 mtiles = (p.m + BM - 1) / BM, ntiles = (p.n + BN - 1) / BN;
     const u32 total = p.groups * mtiles * ntiles * p.splits;
-    const u32 warp = threadIdx.x / 32, lane = afdep_lane();
-    const u32 wm = warp / WARPS_N, wn = warp % WARPS_N;
+    const u32 wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
     const u32 gq = lane / 4, tq = lane % 4;
 
     for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
@@ -466,57 +490,27 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
         const u32 ktiles = (u32)((ke - kb + BK - 1) / BK);
         const u32 m0 = mt * BM, n0 = nt * BN;
 
-        float acc[MI][NI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int ni = 0; ni < NI; ni++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.0f;
-
         __syncthreads();  // the previous tile's last stage reads are done
-#pragma unroll
-        for (int st = 0; st < STAGES - 1; st++) {
-            if ((u32)st < ktiles) {
-                u16* sp = smem + st * STAGE_ELEMS;
-                load_ksum((const u16*)p.a, p.lda, p.a_idx, p.a_div, sp, kb + st * BK, ke, m0, p.m);
-                load_ksum((const u16*)p.b, p.ldb, p.b_idx, p.b_div, sp + TILE_ELEMS, kb + st * BK,
-                          ke, n0, p.n);
-            }
-            cp_async_commit();
-        }
-        for (u32 kt = 0; kt < ktiles; kt++) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();
-            const u32 nk = kt + STAGES - 1;
-            if (nk < ktiles) {
-                u16* sp = smem + (nk % STAGES) * STAGE_ELEMS;
-                load_ksum((const u16*)p.a, p.lda, p.a_idx, p.a_div, sp, kb + (u64)nk * BK, ke, m0,
-                          p.m);
-                load_ksum((const u16*)p.b, p.ldb, p.b_idx, p.b_div, sp + TILE_ELEMS,
-                          kb + (u64)nk * BK, ke, n0, p.n);
-            }
-            cp_async_commit();
-            const u16* sp = smem + (kt % STAGES) * STAGE_ELEMS;
-            mma_stage<false, false, false>(sp, sp + TILE_ELEMS, acc, wm, wn);
-        }
-        cp_async_wait<0>();
+        float acc[64];
+        k_loop<false, false>(base, ktiles, acc, wg, [&](u32 sa, u32 kt) {
+            const u64 r0 = kb + (u64)kt * BK;
+            load_ksum((const u16*)p.a, p.lda, p.a_idx, p.a_div, sa, r0, ke, m0, p.m);
+            load_ksum((const u16*)p.b, p.ldb, p.b_idx, p.b_div, sa + TILE_BYTES, r0, ke, n0, p.n);
+        });
 
         float* ws = (float*)p.c + ((u64)g * p.splits + s) * (u64)p.m * p.n;
 #pragma unroll
-        for (int mi = 0; mi < MI; mi++)
+        for (int hr = 0; hr < 2; hr++) {
+            const u32 m = m0 + wg * 64 + warp * 16 + gq + hr * 8;
+            if (m >= p.m) continue;
 #pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                const u32 m = m0 + wm * WM + mi * 16 + gq + hr * 8;
-                if (m >= p.m) continue;
-#pragma unroll
-                for (int ni = 0; ni < NI; ni++) {
-                    const u32 n = n0 + wn * WN + ni * 8 + 2 * tq;
-                    if (n >= p.n) continue;
-                    *(float2*)(ws + (u64)m * p.n + n) =
-                        make_float2(acc[mi][ni][2 * hr], acc[mi][ni][2 * hr + 1]);
-                }
+            for (int j = 0; j < 16; j++) {
+                const u32 n = n0 + j * 8 + 2 * tq;
+                if (n >= p.n) continue;
+                *(float2*)(ws + (u64)m * p.n + n) =
+                    make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
             }
+        }
     }
 }
 

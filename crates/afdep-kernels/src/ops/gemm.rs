@@ -29,10 +29,15 @@ use crate::sources::{BLOCK, KernelId};
 pub const TILE_M: usize = 128;
 /// Output columns per tile.
 pub const TILE_N: usize = 128;
-/// K per pipeline stage.
-pub const TILE_K: usize = 32;
-/// Dynamic shared memory of a GEMM kernel: 4 stages of two 128 × 32 bf16 tiles.
-pub const SMEM_BYTES: usize = 4 * 2 * TILE_M * TILE_K * 2;
+/// K per pipeline stage (one 128-byte swizzle row of bf16).
+pub const TILE_K: usize = 64;
+/// Pipeline stages (`STAGES` in `cuda/gemm.cu`).
+pub const STAGES: usize = 3;
+/// Dynamic shared memory of a GEMM kernel: the stages of two 128 × 64 bf16 tiles, plus 1 KiB
+/// to align them to the 1024-byte swizzle atom (`SMEM_DYN_BYTES` in `cuda/gemm.cu`).
+pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 1024;
+/// Granule of a K split between two B operands (one 16-byte chunk of bf16).
+const K_CHUNK: usize = 8;
 /// Most groups per launch (`AFDEP_GEMM_MAX_GROUPS`).
 pub const MAX_GROUPS: usize = 1024;
 
@@ -579,7 +584,7 @@ pub fn dx(
     if let Some(w3) = w3 {
         need("W3", w3, g * hidden * width)?;
         p.b2 = ptrs.r(w3);
-        p.b_split = mult("width", width, TILE_K)?;
+        p.b_split = mult("width", width, K_CHUNK)?;
         p.k = mult("2·width", 2 * width, 8)?;
     } else {
         p.k = mult("width", width, 8)?;
