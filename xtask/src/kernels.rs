@@ -9,6 +9,14 @@
 //! The compilation itself is afdep-kernels' own JIT path: this runs
 //! `cargo run -p afdep-kernels --example compile_all` with the library and include paths set,
 //! so CI checks exactly what the runtime does. It fails on any compile error and on any spill.
+//!
+//! `--sass` then checks the machine code (see [`crate::sass`]): the run fills a fresh kernel
+//! cache (`target/sass/kernel-cache`), every cubin in it is disassembled with nvdisasm, and every
+//! `afdep_gemm_*` kernel but `afdep_gemm_reduce` must contain `HGMMA` and no `HMMA`. nvdisasm
+//! is not published as a 13.0 wheel; the pinned [`NVDISASM_WHEEL`] (a newer nvdisasm reads
+//! sm_90a cubins) is installed into `target/nvdisasm-wheel` when missing, the same way as the
+//! CUDA wheels, and reused offline afterwards; `--nvdisasm FILE` (or `--cuda-dir` with a
+//! `bin/nvdisasm`) uses another one.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -22,6 +30,11 @@ const WHEELS: [&str; 3] = [
     "nvidia-cuda-runtime==13.0.*",
     "nvidia-cuda-cccl==13.0.*",
 ];
+
+/// The pinned nvdisasm wheel of `--sass` (exact version; no 13.0 release of it exists).
+const NVDISASM_VERSION: &str = "13.2.51";
+/// The pip requirement of [`NVDISASM_VERSION`].
+const NVDISASM_WHEEL: &str = "nvidia-cuda-nvdisasm==13.2.51";
 
 /// Arguments of `cargo xtask kernels`.
 #[derive(clap::Args)]
@@ -43,6 +56,15 @@ pub struct KernelsArgs {
     /// variant afresh.
     #[arg(long)]
     cache: bool,
+    /// After compiling, disassemble every cubin with nvdisasm and check the GEMM kernels'
+    /// SASS (HGMMA present, no HMMA); writes target/sass/gemm.sass. Compiles into a fresh
+    /// cache (target/sass/kernel-cache), so it excludes --cache; needs --arch sm_90a.
+    #[arg(long, conflicts_with = "cache")]
+    sass: bool,
+    /// The nvdisasm of --sass [default: DIR/bin/nvdisasm with --cuda-dir DIR, else the
+    /// pinned wheel in target/nvdisasm-wheel, installed when missing].
+    #[arg(long, value_name = "FILE", requires = "sass")]
+    nvdisasm: Option<PathBuf>,
     /// The Python interpreter that runs pip.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -115,9 +137,18 @@ fn wheel_paths(dir: &Path) -> Option<(PathBuf, PathBuf)> {
     Some((lib, inc))
 }
 
-/// Installs the pinned wheels into `dir` (through a fresh folder renamed into place, so an
-/// interrupted install never looks complete).
-fn install_wheels(python: &str, dir: &Path) -> Result<()> {
+/// The nvdisasm of an installed [`NVDISASM_WHEEL`], if complete and of the pinned version.
+fn nvdisasm_wheel_path(dir: &Path) -> Option<PathBuf> {
+    let bin = find_file(dir, "nvdisasm", false)?;
+    dir.join(format!("nvidia_cuda_nvdisasm-{NVDISASM_VERSION}.dist-info"))
+        .is_dir()
+        .then_some(bin)
+}
+
+/// Installs `wheels` into `dir` (through a fresh folder renamed into place, so an
+/// interrupted install never looks complete). `alternative` completes the error message with
+/// what to do instead.
+fn install_wheels(python: &str, dir: &Path, wheels: &[&str], alternative: &str) -> Result<()> {
     let parent = dir.parent().context("wheels folder has no parent")?;
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     let tmp = parent.join(format!(
@@ -140,21 +171,24 @@ fn install_wheels(python: &str, dir: &Path) -> Result<()> {
         "--target",
     ])
     .arg(&tmp)
-    .args(WHEELS)
+    .args(wheels)
     .env("PIP_NO_INPUT", "1");
     eprintln!(
         "xtask: installing {} into {}",
-        WHEELS.join(" "),
+        wheels.join(" "),
         dir.display()
     );
     let status = pip.status().with_context(|| {
-        format!("starting `{python} -m pip` (install Python 3 with pip, or pass --cuda-dir to use a CUDA installation)")
+        format!("starting `{python} -m pip` (install Python 3 with pip, or {alternative})")
     })?;
     if !status.success() {
         let _ = std::fs::remove_dir_all(&tmp);
         bail!(
-            "`{python} -m pip install --target {}` failed ({status})",
-            tmp.display()
+            "`{python} -m pip install --target {} {}` failed ({status}): is the package index \
+             reachable? Once installed into {}, the wheels are reused offline; or {alternative}",
+            tmp.display(),
+            wheels.join(" "),
+            dir.display()
         );
     }
     if dir.exists() {
@@ -187,7 +221,12 @@ fn cuda_paths(a: &KernelsArgs, root: &Path) -> Result<(PathBuf, PathBuf)> {
     if let Some(p) = wheel_paths(&dir) {
         return Ok(p);
     }
-    install_wheels(&a.python, &dir)?;
+    install_wheels(
+        &a.python,
+        &dir,
+        &WHEELS,
+        "pass --cuda-dir to use a CUDA installation",
+    )?;
     wheel_paths(&dir).with_context(|| {
         format!(
             "the wheels in {} lack libnvrtc or the CUDA headers",
@@ -196,22 +235,77 @@ fn cuda_paths(a: &KernelsArgs, root: &Path) -> Result<(PathBuf, PathBuf)> {
     })
 }
 
-/// Compiles every kernel variant.
+/// The nvdisasm of `--sass`: `--nvdisasm`, else `<cuda-dir>/bin/nvdisasm`, else the pinned
+/// wheel (installed when missing).
+fn nvdisasm_path(a: &KernelsArgs, root: &Path) -> Result<PathBuf> {
+    if let Some(p) = &a.nvdisasm {
+        if !p.is_file() {
+            bail!("--nvdisasm {}: no such file", p.display());
+        }
+        return Ok(p.clone());
+    }
+    if let Some(p) = a.cuda_dir.as_ref().map(|d| d.join("bin/nvdisasm")) {
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    let dir = target_dir(root).join("nvdisasm-wheel");
+    if let Some(p) = nvdisasm_wheel_path(&dir) {
+        return Ok(p);
+    }
+    install_wheels(
+        &a.python,
+        &dir,
+        &[NVDISASM_WHEEL],
+        "pass --nvdisasm FILE (any nvdisasm that reads sm_90a)",
+    )
+    .with_context(|| format!("--sass needs nvdisasm: cannot install {NVDISASM_WHEEL}"))?;
+    nvdisasm_wheel_path(&dir).with_context(|| {
+        format!(
+            "--sass needs nvdisasm: {NVDISASM_WHEEL} installed into {} holds no nvdisasm",
+            dir.display()
+        )
+    })
+}
+
+/// Compiles every kernel variant (and with `--sass`, checks their SASS).
 pub fn run(a: KernelsArgs) -> Result<()> {
     let root = workspace_root();
+    if a.sass && a.arch != "sm_90a" {
+        bail!(
+            "--sass checks Hopper wgmma code (HGMMA) and needs --arch sm_90a, not {}",
+            a.arch
+        );
+    }
     let (lib, inc) = cuda_paths(&a, &root)?;
     eprintln!(
         "xtask: NVRTC from {}, headers from {}",
         lib.display(),
         inc.display()
     );
+    // Resolved (installed) before compiling, so a missing nvdisasm fails fast.
+    let nvdisasm = if a.sass {
+        let p = nvdisasm_path(&a, &root)?;
+        eprintln!("xtask: nvdisasm from {}", p.display());
+        Some(p)
+    } else {
+        None
+    };
+    let sass_dir = target_dir(&root).join("sass");
 
     let mut ld = OsString::from(&lib);
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
         ld.push(":");
         ld.push(old);
     }
-    let cache: OsString = if a.cache {
+    let cache: OsString = if a.sass {
+        // A fresh cache: every entry in it is a module of this run.
+        let c = sass_dir.join("kernel-cache");
+        if c.exists() {
+            std::fs::remove_dir_all(&c).with_context(|| format!("emptying {}", c.display()))?;
+        }
+        c.into()
+    } else if a.cache {
         target_dir(&root).join("afdep-kernel-cache").into()
     } else {
         "off".into()
@@ -232,14 +326,18 @@ pub fn run(a: KernelsArgs) -> Result<()> {
         ])
         .env("LD_LIBRARY_PATH", ld)
         .env("AFDEP_CUDA_INCLUDE", &inc)
-        .env("AFDEP_KERNEL_CACHE", cache);
+        .env("AFDEP_KERNEL_CACHE", &cache);
     if let Some(j) = a.jobs {
         cmd.args(["--jobs", &j.to_string()]);
     }
     crate::run(
         cmd,
         "compile every kernel variant (afdep-kernels example compile_all)",
-    )
+    )?;
+    match nvdisasm {
+        Some(n) => crate::sass::check(&n, Path::new(&cache), &sass_dir),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -281,6 +379,28 @@ mod tests {
         )
         .unwrap();
         assert_eq!(wheel_paths(&d), None, "13.1 is not the pinned release");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn nvdisasm_wheel_needs_the_pinned_version() {
+        let d = std::env::temp_dir().join(format!("xtask-nvdisasm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let bin = d.join("nvidia/cu13/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("nvdisasm"), b"").unwrap();
+        assert_eq!(nvdisasm_wheel_path(&d), None, "no dist-info");
+        std::fs::create_dir_all(d.join("nvidia_cuda_nvdisasm-13.2.50.dist-info")).unwrap();
+        assert_eq!(nvdisasm_wheel_path(&d), None, "another version");
+        std::fs::create_dir_all(
+            d.join(format!("nvidia_cuda_nvdisasm-{NVDISASM_VERSION}.dist-info")),
+        )
+        .unwrap();
+        assert_eq!(nvdisasm_wheel_path(&d), Some(bin.join("nvdisasm")));
+        assert_eq!(
+            NVDISASM_WHEEL,
+            format!("nvidia-cuda-nvdisasm=={NVDISASM_VERSION}")
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 }

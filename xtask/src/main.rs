@@ -3,7 +3,8 @@
 //! - `lint`: rustfmt check and clippy with warnings as errors;
 //! - `test`: the workspace tests (the README's test command runs this);
 //! - `kernels`: compile every kernel variant with NVRTC on a machine without a GPU and report
-//!   registers, shared memory and spills;
+//!   registers, shared memory and spills (`--sass`: also disassemble them and check the GEMM
+//!   kernels' SASS);
 //! - `gpu-test`: the GPU test matrix, run here or packed into a bundle for a GPU machine
 //!   without Rust (`--bundle DIR`, see docs/gpu.md).
 
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 
 mod gpu_test;
 mod kernels;
+mod sass;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "afdep developer and CI tasks")]
