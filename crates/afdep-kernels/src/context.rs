@@ -20,6 +20,9 @@ pub struct GpuContext {
     jit: Jit,
     modules: Mutex<HashMap<ModuleSpec, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(ModuleSpec, KernelId), CudaFunction>>,
+    sm_count: u32,
+    /// Blocks of a persistent grid per (kernel, dynamic shared memory bytes), once measured.
+    persistent: Mutex<HashMap<(KernelId, u32), u32>>,
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -99,6 +102,12 @@ impl GpuContext {
             nvrtc = ?jit.nvrtc_version(),
             "afdep GPU context"
         );
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(KernelError::driver("reading the SM count"))?
+            .max(1) as u32;
         Ok(GpuContext {
             ctx,
             stream,
@@ -106,6 +115,8 @@ impl GpuContext {
             jit,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            sm_count,
+            persistent: Mutex::new(HashMap::new()),
         })
     }
 
@@ -195,6 +206,50 @@ impl GpuContext {
             .unwrap_or_else(|p| p.into_inner())
             .insert((spec, kernel), f.clone());
         Ok(f)
+    }
+
+    /// The device's multiprocessor count (read once, when the context was made).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// The grid of a persistent kernel: blocks resident at once on the whole device for
+    /// `kernel` (not specialised by experts or top-k) with `block` threads and `smem` bytes of
+    /// dynamic shared memory. The first call per (kernel, smem) raises the function's
+    /// dynamic shared-memory limit to `smem` and asks the driver for the occupancy; later
+    /// calls answer from the context, so launches pay no driver queries.
+    pub fn persistent_blocks(
+        &self,
+        kernel: KernelId,
+        block: u32,
+        smem: u32,
+    ) -> Result<u32, KernelError> {
+        let key = (kernel, smem);
+        if let Some(&n) = self
+            .persistent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(n);
+        }
+        let f = self.function(kernel, 0, 0)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(KernelError::driver(format!("setting {kernel}'s shared memory size")))?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
+            .map_err(KernelError::driver(format!("reading {kernel}'s occupancy")))?
+            .max(1);
+        let n = per_sm * self.sm_count;
+        tracing::debug!(%kernel, per_sm, blocks = n, "persistent grid");
+        self.persistent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, n);
+        Ok(n)
     }
 
     /// Loads the given modules now (e.g. before timing), instead of at first use.

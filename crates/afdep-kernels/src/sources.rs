@@ -56,17 +56,21 @@ pub enum SourceFile {
     Gemm,
     /// `moe.cu`: combine, cast and router backward (specialised by experts and top-k).
     Moe,
+    /// `reference.cu`: the simple GPU reference path of the MoE layer (not specialised: every
+    /// shape is a run-time value).
+    Reference,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 6] = [
+    pub const ALL: [SourceFile; 7] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
         SourceFile::Permute,
         SourceFile::Gemm,
         SourceFile::Moe,
+        SourceFile::Reference,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -78,6 +82,7 @@ impl SourceFile {
             SourceFile::Permute => "permute.cu",
             SourceFile::Gemm => "gemm.cu",
             SourceFile::Moe => "moe.cu",
+            SourceFile::Reference => "reference.cu",
         }
     }
 
@@ -90,6 +95,7 @@ impl SourceFile {
             SourceFile::Permute => include_str!("../cuda/permute.cu"),
             SourceFile::Gemm => include_str!("../cuda/gemm.cu"),
             SourceFile::Moe => include_str!("../cuda/moe.cu"),
+            SourceFile::Reference => include_str!("../cuda/reference.cu"),
         }
     }
 
@@ -168,11 +174,59 @@ pub enum KernelId {
     MoeCast,
     /// Router backward: softmax and renormalisation.
     RouterBackward,
+    /// Reference: exact bf16 transpose of a batch of matrices.
+    RefTranspose,
+    /// Reference: the first slot the route rules reject.
+    RefCheckRoutes,
+    /// Reference: router logits, one thread per element.
+    RefLogits,
+    /// Reference: softmax in place, one thread per token.
+    RefSoftmax,
+    /// Reference: slot weights (recomputed from the probabilities, or given).
+    RefWeights,
+    /// Reference: per-(chunk, expert) slot counts of the row lists.
+    RefRowsCount,
+    /// Reference: per-expert scan of the chunk counts.
+    RefRowsScan,
+    /// Reference: expert offsets of the row lists.
+    RefRowsOffsets,
+    /// Reference: the stable scatter of slots into the row lists.
+    RefRowsScatter,
+    /// Reference: routed experts' a, b and h.
+    RefExpertUp,
+    /// Reference: the shared expert's a, b and h.
+    RefSharedUp,
+    /// Reference: the layer output.
+    RefCombine,
+    /// Reference: routed experts' unweighted dy·W2ᵀ.
+    RefExpertDh,
+    /// Reference: the router's per-slot <dy, y>.
+    RefRouterG,
+    /// Reference: routed experts' SwiGLU backward, in place.
+    RefExpertDab,
+    /// Reference: the shared expert's dh and SwiGLU backward, in place.
+    RefSharedDab,
+    /// Reference: the router backward to the logits.
+    RefRouterDlogits,
+    /// Reference: the data gradient.
+    RefDx,
+    /// Reference: routed experts' dW2.
+    RefGradW2,
+    /// Reference: routed experts' dW1 and dW3.
+    RefGradW13,
+    /// Reference: the shared expert's dS2.
+    RefGradS2,
+    /// Reference: the shared expert's dS1 and dS3.
+    RefGradS13,
+    /// Reference: the router's dWr.
+    RefGradWr,
+    /// Reference: statistics of the error metric of two tensors.
+    RefErrStats,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 24] = [
+    pub const ALL: [KernelId; 48] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -197,6 +251,30 @@ impl KernelId {
         KernelId::MoeCombine,
         KernelId::MoeCast,
         KernelId::RouterBackward,
+        KernelId::RefTranspose,
+        KernelId::RefCheckRoutes,
+        KernelId::RefLogits,
+        KernelId::RefSoftmax,
+        KernelId::RefWeights,
+        KernelId::RefRowsCount,
+        KernelId::RefRowsScan,
+        KernelId::RefRowsOffsets,
+        KernelId::RefRowsScatter,
+        KernelId::RefExpertUp,
+        KernelId::RefSharedUp,
+        KernelId::RefCombine,
+        KernelId::RefExpertDh,
+        KernelId::RefRouterG,
+        KernelId::RefExpertDab,
+        KernelId::RefSharedDab,
+        KernelId::RefRouterDlogits,
+        KernelId::RefDx,
+        KernelId::RefGradW2,
+        KernelId::RefGradW13,
+        KernelId::RefGradS2,
+        KernelId::RefGradS13,
+        KernelId::RefGradWr,
+        KernelId::RefErrStats,
     ];
 
     /// The source file that defines the kernel.
@@ -210,6 +288,30 @@ impl KernelId {
             | KernelId::ExpertScatter => SourceFile::Layout,
             KernelId::Permute | KernelId::Unpermute => SourceFile::Permute,
             KernelId::MoeCombine | KernelId::MoeCast | KernelId::RouterBackward => SourceFile::Moe,
+            KernelId::RefTranspose
+            | KernelId::RefCheckRoutes
+            | KernelId::RefLogits
+            | KernelId::RefSoftmax
+            | KernelId::RefWeights
+            | KernelId::RefRowsCount
+            | KernelId::RefRowsScan
+            | KernelId::RefRowsOffsets
+            | KernelId::RefRowsScatter
+            | KernelId::RefExpertUp
+            | KernelId::RefSharedUp
+            | KernelId::RefCombine
+            | KernelId::RefExpertDh
+            | KernelId::RefRouterG
+            | KernelId::RefExpertDab
+            | KernelId::RefSharedDab
+            | KernelId::RefRouterDlogits
+            | KernelId::RefDx
+            | KernelId::RefGradW2
+            | KernelId::RefGradW13
+            | KernelId::RefGradS2
+            | KernelId::RefGradS13
+            | KernelId::RefGradWr
+            | KernelId::RefErrStats => SourceFile::Reference,
             _ => SourceFile::Gemm,
         }
     }
@@ -241,6 +343,30 @@ impl KernelId {
             KernelId::MoeCombine => "afdep_moe_combine",
             KernelId::MoeCast => "afdep_moe_cast",
             KernelId::RouterBackward => "afdep_router_backward",
+            KernelId::RefTranspose => "afdep_ref_transpose",
+            KernelId::RefCheckRoutes => "afdep_ref_check_routes",
+            KernelId::RefLogits => "afdep_ref_logits",
+            KernelId::RefSoftmax => "afdep_ref_softmax",
+            KernelId::RefWeights => "afdep_ref_weights",
+            KernelId::RefRowsCount => "afdep_ref_rows_count",
+            KernelId::RefRowsScan => "afdep_ref_rows_scan",
+            KernelId::RefRowsOffsets => "afdep_ref_rows_offsets",
+            KernelId::RefRowsScatter => "afdep_ref_rows_scatter",
+            KernelId::RefExpertUp => "afdep_ref_expert_up",
+            KernelId::RefSharedUp => "afdep_ref_shared_up",
+            KernelId::RefCombine => "afdep_ref_combine",
+            KernelId::RefExpertDh => "afdep_ref_expert_dh",
+            KernelId::RefRouterG => "afdep_ref_router_g",
+            KernelId::RefExpertDab => "afdep_ref_expert_dab",
+            KernelId::RefSharedDab => "afdep_ref_shared_dab",
+            KernelId::RefRouterDlogits => "afdep_ref_router_dlogits",
+            KernelId::RefDx => "afdep_ref_dx",
+            KernelId::RefGradW2 => "afdep_ref_grad_w2",
+            KernelId::RefGradW13 => "afdep_ref_grad_w13",
+            KernelId::RefGradS2 => "afdep_ref_grad_s2",
+            KernelId::RefGradS13 => "afdep_ref_grad_s13",
+            KernelId::RefGradWr => "afdep_ref_grad_wr",
+            KernelId::RefErrStats => "afdep_ref_err_stats",
         }
     }
 
@@ -465,6 +591,60 @@ mod tests {
         assert_eq!(on_disk, embedded, "every file under cuda/ must be embedded");
     }
 
+    /// The `extern "C"` entry names a source defines, directly or through an entry macro
+    /// (`XYZ_ENTRY(name, ...)` at the start of a line).
+    fn entries_defined(text: &str) -> Vec<String> {
+        let ident = |s: &str| -> String {
+            s.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        };
+        let mut out = Vec::new();
+        let mut rest = text;
+        while let Some(p) = rest.find("extern \"C\"") {
+            rest = &rest[p + "extern \"C\"".len()..];
+            let mut s = rest.trim_start();
+            s = s.strip_prefix("__global__").unwrap_or(s).trim_start();
+            s = s.strip_prefix("void").unwrap_or(s).trim_start();
+            if let Some(after) = s.strip_prefix("__launch_bounds__(") {
+                s = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+            }
+            let name = ident(s);
+            // `name` is the parameter of an entry macro's definition.
+            if name != "name" && !name.is_empty() {
+                out.push(name);
+            }
+        }
+        for line in text.lines() {
+            if let Some((mac, args)) = line.split_once('(') {
+                if mac.ends_with("_ENTRY") && !mac.starts_with('#') && !mac.contains(' ') {
+                    out.push(ident(args.trim_start()));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_entry_in_the_sources_is_registered() {
+        for f in SourceFile::ALL {
+            let defined = entries_defined(f.text());
+            assert!(!defined.is_empty(), "no entry found in {}", f.name());
+            for name in &defined {
+                let k = KernelId::from_entry(name)
+                    .unwrap_or_else(|| panic!("{name} in {} has no KernelId", f.name()));
+                assert_eq!(k.source(), f, "{name} is registered to another file");
+            }
+            for k in f.kernels() {
+                assert!(
+                    defined.iter().any(|n| n == k.entry()),
+                    "{k} is registered to {} but not defined there",
+                    f.name()
+                );
+            }
+        }
+    }
+
     #[test]
     fn kernels_map_to_unique_entries_and_back() {
         for k in KernelId::ALL {
@@ -505,7 +685,7 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12);
+        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1);
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

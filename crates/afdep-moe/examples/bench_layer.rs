@@ -2,8 +2,9 @@
 //! the record's shape, one JSON row per (dispatch, tokens) on stdout.
 //!
 //! Each measurement is the median of `--iters` runs, each between its own pair of CUDA events
-//! on the layer's stream, after 3 warm-up runs (which also load every kernel module); a step is
-//! only queued (no host sync inside), as in a training loop. Inputs are afdep-core's seeded
+//! (created before any run) on the layer's stream, after 3 warm-up runs (which also load every
+//! kernel module); a step is only queued (no host sync inside), as in a training loop. The
+//! timing is `afdep_moe::timing`, which `afdep moe --backend cuda` uses too. Inputs are afdep-core's seeded
 //! random parameters and tokens. The accuracy of these kernels is checked by the `gpu_layer`
 //! tests against the CPU oracle; this program only times. `peak_gib` is every buffer the layer
 //! allocates (inputs, outputs, parameters, gradients, intermediates, workspaces): nothing else
@@ -15,8 +16,8 @@
 use afdep_core::LayerShape;
 use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::params::random_tokens;
-use afdep_kernels::cudarc::driver::sys::CUevent_flags;
-use afdep_kernels::{GpuContext, KernelError};
+use afdep_kernels::GpuContext;
+use afdep_moe::timing::{EventTimer, WARMUPS};
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 
 fn arg(args: &[String], name: &str, default: &str) -> String {
@@ -25,46 +26,6 @@ fn arg(args: &[String], name: &str, default: &str) -> String {
         .and_then(|i| args.get(i + 1))
         .cloned()
         .unwrap_or_else(|| default.to_string())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Median ms of `iters` runs of `f`, each between its own events, after 3 warm-ups.
-fn time(
-    ctx: &GpuContext,
-    iters: usize,
-    mut f: impl FnMut() -> Result<(), LayerGpuError>,
-) -> Result<f64, LayerGpuError> {
-    for _ in 0..3 {
-        f()?;
-    }
-    ctx.synchronize()?;
-    let s = ctx.stream();
-    let ev = || {
-        ctx.cuda()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(KernelError::driver("creating an event"))
-    };
-    let mut pairs = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let (a, b) = (ev()?, ev()?);
-        a.record(s).map_err(KernelError::driver("recording"))?;
-        f()?;
-        b.record(s).map_err(KernelError::driver("recording"))?;
-        pairs.push((a, b));
-    }
-    ctx.synchronize()?;
-    let mut ms = Vec::with_capacity(iters);
-    for (a, b) in &pairs {
-        ms.push(f64::from(
-            a.elapsed_ms(b)
-                .map_err(KernelError::driver("reading an event"))?,
-        ));
-    }
-    Ok(median(ms))
 }
 
 fn main() {
@@ -97,6 +58,7 @@ fn run() -> Result<(), LayerGpuError> {
     let shape = LayerShape::RECORD;
     let params = LayerParams::random(shape, 0);
     let device = ctx.device_name()?;
+    let timer = EventTimer::new(&ctx, iters)?;
     for &t in &tokens {
         let x = random_tokens(t, shape.d_model, 1);
         let dy = random_tokens(t, shape.d_model, 2);
@@ -105,12 +67,16 @@ fn run() -> Result<(), LayerGpuError> {
             layer.upload_params(&ctx, &params)?;
             layer.upload_x(&ctx, &x)?;
             layer.upload_dy(&ctx, &dy)?;
-            let fwd = time(&ctx, iters, || {
-                layer.enqueue_forward(&ctx, LayerRouting::Router)
-            })?;
-            let train = time(&ctx, iters, || {
-                layer.enqueue_train_step(&ctx, LayerRouting::Router)
-            })?;
+            let fwd = timer
+                .time(&ctx, WARMUPS, || {
+                    layer.enqueue_forward(&ctx, LayerRouting::Router)
+                })?
+                .median_ms;
+            let train = timer
+                .time(&ctx, WARMUPS, || {
+                    layer.enqueue_train_step(&ctx, LayerRouting::Router)
+                })?
+                .median_ms;
             layer.finish(&ctx)?;
             let row = serde_json::json!({
                 "d_model": shape.d_model, "width": shape.width, "experts": shape.experts,

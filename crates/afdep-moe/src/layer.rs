@@ -307,13 +307,7 @@ impl MoeLayer {
         let t = |n: bool, len: usize| if n { len } else { 0 };
         let sorted = dispatch == Dispatch::Sorted;
         let fused = dispatch == Dispatch::Fused;
-        let sms = ctx
-            .cuda()
-            .attribute(
-                afdep_kernels::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map_err(KernelError::driver("reading the SM count"))?
-            .max(1) as usize;
+        let sms = ctx.sm_count() as usize;
         let tiles = |m: usize, n: usize| m.div_ceil(TILE_M) * n.div_ceil(TILE_N);
         let per_expert = slots / e;
         let splits = Splits {
@@ -391,6 +385,14 @@ impl MoeLayer {
     pub fn params_mut(&mut self) -> &mut DeviceParams {
         &mut self.params
     }
+    /// The parameters, read-only (e.g. for [`crate::reference::ReferenceLayer::run_like`]).
+    pub fn params(&self) -> &DeviceParams {
+        &self.params
+    }
+    /// Whether the layer was built for the train step (it has `dy`, `dx` and gradients).
+    pub fn is_train(&self) -> bool {
+        self.train
+    }
     /// The parameter gradients of the last train step (none for a forward-only layer).
     pub fn grads(&self) -> Option<&DeviceParams> {
         self.grads.as_ref()
@@ -402,6 +404,14 @@ impl MoeLayer {
     /// The upstream gradient dy, T × H (train layers).
     pub fn dy_mut(&mut self) -> &mut CudaSlice<bf16> {
         &mut self.dy
+    }
+    /// The input x, T × H, read-only.
+    pub fn x(&self) -> &CudaSlice<bf16> {
+        &self.x
+    }
+    /// The upstream gradient dy, T × H, read-only (empty for a forward-only layer).
+    pub fn dy(&self) -> &CudaSlice<bf16> {
+        &self.dy
     }
     /// The output of the last step, T × H.
     pub fn out(&self) -> &CudaSlice<bf16> {
@@ -448,8 +458,9 @@ impl MoeLayer {
             .iter()
             .map(|s| s.len() * 4)
             .sum::<usize>();
-        let layout = self.tokens * self.shape.top_k * (4 + 4 + 4 + 4) + self.shape.experts * 16;
-        self.params.bytes() + g + b16 + f32s + layout
+        let tables =
+            self.routes.device_bytes() + self.layout.device_bytes() + self.validator.device_bytes();
+        self.params.bytes() + g + b16 + f32s + tables
     }
 
     /// Copies host parameters to the device (waits for nothing).
@@ -494,11 +505,23 @@ impl MoeLayer {
     }
 
     /// Queues the forward pass (no host sync): routes, validation, layout, experts, combine,
-    /// shared expert, one cast. Call [`MoeLayer::finish`] before reading the output.
+    /// shared expert, one cast. Call [`MoeLayer::finish`] before reading the output. This is
+    /// the inference forward: it does not keep the activations a backward needs (the train
+    /// step runs its own forward that does).
     pub fn enqueue_forward(
         &mut self,
         ctx: &GpuContext,
         routing: LayerRouting,
+    ) -> Result<(), LayerGpuError> {
+        self.queue_forward(ctx, routing, false)
+    }
+
+    /// The forward; `keep` stores the SwiGLU inputs a, b (routed and shared) for the backward.
+    fn queue_forward(
+        &mut self,
+        ctx: &GpuContext,
+        routing: LayerRouting,
+        keep: bool,
     ) -> Result<(), LayerGpuError> {
         let sh = self.shape;
         let (hd, w, e, k, s) = (sh.d_model, sh.width, sh.experts, sh.top_k, sh.shared);
@@ -551,7 +574,7 @@ impl MoeLayer {
         } else {
             (&self.x, Some(gather))
         };
-        let (a_out, b_out) = if self.train {
+        let (a_out, b_out) = if keep {
             (Some(&mut self.a), Some(&mut self.b))
         } else {
             (None, None)
@@ -633,7 +656,7 @@ impl MoeLayer {
         }
         if s > 0 {
             let dense = Groups::Dense { rows: tokens };
-            let (a_out, b_out) = if self.train {
+            let (a_out, b_out) = if keep {
                 (Some(&mut self.sa), Some(&mut self.sb))
             } else {
                 (None, None)
@@ -682,7 +705,7 @@ impl MoeLayer {
                 "this layer was built for the forward pass only".into(),
             ));
         }
-        self.enqueue_forward(ctx, routing)?;
+        self.queue_forward(ctx, routing, true)?;
         let sh = self.shape;
         let (hd, w, e, k, s) = (sh.d_model, sh.width, sh.experts, sh.top_k, sh.shared);
         let tokens = self.tokens;
@@ -779,38 +802,35 @@ impl MoeLayer {
             Some((&mut grads.w3, w)),
         )?;
         // dx_k = [da | db]·[W1 | W3]ᵀ, summed per token in slot order (or scattered).
-        if self.dispatch == Dispatch::Fused {
+        let fused = self.dispatch == Dispatch::Fused;
+        if fused {
             stream
                 .memset_zeros(&mut self.acc)
                 .map_err(KernelError::driver("zeroing the dx accumulator"))?;
-            gemm::dx(
-                ctx,
-                groups,
-                &self.dab,
-                &self.params.w1,
-                Some(&self.params.w3),
-                w,
-                hd,
-                RowsOut::Scatter {
-                    acc: &mut self.acc,
-                    weights: rw,
-                    weighted: false,
-                },
-            )?;
+        }
+        let out = if fused {
+            RowsOut::Scatter {
+                acc: &mut self.acc,
+                weights: rw,
+                weighted: false,
+            }
         } else {
-            gemm::dx(
-                ctx,
-                groups,
-                &self.dab,
-                &self.params.w1,
-                Some(&self.params.w3),
-                w,
-                hd,
-                RowsOut::Store {
-                    out: &mut self.rows,
-                    weights: None,
-                },
-            )?;
+            RowsOut::Store {
+                out: &mut self.rows,
+                weights: None,
+            }
+        };
+        gemm::dx(
+            ctx,
+            groups,
+            &self.dab,
+            &self.params.w1,
+            Some(&self.params.w3),
+            w,
+            hd,
+            out,
+        )?;
+        if !fused {
             moe::combine(ctx, &self.rows, hd, &self.layout, None, &mut self.acc)?;
         }
         // The shared expert, weight 1 on every token.

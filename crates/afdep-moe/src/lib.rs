@@ -8,12 +8,19 @@
 //!   [`afdep_core::oracle::exchange`].
 //! - [`layer`]: [`MoeLayer`], the dropless MoE layer on one GPU (forward and train step, four
 //!   dispatch strategies) on the grouped GEMMs of afdep-kernels.
+//! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the layer
+//!   (untuned f32 kernels, checked against the oracle) and [`reference::compare`], the
+//!   benchmark's error columns computed on the device.
 //! - [`error`]: the engine's typed errors.
+//! - [`timing`]: CUDA-event timing (pre-created events, warm-ups, medians) shared by the
+//!   `afdep` tool and the `bench_layer` program.
 
 pub mod accuracy;
 pub mod error;
 pub mod layer;
+pub mod reference;
 pub mod staged;
+pub mod timing;
 
 pub use error::ExchangeError;
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};

@@ -11,13 +11,12 @@
 //!   (deterministic, no atomics).
 //!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
-//! gradients ([`dx`]'s `width`) a multiple of 32; the launchers return
+//! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
 //! [`KernelError::Unsupported`] otherwise.
 
 use afdep_core::bf16;
 use cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
-    sys as cu,
 };
 
 use super::{as_u32, grid, need};
@@ -229,14 +228,6 @@ fn mult(what: &str, v: usize, m: usize) -> Result<u32, KernelError> {
     as_u32(what, v)
 }
 
-fn sm_count(ctx: &GpuContext) -> Result<u32, KernelError> {
-    let n = ctx
-        .cuda()
-        .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(KernelError::driver("reading the SM count"))?;
-    Ok(n.max(1) as u32)
-}
-
 /// Launches `kernel` on a persistent grid of at most `tiles` blocks.
 fn launch(
     ctx: &GpuContext,
@@ -245,16 +236,8 @@ fn launch(
     tiles: u64,
 ) -> Result<(), KernelError> {
     let f = ctx.function(kernel, 0, 0)?;
-    f.set_attribute(
-        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        SMEM_BYTES as i32,
-    )
-    .map_err(KernelError::driver("setting the GEMM's shared memory size"))?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(BLOCK, SMEM_BYTES, None)
-        .map_err(KernelError::driver("reading the GEMM's occupancy"))?
-        .max(1);
-    let blocks = tiles.clamp(1, u64::from(sm_count(ctx)? * per_sm));
+    let resident = ctx.persistent_blocks(kernel, BLOCK, SMEM_BYTES as u32)?;
+    let blocks = tiles.clamp(1, u64::from(resident));
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (BLOCK, 1, 1),

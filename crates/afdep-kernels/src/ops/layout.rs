@@ -40,6 +40,12 @@ pub struct ExpertLayout {
 }
 
 impl ExpertLayout {
+    /// Bytes on the device: counts, offsets, both slot/row maps and the block-count workspace.
+    pub fn device_bytes(&self) -> usize {
+        (self.counts.len() + self.offsets.len()) * 8
+            + (self.slot_row.len() + self.row_slot.len() + self.block_counts.len()) * 4
+    }
+
     /// Buffers for a table of `tokens × top_k` slots over `experts` experts (zeroed).
     pub fn new(
         ctx: &GpuContext,

@@ -8,6 +8,7 @@ pub mod gemm;
 pub mod layout;
 pub mod moe;
 pub mod permute;
+pub mod reference;
 pub mod router;
 pub mod validate;
 
@@ -33,6 +34,11 @@ pub struct DeviceRoutes {
 }
 
 impl DeviceRoutes {
+    /// Bytes on the device (the id and weight tables).
+    pub fn device_bytes(&self) -> usize {
+        self.idx.len() * 4 + self.weights.len() * 4
+    }
+
     /// A zeroed table for `tokens × top_k` slots.
     pub fn zeros(
         ctx: &GpuContext,

@@ -31,6 +31,11 @@ pub struct RouteValidator {
 }
 
 impl RouteValidator {
+    /// Bytes on the device (its state words).
+    pub fn device_bytes(&self) -> usize {
+        self.state.len() * 4
+    }
+
     /// A validator with zeroed state.
     pub fn new(ctx: &GpuContext) -> Result<RouteValidator, KernelError> {
         Ok(RouteValidator {
