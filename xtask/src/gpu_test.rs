@@ -3,9 +3,12 @@
 //! GPU test targets are the integration tests named `gpu_*` in the workspace crates. Without
 //! `--bundle`, they are built and run here (a machine with a GPU and Rust). With `--bundle DIR`
 //! they are built in release mode, stripped, and copied into `DIR/tests/` together with the
-//! `afdep` binary and the benchmark programs (`DIR/bin/`) and `DIR/run.sh`, so that a GPU machine without Rust runs
-//! the whole matrix with `DIR/run.sh` and gets `summary.txt` / `summary.json` and one log per
-//! test binary (see docs/gpu.md).
+//! `afdep` binary and the benchmark programs (`DIR/bin/`) and `DIR/run.sh`, so that a GPU
+//! machine without Rust runs the whole matrix with `DIR/run.sh` and gets `summary.txt` /
+//! `summary.json` and one log per test binary (see docs/gpu.md). The bundle also carries the
+//! peer scripts (`DIR/peers/`, with `run_moe_comparison.sh`), `DIR/docs/perf/moe.md` (the
+//! document the comparison's report updates) and `DIR/commit.txt` (the commit it was built
+//! from, `-dirty` when the work tree had changes).
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -125,6 +128,41 @@ fn copy_stripped(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Copies the peer scripts (`peers/*.py`, `peers/*.sh`) into `dst`.
+fn copy_peers(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    let entries = std::fs::read_dir(src).with_context(|| format!("reading {}", src.display()))?;
+    for e in entries {
+        let p = e?.path();
+        let keep = matches!(p.extension().and_then(|x| x.to_str()), Some("py" | "sh"));
+        if keep && p.is_file() {
+            let to = dst.join(p.file_name().expect("a file has a name"));
+            std::fs::copy(&p, &to).with_context(|| format!("copying {}", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// `git describe`-like name of the work tree's commit: the short hash, `-dirty` with changes.
+fn commit_name() -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(h) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty { format!("{h}-dirty") } else { h }
+        }
+        None => "unknown".into(),
+    }
+}
+
 /// Runs `cargo xtask gpu-test`.
 pub fn run(a: GpuTestArgs) -> Result<()> {
     let release = a.bundle.is_some();
@@ -152,12 +190,21 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     for (name, exe) in build_benches()? {
         copy_stripped(&exe, &dir.join("bin").join(name))?;
     }
+    copy_peers(Path::new("peers"), &dir.join("peers"))?;
+    let perf = dir.join("docs").join("perf");
+    std::fs::create_dir_all(&perf)?;
+    std::fs::copy("docs/perf/moe.md", perf.join("moe.md")).context("copying docs/perf/moe.md")?;
+    std::fs::write(dir.join("commit.txt"), format!("{}\n", commit_name()))?;
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::set_permissions(
+            dir.join("peers").join("run_moe_comparison.sh"),
+            std::fs::Permissions::from_mode(0o755),
+        )?;
     }
     let names: Vec<&str> = tests.iter().map(|(n, _)| n.as_str()).collect();
     eprintln!(

@@ -1,7 +1,9 @@
 //! `afdep`: run and benchmark MoE layers and AFD exchanges.
 //!
 //! ```text
-//! afdep moe       [--backend auto|cpu|cuda] [--tokens N,..] [shape flags] [--input F] [--output F]
+//! afdep moe       [--backend auto|cpu|cuda] [--tokens N,..] [--dispatch D,..] [--iters N]
+//!                 [shape flags] [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
+//! afdep report moe --rows A.jsonl B.jsonl .. [--md FILE] [--png FILE] [--commit C]
 //! afdep exchange  [--backend cpu] [--transport loopback] [--topology 3A:1F] [--tokens N,..] ...
 //! afdep kernels   --digest
 //! ```
@@ -16,6 +18,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 mod cuda_stages;
 mod exchange_cmd;
 mod moe_cmd;
+mod moe_gpu;
+mod report;
+mod report_png;
 mod tensor_file;
 
 /// Where a command runs.
@@ -46,12 +51,22 @@ enum Cmd {
     Moe(moe_cmd::MoeArgs),
     /// Run AFD exchange rounds (dispatch + experts + combine) and print JSON rows.
     Exchange(exchange_cmd::ExchangeArgs),
+    /// Reports made from the JSON rows of earlier runs.
+    #[command(subcommand)]
+    Report(ReportCmd),
     /// Information on the embedded kernels.
     Kernels {
         /// Print the digest of the embedded kernel sources.
         #[arg(long)]
         digest: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum ReportCmd {
+    /// The MoE layer against the peers: a markdown table of ratios (written between marker
+    /// comments of a document) and a PNG chart.
+    Moe(report::ReportMoeArgs),
 }
 
 /// A comma-separated list of token counts (`1,8,2048`; `16k` and `1M` allowed).
@@ -77,8 +92,9 @@ pub fn parse_tokens(s: &str) -> Result<Vec<usize>, String> {
                 _ => (p, 1),
             };
             num.parse::<usize>()
-                .map(|n| n * mul)
-                .map_err(|e| format!("bad token count {p:?}: {e}"))
+                .map_err(|e| format!("bad token count {p:?}: {e}"))?
+                .checked_mul(mul)
+                .ok_or_else(|| format!("token count {p:?} is too large"))
         })
         .collect()
 }
@@ -98,6 +114,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Moe(a) => moe_cmd::run(a),
         Cmd::Exchange(a) => exchange_cmd::run(a),
+        Cmd::Report(ReportCmd::Moe(a)) => Ok(report::run(a)?),
         Cmd::Kernels { digest } => {
             if digest {
                 println!("{}", afdep_kernels::source_digest());
@@ -118,5 +135,8 @@ mod tests {
         assert_eq!(parse_tokens("1,8, 2048").unwrap(), vec![1, 8, 2048]);
         assert_eq!(parse_tokens("16k,1M").unwrap(), vec![16384, 1 << 20]);
         assert!(parse_tokens("x").is_err());
+        assert!(parse_tokens("").is_err());
+        assert!(parse_tokens("99999999999999999999M").is_err());
+        assert!(parse_tokens("18014398509481984M").is_err());
     }
 }

@@ -1,13 +1,30 @@
-//! `afdep moe`: the MoE layer, forward and train step.
+//! `afdep moe`: the MoE layer, forward and train step, one JSON row per (tokens, dispatch).
+//!
+//! - On the GPU (`--backend cuda`, or `auto` with a usable GPU): [`afdep_moe::MoeLayer`] for
+//!   every dispatch strategy of `--dispatch` at every token count of `--tokens`, timed with
+//!   CUDA events and checked against the GPU reference path ([`crate::moe_gpu`]).
+//! - On the CPU (`--backend cpu`, or `auto` without a GPU): the CPU oracle of afdep-core, timed
+//!   by the wall clock (`impl` = `afdep-cpu-oracle`, `dispatch` = `reference`).
+//!
+//! Inputs are afdep-core's seeded random parameters (`LayerParams::random(shape, seed)`),
+//! tokens (`random_tokens(T, H, seed)`) and upstream gradient (`uniform_bf16(T·H, 1, seed,
+//! 200)`), or one `--input` file. `--write-inputs DIR` writes them, one safetensors file per
+//! token count ([`inputs_path`]), for the peer scripts; `--write-outputs DIR` writes the
+//! outputs of the first strategy of `--dispatch` that runs (or of the oracle) per token count
+//! ([`outputs_path`]), for the peers' error columns.
 
+use std::fs::File;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use afdep_core::oracle::layer;
 use afdep_core::oracle::params::{PARAM_NAMES, random_tokens};
 use afdep_core::oracle::{LayerGrads, LayerParams};
+use afdep_core::route::route;
 use afdep_core::tensor::uniform_bf16;
 use afdep_core::{LayerShape, bf16};
+use afdep_moe::Dispatch;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -17,15 +34,43 @@ use tracing::{info, warn};
 use crate::Backend;
 use crate::tensor_file::TensorFile;
 
+/// Token counts of the GPU sweep by default (the record's).
+pub const GPU_TOKENS: [usize; 3] = [16_384, 131_072, 1_048_576];
+/// Token count of the CPU oracle by default.
+pub const CPU_TOKENS: usize = 16_384;
+/// Timed runs per GPU measurement by default.
+pub const GPU_ITERS: usize = 10;
+
+/// A comma-separated list of dispatch strategies (`sorted,gather,fused,fused_gsum`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchList(pub Vec<Dispatch>);
+
+impl std::str::FromStr for DispatchList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut v: Vec<Dispatch> = Vec::new();
+        for p in s.split(',').map(str::trim) {
+            let d: Dispatch = p.parse()?;
+            if v.contains(&d) {
+                return Err(format!("dispatch `{p}` is listed twice"));
+            }
+            v.push(d);
+        }
+        Ok(DispatchList(v))
+    }
+}
+
 /// Arguments of `afdep moe`.
 #[derive(Debug, Args)]
 pub struct MoeArgs {
-    /// Where to run.
+    /// Where to run: `auto` takes the GPU when one is usable, else the CPU oracle.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
-    /// Token counts to run, comma-separated (`16k`, `1M` allowed). Ignored with `--input`.
-    #[arg(long, default_value = "16384")]
-    pub tokens: crate::TokenList,
+    /// Token counts, comma-separated (`16k`, `1M` allowed) [default: 16384,131072,1048576 on
+    /// the GPU, 16384 on the CPU]. Ignored with `--input`.
+    #[arg(long)]
+    pub tokens: Option<crate::TokenList>,
     /// Hidden size.
     #[arg(long, default_value_t = 512)]
     pub d_model: usize,
@@ -44,30 +89,51 @@ pub struct MoeArgs {
     /// Do not renormalise the top-k weights.
     #[arg(long)]
     pub no_renormalize: bool,
-    /// Dispatch strategy (GPU backend): sorted, gather, fused, fused_gsum.
-    #[arg(long, default_value = "sorted")]
-    pub dispatch: String,
+    /// Dispatch strategies (GPU), comma-separated: sorted, gather, fused, fused_gsum.
+    #[arg(long, default_value = "sorted,gather,fused,fused_gsum")]
+    pub dispatch: DispatchList,
     /// Seed of the random parameters, tokens and upstream gradient.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Run the forward only (no train step).
     #[arg(long)]
     pub forward_only: bool,
-    /// Timed repetitions per token count (the median is reported).
-    #[arg(long, default_value_t = 1)]
-    pub repeats: usize,
+    /// Timed runs per measurement; the median is reported. GPU: after 3 warm-ups [default:
+    /// 10 on the GPU, 1 on the CPU].
+    #[arg(long, visible_alias = "repeats")]
+    pub iters: Option<usize>,
+    /// Append every row to this JSONL file too (created if missing).
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
     /// Read inputs from this safetensors file (x, wr, w1, w3, w2, s1, s3, s2, optionally dy;
     /// metadata top_k and renormalize).
     #[arg(long)]
     pub input: Option<PathBuf>,
-    /// Write outputs to this safetensors file (y, and dx, dwr, dw1, dw3, dw2, ds1, ds3, ds2
-    /// after a train step).
+    /// Write outputs to this safetensors file (y, topk_idx, and dx, dwr, dw1, dw3, dw2, ds1,
+    /// ds3, ds2 after a train step): one token count only; on the GPU, of the first strategy.
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Write the inputs of each token count to DIR/moe-inputs-T.safetensors (the tensors of
+    /// `--input`, plus metadata seed and tokens), for the peer scripts.
+    #[arg(long, value_name = "DIR")]
+    pub write_inputs: Option<PathBuf>,
+    /// With --write-inputs: only write the inputs, run nothing.
+    #[arg(long, requires = "write_inputs")]
+    pub inputs_only: bool,
+    /// Write the outputs of each token count (on the GPU those of the first strategy of
+    /// --dispatch that runs, on the CPU the oracle's) to DIR/moe-outputs-T.safetensors, for
+    /// the peers' error columns.
+    #[arg(long, value_name = "DIR")]
+    pub write_outputs: Option<PathBuf>,
+    /// GPU: first run the stage check of the router, validation, layout, permute and
+    /// un-permute against afdep-core (one extra row per token count; stops on a mismatch).
+    #[arg(long, conflicts_with = "inputs_only")]
+    pub stage_check: bool,
 }
 
-/// One JSON row, with the fields of the MoE-layer record.
-#[derive(Debug, Serialize)]
+/// One JSON row, with the fields of the MoE-layer record plus `peak_gib`, `digest` and the
+/// run's context.
+#[derive(Debug, Clone, Serialize)]
 pub struct MoeRow {
     /// Hidden size.
     pub d_model: usize,
@@ -81,34 +147,152 @@ pub struct MoeRow {
     pub shared: usize,
     /// Tokens.
     pub tokens: usize,
-    /// Implementation.
+    /// Implementation: `afdep` (the GPU layer) or `afdep-cpu-oracle`.
     #[serde(rename = "impl")]
     pub implementation: String,
-    /// Dispatch strategy.
+    /// Dispatch strategy (`reference` for the oracle).
     pub dispatch: String,
-    /// Forward time, ms (median).
-    pub fwd_ms: f64,
-    /// Train-step time, ms (median), if run.
+    /// Forward time, ms (median); null when it did not run.
+    pub fwd_ms: Option<f64>,
+    /// Train-step time, ms (median); null when it did not run.
     pub train_ms: Option<f64>,
-    /// Max |a-b| / max |b| of the output against the reference (null for the reference itself).
+    /// Max |a-b| / max |b| of the output against the reference path (null where not
+    /// computed: the oracle's own rows, or a failed configuration).
     pub out_err: Option<f64>,
     /// Same for the input gradient.
     pub gx_err: Option<f64>,
     /// Same for the parameter gradients (max over tensors).
     pub gw_err: Option<f64>,
-    /// `ok` or what went wrong.
+    /// `ok`, `error_too_large`, `oom`, `unsupported`, or what went wrong.
     pub status: String,
+    /// Peak device memory of the configuration, GiB (every buffer the layer allocates);
+    /// null on the CPU.
+    pub peak_gib: Option<f64>,
+    /// Device memory in use by the configuration by `cuMemGetInfo`, GiB (GPU).
+    pub mem_used_gib: Option<f64>,
     /// Digest of the kernel sources.
-    pub kernel_digest: String,
-    /// Repetitions measured.
-    pub repeats: usize,
+    pub digest: String,
+    /// GPU name (null on the CPU).
+    pub device: Option<String>,
+    /// Timed runs per measurement.
+    pub iters: usize,
+    /// Seed of the inputs (null for `--input`).
+    pub seed: Option<u64>,
+    /// What happened, where the status needs explaining.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
-struct Inputs {
-    params: LayerParams,
-    x: Vec<bf16>,
-    dy: Vec<bf16>,
-    tokens: usize,
+impl MoeRow {
+    /// A row with no results yet (status `not run`).
+    pub fn new(
+        s: &LayerShape,
+        tokens: usize,
+        implementation: &str,
+        dispatch: &str,
+        iters: usize,
+    ) -> Self {
+        MoeRow {
+            d_model: s.d_model,
+            width: s.width,
+            experts: s.experts,
+            top_k: s.top_k,
+            shared: s.shared,
+            tokens,
+            implementation: implementation.into(),
+            dispatch: dispatch.into(),
+            fwd_ms: None,
+            train_ms: None,
+            out_err: None,
+            gx_err: None,
+            gw_err: None,
+            status: "not run".into(),
+            peak_gib: None,
+            mem_used_gib: None,
+            digest: afdep_kernels::source_digest(),
+            device: None,
+            iters,
+            seed: None,
+            note: None,
+        }
+    }
+}
+
+/// The inputs of one token count.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// Parameters (and the shape).
+    pub params: LayerParams,
+    /// Tokens, T × H.
+    pub x: Vec<bf16>,
+    /// Upstream gradient, T × H.
+    pub dy: Vec<bf16>,
+    /// T.
+    pub tokens: usize,
+    /// The seed they were made from (none when read from a file).
+    pub seed: Option<u64>,
+}
+
+impl Inputs {
+    /// The seeded inputs of `tokens` tokens (the same for every backend and the peers).
+    pub fn seeded(params: &LayerParams, tokens: usize, seed: u64) -> Self {
+        let h = params.shape.d_model;
+        Inputs {
+            params: params.clone(),
+            x: random_tokens(tokens, h, seed),
+            dy: uniform_bf16(tokens * h, 1.0, seed, 200),
+            tokens,
+            seed: Some(seed),
+        }
+    }
+}
+
+/// The outputs of one step, as written by `--output` / `--write-outputs`.
+#[derive(Debug, Clone)]
+pub struct LayerOutputs {
+    /// Output, T × H.
+    pub y: Vec<bf16>,
+    /// dx, T × H (train step).
+    pub dx: Option<Vec<bf16>>,
+    /// Parameter gradients in `PARAM_NAMES` order (train step).
+    pub dparams: Option<Vec<Vec<bf16>>>,
+    /// The routes' expert ids, T × K.
+    pub topk_idx: Option<Vec<i32>>,
+    /// Who computed them.
+    pub implementation: String,
+    /// With which strategy.
+    pub dispatch: String,
+}
+
+impl LayerOutputs {
+    fn of_oracle(p: &LayerParams, x: &[bf16], y: Vec<bf16>, grads: Option<LayerGrads>) -> Self {
+        let t = x.len() / p.shape.d_model.max(1);
+        let (dx, dparams) = match grads {
+            Some(g) => {
+                let ps = g.params().into_iter().cloned().collect();
+                (Some(g.dx), Some(ps))
+            }
+            None => (None, None),
+        };
+        LayerOutputs {
+            y,
+            dx,
+            dparams,
+            topk_idx: Some(route(x, &p.wr, t, &p.shape).idx),
+            implementation: "afdep-cpu-oracle".into(),
+            dispatch: "reference".into(),
+        }
+    }
+}
+
+/// `DIR/moe-inputs-T.safetensors`.
+pub fn inputs_path(dir: &Path, tokens: usize) -> PathBuf {
+    dir.join(format!("moe-inputs-{tokens}.safetensors"))
+}
+
+/// `DIR/moe-outputs-T.safetensors`.
+pub fn outputs_path(dir: &Path, tokens: usize) -> PathBuf {
+    dir.join(format!("moe-outputs-{tokens}.safetensors"))
 }
 
 fn shape_of(a: &MoeArgs) -> LayerShape {
@@ -124,7 +308,7 @@ fn shape_of(a: &MoeArgs) -> LayerShape {
 
 /// Reads layer inputs from a safetensors file; the shape comes from the tensors, `top_k` and
 /// `renormalize` from the metadata (else from the flags).
-fn read_inputs(path: &Path, a: &MoeArgs, seed: u64) -> Result<Inputs> {
+fn read_inputs(path: &Path, a: &MoeArgs) -> Result<Inputs> {
     let f = TensorFile::read(path)?;
     let (xs, x) = f.bf16("x")?;
     let (ws, _) = f.bf16("wr")?;
@@ -177,44 +361,106 @@ fn read_inputs(path: &Path, a: &MoeArgs, seed: u64) -> Result<Inputs> {
         }
         d
     } else {
-        uniform_bf16(tokens * shape.d_model, 1.0, seed, 200)
+        uniform_bf16(tokens * shape.d_model, 1.0, a.seed, 200)
     };
     Ok(Inputs {
         params,
         x,
         dy,
         tokens,
+        seed: None,
     })
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn write_outputs(path: &Path, inp: &Inputs, y: &[bf16], grads: Option<&LayerGrads>) -> Result<()> {
+/// Writes the inputs (the tensors `--input` reads, plus metadata `seed` and `tokens`).
+pub fn write_inputs(path: &Path, inp: &Inputs) -> Result<()> {
     let s = inp.params.shape;
     let mut f = TensorFile::default();
-    f.put_bf16("y", &[inp.tokens, s.d_model], y);
-    if let Some(g) = grads {
-        f.put_bf16("dx", &[inp.tokens, s.d_model], &g.dx);
-        for ((name, t), dims) in PARAM_NAMES
-            .iter()
-            .zip(g.params())
-            .zip(LayerParams::dims(&s))
-        {
+    f.put_bf16("x", &[inp.tokens, s.d_model], &inp.x);
+    f.put_bf16("dy", &[inp.tokens, s.d_model], &inp.dy);
+    for ((name, t), dims) in PARAM_NAMES
+        .iter()
+        .zip(inp.params.tensors())
+        .zip(LayerParams::dims(&s))
+    {
+        f.put_bf16(name, &dims, t);
+    }
+    f.metadata
+        .insert("format".into(), "afdep-moe-inputs-1".into());
+    f.metadata.insert("top_k".into(), s.top_k.to_string());
+    f.metadata
+        .insert("renormalize".into(), s.renormalize.to_string());
+    f.metadata.insert("tokens".into(), inp.tokens.to_string());
+    if let Some(seed) = inp.seed {
+        f.metadata.insert("seed".into(), seed.to_string());
+    }
+    create_parent(path)?;
+    f.write(path)
+}
+
+fn write_outputs(path: &Path, inp: &Inputs, o: &LayerOutputs) -> Result<()> {
+    let s = inp.params.shape;
+    let mut f = TensorFile::default();
+    f.put_bf16("y", &[inp.tokens, s.d_model], &o.y);
+    if let Some(dx) = &o.dx {
+        f.put_bf16("dx", &[inp.tokens, s.d_model], dx);
+    }
+    if let Some(ps) = &o.dparams {
+        for ((name, t), dims) in PARAM_NAMES.iter().zip(ps).zip(LayerParams::dims(&s)) {
             f.put_bf16(&format!("d{name}"), &dims, t);
         }
     }
+    if let Some(idx) = &o.topk_idx {
+        f.put_i32("topk_idx", &[inp.tokens, s.top_k], idx);
+    }
+    f.metadata
+        .insert("format".into(), "afdep-moe-outputs-1".into());
     f.metadata.insert("top_k".into(), s.top_k.to_string());
+    f.metadata.insert("impl".into(), o.implementation.clone());
+    f.metadata.insert("dispatch".into(), o.dispatch.clone());
+    create_parent(path)?;
     f.write(path)
+}
+
+fn create_parent(path: &Path) -> Result<()> {
+    if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    Ok(())
+}
+
+/// Where the inputs come from.
+enum Source {
+    /// One `--input` file.
+    File(PathBuf),
+    /// Seeded, per token count.
+    Seeded {
+        params: Box<LayerParams>,
+        tokens: Vec<usize>,
+    },
+}
+
+/// Where rows go: stdout, and the `--json-out` file.
+struct Sink {
+    file: Option<(PathBuf, File)>,
+    bar: ProgressBar,
+}
+
+impl Sink {
+    fn emit<T: Serialize>(&mut self, row: &T) -> Result<()> {
+        let line = serde_json::to_string(row).context("serialising a row")?;
+        self.bar.suspend(|| println!("{line}"));
+        if let Some((p, f)) = &mut self.file {
+            writeln!(f, "{line}")
+                .and_then(|()| f.flush())
+                .with_context(|| format!("appending to {}", p.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Runs `afdep moe`.
 pub fn run(a: MoeArgs) -> Result<()> {
-    // The GPU runs the stages it has (router, validation, layout, permute, un-permute), each
-    // checked against afdep-core; the whole layer (forward and train step) runs on the CPU
-    // oracle until the grouped-GEMM layer lands.
     let gpu = match a.backend {
         Backend::Cpu => false,
         Backend::Cuda => true,
@@ -222,105 +468,251 @@ pub fn run(a: MoeArgs) -> Result<()> {
     };
     if a.backend == Backend::Auto {
         info!(
-            gpu,
-            "backend auto: GPU stages {}",
-            if gpu { "on" } else { "off (no usable GPU)" }
+            "backend auto: {}",
+            if gpu {
+                "the GPU layer"
+            } else {
+                "the CPU oracle (no usable GPU)"
+            }
         );
     }
-    warn!(
-        "the MoE layer's forward and train step run on the CPU oracle: the CUDA layer is not built yet"
-    );
-    if a.repeats == 0 {
-        bail!("--repeats must be at least 1");
+    if a.stage_check && !gpu {
+        warn!("--stage-check needs the GPU: skipped on the CPU oracle");
     }
-    let runs: Vec<Inputs> = match &a.input {
-        Some(p) => vec![read_inputs(p, &a, a.seed)?],
+    let iters = a.iters.unwrap_or(if gpu { GPU_ITERS } else { 1 });
+    if iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    if a.dispatch.0.is_empty() {
+        bail!("--dispatch needs at least one strategy");
+    }
+    // The inputs: one file, or seeded ones per token count (made when they are needed).
+    let source = match &a.input {
+        Some(p) => Source::File(p.clone()),
         None => {
             let shape = shape_of(&a);
             shape.validate()?;
-            let params = LayerParams::random(shape, a.seed);
-            a.tokens
-                .0
-                .iter()
-                .map(|&t| Inputs {
-                    params: params.clone(),
-                    x: random_tokens(t, shape.d_model, a.seed),
-                    dy: uniform_bf16(t * shape.d_model, 1.0, a.seed, 200),
-                    tokens: t,
-                })
-                .collect()
+            let tokens = match &a.tokens {
+                Some(t) => t.0.clone(),
+                None if gpu || a.inputs_only => GPU_TOKENS.to_vec(),
+                None => vec![CPU_TOKENS],
+            };
+            if tokens.contains(&0) {
+                bail!("--tokens: every token count must be at least 1");
+            }
+            Source::Seeded {
+                params: Box::new(LayerParams::random(shape, a.seed)),
+                tokens,
+            }
         }
     };
-    if a.output.is_some() && runs.len() != 1 {
-        bail!("--output needs exactly one token count");
+    let runs = match &source {
+        Source::File(_) => 1,
+        Source::Seeded { tokens, .. } => tokens.len(),
+    };
+    if a.output.is_some() && runs != 1 {
+        bail!("--output needs exactly one token count (use --write-outputs DIR for several)");
     }
-    let steps = runs.len() * a.repeats * if a.forward_only { 1 } else { 2 };
-    let bar = ProgressBar::new(steps as u64);
+
+    let per_run = if a.inputs_only {
+        1
+    } else if gpu {
+        a.dispatch.0.len()
+    } else {
+        1
+    };
+    let bar = ProgressBar::new((runs * per_run) as u64);
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}")
-            .expect("template"),
+            .expect("a valid progress template"),
     );
-    for inp in &runs {
-        let s = inp.params.shape;
-        if gpu {
-            let row = crate::cuda_stages::run(&inp.params, &inp.x, inp.tokens)?;
-            let ok = row.status == "ok";
-            bar.suspend(|| println!("{}", serde_json::to_string(&row).expect("row serializes")));
-            if !ok {
-                bail!(
-                    "GPU stages disagree with afdep-core at {} tokens: {}",
-                    inp.tokens,
-                    row.status
-                );
-            }
+    let file = match &a.json_out {
+        Some(p) => {
+            create_parent(p)?;
+            let f = File::options()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {} for appending", p.display()))?;
+            Some((p.clone(), f))
         }
-        bar.set_message(format!("cpu layer, {} tokens", inp.tokens));
-        let mut fwd = Vec::new();
-        let mut train = Vec::new();
-        let mut y = Vec::new();
-        let mut grads = None;
-        for _ in 0..a.repeats {
-            let t = Instant::now();
-            y = layer::forward(&inp.params, &inp.x, inp.tokens)?.out;
-            fwd.push(t.elapsed().as_secs_f64() * 1e3);
+        None => None,
+    };
+    let mut sink = Sink {
+        file,
+        bar: bar.clone(),
+    };
+
+    let sweep = if gpu && !a.inputs_only {
+        bar.set_message("opening the GPU");
+        let s = crate::moe_gpu::GpuSweep::open(iters)
+            .context("opening GPU 0 for the MoE layer (use --backend cpu to run the CPU oracle)")?;
+        info!(device = s.device(), iters, "GPU layer sweep");
+        Some(s)
+    } else {
+        None
+    };
+
+    for i in 0..runs {
+        let (what, inp) = match &source {
+            Source::File(p) => {
+                bar.set_message(format!("reading {}", p.display()));
+                (p.display().to_string(), read_inputs(p, &a)?)
+            }
+            Source::Seeded { params, tokens } => {
+                let what = format!("{} tokens", tokens[i]);
+                bar.set_message(format!("{what}: making inputs"));
+                let t0 = Instant::now();
+                let inp = Inputs::seeded(params, tokens[i], a.seed);
+                info!(
+                    tokens = tokens[i],
+                    secs = t0.elapsed().as_secs_f64(),
+                    "seeded inputs made"
+                );
+                (what, inp)
+            }
+        };
+        if let Some(dir) = &a.write_inputs {
+            let p = inputs_path(dir, inp.tokens);
+            bar.set_message(format!("{what}: writing {}", p.display()));
+            write_inputs(&p, &inp)?;
+            info!(path = %p.display(), "inputs written");
+        }
+        if a.inputs_only {
             bar.inc(1);
-            if !a.forward_only {
-                let t = Instant::now();
-                let (_, g) = layer::train_step(&inp.params, &inp.x, inp.tokens, &inp.dy)?;
-                train.push(t.elapsed().as_secs_f64() * 1e3);
-                grads = Some(g);
+            continue;
+        }
+        let out_path = match (&a.output, &a.write_outputs) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(dir)) => Some(outputs_path(dir, inp.tokens)),
+            (None, None) => None,
+        };
+        match &sweep {
+            Some(sweep) => {
+                if a.stage_check {
+                    bar.set_message(format!("{what}: GPU stage check"));
+                    let row = crate::cuda_stages::run(&inp.params, &inp.x, inp.tokens)?;
+                    let ok = row.status == "ok";
+                    sink.emit(&row)?;
+                    if !ok {
+                        bail!(
+                            "GPU stages disagree with afdep-core at {} tokens: {}",
+                            inp.tokens,
+                            row.status
+                        );
+                    }
+                }
+                // the outputs of the first strategy that runs
+                let mut written = false;
+                for &d in &a.dispatch.0 {
+                    let want = !written && out_path.is_some();
+                    info!(tokens = inp.tokens, dispatch = %d, "configuration starts");
+                    let msg = |step: &str| bar.set_message(format!("{what}, {d}: {step}"));
+                    let mut o = sweep
+                        .run(&inp, d, !a.forward_only, want, &msg)
+                        .with_context(|| format!("the GPU layer, {what}, dispatch {d}"))?;
+                    o.row.seed = inp.seed;
+                    sink.emit(&o.row)?;
+                    if let (Some(p), Some(outs)) = (&out_path, &o.outputs) {
+                        bar.set_message(format!("{what}: writing {}", p.display()));
+                        write_outputs(p, &inp, outs)?;
+                        info!(path = %p.display(), dispatch = %d, "outputs written");
+                        written = true;
+                    }
+                    bar.inc(1);
+                }
+            }
+            None => {
+                let (row, outs) = run_cpu(&inp, &a, iters, &bar)?;
+                sink.emit(&row)?;
+                if let Some(p) = &out_path {
+                    write_outputs(p, &inp, &outs)?;
+                    info!(path = %p.display(), "outputs written");
+                }
                 bar.inc(1);
             }
-        }
-        let nan = y.iter().any(|v| v.is_nan());
-        let row = MoeRow {
-            d_model: s.d_model,
-            width: s.width,
-            experts: s.experts,
-            top_k: s.top_k,
-            shared: s.shared,
-            tokens: inp.tokens,
-            implementation: "afdep-cpu-oracle".into(),
-            dispatch: "reference".into(),
-            fwd_ms: median(fwd),
-            train_ms: (!train.is_empty()).then(|| median(train)),
-            out_err: None,
-            gx_err: None,
-            gw_err: None,
-            status: if nan {
-                "nan in output".into()
-            } else {
-                "ok".into()
-            },
-            kernel_digest: afdep_kernels::source_digest(),
-            repeats: a.repeats,
-        };
-        bar.suspend(|| println!("{}", serde_json::to_string(&row).expect("row serializes")));
-        if let Some(p) = &a.output {
-            write_outputs(p, inp, &y, grads.as_ref())?;
-            info!(path = %p.display(), "outputs written");
         }
     }
     bar.finish_and_clear();
     Ok(())
+}
+
+/// The CPU oracle on one token count: (row, outputs of the last run).
+fn run_cpu(
+    inp: &Inputs,
+    a: &MoeArgs,
+    iters: usize,
+    bar: &ProgressBar,
+) -> Result<(MoeRow, LayerOutputs)> {
+    let s = inp.params.shape;
+    bar.set_message(format!("cpu oracle, {} tokens", inp.tokens));
+    let mut fwd = Vec::new();
+    let mut train = Vec::new();
+    let mut y = Vec::new();
+    let mut grads = None;
+    for _ in 0..iters {
+        let t = Instant::now();
+        y = layer::forward(&inp.params, &inp.x, inp.tokens)?.out;
+        fwd.push(t.elapsed().as_secs_f64() * 1e3);
+        if !a.forward_only {
+            let t = Instant::now();
+            let (_, g) = layer::train_step(&inp.params, &inp.x, inp.tokens, &inp.dy)?;
+            train.push(t.elapsed().as_secs_f64() * 1e3);
+            grads = Some(g);
+        }
+    }
+    let nan = y.iter().any(|v| v.is_nan());
+    let mut row = MoeRow::new(&s, inp.tokens, "afdep-cpu-oracle", "reference", iters);
+    row.fwd_ms = afdep_moe::timing::median(&fwd);
+    row.train_ms = afdep_moe::timing::median(&train);
+    row.status = if nan { "nan in output" } else { "ok" }.into();
+    row.seed = inp.seed;
+    let outs = LayerOutputs::of_oracle(&inp.params, &inp.x, y, grads);
+    Ok((row, outs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dispatch_lists() {
+        let d: DispatchList = "sorted, fused_gsum".parse().unwrap();
+        assert_eq!(d.0, vec![Dispatch::Sorted, Dispatch::FusedGsum]);
+        let e = "sorted,nope".parse::<DispatchList>().unwrap_err();
+        assert!(e.contains("nope"), "{e}");
+        assert!("gather,gather".parse::<DispatchList>().is_err());
+    }
+
+    #[test]
+    fn inputs_round_trip_through_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = LayerShape {
+            d_model: 16,
+            width: 8,
+            experts: 4,
+            top_k: 2,
+            shared: 0,
+            renormalize: false,
+        };
+        let p = LayerParams::random(shape, 5);
+        let inp = Inputs::seeded(&p, 7, 5);
+        let path = inputs_path(dir.path(), 7);
+        write_inputs(&path, &inp).unwrap();
+        let f = TensorFile::read(&path).unwrap();
+        assert_eq!(f.metadata["seed"], "5");
+        assert_eq!(f.metadata["renormalize"], "false");
+        use clap::Parser;
+        #[derive(Parser)]
+        struct W {
+            #[command(flatten)]
+            a: MoeArgs,
+        }
+        let w = W::parse_from(["x"]);
+        let back = read_inputs(&path, &w.a).unwrap();
+        assert_eq!(back.params, inp.params);
+        assert_eq!(back.x, inp.x);
+        assert_eq!(back.dy, inp.dy);
+        assert_eq!(back.tokens, 7);
+    }
 }

@@ -157,6 +157,16 @@ impl TensorFile {
         );
     }
 
+    /// Adds an i32 tensor.
+    pub fn put_i32(&mut self, name: &str, shape: &[usize], v: &[i32]) {
+        self.put(
+            name,
+            Dtype::I32,
+            shape,
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
+    }
+
     fn put(&mut self, name: &str, dtype: Dtype, shape: &[usize], bytes: Vec<u8>) {
         assert_eq!(
             shape.iter().product::<usize>() * dtype_size(dtype),

@@ -212,3 +212,438 @@ fn bad_input_gives_an_error_not_a_panic() {
     assert!(err.contains("3A:0F"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+fn afdep_fails(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
+        .args(args)
+        .output()
+        .expect("running afdep");
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "afdep {args:?} succeeded");
+    assert!(!err.contains("panicked"), "afdep {args:?} panicked:\n{err}");
+    err
+}
+
+const SMALL: [&str; 10] = [
+    "--d-model",
+    "32",
+    "--width",
+    "32",
+    "--experts",
+    "8",
+    "--top-k",
+    "2",
+    "--shared",
+    "32",
+];
+
+fn small_shape() -> LayerShape {
+    LayerShape {
+        d_model: 32,
+        width: 32,
+        experts: 8,
+        top_k: 2,
+        shared: 32,
+        renormalize: true,
+    }
+}
+
+fn rows_of(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn moe_writes_the_seeded_inputs_and_outputs_per_token_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let jsonl = dir.path().join("rows").join("a.jsonl");
+    let mut args = vec![
+        "moe",
+        "--backend",
+        "cpu",
+        "--tokens",
+        "37,50",
+        "--seed",
+        "3",
+    ];
+    args.extend(SMALL);
+    args.extend([
+        "--write-inputs",
+        d,
+        "--write-outputs",
+        d,
+        "--json-out",
+        jsonl.to_str().unwrap(),
+    ]);
+    let stdout = afdep(&args);
+    let rows = rows_of(&stdout);
+    assert_eq!(rows.len(), 2);
+    for (r, t) in rows.iter().zip([37, 50]) {
+        assert_eq!(r["tokens"], t);
+        assert_eq!(r["status"], "ok");
+        assert_eq!(r["seed"], 3);
+        for f in [
+            "peak_gib", "digest", "fwd_ms", "train_ms", "impl", "dispatch",
+        ] {
+            assert!(r.get(f).is_some(), "row lacks {f}");
+        }
+    }
+    // --json-out appends: a second run adds its rows
+    assert_eq!(rows_of(&std::fs::read_to_string(&jsonl).unwrap()), rows);
+    afdep(&args);
+    assert_eq!(rows_of(&std::fs::read_to_string(&jsonl).unwrap()).len(), 4);
+
+    let shape = small_shape();
+    let p = LayerParams::random(shape, 3);
+    for t in [37usize, 50] {
+        let buf = std::fs::read(dir.path().join(format!("moe-inputs-{t}.safetensors"))).unwrap();
+        let x = random_tokens(t, shape.d_model, 3);
+        let dy = uniform_bf16(t * shape.d_model, 1.0, 3, 200);
+        assert_eq!(read_bf16(&buf, "x"), x);
+        assert_eq!(read_bf16(&buf, "dy"), dy);
+        for (name, want) in PARAM_NAMES.iter().zip(p.tensors()) {
+            assert_eq!(&read_bf16(&buf, name), want, "{name}");
+        }
+        let (_, meta) = SafeTensors::read_metadata(&buf).unwrap();
+        let meta = meta.metadata().clone().unwrap();
+        assert_eq!(meta["seed"], "3");
+        assert_eq!(meta["top_k"], "2");
+        assert_eq!(meta["renormalize"], "true");
+        let out = std::fs::read(dir.path().join(format!("moe-outputs-{t}.safetensors"))).unwrap();
+        let (y, g) = layer::train_step(&p, &x, t, &dy).unwrap();
+        assert_eq!(read_bf16(&out, "y"), y);
+        assert_eq!(read_bf16(&out, "dx"), g.dx);
+        let st = SafeTensors::deserialize(&out).unwrap();
+        let idx = st.tensor("topk_idx").unwrap();
+        assert_eq!(idx.shape(), &[t, 2]);
+        let want = route(&x, &p.wr, t, &shape).idx;
+        let got: Vec<i32> = idx
+            .data()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, want);
+    }
+    // the files read back as --input
+    let input = dir.path().join("moe-inputs-37.safetensors");
+    let again = rows_of(&afdep(&[
+        "moe",
+        "--backend",
+        "cpu",
+        "--input",
+        input.to_str().unwrap(),
+    ]));
+    assert_eq!(again[0]["tokens"], 37);
+}
+
+#[test]
+fn inputs_only_writes_and_runs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("in");
+    let mut args = vec!["moe", "--tokens", "5,8", "--inputs-only"];
+    args.extend(SMALL);
+    args.extend(["--write-inputs", d.to_str().unwrap()]);
+    assert_eq!(afdep(&args).trim(), "");
+    for t in [5, 8] {
+        assert!(d.join(format!("moe-inputs-{t}.safetensors")).exists());
+    }
+}
+
+#[test]
+fn bad_moe_flags_are_errors_not_panics() {
+    for (args, want) in [
+        (vec!["--iters", "0"], "--iters"),
+        (vec!["--dispatch", "sorted,nope"], "nope"),
+        (vec!["--dispatch", "fused,fused"], "twice"),
+        (vec!["--tokens", "0"], "at least 1"),
+        (vec!["--tokens", "4,x"], "bad token count"),
+        (vec!["--inputs-only"], "--write-inputs"),
+        (
+            vec!["--tokens", "4,5", "--output", "o.safetensors"],
+            "one token count",
+        ),
+        (
+            vec!["--input", "/nonexistent/in.safetensors"],
+            "/nonexistent",
+        ),
+        (vec!["--experts", "0"], "experts"),
+    ] {
+        let mut a = vec!["moe", "--backend", "cpu"];
+        a.extend(args.iter().copied());
+        let err = afdep_fails(&a);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+const BEGIN: &str = "<!-- afdep report moe: begin";
+const END: &str = "<!-- afdep report moe: end -->";
+
+#[test]
+fn report_moe_writes_the_block_and_the_chart() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("afdep.jsonl");
+    let t = dir.path().join("torch.jsonl");
+    std::fs::write(
+        &a,
+        "{\"tokens\":16384,\"impl\":\"afdep\",\"dispatch\":\"sorted\",\"fwd_ms\":1.0,\
+         \"train_ms\":2.0,\"status\":\"ok\",\"digest\":\"d1\",\"device\":\"NVIDIA H200\"}\n\
+         {\"tokens\":16384,\"impl\":\"afdep\",\"dispatch\":\"fused\",\"fwd_ms\":0.8,\
+         \"train_ms\":2.5,\"status\":\"ok\",\"digest\":\"d1\",\"device\":\"NVIDIA H200\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &t,
+        "some log line\n{\"tokens\":16384,\"impl\":\"torch_grouped_mm\",\"dispatch\":\"sorted\",\
+         \"fwd_ms\":1.6,\"train_ms\":3.0,\"status\":\"ok\"}\n",
+    )
+    .unwrap();
+    let md = dir.path().join("out").join("moe.md");
+    std::fs::create_dir_all(md.parent().unwrap()).unwrap();
+    std::fs::write(&md, "# Hand-written\n\nkeep me\n").unwrap();
+    let png = dir.path().join("out").join("moe.png");
+    let args = [
+        "report",
+        "moe",
+        "--rows",
+        a.to_str().unwrap(),
+        t.to_str().unwrap(),
+        "--md",
+        md.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
+        "--commit",
+        "abc1234",
+        "--date",
+        "2026-12-03",
+    ];
+    let stdout = afdep(&args);
+    // best forward 0.8 (fused) vs torch 1.6: 2.00; best train 2.0 (sorted) vs 3.0: 1.50
+    assert!(
+        stdout.contains("| 16,384 | 0.800 (fused) | 1.600 | 2.00 |"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("| 16,384 | 2.000 (sorted) | 3.000 | 1.50 |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2026-12-03") && stdout.contains("`abc1234`"));
+    assert!(stdout.contains("NVIDIA H200") && stdout.contains("`d1`"));
+    let doc = std::fs::read_to_string(&md).unwrap();
+    assert!(doc.starts_with("# Hand-written\n\nkeep me\n\n"), "{doc}");
+    assert_eq!(doc.matches(BEGIN).count(), 1);
+    assert!(doc.trim_end().ends_with(END));
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
+    // a second run replaces the block: the document is the same
+    std::fs::write(&md, format!("{doc}\nafter the block\n")).unwrap();
+    afdep(&args);
+    let again = std::fs::read_to_string(&md).unwrap();
+    assert_eq!(again, format!("{doc}\nafter the block\n"));
+
+    // broken markers: an error that names the file, and the document is left alone
+    std::fs::write(&md, format!("x\n{BEGIN} -->\nno end\n")).unwrap();
+    let err = afdep_fails(&args);
+    assert!(
+        err.contains("moe.md") && err.contains("1 begin and 0 end"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&md).unwrap(),
+        format!("x\n{BEGIN} -->\nno end\n")
+    );
+    // no afdep rows
+    let err = afdep_fails(&["report", "moe", "--rows", t.to_str().unwrap()]);
+    assert!(err.contains("no afdep rows"), "{err}");
+    let err = afdep_fails(&["report", "moe", "--rows", "/nonexistent.jsonl"]);
+    assert!(err.contains("/nonexistent.jsonl"), "{err}");
+}
+
+fn peers_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../peers")
+}
+
+/// The Python to run the peer scripts with: `AFDEP_PEER_PYTHON`, else `python3`; `None` (the
+/// test skips) when it cannot import `modules`.
+fn python_with(modules: &str) -> Option<String> {
+    let py = std::env::var("AFDEP_PEER_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        Some(py)
+    } else {
+        println!("SKIP: {py} cannot import {modules} (set AFDEP_PEER_PYTHON)");
+        None
+    }
+}
+
+#[test]
+fn the_peers_reader_reads_what_afdep_writes() {
+    let Some(py) = python_with("json") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let mut args = vec!["moe", "--tokens", "9", "--inputs-only", "--write-inputs", d];
+    args.extend(SMALL);
+    afdep(&args);
+    let file = dir.path().join("moe-inputs-9.safetensors");
+    let out = Command::new(&py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join("moe_inputs.py"))
+        .args(["describe", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["metadata"]["top_k"], "2");
+    assert_eq!(v["metadata"]["seed"], "0");
+    let shape = small_shape();
+    let p = LayerParams::random(shape, 0);
+    let x = random_tokens(9, 32, 0);
+    let mut want: Vec<(&str, Vec<usize>, &[bf16])> = vec![("x", vec![9, 32], &x)];
+    for ((name, t), dims) in PARAM_NAMES
+        .iter()
+        .zip(p.tensors())
+        .zip(LayerParams::dims(&shape))
+    {
+        want.push((name, dims, t));
+    }
+    for (name, dims, vals) in want {
+        let t = &v["tensors"][name];
+        assert_eq!(t["dtype"], "BF16", "{name}");
+        assert_eq!(t["shape"], serde_json::json!(dims), "{name}");
+        let first: Vec<f32> = t["first"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_f64().unwrap() as f32)
+            .collect();
+        let w: Vec<f32> = vals[..4].iter().map(|b| b.to_f32()).collect();
+        assert_eq!(first, w, "{name}");
+    }
+    // a file that is not safetensors: a clear error, no traceback
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, b"\xff\xff\xff\xff\xff\xff\xff\x7fjunk").unwrap();
+    let out = Command::new(&py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join("moe_inputs.py"))
+        .args(["describe", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("header length"),
+        "{err}"
+    );
+    assert!(!err.contains("Traceback"), "{err}");
+}
+
+/// Runs a peer script on afdep's inputs and the oracle's outputs (CPU); its errors must be
+/// within the GPU layer's tolerances and its routes the oracle's.
+fn peer_matches_the_oracle(py: &str, script: &str, extra: &[&str], shape_args: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let mut args = vec!["moe", "--backend", "cpu", "--tokens", "200"];
+    args.extend(shape_args);
+    args.extend(["--write-inputs", d, "--write-outputs", d]);
+    afdep(&args);
+    let out = Command::new(py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join(script))
+        .args([
+            "--inputs",
+            d,
+            "--afdep-outputs",
+            d,
+            "--iters",
+            "2",
+            "--warmups",
+            "1",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{script}:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = rows_of(&stdout);
+    assert_eq!(rows.len(), 1, "{stdout}");
+    let r = &rows[0];
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["tokens"], 200);
+    assert_eq!(r["route_mismatch_tokens"], 0, "{r}");
+    for (f, tol) in [
+        ("out_err", afdep_moe::accuracy::OUT_TOL),
+        ("gx_err", afdep_moe::accuracy::DX_TOL),
+        ("gw_err", afdep_moe::accuracy::GRAD_TOL),
+    ] {
+        let e = r[f].as_f64().unwrap_or(f64::INFINITY);
+        assert!(e <= tol, "{script} {shape_args:?}: {f} = {e} > {tol}: {r}");
+    }
+    for f in ["fwd_ms", "train_ms"] {
+        assert!(r[f].as_f64().is_some_and(|v| v > 0.0), "{r}");
+    }
+}
+
+#[test]
+fn the_torch_peer_computes_the_oracles_function() {
+    let Some(py) = python_with("numpy, torch") else {
+        return;
+    };
+    peer_matches_the_oracle(&py, "moe_torch.py", &["--device", "cpu"], &SMALL);
+    peer_matches_the_oracle(
+        &py,
+        "moe_torch.py",
+        &["--device", "cpu"],
+        &[
+            "--d-model",
+            "64",
+            "--width",
+            "32",
+            "--experts",
+            "16",
+            "--top-k",
+            "1",
+            "--shared",
+            "0",
+            "--no-renormalize",
+        ],
+    );
+}
+
+#[test]
+fn the_jax_peer_computes_the_oracles_function() {
+    let Some(py) = python_with("numpy, jax") else {
+        return;
+    };
+    peer_matches_the_oracle(&py, "moe_jax.py", &["--platform", "cpu"], &SMALL);
+    peer_matches_the_oracle(
+        &py,
+        "moe_jax.py",
+        &["--platform", "cpu"],
+        &[
+            "--d-model",
+            "64",
+            "--width",
+            "32",
+            "--experts",
+            "16",
+            "--top-k",
+            "1",
+            "--shared",
+            "0",
+            "--no-renormalize",
+        ],
+    );
+}

@@ -19,9 +19,10 @@
 //
 // Block: 256 threads = two warpgroups; a 128 x 128 output tile, warpgroup w computes rows
 // 64w .. 64w + 63 with one m64n128k16 wgmma per 16 of K. Pipeline: STAGES shared-memory stages
-// of a 128 x 64 A tile and a 128 x 64 B tile (K = 64 bf16 = one 128-byte swizzle row);
-// PREFETCH k-tiles are loading while one is multiplied and the wgmma of the previous one may
-// still be reading (so STAGES = PREFETCH + 2).
+// of a 128 x BK A tile and a 128 x BK B tile; PREFETCH k-tiles are loading while one is
+// multiplied and the wgmma of the previous one may still be reading (so STAGES =
+// PREFETCH + 2). BK, PREFETCH and the blocks per SM the ROWS kernels are compiled for
+// (AFDEP_GEMM_MIN_BLOCKS) are set below; afdep_kernels::ops::gemm mirrors them.
 //
 // Summation order: each output is one f32 accumulator fed by the tensor-core products in
 // ascending k-tile order (the order inside one wgmma is the hardware's). This is not the CPU
@@ -35,9 +36,29 @@ static_assert(AFDEP_BLOCK == 256, "the GEMM tiling assumes two warpgroups");
 
 #define BM 128
 #define BN 128
-#define BK 64
-#define PREFETCH 1
+#ifndef AFDEP_GEMM_BK
+#define AFDEP_GEMM_BK 64
+#endif
+#ifndef AFDEP_GEMM_MIN_BLOCKS
+#define AFDEP_GEMM_MIN_BLOCKS 1
+#endif
+#ifndef AFDEP_GEMM_PREFETCH
+#define AFDEP_GEMM_PREFETCH 1
+#endif
+// K per stage: 64 (one 128-byte swizzle row of bf16) or 32 (64-byte rows, 64-byte swizzle
+// for the K-major tiles).
+#define BK AFDEP_GEMM_BK
+#define PREFETCH AFDEP_GEMM_PREFETCH
 #define STAGES (PREFETCH + 2)
+static_assert(BK == 64 || BK == 32, "BK is 64 or 32");
+// Bytes of one K-major tile row, its 16-byte chunks, and the K-major 8-row atom.
+#define KROW_BYTES (BK * 2)
+#define KROW_CHUNKS (BK / 8)
+#define KATOM_BYTES (8 * KROW_BYTES)
+// Bytes between the two 64-column halves of an M/N-major tile (BK rows of 128 bytes).
+#define MNHALF_BYTES (BK * 128)
+// Layout type of the K-major tiles in the descriptor: 1 = 128-byte, 2 = 64-byte swizzle.
+#define KMAJ_SWIZZLE (BK == 64 ? 1ull : 2ull)
 // One operand tile: 128 rows of 64 bf16 (K-major) or 64 rows of 128 bf16 (M/N-major).
 #define TILE_BYTES (BM * BK * 2)
 #define STAGE_BYTES (2 * TILE_BYTES)
@@ -50,18 +71,24 @@ static_assert(AFDEP_BLOCK == 256, "the GEMM tiling assumes two warpgroups");
 static_assert(BM == BN, "square tiles: both operand tiles have the same shape");
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory tile layouts: wgmma's canonical 128-byte-swizzled layouts. A 16-byte chunk c
-// of a 128-byte row r lands at chunk position c ^ (r % 8); 8 rows form a 1024-byte atom.
+// Shared-memory tile layouts: wgmma's canonical swizzled layouts. With the 128-byte swizzle a
+// 16-byte chunk c of a 128-byte row r lands at chunk position c ^ (r % 8) (8 rows form a
+// 1024-byte atom); with the 64-byte swizzle, chunk c of a 64-byte row r lands at
+// c ^ ((r / 2) % 4) (8 rows form a 512-byte atom). Both are the XOR of address bits [4, 7)
+// with bits [7, 10), which is what the hardware undoes.
 //
-// K-major tile (rows = m or n, 128 of them; 64 k per row = 8 chunks): atoms of 8 rows follow
-// each other (stride 1024 bytes: the descriptor's SBO; LBO is unused when swizzled).
+// K-major tile (rows = m or n, 128 of them; BK k per row): atoms of 8 rows follow each other
+// (stride KATOM_BYTES: the descriptor's SBO; LBO is unused when swizzled).
 static __device__ __forceinline__ u32 kmaj_off(u32 r, u32 c) {
-    return r * 128 + ((c ^ (r & 7)) << 4);  // bytes
+    const u32 pos = BK == 64 ? (c ^ (r & 7)) : (c ^ ((r >> 1) & 3));
+    return r * KROW_BYTES + (pos << 4);  // bytes
 }
-// M/N-major tile (rows = k, 64 of them; 128 m/n per row = 16 chunks): two halves of 64 m/n
-// (8192 bytes apart: LBO), each 8 atoms of 8 k-rows (1024 bytes apart: SBO).
+// M/N-major tile (rows = k, BK of them; 128 m/n per row = 16 chunks, 128-byte swizzle): two
+// halves of 64 m/n (MNHALF_BYTES apart: LBO), each BK / 8 atoms of 8 k-rows (1024 bytes
+// apart: SBO).
 static __device__ __forceinline__ u32 mnmaj_off(u32 r, u32 c) {
-    return (c >> 3) * 8192 + (r >> 3) * 1024 + (r & 7) * 128 + (((c & 7) ^ (r & 7)) << 4);
+    return (c >> 3) * MNHALF_BYTES + (r >> 3) * 1024 + (r & 7) * 128 +
+           (((c & 7) ^ (r & 7)) << 4);
 }
 
 static __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -91,12 +118,13 @@ static __device__ __forceinline__ void fence_proxy_async() {
 // wgmma.
 
 // A shared-memory matrix descriptor: start address, leading and stride byte offsets (all >> 4),
-// 128-byte swizzle (layout type 1 in bits 62-63). Stages are 1024-byte aligned, so the base
-// offset field stays 0; a start inside an atom (the k16 steps of a K-major tile) is how the
-// hardware is told to begin at a later 32-byte column of the swizzled rows.
-static __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
+// the swizzle (layout type in bits 62-63: 1 = 128-byte, 2 = 64-byte). Stages are 1024-byte
+// aligned, so the base offset field stays 0; a start inside an atom (the k16 steps of a
+// K-major tile) is how the hardware is told to begin at a later 32-byte column of the
+// swizzled rows.
+static __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo, u64 swizzle) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((lbo >> 4) & 0x3FFFu) << 16) |
-           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+           ((u64)((sbo >> 4) & 0x3FFFu) << 32) | (swizzle << 62);
 }
 
 static __device__ __forceinline__ void wgmma_fence() {
@@ -137,19 +165,20 @@ static __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 desc
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
 }
 
-// The warpgroup's wgmmas on one stage (K = 64: four k16 steps). sa, sb: shared addresses of
-// the A and B tiles; wg: the warpgroup (rows 64 wg .. of the tile).
+// The warpgroup's wgmmas on one stage (BK / 16 k16 steps). sa, sb: shared addresses of the A
+// and B tiles; wg: the warpgroup (rows 64 wg .. of the tile).
 template <bool A_KMAJ, bool B_KMAJ>
 static __device__ __forceinline__ void mma_stage(u32 sa, u32 sb, float (&acc)[64], u32 wg) {
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ks++) {
-        // K-major: the warpgroup's 64 rows start 64 * 128 bytes in; a k16 step is 32 bytes.
-        // M-major: the warpgroup's 64 m are the tile's half wg (8192 bytes); a k16 step is two
-        // 8-row atoms (2048 bytes).
-        const u64 da = A_KMAJ ? smem_desc(sa + wg * 8192 + ks * 32, 16, 1024)
-                              : smem_desc(sa + wg * 8192 + ks * 2048, 8192, 1024);
-        const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024)
-                              : smem_desc(sb + ks * 2048, 8192, 1024);
+        // K-major: the warpgroup's 64 rows start 64 rows in; a k16 step is 32 bytes.
+        // M-major: the warpgroup's 64 m are the tile's half wg; a k16 step is two 8-row atoms
+        // (2048 bytes).
+        const u64 da =
+            A_KMAJ ? smem_desc(sa + wg * 64 * KROW_BYTES + ks * 32, 16, KATOM_BYTES, KMAJ_SWIZZLE)
+                   : smem_desc(sa + wg * MNHALF_BYTES + ks * 2048, MNHALF_BYTES, 1024, 1);
+        const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, KATOM_BYTES, KMAJ_SWIZZLE)
+                              : smem_desc(sb + ks * 2048, MNHALF_BYTES, 1024, 1);
         wgmma_m64n128k16<A_KMAJ ? 0 : 1, B_KMAJ ? 0 : 1>(acc, da, db);
     }
 }
@@ -188,7 +217,9 @@ static __device__ __forceinline__ u32 stages_base(const void* dyn) {
 // + e.
 
 // ---------------------------------------------------------------------------------------------
-// Loaders. Each stage loads 1024 16-byte chunks of A and 1024 of B: 4 + 4 per thread.
+// Loaders. Each stage loads 16 BK 16-byte chunks of A and as many of B: LOADS of each per
+// thread.
+#define LOADS (16 * BK / AFDEP_BLOCK)
 
 // ROWS A (K-major, rows gathered): row_off[] holds the element offset of each tile row (or
 // ~0 for rows past the group), computed once per tile.
@@ -196,9 +227,9 @@ static __device__ __forceinline__ void load_a_rows(const GemmProblem& p, const u
                                                    u32 sa, u32 k0) {
     const u16* a = (const u16*)p.a;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < LOADS; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
-        const u32 r = id / 8, c = id % 8;
+        const u32 r = id / KROW_CHUNKS, c = id % KROW_CHUNKS;
         const u64 off = row_off[r];
         const u32 kk = k0 + c * 8;
         const bool ok = off != ~0ull && kk < p.k;
@@ -216,10 +247,10 @@ static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, 
     const u16* b1 = (const u16*)p.b + (u64)g * p.b_gs;
     const u16* b2 = p.b2 ? (const u16*)p.b2 + (u64)g * p.b_gs : b1;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < LOADS; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
         if (B_KMAJ) {
-            const u32 r = id / 8, c = id % 8;  // r: n within the tile, c: k chunk
+            const u32 r = id / KROW_CHUNKS, c = id % KROW_CHUNKS;  // r: n, c: k chunk
             const u32 nn = n0 + r, kk = k0 + c * 8;
             const bool second = p.b2 && kk >= p.b_split;
             const u16* src = second ? b2 : b1;
@@ -249,11 +280,11 @@ static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, 
 }
 
 // KSUM operand (MN-major [r][m], rows gathered through idx/div): tile rows are K-rows
-// r0 .. r0 + 63 (< rend), columns c0 .. c0 + 127 (< lim).
+// r0 .. r0 + BK - 1 (< rend), columns c0 .. c0 + 127 (< lim).
 static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, u64 idx, u32 div, u32 s,
                                                  u64 r0, u64 rend, u32 c0, u32 lim) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < LOADS; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
         const u32 r = id / 16, c = id % 16;
         const u64 rr = r0 + r;
@@ -518,7 +549,8 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
 // Entry points: one per (operand layout, epilogue) the layer uses.
 
 #define ROWS_ENTRY(name, BKMAJ, DUAL, EPI)                                                   \
-    extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1) name(GemmProblem p) {       \
+    extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, AFDEP_GEMM_MIN_BLOCKS)           \
+        name(GemmProblem p) {                                                                \
         gemm_rows<BKMAJ, DUAL, EPI>(p);                                                      \
     }
 
