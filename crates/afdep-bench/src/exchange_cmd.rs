@@ -1,6 +1,8 @@
 //! `afdep exchange`: AFD dispatch + experts + combine rounds.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use afdep_core::oracle::LayerParams;
@@ -11,7 +13,7 @@ use afdep_core::route::{Routes, route};
 use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, LayerShape, Topology, bf16};
 use afdep_moe::{RoundOutput, StagedEngine};
-use afdep_transport::{Loopback, Transport};
+use afdep_transport::{Bootstrap, HostTcp, Loopback, Transport};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -25,6 +27,9 @@ use crate::tensor_file::TensorFile;
 pub enum TransportArg {
     /// In-process ranks as threads, host memory.
     Loopback,
+    /// Ranks as threads of this process, talking TCP over 127.0.0.1 through the bootstrap
+    /// (`HostTcp`): the transport multi-process CPU runs use.
+    Tcp,
 }
 
 /// What the FFN ranks compute.
@@ -223,21 +228,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs `rounds` rounds of `prob` on a fresh Loopback group, one thread per rank; returns
 /// each rank's outputs of the last round and the per-round slowest-rank phase times.
-fn run_loopback(
+/// Runs `rounds` rounds of `prob` with one thread per rank, each building its transport with
+/// `make(rank)` inside its thread; returns each rank's outputs of the last round and the
+/// per-round slowest-rank phase times.
+fn run_ranks<T: Transport>(
     prob: &Problem,
     expert: ExpertArg,
     rounds: usize,
-    timeout: Duration,
+    make: impl Fn(usize) -> Result<T> + Sync,
 ) -> Result<(Vec<RoundOutput>, Vec<[f64; 5]>)> {
     let world = prob.cfg.topology.world_size();
-    let group = Loopback::group(world, timeout);
+    let make = &make;
     let results: Vec<Result<(RoundOutput, Vec<[f64; 5]>)>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
                 let cfg = prob.cfg.clone();
                 sc.spawn(move || -> Result<(RoundOutput, Vec<[f64; 5]>)> {
+                    let t = make(rank)?;
                     let mut eng = StagedEngine::new(cfg.clone(), t)?;
                     let input = cfg.topology.attention_index(rank).map(|s| &prob.inputs[s]);
                     let f = |e: usize, rows: &[bf16], n: usize| match (expert, &prob.params) {
@@ -351,15 +358,53 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         };
         let tokens: Vec<usize> = inputs.iter().map(|i| i.routes.tokens).collect();
         bar.set_message(format!(
-            "{} staged/loopback, tokens {tokens:?}",
-            cfg.topology
+            "{} staged/{:?}, tokens {tokens:?}",
+            cfg.topology, a.transport
         ));
         let prob = Problem {
             cfg: cfg.clone(),
             inputs,
             params,
         };
-        let (outs, per_round) = run_loopback(&prob, a.expert, a.rounds, timeout)?;
+        let world = cfg.topology.world_size();
+        let (outs, per_round) = match a.transport {
+            TransportArg::Loopback => {
+                let group: Vec<Mutex<Option<Loopback>>> = Loopback::group(world, timeout)
+                    .into_iter()
+                    .map(|t| Mutex::new(Some(t)))
+                    .collect();
+                run_ranks(&prob, a.expert, a.rounds, |r| {
+                    group[r]
+                        .lock()
+                        .expect("unpoisoned")
+                        .take()
+                        .context("rank built twice")
+                })?
+            }
+            TransportArg::Tcp => {
+                let any: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
+                let listener = Mutex::new(Some(Bootstrap::listen(any, world, timeout)?));
+                let addr = listener
+                    .lock()
+                    .expect("unpoisoned")
+                    .as_ref()
+                    .expect("bound")
+                    .local_addr();
+                run_ranks(&prob, a.expert, a.rounds, |r| {
+                    let boot = if r == 0 {
+                        let l = listener
+                            .lock()
+                            .expect("unpoisoned")
+                            .take()
+                            .context("rank 0 built twice")?;
+                        l.accept()?
+                    } else {
+                        Bootstrap::connect(addr, r, world, timeout)?
+                    };
+                    Ok(HostTcp::new(boot))
+                })?
+            }
+        };
         let combined: Vec<Vec<bf16>> = cfg
             .topology
             .attention_ranks()
@@ -384,7 +429,10 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         let row = ExchangeRow {
             topology: cfg.topology.to_string(),
             engine: "staged",
-            transport: "loopback",
+            transport: match a.transport {
+                TransportArg::Loopback => "loopback",
+                TransportArg::Tcp => "tcp",
+            },
             hidden: cfg.hidden,
             experts: cfg.experts,
             top_k: cfg.top_k,

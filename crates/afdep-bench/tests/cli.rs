@@ -125,8 +125,7 @@ fn moe_round_trip_matches_the_oracle() {
     }
 }
 
-#[test]
-fn exchange_round_trip_matches_the_oracle() {
+fn exchange_round_trip(transport: &str) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ExchangeConfig::new("2A:2F".parse().unwrap(), 16, 8, 2, 64).unwrap();
     let shape = LayerShape {
@@ -170,6 +169,8 @@ fn exchange_round_trip_matches_the_oracle() {
     write(&input, t, HashMap::new());
     let stdout = afdep(&[
         "exchange",
+        "--transport",
+        transport,
         "--backend",
         "cpu",
         "--topology",
@@ -191,6 +192,10 @@ fn exchange_round_trip_matches_the_oracle() {
     ]);
     let row: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(row["status"], "ok");
+    assert_eq!(
+        row["transport"], transport,
+        "the row names the transport it ran over"
+    );
     let want = reference::exchange(&cfg, &inputs, |e, rows: &[bf16], n| {
         layer::expert_rows(&p, e, rows, n).unwrap()
     })
@@ -199,6 +204,16 @@ fn exchange_round_trip_matches_the_oracle() {
     for (s, w) in want.iter().enumerate() {
         assert_eq!(&read_bf16(&buf, &format!("y.{s}")), w, "y.{s}");
     }
+}
+
+#[test]
+fn exchange_round_trip_over_loopback_matches_the_oracle() {
+    exchange_round_trip("loopback");
+}
+
+#[test]
+fn exchange_round_trip_over_tcp_matches_the_oracle() {
+    exchange_round_trip("tcp");
 }
 
 #[test]
