@@ -36,14 +36,16 @@ static_assert(AFDEP_BLOCK == 256, "the GEMM tiling assumes two warpgroups");
 
 #define BM 128
 #define BN 128
+// Defaults chosen by measurement on the H200 (docs/perf/moe.md, 2026-12-03 (c)): K = 32 per
+// stage, 4 k-tiles ahead (6 stages, 97 KiB), two blocks per SM.
 #ifndef AFDEP_GEMM_BK
-#define AFDEP_GEMM_BK 64
+#define AFDEP_GEMM_BK 32
 #endif
 #ifndef AFDEP_GEMM_MIN_BLOCKS
-#define AFDEP_GEMM_MIN_BLOCKS 1
+#define AFDEP_GEMM_MIN_BLOCKS 2
 #endif
 #ifndef AFDEP_GEMM_PREFETCH
-#define AFDEP_GEMM_PREFETCH 1
+#define AFDEP_GEMM_PREFETCH 4
 #endif
 // K per stage: 64 (one 128-byte swizzle row of bf16) or 32 (64-byte rows, 64-byte swizzle
 // for the K-major tiles).

@@ -28,12 +28,15 @@ use crate::sources::{BLOCK, KernelId};
 pub const TILE_M: usize = 128;
 /// Output columns per tile.
 pub const TILE_N: usize = 128;
-/// K per pipeline stage (one 128-byte swizzle row of bf16).
-pub const TILE_K: usize = 64;
-/// Pipeline stages (`STAGES` in `cuda/gemm.cu`).
-pub const STAGES: usize = 3;
-/// Dynamic shared memory of a GEMM kernel: the stages of two 128 × 64 bf16 tiles, plus 1 KiB
-/// to align them to the 1024-byte swizzle atom (`SMEM_DYN_BYTES` in `cuda/gemm.cu`).
+/// K per pipeline stage (`AFDEP_GEMM_BK` in `cuda/gemm.cu`: 64-byte rows of the K-major
+/// tiles, 64-byte swizzle).
+pub const TILE_K: usize = 32;
+/// Pipeline stages (`STAGES` = `AFDEP_GEMM_PREFETCH` + 2 in `cuda/gemm.cu`): 4 k-tiles load
+/// ahead. Chosen by measurement (docs/perf/moe.md, 2026-12-03 (c)).
+pub const STAGES: usize = 6;
+/// Dynamic shared memory of a GEMM kernel: the stages of two 128 × [`TILE_K`] bf16 tiles, plus
+/// 1 KiB to align them to the 1024-byte swizzle atom (`SMEM_DYN_BYTES` in `cuda/gemm.cu`):
+/// 97 KiB, two blocks per SM.
 pub const SMEM_BYTES: usize = STAGES * 2 * TILE_M * TILE_K * 2 + 1024;
 /// Granule of a K split between two B operands (one 16-byte chunk of bf16).
 const K_CHUNK: usize = 8;
