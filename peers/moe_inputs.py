@@ -219,6 +219,29 @@ class LayerOutputs:
         return f"{self.meta.get('impl', 'afdep')}/{self.meta.get('dispatch', '?')}"
 
 
+# The tolerances of afdep_moe::accuracy (OUT_TOL, DX_TOL, GRAD_TOL), doubled: a peer is compared
+# with afdep's outputs, and neither side is the reference, so each may be off by its own bound.
+PEER_TOL = {"out_err": 2 * 4 / 256, "gx_err": 2 * 6 / 256, "gw_err": 2 * 5 / 256}
+
+
+def judge(row):
+    """Sets ``status`` to ``error_too_large`` (with a note) when a measured error of an ``ok`` row
+    exceeds PEER_TOL or is not finite; rows without errors keep their status."""
+    if row.get("status") != "ok":
+        return row
+    bad = []
+    for k, tol in PEER_TOL.items():
+        v = row.get(k)
+        if v is None:
+            continue
+        if not math.isfinite(v) or v > tol:
+            bad.append(f"{k} {v:.3e} > {tol:.3e}")
+    if bad:
+        row["status"] = "error_too_large"
+        row["note"] = "against afdep's outputs: " + ", ".join(bad)
+    return row
+
+
 def finite_or_none(v):
     if v is None:
         return None

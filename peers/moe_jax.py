@@ -22,8 +22,9 @@ afdep's (``--afdep-outputs DIR``): ``max |peer - afdep| / max |afdep|``.
 
 ``peak_gib`` is the device's ``peak_bytes_in_use`` since the process started (JAX cannot reset
 it): run one token count per process for a per-configuration peak, as
-``run_moe_comparison.sh`` does. ``status`` is ``ok``, ``oom`` (RESOURCE_EXHAUSTED, caught) or
-``error``. Needs no network and no ``safetensors`` package.
+``run_moe_comparison.sh`` does. ``status`` is ``ok``, ``error_too_large`` (errors against afdep's
+outputs above twice afdep's tolerances, see moe_inputs.PEER_TOL), ``oom`` (RESOURCE_EXHAUSTED,
+caught) or ``error``. Needs no network and no ``safetensors`` package.
 
     python3 moe_jax.py --inputs DIR [--tokens 16384] [--afdep-outputs DIR] [--iters 10]
                        [--warmups 3] [--json-out FILE] [--platform gpu|cpu]
@@ -162,6 +163,7 @@ def run_one(T, args, device):
         row["status"] = "ok"
         if args.afdep_outputs:
             compare(row, args.afdep_outputs, T, y, topi, grads)
+            mi.judge(row)
     except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
         row["status"] = "oom" if is_oom(e) else "error"
         row["note"] = f"{type(e).__name__}: {str(e)[:400]}"

@@ -22,7 +22,9 @@ more train step gives the outputs that are compared with afdep's (``--afdep-outp
 written by ``afdep moe --write-outputs DIR``): ``max |peer - afdep| / max |afdep|``.
 
 One JSON row per token count on stdout (and appended to ``--json-out``), with afdep's fields;
-``status`` is ``ok``, ``oom`` (out of memory, caught: the sweep goes on) or ``error``.
+``status`` is ``ok``, ``error_too_large`` (errors against afdep's outputs above twice afdep's
+tolerances, see moe_inputs.PEER_TOL), ``oom`` (out of memory, caught: the sweep goes on) or
+``error``.
 Needs no network and no ``safetensors`` package. ``--device cpu`` runs on the CPU (for tests;
 times by the wall clock).
 
@@ -180,6 +182,7 @@ def run_one(T, args, device, timer):
         row["status"] = "ok"
         if args.afdep_outputs:
             compare(row, args.afdep_outputs, T, y, x, P, aux, device)
+            mi.judge(row)
     except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
         row["status"] = "oom" if is_oom(e) else "error"
         row["note"] = f"{type(e).__name__}: {str(e)[:400]}"

@@ -693,3 +693,38 @@ pub fn wgrad(
         .map_err(launch_err(KernelId::GemmReduce))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sources::SourceFile;
+
+    /// The default of `#define NAME value` in `cuda/gemm.cu`.
+    fn define(name: &str) -> usize {
+        let text = SourceFile::Gemm.text();
+        let line = text
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("#define ") && l.split_whitespace().nth(1) == Some(name))
+            .unwrap_or_else(|| panic!("gemm.cu defines no {name}"));
+        line.split_whitespace()
+            .nth(2)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in gemm.cu is not a number: {line}"))
+    }
+
+    /// The launch constants here mirror the kernel's compile-time tiling: a mismatch would give
+    /// the kernels too little shared memory or the wrong tile count, so it fails here first.
+    #[test]
+    fn constants_mirror_the_kernel_defines() {
+        assert_eq!(TILE_M, define("BM"));
+        assert_eq!(TILE_N, define("BN"));
+        assert_eq!(TILE_K, define("AFDEP_GEMM_BK"));
+        assert_eq!(STAGES, define("AFDEP_GEMM_PREFETCH") + 2);
+        // SMEM_DYN_BYTES = STAGES * STAGE_BYTES + ATOM_BYTES, STAGE_BYTES = 2 * BM * BK * 2.
+        assert_eq!(
+            SMEM_BYTES,
+            STAGES * 2 * define("BM") * define("AFDEP_GEMM_BK") * 2 + define("ATOM_BYTES")
+        );
+    }
+}
