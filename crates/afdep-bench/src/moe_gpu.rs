@@ -9,7 +9,8 @@
 //! ([`afdep_moe::reference::ReferenceLayer`], f32 throughout) recomputes it from the layer's
 //! own parameters, inputs and routes; the error columns are `max |a − b| / max |b|` against
 //! it ([`afdep_moe::reference::compare`], on the device), and `status` is `ok` when every one
-//! is within [`afdep_moe::accuracy`]'s tolerances, `error_too_large` otherwise.
+//! is within [`afdep_moe::accuracy`]'s tolerances, `error_too_large` otherwise
+//! (`routes_rejected` when the checked step's routes were rejected: the row keeps its times).
 //!
 //! A layer that does not fit in device memory is a row with status `oom` and no times; a
 //! shape the kernels do not support, `unsupported`. When only the reference does not fit next
@@ -85,6 +86,9 @@ enum Check {
     /// The reference did not fit next to the layer (the times are still valid).
     Oom(String),
     Unsupported(String),
+    /// The step's routes were rejected (by the layer or by the reference): the layer's own
+    /// router produced an invalid table, a defect the row reports instead of ending the sweep.
+    Rejected(String),
 }
 
 /// The GPU, opened once for a sweep.
@@ -194,8 +198,12 @@ impl GpuSweep {
         } else {
             layer.enqueue_forward(ctx, LayerRouting::Router)?;
         }
-        layer.finish(ctx)?;
-        match check(ctx, &layer, train)? {
+        let checked = match layer.finish(ctx) {
+            Err(LayerGpuError::Route(e)) => Check::Rejected(e.to_string()),
+            Err(e) => return Err(e),
+            Ok(()) => check(ctx, &layer, train)?,
+        };
+        match checked {
             Check::Done(e) => {
                 row.out_err = Some(e.out);
                 row.gx_err = e.gx;
@@ -207,6 +215,13 @@ impl GpuSweep {
                 row.note = Some(format!(
                     "the reference path ran out of memory next to the layer ({why}); the times \
                      are measured, the errors are not"
+                ));
+            }
+            Check::Rejected(why) => {
+                row.status = "routes_rejected".into();
+                row.note = Some(format!(
+                    "the routes of the checked step were rejected ({why}); the times are \
+                     measured, the errors are not"
                 ));
             }
             Check::Unsupported(why) => {
@@ -270,7 +285,10 @@ fn check(ctx: &GpuContext, layer: &MoeLayer, train: bool) -> Result<Check, Layer
         Err(LayerGpuError::Unsupported(why)) => return Ok(Check::Unsupported(why)),
         Err(e) => return Err(e),
     };
-    r.run_like(ctx, layer, train)?;
+    match r.run_like(ctx, layer, train) {
+        Err(LayerGpuError::Route(e)) => return Ok(Check::Rejected(e.to_string())),
+        other => other?,
+    }
     let e = compare(ctx, layer, &r)?;
     Ok(Check::Done(Errors {
         out: e.out,
