@@ -34,7 +34,7 @@
 //! Without a usable driver every test prints `SKIP: <reason>` and passes, unless
 //! `AFDEP_REQUIRE_GPU=1` (the GPU bundle sets it), which turns the skip into a failure.
 
-use std::sync::Mutex;
+mod common;
 
 use afdep_core::oracle::layer::{forward, forward_with_routes, train_step, train_step_with_routes};
 use afdep_core::oracle::params::{PARAM_NAMES, random_tokens};
@@ -43,43 +43,15 @@ use afdep_core::route::{MASKED, RouteRules, Routes, validate};
 use afdep_core::{LayerShape, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use afdep_kernels::ops::{download, zeros};
-use afdep_kernels::{DeviceRoutes, GpuContext, KernelError};
+use afdep_kernels::{DeviceRoutes, GpuContext};
 use afdep_moe::accuracy::{DX_TOL, GRAD_TOL, OUT_TOL, max_rel_err};
 use afdep_moe::reference::{
     self, ReferenceInputs, ReferenceLayer, compare, compare_tensors, device_max_rel_err,
     upload_params,
 };
 use afdep_moe::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-use rand::seq::SliceRandom;
+use common::{gpu, hot_routes, shape};
 use rand::{Rng, SeedableRng};
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn gpu() -> Option<(std::sync::MutexGuard<'static, ()>, GpuContext)> {
-    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    match GpuContext::new(0) {
-        Ok(c) => Some((guard, c)),
-        Err(KernelError::NoDriver { why }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the GPU context failed: {e}"),
-    }
-}
-
-fn shape(h: usize, w: usize, e: usize, k: usize, s: usize) -> LayerShape {
-    LayerShape {
-        d_model: h,
-        width: w,
-        experts: e,
-        top_k: k,
-        shared: s,
-        renormalize: true,
-    }
-}
 
 /// The tolerance of the reference against the oracle for a tensor (see the module): one bf16
 /// ulp of its largest element, relative to it, plus 2^-12 for f32 reassociation.
@@ -191,40 +163,6 @@ fn assert_none(bad: &[String]) {
         bad.len(),
         bad.join("\n")
     );
-}
-
-/// Routes with a hot expert (expert 0 in 90% of the tokens), experts that get no token
-/// (only the lower half is used) and masked slots (about 15%, junk weights).
-fn hot_routes(rng: &mut impl Rng, tokens: usize, k: usize, experts: usize) -> Routes {
-    let used = (experts / 2).max(k + 1).min(experts);
-    let mut idx = Vec::with_capacity(tokens * k);
-    let mut weights = Vec::with_capacity(tokens * k);
-    for _ in 0..tokens {
-        let mut pool: Vec<i32> = (1..used as i32).collect();
-        pool.shuffle(rng);
-        let mut pick: Vec<i32> = pool[..k - 1].to_vec();
-        pick.push(if rng.gen_bool(0.9) || pool.len() < k {
-            0
-        } else {
-            pool[k - 1]
-        });
-        pick.shuffle(rng);
-        for e in pick {
-            if rng.gen_bool(0.15) {
-                idx.push(MASKED);
-                weights.push(f32::NAN);
-            } else {
-                idx.push(e);
-                weights.push(rng.gen_range(0.05f32..1.0));
-            }
-        }
-    }
-    Routes {
-        tokens,
-        top_k: k,
-        idx,
-        weights,
-    }
 }
 
 /// The (H, W, S) of the small shapes: multiples of 32 (the fast layer's), and odd ones.

@@ -1,0 +1,78 @@
+//! Helpers shared by the GPU tests of afdep-moe: the serialised GPU context (with the skip
+//! convention of every `gpu_*` test), small layer shapes, and routes with a hot expert,
+//! zero-token experts and masked slots.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::sync::Mutex;
+
+use afdep_core::LayerShape;
+use afdep_core::route::{MASKED, Routes};
+use afdep_kernels::{GpuContext, KernelError};
+use rand::Rng;
+use rand::seq::SliceRandom;
+
+/// One GPU test at a time per binary (they share the device's memory).
+pub static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The GPU context, or `None` (after printing `SKIP: <reason>`) without a usable driver;
+/// `AFDEP_REQUIRE_GPU=1` turns the skip into a failure.
+pub fn gpu() -> Option<(std::sync::MutexGuard<'static, ()>, GpuContext)> {
+    let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    match GpuContext::new(0) {
+        Ok(c) => Some((guard, c)),
+        Err(KernelError::NoDriver { why }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
+            }
+            println!("SKIP: {why}");
+            None
+        }
+        Err(e) => panic!("creating the GPU context failed: {e}"),
+    }
+}
+
+/// A layer shape with renormalised top-k weights.
+pub fn shape(h: usize, w: usize, e: usize, k: usize, s: usize) -> LayerShape {
+    LayerShape {
+        d_model: h,
+        width: w,
+        experts: e,
+        top_k: k,
+        shared: s,
+        renormalize: true,
+    }
+}
+
+/// Routes with a hot expert (expert 0 in 90% of the tokens), experts that get no token
+/// (only the lower half is used) and masked slots (about 15%, junk weights).
+pub fn hot_routes(rng: &mut impl Rng, tokens: usize, k: usize, experts: usize) -> Routes {
+    let used = (experts / 2).max(k + 1).min(experts);
+    let mut idx = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut pool: Vec<i32> = (1..used as i32).collect();
+        pool.shuffle(rng);
+        let mut pick: Vec<i32> = pool[..k - 1].to_vec();
+        pick.push(if rng.gen_bool(0.9) || pool.len() < k {
+            0
+        } else {
+            pool[k - 1]
+        });
+        pick.shuffle(rng);
+        for e in pick {
+            if rng.gen_bool(0.15) {
+                idx.push(MASKED);
+                weights.push(f32::NAN);
+            } else {
+                idx.push(e);
+                weights.push(rng.gen_range(0.05f32..1.0));
+            }
+        }
+    }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
+}
