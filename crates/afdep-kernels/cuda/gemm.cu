@@ -1,7 +1,7 @@
 // Grouped GEMM for the MoE layer: bf16 operands, f32 accumulation on Hopper's warpgroup tensor
 // cores (wgmma.mma_async, SASS HGMMA), both operands read from shared memory through matrix
-// descriptors; the operands are staged by a cp.async pipeline into the 128-byte-swizzled layouts
-// wgmma reads; a persistent grid whose tile schedule is derived from the group offsets on the
+// descriptors; the operands are staged by a cp.async pipeline into the swizzled layouts wgmma
+// reads (64- or 128-byte swizzle for the K-major tiles, by BK; 128-byte for the M/N-major ones); a persistent grid whose tile schedule is derived from the group offsets on the
 // device (no host sync), 64-bit row offsets, and one epilogue per layer step.
 //
 // Why cp.async and not TMA for the operand loads: the A rows of the gather strategies and both
@@ -61,7 +61,7 @@ static_assert(BK == 64 || BK == 32, "BK is 64 or 32");
 #define MNHALF_BYTES (BK * 128)
 // Layout type of the K-major tiles in the descriptor: 1 = 128-byte, 2 = 64-byte swizzle.
 #define KMAJ_SWIZZLE (BK == 64 ? 1ull : 2ull)
-// One operand tile: 128 rows of 64 bf16 (K-major) or 64 rows of 128 bf16 (M/N-major).
+// One operand tile: 128 rows of BK bf16 (K-major) or BK rows of 128 bf16 (M/N-major).
 #define TILE_BYTES (BM * BK * 2)
 #define STAGE_BYTES (2 * TILE_BYTES)
 // The swizzle atom (8 rows of 128 bytes): stages start on this alignment.
