@@ -560,9 +560,8 @@ impl Ucx {
                 }
             }
             // completions
-            for p in 0..world {
+            for (p, s) in slots.iter_mut().enumerate() {
                 for is_send in [false, true] {
-                    let s = &mut slots[p];
                     let (req, done) = if is_send {
                         (&mut s.send_req, &mut s.send_done)
                     } else {
