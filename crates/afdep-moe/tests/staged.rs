@@ -1,6 +1,7 @@
 //! The staged engine over Loopback against the oracle: every ratio, uneven ranks, a zero-token
 //! rank, a hot expert, masked slots, rejected routes, a rank with a different config, and the
-//! one-device layer.
+//! one-device layer. With the feature `ucx`, every ratio and the rejected routes also run over
+//! UCX (ranks as threads, over tcp and over shared memory).
 
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
 use afdep_core::{ConfigError, ExchangeConfig, LayerShape, RouteError, bf16};
 use afdep_moe::{ExchangeError, RoundOutput, StagedEngine};
-use afdep_transport::Loopback;
+use afdep_transport::{Loopback, Transport};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -98,8 +99,22 @@ fn run(
     rounds: &[Vec<SourceInput>],
     p: Option<&LayerParams>,
 ) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
+    run_on(&loopback, cfgs, rounds, p)
+}
+
+fn loopback(world: usize) -> Vec<Loopback> {
+    Loopback::group(world, TIMEOUT)
+}
+
+/// [`run`] on the group that `make(world)` forms.
+fn run_on<T: Transport + Send>(
+    make: &dyn Fn(usize) -> Vec<T>,
+    cfgs: &[ExchangeConfig],
+    rounds: &[Vec<SourceInput>],
+    p: Option<&LayerParams>,
+) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
     let world = cfgs[0].topology.world_size();
-    let group = Loopback::group(world, TIMEOUT);
+    let group = make(world);
     let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
         let hs: Vec<_> = group
             .into_iter()
@@ -193,6 +208,10 @@ fn check_round(
 
 #[test]
 fn every_ratio_is_bit_identical_to_the_oracle() {
+    every_ratio_on(&loopback);
+}
+
+fn every_ratio_on<T: Transport + Send>(make: &dyn Fn(usize) -> Vec<T>) {
     for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
         let c = cfg(topo, 24, 12, 3);
         let a = c.topology.attention_count();
@@ -216,7 +235,13 @@ fn every_ratio_is_bit_identical_to_the_oracle() {
                 9,
             )))
             .collect();
-        let got = run(&vec![c.clone(); c.topology.world_size()], &rounds, Some(&p)).unwrap();
+        let got = run_on(
+            make,
+            &vec![c.clone(); c.topology.world_size()],
+            &rounds,
+            Some(&p),
+        )
+        .unwrap();
         for (inp, g) in rounds.iter().zip(&got) {
             check_round(&c, inp, g, Some(&p));
         }
@@ -236,6 +261,10 @@ fn unplaced_experts_and_two_experts_per_rank_work() {
 
 #[test]
 fn a_rejected_route_fails_every_rank_and_the_next_round_works() {
+    rejected_route_on(&loopback);
+}
+
+fn rejected_route_on<T: Transport + Send>(make: &dyn Fn(usize) -> Vec<T>) {
     let c = cfg("3A:1F", 16, 8, 2);
     let mut c_dummy = c.clone();
     c_dummy.experts_per_rank = 6; // experts 6, 7 unplaced
@@ -331,7 +360,7 @@ fn a_rejected_route_fails_every_rank_and_the_next_round_works() {
         bad[1].routes.idx[5] = 1;
         corrupt(&mut bad);
         let good = sources(cf, &[3, 0, 5], Some(2), 12);
-        let got = run(&vec![cf.clone(); 4], &[bad, good.clone()], None).unwrap();
+        let got = run_on(make, &vec![cf.clone(); 4], &[bad, good.clone()], None).unwrap();
         for (rank, r) in got[0].iter().enumerate() {
             match r {
                 Err(ExchangeError::Route { reporter, error }) => {
@@ -437,6 +466,50 @@ fn exchange_equals_the_one_device_layer() {
                 }
             }
             start += inp.routes.tokens;
+        }
+    }
+}
+
+#[cfg(feature = "ucx")]
+mod over_ucx {
+    use super::*;
+    use afdep_transport::{Bootstrap, Ucx, UcxOptions};
+
+    /// A UCX group of `world` ranks formed on threads through a bootstrap on 127.0.0.1.
+    fn ucx_group(world: usize, tls: &str) -> Vec<Ucx> {
+        let listener = Bootstrap::listen("127.0.0.1:0".parse().unwrap(), world, TIMEOUT).unwrap();
+        let addr = listener.local_addr();
+        let opts = UcxOptions::with_tls(tls);
+        let mut listener = Some(listener);
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let l = if r == 0 { listener.take() } else { None };
+                    let opts = &opts;
+                    sc.spawn(move || {
+                        let boot = match l {
+                            Some(l) => l.accept(),
+                            None => Bootstrap::connect(addr, r, world, TIMEOUT),
+                        };
+                        Ucx::new(boot.unwrap(), opts).unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn every_ratio_is_bit_identical_to_the_oracle_over_ucx() {
+        for tls in ["tcp", "shm"] {
+            every_ratio_on(&|w| ucx_group(w, tls));
+        }
+    }
+
+    #[test]
+    fn a_rejected_route_fails_every_rank_and_the_next_round_works_over_ucx() {
+        for tls in ["tcp", "shm"] {
+            rejected_route_on(&|w| ucx_group(w, tls));
         }
     }
 }

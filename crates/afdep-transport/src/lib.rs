@@ -24,7 +24,7 @@
 //! | [`HostTcp`] | ranks are processes | host | here: star through rank 0 over [`Bootstrap`] |
 //! | `NvlinkIpc` | GPUs of one NVLink domain | device | planned, maps as below |
 //! | `Nccl` | GPUs, any NCCL topology | device | planned, maps as below |
-//! | `Ucx` | machines (scale-out) | host or CUDA | planned, maps as below |
+//! | `Ucx` | processes or machines (scale-out) | host | here behind the cargo feature `ucx` (module `ucx`: tagged messages) |
 //!
 //! Multi-process transports rendezvous through [`Bootstrap`] (rank 0 listens on
 //! `AFDEP_RENDEZVOUS`, every other rank connects; [`Bootstrap::from_env`]) and exchange their
@@ -78,6 +78,8 @@ pub mod bootstrap;
 mod error;
 pub mod host_tcp;
 pub mod loopback;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 use std::fmt;
 use std::str::FromStr;
@@ -89,6 +91,8 @@ pub use bootstrap::{
 pub use error::TransportError;
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
+#[cfg(feature = "ucx")]
+pub use ucx::{Ucx, UcxOptions};
 
 /// The timeout of every wait unless a transport is given another one: 30 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
