@@ -3,7 +3,10 @@
 //!
 //! **Rules**: every `afdep_gemm_*` kernel except `afdep_gemm_reduce` (which multiplies
 //! nothing) contains at least one `HGMMA` (Hopper wgmma) instruction and no `HMMA` (the
-//! `mma.sync` tensor-core path, which would mean the wgmma path was lost). A table per GEMM
+//! `mma.sync` tensor-core path, which would mean the wgmma path was lost); every one of them
+//! but the weight gradient (`afdep_gemm_wgrad`, whose operands are gathered and cut at group
+//! ends, so it loads by cp.async only) contains a `UTMALDG` (its dense operands load by TMA).
+//! A table per GEMM
 //! kernel reports the `HGMMA`, `HMMA`, `LDGSTS` (cp.async), `UTMALDG` (TMA load) and
 //! `BAR.SYNC` counts; a broken rule fails the command with the kernel's name.
 //!
@@ -30,6 +33,8 @@ const ENTRY_HEADER_LEN: usize = 8 + 8 + 32;
 const GEMM_PREFIX: &str = "afdep_gemm_";
 /// The GEMM module's kernel that is exempt from the rules (a plain reduction, no MMA).
 const GEMM_EXEMPT: &[&str] = &["afdep_gemm_reduce"];
+/// Checked GEMM kernels that load every operand by cp.async (no TMA rule).
+const CP_ASYNC_ONLY: &[&str] = &["afdep_gemm_wgrad"];
 
 /// The cubin (ELF image) inside the bytes of a kernel cache entry; the reason when the bytes
 /// are not a whole entry or the payload holds no ELF image.
@@ -185,8 +190,13 @@ fn is_checked_gemm(name: &str) -> bool {
 
 /// The broken rules of `functions`, one message naming the kernel each.
 pub fn violations(functions: &[Function]) -> Vec<String> {
+    functions.iter().flat_map(function_violations).collect()
+}
+
+/// The broken rules of one function (none for an unchecked one).
+fn function_violations(f: &Function) -> Vec<String> {
     let mut v = Vec::new();
-    for f in functions.iter().filter(|f| is_checked_gemm(&f.name)) {
+    if is_checked_gemm(&f.name) {
         let c = f.counts();
         if c.hgmma == 0 {
             v.push(format!(
@@ -198,6 +208,12 @@ pub fn violations(functions: &[Function]) -> Vec<String> {
             v.push(format!(
                 "{}: {} HMMA instruction(s) (mma.sync tensor cores, not wgmma)",
                 f.name, c.hmma
+            ));
+        }
+        if c.utmaldg == 0 && !CP_ASYNC_ONLY.contains(&f.name.as_str()) {
+            v.push(format!(
+                "{}: no UTMALDG instruction (the TMA loads of the dense operands are missing)",
+                f.name
             ));
         }
     }
@@ -224,7 +240,7 @@ pub fn table(functions: &[Function]) -> String {
         let c = f.counts();
         let verdict = if !is_checked_gemm(&f.name) {
             "exempt"
-        } else if c.hgmma > 0 && c.hmma == 0 {
+        } else if function_violations(f).is_empty() {
             "ok"
         } else {
             "FAILED"
@@ -523,14 +539,18 @@ afdep_router_logits:
     fn rules_report_the_offending_kernels() {
         let fs = split_functions(SNIPPET);
         let v = violations(&fs);
-        assert_eq!(v.len(), 2, "{v:?}");
+        assert_eq!(v.len(), 3, "{v:?}");
         assert!(
             v[0].starts_with("afdep_gemm_down_store: 1 HMMA"),
             "the kernel with HMMA is reported: {v:?}"
         );
         assert!(
-            v[1].starts_with("afdep_gemm_wgrad: no HGMMA"),
-            "the kernel without HGMMA is reported: {v:?}"
+            v[1].starts_with("afdep_gemm_down_store: no UTMALDG"),
+            "the rows kernel without TMA loads is reported: {v:?}"
+        );
+        assert!(
+            v[2].starts_with("afdep_gemm_wgrad: no HGMMA"),
+            "the kernel without HGMMA is reported (and not for TMA: it is cp.async only): {v:?}"
         );
         // Neither the exempt reduction nor a non-GEMM kernel with HMMA is reported.
         assert!(

@@ -1,13 +1,26 @@
 // Grouped GEMM for the MoE layer: bf16 operands, f32 accumulation on Hopper's warpgroup tensor
 // cores (wgmma.mma_async, SASS HGMMA), both operands read from shared memory through matrix
-// descriptors; the operands are staged by a cp.async pipeline into the swizzled layouts wgmma
-// reads (64- or 128-byte swizzle for the K-major tiles, by BK; 128-byte for the M/N-major ones); a persistent grid whose tile schedule is derived from the group offsets on the
+// descriptors; the operands are staged into the swizzled layouts wgmma reads (64- or 128-byte
+// swizzle for the K-major tiles, by BK; 128-byte for the M/N-major ones) by a multi-stage
+// pipeline; a persistent grid whose tile schedule is derived from the group offsets on the
 // device (no host sync), 64-bit row offsets, and one epilogue per layer step.
 //
-// Why cp.async and not TMA for the operand loads: the A rows of the gather strategies and both
-// operands of the weight gradients are gathered row by row through an index (slot -> token),
-// which Hopper's TMA (tiled boxes of a dense tensor) cannot express; one loader for every
-// variant keeps the pipeline and its synchronisation in one place.
+// Operand loads: TMA where the operand is a dense tensor, cp.async where it is gathered.
+// - TMA (cp.async.bulk.tensor, SASS UTMALDG): the weights (B of every ROWS problem: a 3-D
+//   tensor map [groups][rows][cols]) and A of the ROWS problems when its rows are contiguous
+//   (the sorted strategy's expert-sorted rows, the dense shared expert and router: a 2-D map
+//   [rows][k]). One thread issues a stage's boxes against the stage's mbarrier with the
+//   stage's byte count; the hardware writes the swizzled layout and zero-fills what lies
+//   outside the tensor. Rows of a box past the group's end belong to the next group (or are
+//   zero): their accumulators are discarded by the epilogue.
+// - cp.async (SASS LDGSTS), 16 bytes per thread per chunk: A rows read through an index (the
+//   gather strategies: slot -> token), both operands of the weight gradients (gathered, and cut
+//   at the group's end inside a K tile, which a box cannot express), and any dense operand the
+//   host could not describe by a tensor map (alignment; a K split between W1 and W3 that is not
+//   a multiple of BK). The host chooses per launch (GemmProblem::tma).
+// Every mbarrier wait is bounded (GemmProblem::wait_ms): a wait that runs out records a fault in
+// the context's fault word (afdep_kernels::GpuContext::take_fault) and the block stops waiting;
+// the host turns the word into a typed error. There is no trap.
 //
 // Two shapes of problem (see layout/gemm_problem.cuh for the descriptor):
 // - ROWS: group g owns output rows offsets[g] .. offsets[g+1] (M varies per group); N and K are
@@ -71,6 +84,7 @@ static_assert(BK == 64 || BK == 32, "BK is 64 or 32");
 #define SMEM_DYN_BYTES (STAGES * STAGE_BYTES + ATOM_BYTES)
 
 static_assert(BM == BN, "square tiles: both operand tiles have the same shape");
+static_assert(STAGES <= 32, "the mbarrier phase bits of one thread fit a u32");
 
 // ---------------------------------------------------------------------------------------------
 // Shared-memory tile layouts: wgmma's canonical swizzled layouts. With the 128-byte swizzle a
@@ -114,6 +128,88 @@ static __device__ __forceinline__ void cp_async_wait() {
 // that wgmma reads shared memory through.
 static __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// TMA and mbarriers.
+
+// A CUtensorMap (cuda.h's opaque 128-byte, 64-byte aligned object; NVRTC has no cuda.h),
+// encoded by the host (cuTensorMapEncodeTiled) and passed as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    u64 opaque[16];
+};
+
+static __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the barrier initialisations visible to the async proxy (TMA's complete_tx).
+static __device__ __forceinline__ void mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Arrives on the barrier (its one expected arrival) and announces `bytes` of transactions.
+static __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+static __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// The fault word a GEMM writes when a wait runs out (GemmProblem::fault): {code, kernel
+// blockIdx.x, k-tile, 0}; the first fault wins. Codes: afdep_kernels::context::fault.
+#define AFDEP_FAULT_GEMM_TMA_WAIT 1u
+static __device__ __noinline__ void record_fault(const GemmProblem& p, u32 code, u32 kt) {
+    if (!p.fault) return;
+    u32* w = (u32*)p.fault;
+    if (atomicCAS(w, 0u, code) == 0u) {
+        w[1] = blockIdx.x;
+        w[2] = kt;
+        __threadfence();
+    }
+}
+
+// Waits for phase `parity` of the barrier, at most p.wait_ms; a timeout records a
+// fault and sets `dead`, after which this thread waits no more (the block finishes, its output
+// is void and the host reports the fault).
+static __device__ __forceinline__ void mbar_wait_bounded(const GemmProblem& p, u32 bar,
+                                                         u32 parity, u32 kt, bool& dead) {
+    if (dead || mbar_try_wait(bar, parity)) return;
+    const u64 start = afdep_globaltimer_ns();
+    while (!mbar_try_wait(bar, parity)) {
+        if (afdep_globaltimer_ns() - start > (u64)p.wait_ms * 1000000ull) {
+            record_fault(p, AFDEP_FAULT_GEMM_TMA_WAIT, kt);
+            dead = true;
+            return;
+        }
+    }
+}
+
+// One box of a 2-D / 3-D tensor map into shared memory, completing on `bar`.
+static __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, i32 c0, i32 c1,
+                                                   u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+static __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, i32 c0, i32 c1,
+                                                   i32 c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -366,32 +462,47 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
 }
 
 // ---------------------------------------------------------------------------------------------
-// The k-loop shared by both problem shapes. LOAD(slot_address, k_tile) issues one stage's
-// cp.async loads (A tile at the address, B tile TILE_BYTES after it).
+// The k-loop shared by both problem shapes. LOAD(slot, k_tile) issues one stage's loads into
+// stage `slot` (A tile at base + slot * STAGE_BYTES, B tile TILE_BYTES after it): cp.async by
+// every thread, and, when tx_bytes > 0, TMA boxes issued by thread 0 against the slot's
+// mbarrier (bars + 8 slot), after thread 0 has announced tx_bytes on it here.
 //
-// Synchronisation, per k-tile kt: wait for this thread's loads of kt, fence them into the async
-// proxy, barrier (everyone's loads of kt are visible, and every warpgroup has retired the wgmma
-// of kt - 2, which read the slot that is loaded next); issue the loads of kt + PREFETCH into the
-// slot of kt - 2 (mod STAGES); issue kt's wgmmas; wait until at most one wgmma group (kt's) is
-// in flight, i.e. kt - 1's has retired.
+// Synchronisation, per k-tile kt: wait for this thread's cp.async loads of kt, fence them into
+// the async proxy, wait for kt's mbarrier phase (the TMA bytes), barrier (everyone's loads of kt
+// are visible, and every warpgroup has retired the wgmma of kt - 2, which read the slot that is
+// loaded next); issue the loads of kt + PREFETCH into the slot of kt - 2 (mod STAGES); issue
+// kt's wgmmas; wait until at most one wgmma group (kt's) is in flight, i.e. kt - 1's has
+// retired. `phases` holds this thread's next parity per slot (it persists across the tiles of
+// a persistent block, as the barriers do).
 template <bool A_KMAJ, bool B_KMAJ, typename Load>
-static __device__ __forceinline__ void k_loop(u32 base, u32 ktiles, float (&acc)[64], u32 wg,
-                                              Load load) {
+static __device__ __forceinline__ void k_loop(const GemmProblem& p, u32 base, u32 bars,
+                                              u32 tx_bytes, u32& phases, bool& dead, u32 ktiles,
+                                              float (&acc)[64], u32 wg, Load load) {
+    auto issue = [&](u32 slot, u32 kt) {
+        // A thread whose wait ran out issues no more TMA (nothing is left in flight at exit).
+        if (tx_bytes && threadIdx.x == 0 && !dead) mbar_arrive_expect_tx(bars + 8 * slot, tx_bytes);
+        load(slot, kt);
+    };
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
 #pragma unroll
     for (int s = 0; s < PREFETCH; s++) {
-        if ((u32)s < ktiles) load(base + s * STAGE_BYTES, (u32)s);
+        if ((u32)s < ktiles) issue((u32)s, (u32)s);
         cp_async_commit();
     }
     for (u32 kt = 0; kt < ktiles; kt++) {
+        const u32 slot = kt % STAGES;
         cp_async_wait<PREFETCH - 1>();
         fence_proxy_async();
+        if (tx_bytes) {
+            mbar_wait_bounded(p, bars + 8 * slot, (phases >> slot) & 1u, kt, dead);
+            phases ^= 1u << slot;
+        }
         __syncthreads();
         const u32 nk = kt + PREFETCH;
-        if (nk < ktiles) load(base + (nk % STAGES) * STAGE_BYTES, nk);
+        if (nk < ktiles) issue(nk % STAGES, nk);
         cp_async_commit();
-        const u32 sa = base + (kt % STAGES) * STAGE_BYTES;
+        const u32 sa = base + slot * STAGE_BYTES;
         wgmma_fence();
         mma_stage<A_KMAJ, B_KMAJ>(sa, sa + TILE_BYTES, acc, wg);
         wgmma_commit();
@@ -401,15 +512,50 @@ static __device__ __forceinline__ void k_loop(u32 base, u32 ktiles, float (&acc)
     cp_async_wait<0>();
 }
 
+// ROWS B by TMA for group g (the host set AFDEP_GEMM_TMA_B only where these boxes describe
+// the operand exactly). K-major: one box of BK k x 128 n from b ([g][n][k]), or from b2 for the
+// K tiles from b_split on (b_split a multiple of BK). N-major: two boxes of 64 n x BK k, the
+// tile's halves: b at n0 and n0 + 64, or with DUAL_N b and b2 at n0. A half that starts past
+// n is not loaded (its columns are not stored). Returns the bytes the boxes deliver.
+template <bool B_KMAJ, bool DUAL_N>
+static __device__ __forceinline__ u32 tma_b_bytes(const GemmProblem& p, u32 n0) {
+    if (B_KMAJ || DUAL_N) return TILE_BYTES;
+    return n0 + 64 < p.n ? TILE_BYTES : TILE_BYTES / 2;
+}
+template <bool B_KMAJ, bool DUAL_N>
+static __device__ __forceinline__ void tma_load_b(const GemmProblem& p, const TmaMap* tb,
+                                                  const TmaMap* tb2, u32 g, u32 sb, u32 n0,
+                                                  u32 k0, u32 bar) {
+    if (B_KMAJ) {
+        const bool second = p.b2 && k0 >= p.b_split;
+        tma_load_3d(sb, second ? tb2 : tb, (i32)(second ? k0 - p.b_split : k0), (i32)n0, (i32)g,
+                    bar);
+    } else if (DUAL_N) {
+        tma_load_3d(sb, tb, (i32)n0, (i32)k0, (i32)g, bar);
+        tma_load_3d(sb + MNHALF_BYTES, tb2, (i32)n0, (i32)k0, (i32)g, bar);
+    } else {
+        tma_load_3d(sb, tb, (i32)n0, (i32)k0, (i32)g, bar);
+        if (n0 + 64 < p.n) tma_load_3d(sb + MNHALF_BYTES, tb, (i32)(n0 + 64), (i32)k0, (i32)g, bar);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The ROWS kernel body.
 template <bool B_KMAJ, bool DUAL_N, int EPI>
-static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
+static __device__ __forceinline__ void gemm_rows(const GemmProblem& p, const TmaMap* ta,
+                                                 const TmaMap* tb, const TmaMap* tb2) {
     extern __shared__ __align__(1024) u8 smem_dyn[];
     __shared__ u32 tile_prefix[AFDEP_GEMM_MAX_GROUPS + 1];
     __shared__ u64 row_off[BM];
     __shared__ u64 row_glob[BM];
+    __shared__ __align__(8) u64 bars[STAGES];
     const u32 base = stages_base(smem_dyn);
+    const u32 bar0 = smem_u32(bars);
+    const bool tma_a = (p.tma & AFDEP_GEMM_TMA_A) != 0, tma_b = (p.tma & AFDEP_GEMM_TMA_B) != 0;
+    if (threadIdx.x == 0 && p.tma) {
+        for (u32 s = 0; s < STAGES; s++) mbar_init(bar0 + 8 * s, 1);
+        mbar_init_fence();
+    }
 
     const u32 cols = tile_cols<DUAL_N>();
     const u32 ntiles_n = (p.n + cols - 1) / cols;
@@ -429,6 +575,8 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
     const u32 wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
     const u32 gq = lane / 4, tq = lane % 4;
     const u32 ktiles = (p.k + BK - 1) / BK;
+    u32 phases = 0;
+    bool dead = false;
 
     for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
         // The group of tile t: the last g with tile_prefix[g] <= t (binary search).
@@ -459,10 +607,16 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p) {
         }
         __syncthreads();
 
+        u32 tx = (tma_a ? TILE_BYTES : 0u) + (tma_b ? tma_b_bytes<B_KMAJ, DUAL_N>(p, n0) : 0u);
+        if (tx) tx += p.inject_tx;
         float acc[64];
-        k_loop<true, B_KMAJ>(base, ktiles, acc, wg, [&](u32 sa, u32 kt) {
-            load_a_rows(p, row_off, sa, kt * BK);
-            load_b_rows<B_KMAJ, DUAL_N>(p, g, sa + TILE_BYTES, n0, kt * BK);
+        k_loop<true, B_KMAJ>(p, base, bar0, tx, phases, dead, ktiles, acc, wg, [&](u32 slot, u32 kt) {
+            const u32 sa = base + slot * STAGE_BYTES, bar = bar0 + 8 * slot;
+            if (!tma_a) load_a_rows(p, row_off, sa, kt * BK);
+            else if (threadIdx.x == 0 && !dead) tma_load_2d(sa, ta, (i32)(kt * BK), (i32)row0, bar);
+            if (!tma_b) load_b_rows<B_KMAJ, DUAL_N>(p, g, sa + TILE_BYTES, n0, kt * BK);
+            else if (threadIdx.x == 0 && !dead)
+                tma_load_b<B_KMAJ, DUAL_N>(p, tb, tb2, g, sa + TILE_BYTES, n0, kt * BK, bar);
         });
 
         // Epilogue straight from the accumulators.
@@ -505,6 +659,8 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
     const u32 total = p.groups * mtiles * ntiles * p.splits;
     const u32 wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
     const u32 gq = lane / 4, tq = lane % 4;
+    u32 phases = 0;  // unused: the weight gradients load by cp.async only
+    bool dead = false;
 
     for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
         u32 rest = t;
@@ -525,7 +681,8 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
 
         __syncthreads();  // the previous tile's last stage reads are done
         float acc[64];
-        k_loop<false, false>(base, ktiles, acc, wg, [&](u32 sa, u32 kt) {
+        k_loop<false, false>(p, base, 0u, 0u, phases, dead, ktiles, acc, wg, [&](u32 slot, u32 kt) {
+            const u32 sa = base + slot * STAGE_BYTES;
             const u64 r0 = kb + (u64)kt * BK;
             load_ksum((const u16*)p.a, p.lda, p.a_idx, p.a_div, sa, r0, ke, m0, p.m);
             load_ksum((const u16*)p.b, p.ldb, p.b_idx, p.b_div, sa + TILE_BYTES, r0, ke, n0, p.n);
@@ -550,10 +707,13 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
 // ---------------------------------------------------------------------------------------------
 // Entry points: one per (operand layout, epilogue) the layer uses.
 
+// ROWS kernels take the tensor maps of A, B and b2 by value (__grid_constant__: TMA reads them
+// in parameter space); a map whose AFDEP_GEMM_TMA_* bit is clear is not read.
 #define ROWS_ENTRY(name, BKMAJ, DUAL, EPI)                                                   \
     extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, AFDEP_GEMM_MIN_BLOCKS)           \
-        name(GemmProblem p) {                                                                \
-        gemm_rows<BKMAJ, DUAL, EPI>(p);                                                      \
+        name(GemmProblem p, const __grid_constant__ TmaMap ta,                               \
+             const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {        \
+        gemm_rows<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                      \
     }
 
 // Forward up-projection: x·[W1 | W3] (B N-major), SwiGLU epilogue.

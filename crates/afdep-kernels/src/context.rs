@@ -3,7 +3,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, sys as cu};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError, sys as cu,
+};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::KernelError;
@@ -23,6 +25,26 @@ pub struct GpuContext {
     sm_count: u32,
     /// Blocks of a persistent grid per (kernel, dynamic shared memory bytes), once measured.
     persistent: Mutex<HashMap<(KernelId, u32), u32>>,
+    /// The fault word (`u32[4]`, see [`fault`]) and its device address, made at first use.
+    fault: std::sync::OnceLock<(CudaSlice<u32>, u64)>,
+}
+
+/// Codes of the context's fault word: `{code, block, step, 0}`, written by a kernel whose
+/// bounded wait ran out (the first fault wins), read and cleared by
+/// [`GpuContext::take_fault`].
+pub mod fault {
+    /// No fault.
+    pub const NONE: u32 = 0;
+    /// A GEMM's TMA stage (mbarrier) wait ran out (`AFDEP_FAULT_GEMM_TMA_WAIT` in gemm.cu).
+    pub const GEMM_TMA_WAIT: u32 = 1;
+
+    /// What a code means.
+    pub fn describe(code: u32) -> String {
+        match code {
+            GEMM_TMA_WAIT => "a GEMM's TMA stage wait ran out".into(),
+            c => format!("unknown fault code {c}"),
+        }
+    }
 }
 
 impl std::fmt::Debug for GpuContext {
@@ -117,6 +139,55 @@ impl GpuContext {
             functions: Mutex::new(HashMap::new()),
             sm_count,
             persistent: Mutex::new(HashMap::new()),
+            fault: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The device address of the context's fault word (`u32[4]`, zeroed), allocated at first
+    /// use. Kernels with bounded waits record a timeout there instead of trapping.
+    pub fn fault_word(&self) -> Result<u64, KernelError> {
+        if let Some((_, p)) = self.fault.get() {
+            return Ok(*p);
+        }
+        let buf = self
+            .stream
+            .alloc_zeros::<u32>(4)
+            .map_err(KernelError::driver("allocating the fault word"))?;
+        let p = {
+            let (p, _guard) = buf.device_ptr(&self.stream);
+            p
+        };
+        self.stream
+            .synchronize()
+            .map_err(KernelError::driver("zeroing the fault word"))?;
+        // Another thread may have won the race: its word is the one kept (ours is dropped).
+        let _ = self.fault.set((buf, p));
+        Ok(self.fault.get().map(|(_, p)| *p).unwrap_or(p))
+    }
+
+    /// Waits for the stream, then reads and clears the fault word:
+    /// [`KernelError::DeviceFault`] if a kernel recorded one since the last call.
+    pub fn take_fault(&self) -> Result<(), KernelError> {
+        let Some((buf, _)) = self.fault.get() else {
+            return Ok(());
+        };
+        let w = self
+            .stream
+            .clone_dtoh(buf)
+            .map_err(KernelError::driver("reading the fault word"))?;
+        if w[0] == fault::NONE {
+            return Ok(());
+        }
+        let (p, _guard) = buf.device_ptr(&self.stream);
+        // SAFETY: p is the address of the context's live 16-byte fault word; the memset is
+        // ordered on the stream after the read above and before any later launch.
+        unsafe { cu::cuMemsetD32Async(p, 0, 4, self.stream.cu_stream()) }
+            .result()
+            .map_err(KernelError::driver("clearing the fault word"))?;
+        Err(KernelError::DeviceFault {
+            what: fault::describe(w[0]),
+            block: w[1],
+            step: w[2],
         })
     }
 

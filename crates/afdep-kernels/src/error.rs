@@ -75,6 +75,28 @@ pub enum KernelError {
     /// The device wrote an error word that does not decode.
     #[error("the device wrote an unknown route error word {0:?}")]
     BadErrorWord([u32; afdep_core::error::ROUTE_ERROR_WORDS]),
+    /// A kernel's bounded device wait ran out (the context's fault word, see
+    /// [`GpuContext::take_fault`](crate::GpuContext::take_fault)); the outputs of the work
+    /// queued since the last check are void.
+    #[error(
+        "device fault: {what} (block {block}, step {step}); outputs since the last check are void"
+    )]
+    DeviceFault {
+        /// What timed out, e.g. `a GEMM's TMA stage wait`.
+        what: String,
+        /// The block that recorded it (`blockIdx.x`).
+        block: u32,
+        /// The kernel's step at the time (the GEMM's k-tile).
+        step: u32,
+    },
+    /// A TMA tensor map could not be encoded (`cuTensorMapEncodeTiled`).
+    #[error("encoding the tensor map of {what}: {result}")]
+    TensorMap {
+        /// The operand.
+        what: String,
+        /// The driver's result code.
+        result: String,
+    },
 }
 
 impl KernelError {

@@ -980,10 +980,18 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// Waits for the queued step and checks its routes: a rejected table poisons the outputs
-    /// (and gradients) and is returned as [`LayerGpuError::Route`].
+    /// Waits for the queued step and checks it: a rejected route table poisons the outputs
+    /// (and gradients) and is returned as [`LayerGpuError::Route`]; a kernel's bounded wait that
+    /// ran out ([`GpuContext::take_fault`]) poisons them too and is returned as
+    /// [`KernelError::DeviceFault`].
     pub fn finish(&mut self, ctx: &GpuContext) -> Result<(), LayerGpuError> {
-        match self.validator.result(ctx)? {
+        let routes = self.validator.result(ctx)?;
+        if let Err(fault) = ctx.take_fault() {
+            self.poison_outputs(ctx)?;
+            ctx.synchronize()?;
+            return Err(fault.into());
+        }
+        match routes {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.poison_outputs(ctx)?;

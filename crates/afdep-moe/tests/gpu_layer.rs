@@ -134,7 +134,9 @@ fn given_routes_match_the_oracle() {
     let Some((_g, ctx)) = gpu() else { return };
     let mut bad = Vec::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
-    for &(h, w, s) in &[(96usize, 96usize, 0usize), (96, 64, 160)] {
+    // d_model 160: the last 128-column tile of the down-projection has one 64-column half
+    // (its TMA box for the other half is not issued).
+    for &(h, w, s) in &[(96usize, 96usize, 0usize), (96, 64, 160), (160, 64, 0)] {
         for &e in &[8usize, 64] {
             for &k in &[1usize, 2, 8] {
                 for &t in &[1usize, 33, 1000] {

@@ -13,6 +13,10 @@
 #define AFDEP_EPI_SWIGLU 4u
 #define AFDEP_EPI_DSWIGLU 5u
 
+// GemmProblem::tma: which ROWS operands load by TMA (tensor maps passed beside the problem).
+#define AFDEP_GEMM_TMA_A 1u
+#define AFDEP_GEMM_TMA_B 2u
+
 // Most groups (experts) one launch may have.
 #define AFDEP_GEMM_MAX_GROUPS 1024u
 
@@ -35,13 +39,17 @@ struct GemmProblem {
     u64 ldb;      // element stride between B rows
     u64 b_gs;     // element stride between groups of B
     u64 ldc;      // element stride between output rows
+    u64 fault;    // u32[4] fault word (bounded waits that ran out), or 0
     u32 m, n, k;  // ROWS: m = rows without offsets; KSUM: per-group M x N, k = rows without offsets
     u32 groups;
     u32 a_div, b_div;  // divisors of the gather indices (slot -> token: top-k)
     u32 b_split;       // dual K: k >= b_split reads b2 at k - b_split
     u32 splits;        // KSUM: chunks per group
     u32 r_div;         // slot -> token divisor of the scatter
-    u32 pad;
+    u32 tma;           // AFDEP_GEMM_TMA_A | AFDEP_GEMM_TMA_B: operands loaded by TMA
+    u32 wait_ms;       // bound of one TMA stage wait, milliseconds
+    u32 inject_tx;     // fault injection (tests only, else 0): bytes added to every stage's
+                       // expected TMA transactions, so that its wait runs out
 };
 
-static_assert(sizeof(GemmProblem) == 184, "GemmProblem layout");
+static_assert(sizeof(GemmProblem) == 200, "GemmProblem layout");

@@ -10,6 +10,12 @@
 //!   gradients), split in a fixed number of chunks whose f32 partials are summed in chunk order
 //!   (deterministic, no atomics).
 //!
+//! Operand loads: the dense operands (the weights, and A where its rows are contiguous) are
+//! loaded by TMA from tensor maps the launchers encode per call ([`super::tma`]); gathered
+//! rows and the weight gradients' operands by cp.async (see `cuda/gemm.cu`). A bounded TMA
+//! wait that runs out is recorded in the context's fault word
+//! ([`GpuContext::take_fault`]).
+//!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
 //! [`KernelError::Unsupported`] otherwise.
@@ -19,6 +25,7 @@ use cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 
+use super::tma::{self, Swizzle, TmaMap};
 use super::{as_u32, grid, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -65,6 +72,7 @@ struct GemmProblem {
     ldb: u64,
     b_gs: u64,
     ldc: u64,
+    fault: u64,
     m: u32,
     n: u32,
     k: u32,
@@ -74,10 +82,37 @@ struct GemmProblem {
     b_split: u32,
     splits: u32,
     r_div: u32,
-    pad: u32,
+    tma: u32,
+    wait_ms: u32,
+    inject_tx: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<GemmProblem>() == 184);
+const _: () = assert!(std::mem::size_of::<GemmProblem>() == 200);
+
+/// Bound of one TMA stage wait (a stage lands in microseconds: the bound only turns a lost
+/// transaction into a [`KernelError::DeviceFault`] instead of a hang, with room for
+/// compute-sanitizer's slowdown).
+pub const TMA_WAIT_MS: u32 = 20_000;
+
+/// Fault injection for tests: (extra expected bytes per TMA stage, wait bound in ms); 0 extra
+/// bytes = off. Process-wide, so a test that sets it runs in a test binary of its own.
+static INJECT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Makes every later TMA stage of this process expect `extra_bytes` more than its boxes
+/// deliver, so that its bounded wait (`wait_ms`) runs out and the GEMM records a fault: the
+/// test of the fault path (no hang, a typed error, a usable context). `inject_tma_fault(0, _)`
+/// turns it off. Not for production use.
+#[doc(hidden)]
+pub fn inject_tma_fault(extra_bytes: u32, wait_ms: u32) {
+    INJECT.store(
+        (u64::from(extra_bytes) << 32) | u64::from(wait_ms),
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// `GemmProblem::tma` bits (`AFDEP_GEMM_TMA_A` / `_B` in `cuda/layout/gemm_problem.cuh`).
+const TMA_A: u32 = 1;
+const TMA_B: u32 = 2;
 
 // SAFETY: plain old data of u64/u32 fields with the C layout of the device struct (size
 // asserted above and on the device); the kernel takes it by value.
@@ -231,13 +266,117 @@ fn mult(what: &str, v: usize, m: usize) -> Result<u32, KernelError> {
     as_u32(what, v)
 }
 
-/// Launches `kernel` on a persistent grid of at most `tiles` blocks.
+/// The tensor maps of a rows problem's TMA operands (none: that operand loads by cp.async).
+#[derive(Debug, Default)]
+struct RowMaps {
+    a: Option<TmaMap>,
+    b: Option<TmaMap>,
+    b2: Option<TmaMap>,
+}
+
+/// The map of a K-major A operand with contiguous rows: `rows × k` bf16, `lda` elements
+/// between rows; boxes of 128 rows × [`TILE_K`].
+fn map_a(addr: u64, k: usize, rows: usize, lda: usize) -> Result<Option<TmaMap>, KernelError> {
+    if !tma::enabled() {
+        return Ok(None);
+    }
+    tma::encode_bf16(
+        "A",
+        addr,
+        &[k as u64, rows as u64],
+        &[(lda * 2) as u64],
+        &[TILE_K as u32, TILE_M as u32],
+        Swizzle::for_row_bytes(TILE_K * 2),
+    )
+}
+
+/// The map of an N-major B (`groups × k × n`, `ldb` between k rows, `b_gs` between groups);
+/// boxes of 64 n × [`TILE_K`] k (one half of a tile), 128-byte swizzle.
+fn map_b_nmajor(
+    addr: u64,
+    n: usize,
+    k: usize,
+    groups: usize,
+    ldb: usize,
+    b_gs: usize,
+) -> Result<Option<TmaMap>, KernelError> {
+    if !tma::enabled() {
+        return Ok(None);
+    }
+    tma::encode_bf16(
+        "B (N-major)",
+        addr,
+        &[n as u64, k as u64, groups as u64],
+        &[(ldb * 2) as u64, (b_gs * 2) as u64],
+        &[(TILE_N / 2) as u32, TILE_K as u32, 1],
+        Swizzle::B128,
+    )
+}
+
+/// The map of a K-major B (`groups × n × k`, `ldb` between n rows, `b_gs` between groups);
+/// boxes of [`TILE_K`] k × 128 n.
+fn map_b_kmajor(
+    addr: u64,
+    k: usize,
+    n: usize,
+    groups: usize,
+    ldb: usize,
+    b_gs: usize,
+) -> Result<Option<TmaMap>, KernelError> {
+    if !tma::enabled() {
+        return Ok(None);
+    }
+    tma::encode_bf16(
+        "B (K-major)",
+        addr,
+        &[k as u64, n as u64, groups as u64],
+        &[(ldb * 2) as u64, (b_gs * 2) as u64],
+        &[TILE_K as u32, TILE_N as u32, 1],
+        Swizzle::for_row_bytes(TILE_K * 2),
+    )
+}
+
+/// Launches a rows `kernel` with its tensor maps: the operands with a map load by TMA (a pair
+/// b / b2 only when both have one).
+fn launch_rows(
+    ctx: &GpuContext,
+    kernel: KernelId,
+    p: &mut GemmProblem,
+    maps: RowMaps,
+    tiles: u64,
+) -> Result<(), KernelError> {
+    let a = maps.a;
+    let (b, b2) = match (maps.b, maps.b2, p.b2 != 0) {
+        (Some(b), _, false) => (Some(b), None),
+        (Some(b), Some(b2), true) => (Some(b), Some(b2)),
+        _ => (None, None),
+    };
+    p.tma = if a.is_some() { TMA_A } else { 0 } | if b.is_some() { TMA_B } else { 0 };
+    let (ta, tb, tb2) = (
+        a.unwrap_or_default(),
+        b.unwrap_or_default(),
+        b2.unwrap_or_default(),
+    );
+    launch(ctx, kernel, p, tiles, Some((&ta, &tb, &tb2)))
+}
+
+/// Launches `kernel` on a persistent grid of at most `tiles` blocks; rows kernels get their
+/// three tensor maps after the problem.
 fn launch(
     ctx: &GpuContext,
     kernel: KernelId,
-    p: &GemmProblem,
+    p: &mut GemmProblem,
     tiles: u64,
+    maps: Option<(&TmaMap, &TmaMap, &TmaMap)>,
 ) -> Result<(), KernelError> {
+    p.fault = ctx.fault_word()?;
+    let inject = INJECT.load(std::sync::atomic::Ordering::SeqCst);
+    p.inject_tx = (inject >> 32) as u32;
+    p.wait_ms = if p.inject_tx != 0 {
+        inject as u32
+    } else {
+        TMA_WAIT_MS
+    };
     let f = ctx.function(kernel, 0, 0)?;
     let resident = ctx.persistent_blocks(kernel, BLOCK, SMEM_BYTES as u32)?;
     let blocks = tiles.clamp(1, u64::from(resident));
@@ -246,10 +385,17 @@ fn launch(
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: SMEM_BYTES as u32,
     };
+    let p = &*p;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(p);
+    if let Some((ta, tb, tb2)) = maps {
+        b.arg(ta).arg(tb).arg(tb2);
+    }
     // SAFETY: every kernel of gemm.cu takes one GemmProblem by value (layout asserted on both
-    // sides). The callers below fill it with pointers to live buffers whose sizes they checked
+    // sides), the rows kernels then three TmaMaps by value (only those whose `tma` bit is set
+    // are read; each was encoded for a live buffer of the problem with the sizes checked
+    // below, and TMA never reads outside the sizes it encodes). The fault word is the
+    // context's live 16-byte buffer. The callers below fill it with pointers to live buffers whose sizes they checked
     // against the problem: the kernel reads A rows `< capacity` (or gathered rows the index
     // names, checked `< rows of the operand` by construction of the layout), B for `groups`
     // groups, and writes outputs only for rows below the device total (`offsets[groups]` ≤
@@ -348,7 +494,16 @@ pub fn up_swiglu(
     }
     p.c = ptrs.w(h);
     let tiles = tiles * width.div_ceil(TILE_N / 2) as u64;
-    launch(ctx, KernelId::GemmUpSwiglu, &p, tiles)
+    let maps = RowMaps {
+        a: if gather.is_none() {
+            map_a(p.a, hidden, cap, hidden)?
+        } else {
+            None
+        },
+        b: map_b_nmajor(p.b, width, hidden, g, width, hidden * width)?,
+        b2: map_b_nmajor(p.b2, width, hidden, g, width, hidden * width)?,
+    };
+    launch_rows(ctx, KernelId::GemmUpSwiglu, &mut p, maps, tiles)
 }
 
 fn set_out<'a>(
@@ -457,7 +612,12 @@ pub fn down(
             ));
         }
     };
-    launch(ctx, kernel, &p, tiles)
+    let maps = RowMaps {
+        a: map_a(p.a, width, cap, width)?,
+        b: map_b_nmajor(p.b, hidden, width, g, hidden, width * hidden)?,
+        b2: None,
+    };
+    launch_rows(ctx, kernel, &mut p, maps, tiles)
 }
 
 /// The backward of the down-projection and of SwiGLU: `G = dy_r·W2_eᵀ` (`dy` read at row `r`
@@ -528,7 +688,16 @@ pub fn dh_dswiglu(
         p.c4 = ptrs.w(hw);
     }
     p.c = ptrs.w(io.dab);
-    launch(ctx, KernelId::GemmDhDswiglu, &p, tiles)
+    let maps = RowMaps {
+        a: if p.a_idx == 0 {
+            map_a(p.a, hidden, cap, hidden)?
+        } else {
+            None
+        },
+        b: map_b_kmajor(p.b, hidden, width, g, hidden, width * hidden)?,
+        b2: None,
+    };
+    launch_rows(ctx, KernelId::GemmDhDswiglu, &mut p, maps, tiles)
 }
 
 /// The data gradient `v = [da | db]_r·[W1_e | W3_e]ᵀ` (`dab`: `capacity × 2·width`; `w1`,
@@ -582,7 +751,24 @@ pub fn dx(
         2 => KernelId::GemmDxAdd,
         _ => KernelId::GemmDxAcc,
     };
-    launch(ctx, kernel, &p, tiles)
+    // With W3 the K tiles switch from W1 to W3 at `width`: by TMA only when no tile straddles
+    // the switch (the cp.async loader splits at any multiple of 8).
+    let b_tma = w3.is_none() || width % TILE_K == 0;
+    let k_b = if w3.is_some() { width } else { p.k as usize };
+    let maps = RowMaps {
+        a: map_a(p.a, p.k as usize, cap, halves * width)?,
+        b: if b_tma {
+            map_b_kmajor(p.b, k_b, hidden, g, width, hidden * width)?
+        } else {
+            None
+        },
+        b2: if b_tma && w3.is_some() {
+            map_b_kmajor(p.b2, k_b, hidden, g, width, hidden * width)?
+        } else {
+            None
+        },
+    };
+    launch_rows(ctx, kernel, &mut p, maps, tiles)
 }
 
 /// One operand of a weight gradient: row `r` of the sum reads `buf[row(r)·ld ..][..cols]`,
@@ -650,7 +836,7 @@ pub fn wgrad(
         }
         p.c = ptrs.w(ws);
         let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
-        launch(ctx, KernelId::GemmWgrad, &p, tiles)?;
+        launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None)?;
     }
     let (o2, n1) = match out2 {
         Some((o2, n1)) => {

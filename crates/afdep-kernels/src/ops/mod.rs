@@ -10,6 +10,7 @@ pub mod moe;
 pub mod permute;
 pub mod reference;
 pub mod router;
+pub mod tma;
 pub mod validate;
 
 use afdep_core::Routes;

@@ -1,0 +1,78 @@
+//! The fault path of the GEMMs' bounded TMA waits: with fault injection on
+//! (`afdep_kernels::ops::gemm::inject_tma_fault`: every TMA stage expects more bytes than its
+//! boxes deliver), a train step neither hangs nor traps: it returns
+//! [`KernelError::DeviceFault`] within a bound, its outputs read as NaN (no partial output that
+//! looks valid), and the next step on the same layer and context, injection off, matches the
+//! CPU oracle. A test binary of its own: the injection is process-wide.
+//!
+//! Without a usable driver the test prints `SKIP: <reason>` and passes, unless
+//! `AFDEP_REQUIRE_GPU=1` (the GPU bundle sets it).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use afdep_core::oracle::LayerParams;
+use afdep_core::oracle::layer::train_step_with_routes;
+use afdep_core::oracle::params::random_tokens;
+use afdep_kernels::KernelError;
+use afdep_kernels::ops::download;
+use afdep_kernels::ops::gemm::inject_tma_fault;
+use afdep_moe::accuracy::{OUT_TOL, max_rel_err};
+use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
+use common::{gpu, hot_routes, shape};
+use rand::SeedableRng;
+
+#[test]
+fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
+    let Some((_g, ctx)) = gpu() else { return };
+    let sh = shape(96, 64, 8, 2, 64);
+    let t = 300;
+    let params = LayerParams::random(sh, 5);
+    let x = random_tokens(t, 96, 6);
+    let dy = random_tokens(t, 96, 7);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+    let routes = hot_routes(&mut rng, t, 2, 8);
+    let (want, _) = train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
+    // sorted: A and B by TMA; gather: B by TMA, A rows by cp.async.
+    for d in [Dispatch::Sorted, Dispatch::Gather] {
+        let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
+        layer.upload_params(&ctx, &params).unwrap();
+        layer.upload_x(&ctx, &x).unwrap();
+        layer.upload_dy(&ctx, &dy).unwrap();
+        layer.upload_routes(&ctx, &routes).unwrap();
+
+        inject_tma_fault(16, 50);
+        let start = Instant::now();
+        let r = layer.train_step(&ctx, LayerRouting::Given);
+        let took = start.elapsed();
+        inject_tma_fault(0, 0);
+        match r {
+            Err(LayerGpuError::Kernel(KernelError::DeviceFault { what, .. })) => {
+                assert!(what.contains("TMA"), "{d}: {what}");
+            }
+            other => panic!("{d}: expected a device fault, got {other:?}"),
+        }
+        // Each GEMM's blocks give up after one 50 ms wait per thread; a step has a handful
+        // of GEMM launches.
+        assert!(
+            took < Duration::from_secs(10),
+            "{d}: the faulty step took {took:?}"
+        );
+        let out = download(&ctx, layer.out()).unwrap();
+        assert!(
+            out.iter().all(|v| v.to_f32().is_nan()),
+            "{d}: the outputs of a faulted step are poisoned"
+        );
+
+        // The same layer and context work afterwards.
+        layer.train_step(&ctx, LayerRouting::Given).unwrap();
+        let out = download(&ctx, layer.out()).unwrap();
+        let e = max_rel_err(&out, &want);
+        assert!(
+            e <= OUT_TOL,
+            "{d}: after the fault, out error {e} > {OUT_TOL}"
+        );
+        ctx.take_fault().unwrap();
+    }
+}
