@@ -10,7 +10,9 @@
 //! own parameters, inputs and routes; the error columns are `max |a − b| / max |b|` against
 //! it ([`afdep_moe::reference::compare`], on the device), and `status` is `ok` when every one
 //! is within [`afdep_moe::accuracy`]'s tolerances, `error_too_large` otherwise
-//! (`routes_rejected` when the checked step's routes were rejected: the row keeps its times).
+//! (`routes_rejected` when the checked step's routes were rejected; `topk_mismatch` when the
+//! reference's independent check of the router's choice finds a token whose chosen experts
+//! are provably not its top-k, see [`ReferenceLayer::topk_check`]: both rows keep their times).
 //!
 //! A layer that does not fit in device memory is a row with status `oom` and no times; a
 //! shape the kernels do not support, `unsupported`. When only the reference does not fit next
@@ -89,6 +91,9 @@ enum Check {
     /// The step's routes were rejected (by the layer or by the reference): the layer's own
     /// router produced an invalid table, a defect the row reports instead of ending the sweep.
     Rejected(String),
+    /// The independent top-k check found tokens whose chosen experts are provably not their
+    /// top-k: the router is wrong, whatever the error columns say.
+    TopkWrong(String),
 }
 
 /// The GPU, opened once for a sweep.
@@ -224,6 +229,13 @@ impl GpuSweep {
                      measured, the errors are not"
                 ));
             }
+            Check::TopkWrong(why) => {
+                row.status = "topk_mismatch".into();
+                row.note = Some(format!(
+                    "the independent top-k check failed: {why}; the times are measured, the \
+                     errors are not"
+                ));
+            }
             Check::Unsupported(why) => {
                 row.status = "unsupported".into();
                 row.note = Some(format!(
@@ -288,6 +300,21 @@ fn check(ctx: &GpuContext, layer: &MoeLayer, train: bool) -> Result<Check, Layer
     match r.run_like(ctx, layer, train) {
         Err(LayerGpuError::Route(e)) => return Ok(Check::Rejected(e.to_string())),
         other => other?,
+    }
+    if let Some(t) = r.topk_check() {
+        info!(
+            near_ties = t.near_ties,
+            wrong = t.wrong,
+            "independent top-k check of the router's choice"
+        );
+        if t.wrong > 0 {
+            return Ok(Check::TopkWrong(format!(
+                "{} tokens choose experts that are provably not their top-{} (first: token {})",
+                t.wrong,
+                layer.shape().top_k,
+                t.first_wrong.unwrap_or(0)
+            )));
+        }
     }
     let e = compare(ctx, layer, &r)?;
     Ok(Check::Done(Errors {

@@ -110,6 +110,77 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     }
 }
 
+// An independent check of the router's expert choice, one thread per token: the logits
+// l_e = sum_h x[t][h] * wr[h][e] are recomputed with their absolute sums a_e = sum_h |x * wr|,
+// and the K chosen ids of the routes are compared with every other expert. Two f32 evaluations
+// of one logit in any order differ from the exact value by at most gamma_H * a_e each
+// (gamma_H = H u / (1 - H u), u = 2^-24; the bf16 products are exact in f32), and the router's
+// softmax may move a logit's rank by its own roundings (l - max, expf within 2 ulp), at most
+// u * (|l_e| + |max| + 4) in logit units. With r_e = 2 gamma_H a_e + 2 u (|l_e| + |max| + 4):
+// - a **violation** is an unchosen u and a chosen c with l_u - r_u > l_c + r_c: whatever the
+//   order of the sums, u had the larger probability, so the selection is wrong (also: a masked
+//   slot, which a router never writes);
+// - a **near tie** is a token where some unchosen u has l_u + r_u >= l_c - r_c for a chosen c:
+//   two correct routers may choose differently there (counted, not an error); so is a token
+//   with a chosen expert whose probability may have underflowed (l_c + r_c - max < -80).
+// stats[0] += violating tokens, stats[1] += near-tie tokens, stats[2] = max(u64::MAX - t) over
+// violating tokens t (so the first one is u64::MAX - stats[2]); stats must be zeroed before.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_ref_topk_check(const u16* __restrict__ x, const u16* __restrict__ wr,
+                         const i32* __restrict__ idx, AfdepRefDims d, u64* __restrict__ stats) {
+    const u64 E = d.experts, H = d.hidden, K = d.top_k;
+    const float u = 5.9604645e-8f;  // 2^-24
+    const float gamma = (float)H * u / (1.0f - (float)H * u);
+    REF_FOR(t, d.tokens) {
+        const u16* xt = x + t * H;
+        const i32* it = idx + t * K;
+        // Pass 1: the largest logit (the softmax's shift).
+        float m = AFDEP_NEG_INF;
+        for (u64 e = 0; e < E; e++) {
+            float l = 0.0f;
+            for (u64 h = 0; h < H; h++) l = __fmaf_rn(ref_bf(xt, h), ref_bf(wr, h * E + e), l);
+            m = fmaxf(m, l);
+        }
+        // Pass 2: per expert, the logit and its radius; over the chosen ids c the lowest
+        // l_c + r_c (c_up) and l_c - r_c (c_down), over the others the highest l_u - r_u
+        // (o_down) and l_u + r_u (o_up).
+        float c_up = -AFDEP_NEG_INF, c_down = -AFDEP_NEG_INF;
+        float o_down = AFDEP_NEG_INF, o_up = AFDEP_NEG_INF;
+        bool masked = false, tiny = false;
+        for (u64 k = 0; k < K; k++) masked |= it[k] < 0;
+        for (u64 e = 0; e < E; e++) {
+            float l = 0.0f, a = 0.0f;
+            for (u64 h = 0; h < H; h++) {
+                const float xv = ref_bf(xt, h), wv = ref_bf(wr, h * E + e);
+                l = __fmaf_rn(xv, wv, l);
+                a = __fadd_rn(a, fabsf(__fmul_rn(xv, wv)));
+            }
+            // 1 % on top: a and |l| are rounded themselves.
+            const float r = 1.01f * (2.0f * gamma * a + 2.0f * u * (fabsf(l) + fabsf(m) + 4.0f));
+            bool chosen = false;
+            for (u64 k = 0; k < K; k++) chosen |= it[k] >= 0 && (u64)it[k] == e;
+            if (chosen && l + r - m < -80.0f) {
+                // Its probability is at most e^-80 and may have underflowed with others to the
+                // same value, where the lower id wins: no verdict from logits.
+                tiny = true;
+            } else if (chosen) {
+                c_up = fminf(c_up, l + r);
+                c_down = fminf(c_down, l - r);
+            } else {
+                o_down = fmaxf(o_down, l - r);
+                o_up = fmaxf(o_up, l + r);
+            }
+        }
+        const bool violation = masked || o_down > c_up;
+        const bool near_tie = !violation && (tiny || o_up >= c_down);
+        if (violation) {
+            atomicAdd(stats + 0, 1ull);
+            atomicMax(stats + 2, ~(u64)t);
+        }
+        if (near_tie) atomicAdd(stats + 1, 1ull);
+    }
+}
+
 // In place, one thread per token: the oracle's softmax (m = the first largest logit, exponentials
 // of l - m summed in ascending expert order from 0, each divided by the sum).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)

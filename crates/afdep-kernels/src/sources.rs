@@ -180,6 +180,8 @@ pub enum KernelId {
     RefCheckRoutes,
     /// Reference: router logits, one thread per element.
     RefLogits,
+    /// Reference: the independent check of the router's top-k choice.
+    RefTopkCheck,
     /// Reference: softmax in place, one thread per token.
     RefSoftmax,
     /// Reference: slot weights (recomputed from the probabilities, or given).
@@ -226,7 +228,7 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 48] = [
+    pub const ALL: [KernelId; 49] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -254,6 +256,7 @@ impl KernelId {
         KernelId::RefTranspose,
         KernelId::RefCheckRoutes,
         KernelId::RefLogits,
+        KernelId::RefTopkCheck,
         KernelId::RefSoftmax,
         KernelId::RefWeights,
         KernelId::RefRowsCount,
@@ -291,6 +294,7 @@ impl KernelId {
             KernelId::RefTranspose
             | KernelId::RefCheckRoutes
             | KernelId::RefLogits
+            | KernelId::RefTopkCheck
             | KernelId::RefSoftmax
             | KernelId::RefWeights
             | KernelId::RefRowsCount
@@ -346,6 +350,7 @@ impl KernelId {
             KernelId::RefTranspose => "afdep_ref_transpose",
             KernelId::RefCheckRoutes => "afdep_ref_check_routes",
             KernelId::RefLogits => "afdep_ref_logits",
+            KernelId::RefTopkCheck => "afdep_ref_topk_check",
             KernelId::RefSoftmax => "afdep_ref_softmax",
             KernelId::RefWeights => "afdep_ref_weights",
             KernelId::RefRowsCount => "afdep_ref_rows_count",

@@ -24,7 +24,11 @@
 //! # Routing
 //! The expert choice is taken from the caller's routes (with [`ReferenceLayer::run_like`]: the
 //! fast layer's [`MoeLayer::routes`]), so that a near-tie in top-k cannot make two router
-//! implementations pick different experts and produce a huge spurious error. Everything else
+//! implementations pick different experts and produce a huge spurious error. With router
+//! semantics the choice itself is checked independently ([`ReferenceLayer::topk_check`],
+//! `afdep_kernels::ops::reference::topk_check`): from the reference's own f32 logits, every
+//! chosen expert must not be provably below an unchosen one, with the rounding radius of two
+//! f32 dot products of length H and of the softmax as the margin; near ties are counted. Everything else
 //! is recomputed: with [`LayerRouting::Router`] the logits `x·Wr`, the softmax and the weights
 //! `p_k / Σ_k p_k` (the routes' weights are ignored) and, in the train step, the router
 //! gradient through the weights (`dWr` and the router's term of dx), as the oracle's router
@@ -54,7 +58,9 @@ use afdep_core::oracle::params::PARAM_NAMES;
 use afdep_core::route::{RouteRules, validate};
 use afdep_core::{LayerShape, RouteError, Routes, bf16};
 use afdep_kernels::cudarc::driver::CudaSlice;
-use afdep_kernels::ops::reference::{self as ops, DxExperts, DxRouter, DxShared, RefDims, Rows};
+use afdep_kernels::ops::reference::{
+    self as ops, DxExperts, DxRouter, DxShared, RefDims, Rows, TopkStats,
+};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext, KernelError};
 
@@ -153,6 +159,9 @@ pub struct ReferenceLayer {
     sh: CudaSlice<f32>,
     /// The first rejected slot.
     first: CudaSlice<u64>,
+    /// The top-k check's three words, and what the last router-mode run found.
+    topk: CudaSlice<u64>,
+    topk_stats: Option<TopkStats>,
     train: Option<TrainBuffers>,
     /// Whether the last run was a train step (dx and gradients are valid).
     trained: bool,
@@ -324,6 +333,8 @@ impl ReferenceLayer {
             h: zeros(ctx, slots * w)?,
             sh: zeros(ctx, tokens * s)?,
             first: zeros(ctx, 1)?,
+            topk: zeros(ctx, 3)?,
+            topk_stats: None,
             train,
             trained: false,
         })
@@ -337,6 +348,15 @@ impl ReferenceLayer {
     /// Tokens per run.
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// What the independent check of the expert choice found in the last run with router
+    /// semantics ([`LayerRouting::Router`]): tokens whose chosen ids are provably not their
+    /// top-k by the reference's own f32 logits (beyond the rounding radius by which two correct
+    /// routers can differ), and near ties. `None` after a run with given routes or before any
+    /// run.
+    pub fn topk_check(&self) -> Option<TopkStats> {
+        self.topk_stats
     }
 
     /// Whether the reference was built for the train step.
@@ -556,8 +576,11 @@ impl ReferenceLayer {
             return Err(self.route_error(ctx, routes, first, given)?);
         }
 
-        // Router (recomputed) or given weights.
+        // Router (recomputed) or given weights. The routes' ids are the expert choice; with
+        // the router they are checked independently against the reference's own logits.
+        self.topk_stats = None;
         if !given {
+            ops::topk_check(ctx, &d, inp.x, &p.wr, routes, &mut self.topk)?;
             ops::logits(ctx, &d, inp.x, &p.wr, &mut self.probs)?;
             ops::softmax(ctx, &d, &mut self.probs)?;
         }
@@ -667,6 +690,9 @@ impl ReferenceLayer {
         }
         ctx.synchronize()?;
         ctx.check()?;
+        if !given {
+            self.topk_stats = Some(TopkStats::from_raw(&download(ctx, &self.topk)?));
+        }
         self.trained = inp.dy.is_some();
         Ok(())
     }

@@ -11,6 +11,9 @@
 //!   cases included).
 //! - The fast layer against the reference at the record shape at 16,384 tokens, every dispatch
 //!   strategy, within `accuracy::{OUT_TOL, DX_TOL, GRAD_TOL}`.
+//! - The reference's independent check of the router's top-k choice: the oracle's choice
+//!   passes, a swapped or masked slot is caught (and the fast layer's choice passes at the
+//!   record shape).
 //! - Typed errors for shapes that do not match, rejected routes, and a reference that was not
 //!   run.
 //!
@@ -446,6 +449,19 @@ fn fast_layer_matches_the_reference_at_the_record_shape() {
                 let started = std::time::Instant::now();
                 r.run_like_with(&ctx, &layer, true, routing).unwrap();
                 let secs = started.elapsed().as_secs_f64();
+                match (routing, r.topk_check()) {
+                    (LayerRouting::Router, Some(tk)) => {
+                        println!(
+                            "T={t} {d}: top-k check: {} wrong, {} near ties",
+                            tk.wrong, tk.near_ties
+                        );
+                        if tk.wrong != 0 {
+                            bad.push(format!("T={t} {d}: the router chose wrong: {tk:?}"));
+                        }
+                    }
+                    (LayerRouting::Given, None) => {}
+                    (routing, tk) => bad.push(format!("T={t} {d} {routing:?}: top-k {tk:?}")),
+                }
                 let te = compare_tensors(&ctx, &layer, &r).unwrap();
                 let s = te.summary();
                 println!(
@@ -469,6 +485,69 @@ fn fast_layer_matches_the_reference_at_the_record_shape() {
         }
     }
     assert_none(&bad);
+}
+
+/// The independent top-k check: the oracle's own choice passes (wrong = 0) at odd shapes; a
+/// token whose top expert is swapped for its least likely one, or that holds a masked slot,
+/// is caught, and the first such token is named; given routes are not checked.
+#[test]
+fn topk_check_catches_a_wrong_choice() {
+    let Some((_g, ctx)) = gpu() else { return };
+    for &(h, e, k, t) in &[
+        (96usize, 64usize, 8usize, 1000usize),
+        (40, 13, 2, 33),
+        (96, 8, 1, 7),
+    ] {
+        let sh = shape(h, 32, e, k, 0);
+        let params = LayerParams::random(sh, 5 + e as u64);
+        let x = random_tokens(t, h, 9 + t as u64);
+        let dy = random_tokens(t, h, 10);
+        let routes = forward(&params, &x, t).unwrap().routes;
+        let mut r = ReferenceLayer::new(&ctx, &sh, t, false).unwrap();
+        let inp = Inputs::new(&ctx, &params, &x, &dy, &routes);
+        r.run(&ctx, &inp.get(false, LayerRouting::Router)).unwrap();
+        let tk = r.topk_check().expect("router runs are checked");
+        println!("H={h} E={e} K={k} T={t}: oracle's choice: {tk:?}");
+        assert_eq!(tk.wrong, 0, "the oracle's own top-k was flagged: {tk:?}");
+        assert_eq!(tk.first_wrong, None);
+
+        // Corrupt: the top slot of two tokens gets the least likely expert (exact logits in
+        // f64 on the host), and one more token gets a masked slot.
+        let logit = |tok: usize, ex: usize| -> f64 {
+            (0..h)
+                .map(|i| {
+                    f64::from(x[tok * h + i].to_f32()) * f64::from(params.wr[i * e + ex].to_f32())
+                })
+                .sum()
+        };
+        let mut bad = routes.clone();
+        let (t1, t2) = (t / 2 + 1, t - 1);
+        let mut expected = vec![t1, t2];
+        for &tok in &[t1, t2] {
+            let chosen = &routes.idx[tok * k..(tok + 1) * k];
+            let least = (0..e)
+                .filter(|&ex| !chosen.contains(&(ex as i32)))
+                .min_by(|&a, &b| logit(tok, a).total_cmp(&logit(tok, b)))
+                .unwrap();
+            bad.idx[tok * k] = least as i32;
+        }
+        if t > 3 {
+            bad.idx[3 * k + k - 1] = MASKED;
+            expected.push(3);
+        }
+        expected.sort_unstable();
+        expected.dedup();
+        let inp = Inputs::new(&ctx, &params, &x, &dy, &bad);
+        r.run(&ctx, &inp.get(false, LayerRouting::Router)).unwrap();
+        let tk = r.topk_check().unwrap();
+        println!("H={h} E={e} K={k} T={t}: corrupted: {tk:?}");
+        assert_eq!(tk.wrong, expected.len() as u64, "{tk:?}");
+        assert_eq!(tk.first_wrong, Some(expected[0]), "{tk:?}");
+
+        // Given routes: the ids are the caller's choice, nothing to check.
+        r.run(&ctx, &inp.get(false, LayerRouting::Given)).unwrap();
+        assert_eq!(r.topk_check(), None);
+    }
 }
 
 /// Mismatched shapes, missing buffers, rejected routes and an unrun reference are typed

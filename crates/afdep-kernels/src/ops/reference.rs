@@ -8,8 +8,8 @@
 //!   `afdep_core::oracle::layer` rounds them, e.g. the combine's `acc + w·y`), and each output
 //!   is cast to bf16 once. No tensor cores, no tiling, no shared memory.
 //! - No atomics where the order matters: the only atomics are the minimum of
-//!   [`check_routes`] and the maxima / or of [`err_stats`], whose results do not depend on
-//!   order. The per-expert row lists ([`expert_rows`]) are a stable counting sort built with
+//!   [`check_routes`], the counts and maximum of [`topk_check`] and the maxima / or of
+//!   [`err_stats`], whose results do not depend on order. The per-expert row lists ([`expert_rows`]) are a stable counting sort built with
 //!   plain per-thread loops.
 //! - Shapes are run-time values ([`RefDims`]): any E, K, H, W, S, and tokens = 0. Every index
 //!   on the device is 64-bit.
@@ -18,6 +18,7 @@
 //! | kernel | output element | sum |
 //! |---|---|---|
 //! | [`logits`] | `logits[t][e]` | `h` ascending |
+//! | [`topk_check`] | per token: counts only | `h` ascending (logits and absolute sums) |
 //! | [`softmax`] | `p[t][·]` | exponentials, `e` ascending |
 //! | [`weights`] | `w[t][k]` | renormalising sum, `k` ascending |
 //! | [`expert_up`], [`shared_up`] | `a`, `b`, `h` of (slot or token, column) | `h` ascending |
@@ -244,6 +245,64 @@ pub fn logits(
     // T·H, H·E and T·E elements (checked).
     unsafe { b.launch(cfg(n)?) }.map_err(launch_err(KernelId::RefLogits))?;
     Ok(())
+}
+
+/// The independent check of a router's expert choice (`afdep_ref_topk_check`): for every
+/// token, the logits `x·Wr` are recomputed with their absolute sums, and the chosen ids of
+/// `routes` are compared with every other expert within the rounding radius of two f32
+/// evaluations and of the softmax (the kernel's comment derives it). `stats` (3 elements,
+/// zeroed here) gets the number of tokens whose choice is wrong beyond that radius (or that
+/// hold a masked slot), the number of near-tie tokens (where two correct routers may differ),
+/// and `u64::MAX - t` for the first wrong token `t` (see [`TopkStats::from_raw`]).
+pub fn topk_check(
+    ctx: &GpuContext,
+    d: &RefDims,
+    x: &CudaSlice<bf16>,
+    wr: &CudaSlice<bf16>,
+    routes: &DeviceRoutes,
+    stats: &mut CudaSlice<u64>,
+) -> Result<(), KernelError> {
+    routes_fit(routes, d)?;
+    need("top-k check statistics", stats, 3)?;
+    ctx.stream()
+        .memset_zeros(stats)
+        .map_err(KernelError::driver("zeroing the top-k check statistics"))?;
+    if d.tokens() == 0 {
+        return Ok(());
+    }
+    need("x", x, d.tokens() * d.hidden())?;
+    need("wr", wr, d.hidden() * d.experts())?;
+    let f = ctx.function(KernelId::RefTopkCheck, 0, 0)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(x).arg(wr).arg(&routes.idx).arg(d).arg(stats);
+    // SAFETY: afdep_ref_topk_check(const u16* x, const u16* wr, const i32* idx, AfdepRefDims d,
+    // u64* stats): token t reads x[t][0..H], wr[0..H][0..E] and idx[t][0..K] and atomically
+    // updates stats[0..3]; the buffers hold T·H, H·E, T·K and 3 elements (checked).
+    unsafe { b.launch(cfg(d.tokens())?) }.map_err(launch_err(KernelId::RefTopkCheck))?;
+    Ok(())
+}
+
+/// What [`topk_check`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TopkStats {
+    /// Tokens whose chosen experts are provably not the top-k (or hold a masked slot).
+    pub wrong: u64,
+    /// Tokens with a near tie at the top-k boundary (not an error).
+    pub near_ties: u64,
+    /// The first wrong token.
+    pub first_wrong: Option<usize>,
+}
+
+impl TopkStats {
+    /// From the three words [`topk_check`] writes.
+    pub fn from_raw(raw: &[u64]) -> TopkStats {
+        let at = |i: usize| raw.get(i).copied().unwrap_or(0);
+        TopkStats {
+            wrong: at(0),
+            near_ties: at(1),
+            first_wrong: (at(0) > 0).then(|| (u64::MAX - at(2)) as usize),
+        }
+    }
 }
 
 /// The oracle's softmax of every row of `probs` (T × E), in place, one thread per token.
