@@ -8,7 +8,7 @@
 //!
 //! The compilation itself is afdep-kernels' own JIT path: this runs
 //! `cargo run -p afdep-kernels --example compile_all` with the library and include paths set,
-//! so CI checks exactly what the runtime does. It fails on any compile error and on any spill.
+//! so CI checks exactly what the runtime does. It fails on any compile error, any spill and any kernel with a stack frame or local memory.
 //!
 //! `--sass` then checks the machine code (see [`crate::sass`]): the run fills a fresh kernel
 //! cache (`target/sass/kernel-cache`), every cubin in it is disassembled with nvdisasm, and every

@@ -168,9 +168,13 @@ static __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 // The fault word a GEMM writes when a wait runs out (GemmProblem::fault): {code, kernel
 // blockIdx.x, k-tile, 0}; the first fault wins. Codes: afdep_kernels::context::fault.
 #define AFDEP_FAULT_GEMM_TMA_WAIT 1u
-static __device__ __noinline__ void record_fault(const GemmProblem& p, u32 code, u32 kt) {
-    if (!p.fault) return;
-    u32* w = (u32*)p.fault;
+// Takes the fault word's address by value, not the problem: a non-inlined callee taking the
+// kernel's parameter struct by reference forces a copy of it into local memory, and every read
+// of a problem field in the k-loop then becomes a local load (the 1.5-1.9x slowdown measured
+// at ccb1723, docs/perf/moe.md (e)).
+static __device__ __noinline__ void record_fault(u64 fault, u32 code, u32 kt) {
+    if (!fault) return;
+    u32* w = (u32*)fault;
     if (atomicCAS(w, 0u, code) == 0u) {
         w[1] = blockIdx.x;
         w[2] = kt;
@@ -187,7 +191,7 @@ static __device__ __forceinline__ void mbar_wait_bounded(const GemmProblem& p, u
     const u64 start = afdep_globaltimer_ns();
     while (!mbar_try_wait(bar, parity)) {
         if (afdep_globaltimer_ns() - start > (u64)p.wait_ms * 1000000ull) {
-            record_fault(p, AFDEP_FAULT_GEMM_TMA_WAIT, kt);
+            record_fault(p.fault, AFDEP_FAULT_GEMM_TMA_WAIT, kt);
             dead = true;
             return;
         }

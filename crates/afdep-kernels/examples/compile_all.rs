@@ -1,6 +1,6 @@
 //! Compiles every kernel variant the runtime uses with NVRTC, through the crate's own JIT path
 //! (no GPU needed), prints the resources ptxas reports per kernel, and exits non-zero on any
-//! compile error or any spill of a kernel not allowed to spill. `cargo xtask kernels` runs
+//! compile error, or any spill or stack frame of a kernel not allowed to spill. `cargo xtask kernels` runs
 //! this with the CUDA 13.0 wheels on the library and include paths.
 //!
 //! Usage: `compile_all [--arch sm_90a] [--jobs N] [--experts 64,96 --top-k 1,8]` (the lists
@@ -140,6 +140,16 @@ fn main() -> ExitCode {
                                     f.spill_stores, f.spill_loads
                                 ));
                             }
+                            // A stack frame without spills is just as slow: e.g. a non-inlined
+                            // callee that takes the kernel's parameter struct by reference
+                            // copies it to local memory (the GEMM slowdown of docs/perf/moe.md
+                            // (e)).
+                            if (f.stack_bytes > 0 || f.local_bytes > 0) && !k.may_spill() {
+                                failures.push(format!(
+                                    "{spec}: {k} uses local memory ({} B stack, {} B local)",
+                                    f.stack_bytes, f.local_bytes
+                                ));
+                            }
                             rows.push((spec, k, f.clone(), m.from_cache));
                         }
                         None => {
@@ -179,7 +189,7 @@ fn main() -> ExitCode {
         cached
     );
     if failures.is_empty() {
-        println!("OK: every variant compiled, no spills");
+        println!("OK: every variant compiled, no spills, no local memory");
         ExitCode::SUCCESS
     } else {
         for f in &failures {
