@@ -31,6 +31,16 @@ pub fn gpu() -> Option<(std::sync::MutexGuard<'static, ()>, GpuContext)> {
     }
 }
 
+/// `AFDEP_TEST_MAX_TOKENS`: the largest token count a sweep tests (default: all), for the
+/// sanitizer runs of the bundle, which slow every kernel by orders of magnitude. A sweep
+/// prints how many cases it left out.
+pub fn max_tokens() -> usize {
+    std::env::var("AFDEP_TEST_MAX_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(usize::MAX)
+}
+
 /// A layer shape with renormalised top-k weights.
 pub fn shape(h: usize, w: usize, e: usize, k: usize, s: usize) -> LayerShape {
     LayerShape {
