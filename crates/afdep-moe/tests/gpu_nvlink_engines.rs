@@ -1,7 +1,9 @@
 //! The exchange engines over NvlinkIpc in-process ranks on one GPU: the staged engine for every
 //! ratio on 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, 1A:2F, EP2, EP3) with uneven
 //! ranks, a zero-token rank, a hot expert and masked slots, bit-identical to the oracle; a
-//! rejected route fails every rank and the next round works.
+//! rejected route fails every rank and the next round works. The same for the fused engine
+//! (payload-first kernels storing through the peer table), which must also equal the staged
+//! engine bit for bit.
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -13,7 +15,7 @@ use std::time::Duration;
 use afdep_core::ExchangeConfig;
 use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
-use afdep_moe::{ExchangeError, StagedEngine};
+use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
 use exchange_common::*;
 
@@ -102,4 +104,145 @@ fn staged_over_nvlink_rejects_a_route_on_every_rank_and_goes_on() {
         }
     }
     check_round(&c, &good, &got[1], None);
+}
+
+fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {
+    FusedEngine::new(cfg, t)
+}
+
+/// The parts of a round's output that engines must agree on (not the times).
+fn parts(
+    r: &RoundOutput,
+) -> (
+    Option<Vec<u16>>,
+    Option<afdep_core::oracle::exchange::FfnReceived>,
+) {
+    (
+        r.combined
+            .as_ref()
+            .map(|c| c.iter().map(|v| v.to_bits()).collect()),
+        r.received.clone(),
+    )
+}
+
+#[test]
+fn fused_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() {
+    for topo in [
+        "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
+    ] {
+        let c = cfg(topo, 24, 12, 3);
+        assert!(FusedEngine::workspace_bytes(&c) <= 4 << 20);
+        let p = params(&c, 8, 5);
+        let rounds = every_ratio_rounds(&c);
+        let world = c.topology.world_size();
+        let Some(g) = nvlink(world) else {
+            return;
+        };
+        let got = run_group(g, &vec![c.clone(); world], &rounds, Some(&p), &fused)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, Some(&p));
+        }
+        let Some(g) = nvlink(world) else {
+            return;
+        };
+        let staged_out = run_group(g, &vec![c.clone(); world], &rounds, Some(&p), &staged)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (i, (a, b)) in got.iter().zip(&staged_out).enumerate() {
+            for (rank, (a, b)) in a.iter().zip(b).enumerate() {
+                let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                assert!(
+                    parts(a) == parts(b),
+                    "{topo} round {i} rank {rank}: fused != staged"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_unplaced_experts_and_odd_hidden() {
+    // hidden 20 (not a multiple of 8: the element-wise copy path), 2 of 3 experts per rank placed
+    let mut c = cfg("1A:3F", 20, 9, 2);
+    c.experts_per_rank = 2;
+    c.validate().unwrap();
+    let inp = sources(&c, &[9], Some(1), 3);
+    let Some(g) = nvlink(4) else {
+        return;
+    };
+    let got = run_group(
+        g,
+        &vec![c.clone(); 4],
+        std::slice::from_ref(&inp),
+        None,
+        &fused,
+    )
+    .unwrap();
+    check_round(&c, &inp, &got[0], None);
+}
+
+#[test]
+fn fused_rejects_a_route_on_every_rank_and_goes_on() {
+    let c = cfg("2A:2F", 16, 8, 2);
+    let mut bad = sources(&c, &[4, 3], None, 3);
+    bad[0].routes.idx[0] = 8; // wide
+    let good = sources(&c, &[3, 0], Some(2), 12);
+    let rounds: Vec<Vec<SourceInput>> = vec![good.clone(), bad, good.clone()];
+    let Some(g) = nvlink(4) else {
+        return;
+    };
+    let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &fused).unwrap();
+    check_round(&c, &good, &got[0], None);
+    for (rank, r) in got[1].iter().enumerate() {
+        match r {
+            Err(ExchangeError::Route { reporter, error }) => {
+                assert_eq!(*reporter, rank);
+                assert!(
+                    matches!(
+                        error,
+                        RouteError::Wide {
+                            rank: 0,
+                            token: 0,
+                            slot: 0,
+                            ..
+                        }
+                    ),
+                    "rank {rank}: {error}"
+                );
+            }
+            other => panic!("rank {rank}: expected a wide-id rejection, got {other:?}"),
+        }
+    }
+    check_round(&c, &good, &got[2], None);
+}
+
+#[test]
+fn fused_rejects_a_too_small_workspace_on_every_rank() {
+    let c = cfg("2A:2F", 64, 8, 2);
+    let opts = NvlinkOptions {
+        staging_bytes: 1 << 16,
+        workspace_bytes: FusedEngine::workspace_bytes(&c) - 1,
+        timeout: TIMEOUT,
+    };
+    let g = match NvlinkIpc::group_on_device(4, 0, opts) {
+        Ok(g) => g,
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
+            }
+            println!("SKIP: {why}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let errs = run_group(g, &vec![c.clone(); 4], &[], None, &fused).unwrap_err();
+    for (rank, e) in errs.iter().enumerate() {
+        match e {
+            ExchangeError::Input { rank: r, what } => {
+                assert_eq!(*r, rank);
+                assert!(what.contains("workspace"), "{what}");
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
 }

@@ -29,6 +29,12 @@ impl<T: afdep_transport::Transport> Engine for afdep_moe::StagedEngine<T> {
     }
 }
 
+impl Engine for afdep_moe::FusedEngine {
+    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
+        afdep_moe::FusedEngine::round(self, input, expert)
+    }
+}
+
 /// The expert function of the tests: the layer's SwiGLU experts, or a cheap scaling.
 pub fn expert_of(p: Option<&LayerParams>) -> impl Fn(usize, &[bf16], usize) -> Vec<bf16> + '_ {
     move |e: usize, rows: &[bf16], n: usize| match p {
