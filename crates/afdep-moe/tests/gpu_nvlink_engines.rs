@@ -246,3 +246,20 @@ fn fused_rejects_a_too_small_workspace_on_every_rank() {
         }
     }
 }
+
+/// One rank that is both source and FFN rank (EP1): every flag is raised and awaited on the
+/// same stream, so this one also runs under compute-sanitizer (which serialises kernels, so the
+/// multi-rank tests' cross-stream waits would run out there).
+#[test]
+fn fused_single_rank_ep1() {
+    let c = cfg("EP1", 24, 12, 3);
+    let p = params(&c, 8, 5);
+    let rounds = every_ratio_rounds(&c);
+    let Some(g) = nvlink(1) else {
+        return;
+    };
+    let got = run_group(g, &[c.clone()], &rounds, Some(&p), &fused).unwrap();
+    for (inp, g) in rounds.iter().zip(&got) {
+        check_round(&c, inp, g, Some(&p));
+    }
+}
