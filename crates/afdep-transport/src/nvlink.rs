@@ -529,12 +529,7 @@ impl NvlinkIpc {
         mine.extend_from_slice(&(bytes as u64).to_le_bytes());
         let mut control = HostTcp::new(boot);
         let all = control.bootstrap_mut().all_gather(&mine)?;
-        let mut peers = vec![0u64; world];
-        let mut opened = Vec::new();
-        let mut windows = Windows::Ipc {
-            own,
-            opened: Vec::new(),
-        };
+        // every blob is checked before any handle is opened
         for (p, blob) in all.iter().enumerate() {
             if blob.len() != 72 {
                 return Err(TransportError::Protocol {
@@ -554,12 +549,15 @@ impl NvlinkIpc {
                     got: theirs,
                 });
             }
-            if p == rank {
-                if let Windows::Ipc { own, .. } = &windows {
-                    peers[p] = own.ptr;
-                }
-                continue;
-            }
+        }
+        let mut peers = vec![0u64; world];
+        peers[rank] = own.ptr;
+        // owns what is opened from here on: dropping it closes the handles and frees `own`
+        let mut windows = Windows::Ipc {
+            own,
+            opened: Vec::new(),
+        };
+        for (p, blob) in all.iter().enumerate().filter(|&(p, _)| p != rank) {
             let mut h = cu::CUipcMemHandle_st { reserved: [0; 64] };
             for (d, s) in h.reserved.iter_mut().zip(&blob[..64]) {
                 *d = *s as _;
@@ -574,9 +572,6 @@ impl NvlinkIpc {
                 )
             };
             if r != cu::CUresult::CUDA_SUCCESS {
-                if let Windows::Ipc { opened: o, .. } = &mut windows {
-                    *o = opened;
-                }
                 return Err(TransportError::Backend {
                     kind: KIND,
                     op: OP,
@@ -584,11 +579,10 @@ impl NvlinkIpc {
                     why: format!("opening the IPC handle of rank {p}: {r:?}"),
                 });
             }
-            opened.push(ptr);
+            if let Windows::Ipc { opened, .. } = &mut windows {
+                opened.push(ptr);
+            }
             peers[p] = ptr;
-        }
-        if let Windows::Ipc { opened: o, .. } = &mut windows {
-            *o = opened;
         }
         let mut me = NvlinkIpc::assemble(
             rank,
@@ -820,9 +814,14 @@ impl Drop for NvlinkIpc {
     fn drop(&mut self) {
         // nothing of this rank may still be writing into a window when it goes away
         let _ = self.stream.wait_idle(self.rank, "drop");
-        if let Windows::Ipc { opened, .. } = &self._windows {
-            if self.stream.ctx.bind_to_thread().is_ok() {
-                for &p in opened {
+    }
+}
+
+impl Drop for Windows {
+    fn drop(&mut self) {
+        if let Windows::Ipc { own, opened } = self {
+            if own.ctx.bind_to_thread().is_ok() {
+                for &p in opened.iter() {
                     // SAFETY: p was opened by cuIpcOpenMemHandle in this process, closed once.
                     let _ = unsafe { cu::cuIpcCloseMemHandle(p) };
                 }

@@ -330,3 +330,90 @@ fn gather_barrier_buffers_and_the_peer_table() {
         }
     });
 }
+
+const CHILD_RANK: &str = "AFDEP_TEST_NVLINK_CHILD_RANK";
+const CHILD_ADDR: &str = "AFDEP_TEST_NVLINK_CHILD_ADDR";
+const CHILD_WORLD: &str = "AFDEP_TEST_NVLINK_CHILD_WORLD";
+
+/// One rank of the multi-process test: `ops` operations, each rank's spans checked against
+/// what its senders' plans say.
+fn ipc_rank(mut t: NvlinkIpc, ops: usize) {
+    let (rank, world) = (t.rank(), t.world_size());
+    for op in 0..ops {
+        let p = plan(rank, world, op);
+        let mut send = t.alloc(p.send.len()).unwrap();
+        send.write(0, &p.send).unwrap();
+        let mut recv = t.alloc(p.recv_len).unwrap();
+        recv.write(0, &vec![POISON; p.recv_len]).unwrap();
+        t.all_to_all_v(&send, &p.send_spans, &mut recv, &p.recv_spans)
+            .unwrap_or_else(|e| panic!("rank {rank} op {op}: {e}"));
+        let mut out = vec![0u8; p.recv_len];
+        recv.read(0, &mut out).unwrap();
+        for (src, s) in p.recv_spans.iter().enumerate() {
+            let sent = plan(src, world, op);
+            let sp = sent.send_spans[rank];
+            assert_eq!(
+                &out[s.offset as usize..(s.offset + s.len) as usize],
+                &sent.send[sp.offset as usize..(sp.offset + sp.len) as usize],
+                "multi-process, op {op}: rank {rank}'s span from rank {src}"
+            );
+        }
+    }
+    // nobody unmaps a window a peer may still store into
+    t.barrier().unwrap();
+}
+
+/// The multi-process mode on one GPU: this process is rank 0, it starts `world - 1` copies of
+/// this test binary as the other ranks (CUDA IPC needs distinct processes), they meet through
+/// the bootstrap on 127.0.0.1 and exchange IPC handles.
+#[test]
+fn multi_process_over_cuda_ipc() {
+    const NAME: &str = "multi_process_over_cuda_ipc";
+    const OPS: usize = 3;
+    let timeout = Duration::from_secs(30);
+    if let Ok(r) = std::env::var(CHILD_RANK) {
+        let rank: usize = r.parse().unwrap();
+        let world: usize = std::env::var(CHILD_WORLD).unwrap().parse().unwrap();
+        let addr = std::env::var(CHILD_ADDR).unwrap().parse().unwrap();
+        let boot = afdep_transport::Bootstrap::connect(addr, rank, world, timeout).unwrap();
+        let t = NvlinkIpc::from_bootstrap(boot, 0, opts(timeout)).unwrap();
+        ipc_rank(t, OPS);
+        return;
+    }
+    if let Err(e) = afdep_transport::nvlink::probe_driver() {
+        if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+            panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {e}");
+        }
+        println!("SKIP: {e}");
+        return;
+    }
+    for world in [2, 3] {
+        let listener =
+            afdep_transport::Bootstrap::listen("127.0.0.1:0".parse().unwrap(), world, timeout)
+                .unwrap();
+        let addr = listener.local_addr();
+        let exe = std::env::current_exe().unwrap();
+        let children: Vec<std::process::Child> = (1..world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+                    .env(CHILD_RANK, r.to_string())
+                    .env(CHILD_WORLD, world.to_string())
+                    .env(CHILD_ADDR, addr.to_string())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let boot = listener.accept().unwrap();
+        let t = NvlinkIpc::from_bootstrap(boot, 0, opts(timeout)).unwrap();
+        ipc_rank(t, OPS);
+        for (i, mut c) in children.into_iter().enumerate() {
+            let st = c.wait().unwrap();
+            assert!(
+                st.success(),
+                "{world} processes: rank {} failed: {st}",
+                i + 1
+            );
+        }
+    }
+}
