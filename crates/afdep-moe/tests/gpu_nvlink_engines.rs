@@ -258,7 +258,7 @@ fn fused_single_rank_ep1() {
     let Some(g) = nvlink(1) else {
         return;
     };
-    let got = run_group(g, &[c.clone()], &rounds, Some(&p), &fused).unwrap();
+    let got = run_group(g, std::slice::from_ref(&c), &rounds, Some(&p), &fused).unwrap();
     for (inp, g) in rounds.iter().zip(&got) {
         check_round(&c, inp, g, Some(&p));
     }
