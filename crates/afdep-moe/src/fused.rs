@@ -159,8 +159,9 @@ impl FusedEngine {
     }
 
     /// Sets up the engine on this rank: the staged engine's agreement (config fingerprints,
-    /// world size; collective), then a [`GpuContext`] on the transport's device and the checks
-    /// that the workspace is large enough and the world at most [`MAX_WORLD`].
+    /// world size; collective), the checks that the workspace is large enough and the world at
+    /// most [`MAX_WORLD`], then a [`GpuContext`] on the transport's device with every fused
+    /// kernel loaded, and a barrier. Collective.
     pub fn new(cfg: ExchangeConfig, mut transport: NvlinkIpc) -> Result<Self, ExchangeError> {
         agree(&cfg, &mut transport)?;
         let rank = transport.rank();
@@ -184,6 +185,10 @@ impl FusedEngine {
             });
         }
         let gpu = GpuContext::new(transport.device())?;
+        // no lazy kernel load during a round (it may synchronise the context while another
+        // rank's kernel spins on this GPU): load everything now, then wait for every rank
+        fk::preload(&gpu, cfg.top_k)?;
+        transport.barrier()?;
         let topo = cfg.topology;
         let src: Vec<u32> = topo.attention_ranks().map(|r| r as u32).collect();
         let ffn: Vec<u32> = (0..cfg.placement().ffn_ranks)

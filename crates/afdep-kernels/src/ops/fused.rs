@@ -44,6 +44,38 @@ pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
     (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
+/// Loads every fused kernel for `top_k` now (module compiled or read from the cache, and each
+/// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
+/// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
+/// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
+/// (the CUDA programming guide's lazy-loading caveat). Call it on every rank, then a barrier,
+/// before the first round.
+pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
+    let k = as_u32("top_k", top_k)?;
+    for id in [
+        KernelId::FusedDispatch,
+        KernelId::FusedSignal,
+        KernelId::FusedCopyEpilogue,
+        KernelId::FusedCombineStore,
+        KernelId::FusedCombine,
+    ] {
+        let kk = if id == KernelId::FusedCombineStore {
+            1
+        } else {
+            k
+        };
+        let f = ctx.function(id, 0, kk)?;
+        ctx.cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
+        // SAFETY: f is a live function handle of a module this context keeps loaded.
+        unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
+            .result()
+            .map_err(KernelError::driver(format!("loading {id}")))?;
+    }
+    Ok(())
+}
+
 /// Warps per block of every kernel here.
 const WARPS: u64 = (BLOCK / 32) as u64;
 
