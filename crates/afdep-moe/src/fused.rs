@@ -49,6 +49,12 @@
 //! waiting kernels' grids are capped (`knobs.epilogue_sm_cap` for the epilogue,
 //! `knobs.transport_sms` for the others) so that every rank's kernels stay resident together.
 //!
+//! Because ranks may share one GPU, nothing that can synchronise the context runs while a round
+//! is in flight: the fused kernels are loaded at set-up ([`FusedEngine::new`] ends with a
+//! barrier), per-round buffers come from cudarc's stream-ordered allocator, and callers should
+//! drop the engines only once every rank has finished its last round (freeing device memory may
+//! wait for the whole device; the tests join every rank's thread first).
+//!
 //! Not in this version: count-first, fp8 payloads, experts on the device, CUDA-graph capture.
 
 use std::time::Instant;

@@ -21,6 +21,14 @@ use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
+/// One test at a time: the fused engine's kernels spin on the GPU while they wait for their
+/// peers, and another test's module loads or frees could synchronise the shared context.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// `n` in-process NvlinkIpc ranks on device 0, or `None` after printing `SKIP: <reason>`.
 fn nvlink(n: usize) -> Option<Vec<NvlinkIpc>> {
     let opts = NvlinkOptions {
@@ -51,6 +59,7 @@ fn staged(
 
 #[test]
 fn staged_over_nvlink_is_bit_identical_to_the_oracle_for_every_ratio() {
+    let _serial = serial();
     for topo in [
         "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
     ] {
@@ -76,6 +85,7 @@ fn staged_over_nvlink_is_bit_identical_to_the_oracle_for_every_ratio() {
 
 #[test]
 fn staged_over_nvlink_rejects_a_route_on_every_rank_and_goes_on() {
+    let _serial = serial();
     let c = cfg("3A:1F", 16, 8, 2);
     let mut bad = sources(&c, &[4, 3, 5], None, 3);
     // a duplicate expert in token 1 of source 2
@@ -127,6 +137,7 @@ fn parts(
 
 #[test]
 fn fused_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() {
+    let _serial = serial();
     for topo in [
         "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
     ] {
@@ -162,6 +173,7 @@ fn fused_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() 
 
 #[test]
 fn fused_unplaced_experts_and_odd_hidden() {
+    let _serial = serial();
     // hidden 20 (not a multiple of 8: the element-wise copy path), 2 of 3 experts per rank placed
     let mut c = cfg("1A:3F", 20, 9, 2);
     c.experts_per_rank = 2;
@@ -183,6 +195,7 @@ fn fused_unplaced_experts_and_odd_hidden() {
 
 #[test]
 fn fused_rejects_a_route_on_every_rank_and_goes_on() {
+    let _serial = serial();
     let c = cfg("2A:2F", 16, 8, 2);
     let mut bad = sources(&c, &[4, 3], None, 3);
     bad[0].routes.idx[0] = 8; // wide
@@ -218,6 +231,7 @@ fn fused_rejects_a_route_on_every_rank_and_goes_on() {
 
 #[test]
 fn fused_rejects_a_too_small_workspace_on_every_rank() {
+    let _serial = serial();
     let c = cfg("2A:2F", 64, 8, 2);
     let opts = NvlinkOptions {
         staging_bytes: 1 << 16,
@@ -252,6 +266,7 @@ fn fused_rejects_a_too_small_workspace_on_every_rank() {
 /// multi-rank tests' cross-stream waits would run out there).
 #[test]
 fn fused_single_rank_ep1() {
+    let _serial = serial();
     let c = cfg("EP1", 24, 12, 3);
     let p = params(&c, 8, 5);
     let rounds = every_ratio_rounds(&c);

@@ -47,8 +47,10 @@ pub fn expert_of(p: Option<&LayerParams>) -> impl Fn(usize, &[bf16], usize) -> V
 }
 
 /// Runs `rounds` on one group: `make(rank, cfg, transport)` builds each rank's engine on its own
-/// thread. Returns `[round][rank]` results, or every rank's set-up error.
-pub fn run_group<T: Send, E: Engine>(
+/// thread. Returns `[round][rank]` results, or every rank's set-up error. The engines are
+/// dropped only after every rank's thread is done, so no rank frees device memory (which may
+/// synchronise the device) while another rank's kernel still waits for its peers.
+pub fn run_group<T: Send, E: Engine + Send>(
     group: Vec<T>,
     cfgs: &[ExchangeConfig],
     rounds: &[Vec<SourceInput>],
@@ -56,6 +58,7 @@ pub fn run_group<T: Send, E: Engine>(
     make: &(dyn Fn(usize, ExchangeConfig, T) -> Result<E, ExchangeError> + Sync),
 ) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
     let world = cfgs[0].topology.world_size();
+    let mut engines: Vec<E> = Vec::new();
     let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
         let hs: Vec<_> = group
             .into_iter()
@@ -65,19 +68,26 @@ pub fn run_group<T: Send, E: Engine>(
                 sc.spawn(move || {
                     let mut eng = make(rank, cfg.clone(), t)?;
                     let expert = expert_of(p);
-                    Ok(rounds
+                    let results = rounds
                         .iter()
                         .map(|inp| {
                             eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert)
                         })
-                        .collect())
+                        .collect();
+                    Ok((results, eng))
                 })
             })
             .collect();
         hs.into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
+            .map(|h| {
+                h.join().expect("rank thread panicked").map(|(r, e)| {
+                    engines.push(e);
+                    r
+                })
+            })
             .collect()
     });
+    drop(engines);
     let mut ok = Vec::new();
     let mut errs = Vec::new();
     for r in per_rank {
