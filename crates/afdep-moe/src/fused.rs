@@ -34,7 +34,7 @@
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! ```
 //!
-//! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`] must provide.
+//! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
 //!
 //! # Ordering, waits and the SM budget
 //!
