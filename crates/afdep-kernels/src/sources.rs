@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 pub const HEADERS: &[(&str, &str)] = &[
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
+    ("layout/fused.cuh", include_str!("../cuda/layout/fused.cuh")),
     (
         "layout/gemm_problem.cuh",
         include_str!("../cuda/layout/gemm_problem.cuh"),
@@ -59,11 +60,19 @@ pub enum SourceFile {
     /// `reference.cu`: the simple GPU reference path of the MoE layer (not specialised: every
     /// shape is a run-time value).
     Reference,
+    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table and the flag
+    /// signal of the fused exchange (not specialised).
+    FusedDispatch,
+    /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
+    FusedEpilogue,
+    /// `fused_combine.cu`: the combine stores and the fixed-order combine (specialised by
+    /// top-k).
+    FusedCombine,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 7] = [
+    pub const ALL: [SourceFile; 10] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
@@ -71,6 +80,9 @@ impl SourceFile {
         SourceFile::Gemm,
         SourceFile::Moe,
         SourceFile::Reference,
+        SourceFile::FusedDispatch,
+        SourceFile::FusedEpilogue,
+        SourceFile::FusedCombine,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -83,6 +95,9 @@ impl SourceFile {
             SourceFile::Gemm => "gemm.cu",
             SourceFile::Moe => "moe.cu",
             SourceFile::Reference => "reference.cu",
+            SourceFile::FusedDispatch => "fused_dispatch.cu",
+            SourceFile::FusedEpilogue => "fused_epilogue.cu",
+            SourceFile::FusedCombine => "fused_combine.cu",
         }
     }
 
@@ -96,6 +111,9 @@ impl SourceFile {
             SourceFile::Gemm => include_str!("../cuda/gemm.cu"),
             SourceFile::Moe => include_str!("../cuda/moe.cu"),
             SourceFile::Reference => include_str!("../cuda/reference.cu"),
+            SourceFile::FusedDispatch => include_str!("../cuda/fused_dispatch.cu"),
+            SourceFile::FusedEpilogue => include_str!("../cuda/fused_epilogue.cu"),
+            SourceFile::FusedCombine => include_str!("../cuda/fused_combine.cu"),
         }
     }
 
@@ -111,7 +129,12 @@ impl SourceFile {
     pub fn uses_top_k(self) -> bool {
         matches!(
             self,
-            SourceFile::Router | SourceFile::Validate | SourceFile::Permute | SourceFile::Moe
+            SourceFile::Router
+                | SourceFile::Validate
+                | SourceFile::Permute
+                | SourceFile::Moe
+                | SourceFile::FusedEpilogue
+                | SourceFile::FusedCombine
         )
     }
 
@@ -224,11 +247,21 @@ pub enum KernelId {
     RefGradWr,
     /// Reference: statistics of the error metric of two tensors.
     RefErrStats,
+    /// `afdep_fused_dispatch`: a source's rows into its slabs in the FFN ranks' workspaces.
+    FusedDispatch,
+    /// `afdep_fused_signal`: raises this rank's flag in peers' workspaces.
+    FusedSignal,
+    /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
+    FusedCopyEpilogue,
+    /// `afdep_fused_combine_store`: expert output rows into the sources' return areas.
+    FusedCombineStore,
+    /// `afdep_fused_combine`: waits for the FFN ranks, sums in the fixed order.
+    FusedCombine,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 49] = [
+    pub const ALL: [KernelId; 54] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -278,6 +311,11 @@ impl KernelId {
         KernelId::RefGradS13,
         KernelId::RefGradWr,
         KernelId::RefErrStats,
+        KernelId::FusedDispatch,
+        KernelId::FusedSignal,
+        KernelId::FusedCopyEpilogue,
+        KernelId::FusedCombineStore,
+        KernelId::FusedCombine,
     ];
 
     /// The source file that defines the kernel.
@@ -316,6 +354,9 @@ impl KernelId {
             | KernelId::RefGradS13
             | KernelId::RefGradWr
             | KernelId::RefErrStats => SourceFile::Reference,
+            KernelId::FusedDispatch | KernelId::FusedSignal => SourceFile::FusedDispatch,
+            KernelId::FusedCopyEpilogue => SourceFile::FusedEpilogue,
+            KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
             _ => SourceFile::Gemm,
         }
     }
@@ -372,6 +413,11 @@ impl KernelId {
             KernelId::RefGradS13 => "afdep_ref_grad_s13",
             KernelId::RefGradWr => "afdep_ref_grad_wr",
             KernelId::RefErrStats => "afdep_ref_err_stats",
+            KernelId::FusedDispatch => "afdep_fused_dispatch",
+            KernelId::FusedSignal => "afdep_fused_signal",
+            KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
+            KernelId::FusedCombineStore => "afdep_fused_combine_store",
+            KernelId::FusedCombine => "afdep_fused_combine",
         }
     }
 
@@ -690,7 +736,8 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1);
+        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue, combine
+        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4);
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

@@ -1,6 +1,7 @@
 //! Errors of the exchange engines.
 
 use afdep_core::{ConfigError, RouteError};
+use afdep_kernels::KernelError;
 use afdep_transport::TransportError;
 use thiserror::Error;
 
@@ -23,6 +24,31 @@ pub enum ExchangeError {
     /// The transport failed (timeout, peer gone, size mismatch...).
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// A kernel or the CUDA driver failed (fused engine).
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A bounded device wait of the fused engine ran out: `phase` (`dispatch`: the copy
+    /// epilogue waited for a source; `combine`: the combine waited for an FFN rank), the rank
+    /// that waited, the peer whose flag never came, the round.
+    #[error("rank {rank}: {phase} round {round}: timed out on the device waiting for rank {peer}")]
+    DeviceTimeout {
+        /// The rank whose kernel waited.
+        rank: usize,
+        /// The phase.
+        phase: &'static str,
+        /// The rank whose flag is missing.
+        peer: usize,
+        /// The round (1-based).
+        round: u32,
+    },
+    /// The engine failed earlier in a way that leaves its device state undefined.
+    #[error("rank {rank}: the engine is closed after an earlier error: {why}")]
+    Closed {
+        /// The rank.
+        rank: usize,
+        /// The earlier error.
+        why: String,
+    },
     /// This rank was called with input that does not fit its role.
     #[error("rank {rank}: {what}")]
     Input {

@@ -6,6 +6,10 @@
 //!   (the payload-first copy epilogue) and run their experts, results come back by a second
 //!   all-to-all-v and are combined in the brief's fixed order. Its results are bit-identical to
 //!   [`afdep_core::oracle::exchange`].
+//! - [`fused`]: the **fused exchange engine** over [`afdep_transport::NvlinkIpc`] (first
+//!   version: payload-first, bf16): dispatch, copy epilogue and combine are GPU kernels that
+//!   store into the peers' symmetric workspaces and wait on flags with a bound; bit-identical to
+//!   the staged engine and the oracle.
 //! - [`layer`]: [`MoeLayer`], the dropless MoE layer on one GPU (forward and train step, four
 //!   dispatch strategies) on the grouped GEMMs of afdep-kernels.
 //! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the layer
@@ -17,11 +21,13 @@
 
 pub mod accuracy;
 pub mod error;
+pub mod fused;
 pub mod layer;
 pub mod reference;
 pub mod staged;
 pub mod timing;
 
 pub use error::ExchangeError;
+pub use fused::FusedEngine;
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};

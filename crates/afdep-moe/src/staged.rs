@@ -83,39 +83,7 @@ impl<T: Transport> StagedEngine<T> {
     /// matches the topology, and compares config fingerprints with every rank (the error names
     /// the first field that differs and the lowest rank that differs). Collective.
     pub fn new(cfg: ExchangeConfig, mut transport: T) -> Result<Self, ExchangeError> {
-        let rank = transport.rank();
-        // Agree first, so that a rank with a broken config still takes part in the
-        // collective and every rank learns about it.
-        let mine = Fingerprint::of_exchange(&cfg).to_bytes();
-        let lens = transport.all_gather(&(mine.len() as u64).to_ne_bytes())?;
-        let lens: Vec<usize> = lens
-            .chunks(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize)
-            .collect();
-        let max = lens.iter().copied().max().unwrap_or(0);
-        let mut padded = mine.clone();
-        padded.resize(max, 0);
-        let all = transport.all_gather(&padded)?;
-        let local = Fingerprint::of_exchange(&cfg);
-        for (r, (blob, &len)) in all.chunks(max.max(1)).zip(&lens).enumerate() {
-            if r == rank {
-                continue;
-            }
-            let remote = Fingerprint::from_bytes(&blob[..len])?;
-            local.compare(rank, &remote, r)?;
-        }
-        cfg.validate()?;
-        if transport.world_size() != cfg.topology.world_size() {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!(
-                    "the transport has {} ranks, topology {} needs {}",
-                    transport.world_size(),
-                    cfg.topology,
-                    cfg.topology.world_size()
-                ),
-            });
-        }
+        agree(&cfg, &mut transport)?;
         Ok(StagedEngine {
             cfg,
             transport,
@@ -169,65 +137,7 @@ impl<T: Transport> StagedEngine<T> {
 
         // 1. status + counts
         let t0 = Instant::now();
-        let local: Result<Option<SourceCounts>, RouteError> = match (src_index, input) {
-            (Some(s), Some(inp)) => check_rows(&cfg, s, inp)
-                .and_then(|_| validate(&inp.routes, &RouteRules::exchange(&cfg), s))
-                .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
-            (Some(s), None) => Err(RouteError::Malformed {
-                rank: s,
-                what: "an attention rank was given no input".into(),
-            }),
-            (None, Some(_)) => Err(RouteError::Malformed {
-                rank,
-                what: "an FFN-only rank was given input".into(),
-            }),
-            (None, None) => Ok(None),
-        };
-        let count_words = p.owned() + 2 * nf;
-        let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words];
-        match &local {
-            Err(e) => {
-                let w = e.to_word();
-                let w32: &mut [u32] =
-                    bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
-                w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
-            }
-            Ok(Some(c)) => msg[ROUTE_ERROR_WORDS.div_ceil(2)..].copy_from_slice(&c.to_words()),
-            Ok(None) => {}
-        }
-        let gathered = self.transport.all_gather(u8s_of(&msg))?;
-        let per = msg.len() * 8;
-        let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
-        for r in 0..world {
-            let blob = &gathered[r * per..(r + 1) * per];
-            let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
-            let w32: Vec<u32> =
-                bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
-            let word: [u32; ROUTE_ERROR_WORDS] =
-                w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
-            if word[0] != 0 {
-                let error = match (&local, r == rank) {
-                    (Err(e), true) => e.clone(),
-                    _ => RouteError::from_word(word).unwrap_or(RouteError::Malformed {
-                        rank: r,
-                        what: format!("unknown error class {}", word[0]),
-                    }),
-                };
-                debug!(rank, from = r, %error, "round rejected");
-                return Err(ExchangeError::Route {
-                    reporter: rank,
-                    error,
-                });
-            }
-            if topo.attention_index(r).is_some() {
-                let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p)
-                    .ok_or_else(|| ExchangeError::Input {
-                        rank,
-                        what: format!("malformed counts from rank {r}"),
-                    })?;
-                sources.push(c);
-            }
-        }
+        let sources = count_phase(&cfg, &mut self.transport, input)?;
         let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
         times.counts = t0.elapsed();
 
@@ -415,4 +325,123 @@ impl<T: Transport> StagedEngine<T> {
             times,
         })
     }
+}
+
+/// Set-up common to the engines, collective: compares config fingerprints with every rank
+/// (the error names the first field that differs and the lowest rank that differs), validates
+/// the config and checks that the transport's world matches the topology.
+pub(crate) fn agree<T: Transport>(
+    cfg: &ExchangeConfig,
+    transport: &mut T,
+) -> Result<(), ExchangeError> {
+    let rank = transport.rank();
+    // Agree first, so that a rank with a broken config still takes part in the
+    // collective and every rank learns about it.
+    let mine = Fingerprint::of_exchange(cfg).to_bytes();
+    let lens = transport.all_gather(&(mine.len() as u64).to_ne_bytes())?;
+    let lens: Vec<usize> = lens
+        .chunks(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize)
+        .collect();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let mut padded = mine.clone();
+    padded.resize(max, 0);
+    let all = transport.all_gather(&padded)?;
+    let local = Fingerprint::of_exchange(cfg);
+    for (r, (blob, &len)) in all.chunks(max.max(1)).zip(&lens).enumerate() {
+        if r == rank {
+            continue;
+        }
+        let remote = Fingerprint::from_bytes(&blob[..len])?;
+        local.compare(rank, &remote, r)?;
+    }
+    cfg.validate()?;
+    if transport.world_size() != cfg.topology.world_size() {
+        return Err(ExchangeError::Input {
+            rank,
+            what: format!(
+                "the transport has {} ranks, topology {} needs {}",
+                transport.world_size(),
+                cfg.topology,
+                cfg.topology.world_size()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The status + counts phase common to the engines, collective: each attention rank validates
+/// its input and routes and publishes its error word and its [`SourceCounts`] in one
+/// all-gather. Returns every source's counts, or [`ExchangeError::Route`] on every rank with the
+/// error of the lowest-numbered rejecting rank.
+pub(crate) fn count_phase<T: Transport>(
+    cfg: &ExchangeConfig,
+    transport: &mut T,
+    input: Option<&SourceInput>,
+) -> Result<Vec<SourceCounts>, ExchangeError> {
+    let rank = transport.rank();
+    let topo = cfg.topology;
+    let p = cfg.placement();
+    let nf = p.ffn_ranks;
+    let world = topo.world_size();
+    let src_index = topo.attention_index(rank);
+    let local: Result<Option<SourceCounts>, RouteError> = match (src_index, input) {
+        (Some(s), Some(inp)) => check_rows(cfg, s, inp)
+            .and_then(|_| validate(&inp.routes, &RouteRules::exchange(cfg), s))
+            .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
+        (Some(s), None) => Err(RouteError::Malformed {
+            rank: s,
+            what: "an attention rank was given no input".into(),
+        }),
+        (None, Some(_)) => Err(RouteError::Malformed {
+            rank,
+            what: "an FFN-only rank was given input".into(),
+        }),
+        (None, None) => Ok(None),
+    };
+    let count_words = p.owned() + 2 * nf;
+    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words];
+    match &local {
+        Err(e) => {
+            let w = e.to_word();
+            let w32: &mut [u32] =
+                bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
+            w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
+        }
+        Ok(Some(c)) => msg[ROUTE_ERROR_WORDS.div_ceil(2)..].copy_from_slice(&c.to_words()),
+        Ok(None) => {}
+    }
+    let gathered = transport.all_gather(u8s_of(&msg))?;
+    let per = msg.len() * 8;
+    let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
+    for r in 0..world {
+        let blob = &gathered[r * per..(r + 1) * per];
+        let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
+        let w32: Vec<u32> =
+            bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
+        let word: [u32; ROUTE_ERROR_WORDS] = w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
+        if word[0] != 0 {
+            let error = match (&local, r == rank) {
+                (Err(e), true) => e.clone(),
+                _ => RouteError::from_word(word).unwrap_or(RouteError::Malformed {
+                    rank: r,
+                    what: format!("unknown error class {}", word[0]),
+                }),
+            };
+            debug!(rank, from = r, %error, "round rejected");
+            return Err(ExchangeError::Route {
+                reporter: rank,
+                error,
+            });
+        }
+        if topo.attention_index(r).is_some() {
+            let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p)
+                .ok_or_else(|| ExchangeError::Input {
+                    rank,
+                    what: format!("malformed counts from rank {r}"),
+                })?;
+            sources.push(c);
+        }
+    }
+    Ok(sources)
 }

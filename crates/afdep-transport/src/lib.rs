@@ -22,7 +22,7 @@
 //! |------|-------|--------|--------|
 //! | [`Loopback`] | ranks are threads of one process | host | here: tests, no-GPU default |
 //! | [`HostTcp`] | ranks are processes | host | here: star through rank 0 over [`Bootstrap`] |
-//! | `NvlinkIpc` | GPUs of one NVLink domain | device | planned, maps as below |
+//! | `NvlinkIpc` | GPUs of one NVLink domain | device | here behind the cargo feature `nvlink` (module `nvlink`: in-process ranks on one or several GPUs, or one process per GPU over CUDA IPC) |
 //! | `Nccl` | GPUs, any NCCL topology | device | planned, maps as below |
 //! | `Ucx` | processes or machines (scale-out) | host | here behind the cargo feature `ucx` (module `ucx`: tagged messages) |
 //!
@@ -78,6 +78,8 @@ pub mod bootstrap;
 mod error;
 pub mod host_tcp;
 pub mod loopback;
+#[cfg(feature = "nvlink")]
+pub mod nvlink;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
@@ -91,6 +93,8 @@ pub use bootstrap::{
 pub use error::TransportError;
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
+#[cfg(feature = "nvlink")]
+pub use nvlink::{DeviceBuffer, NvlinkIpc, NvlinkOptions};
 #[cfg(feature = "ucx")]
 pub use ucx::{Ucx, UcxOptions};
 

@@ -1,0 +1,39 @@
+// Payload-first dispatch, source side: every send row (token, destination FFN rank, slab row)
+// is stored into this source's slab in the destination's workspace through the peer table,
+// payload then metadata; afdep_fused_signal then raises this source's flag in every
+// destination (release, system scope). Not specialised (the metadata size is an argument).
+
+#include "common/ptx.cuh"
+#include "common/types.cuh"
+#include "layout/fused.cuh"
+
+// One warp per send row r < rows: copies x[token[r]] (hidden bf16) and meta[r] (meta_words
+// u32) to peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_fused_dispatch(const u16* __restrict__ x, const u32* __restrict__ token,
+                         const u32* __restrict__ dst_rank, const u32* __restrict__ slab_row,
+                         const u32* __restrict__ meta, u32 meta_words, u64 rows,
+                         const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap,
+                         u64 row_bytes, u32 hidden) {
+    const u32 lane = afdep_lane();
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    for (u64 r = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; r < rows; r += warps) {
+        u8* row = (u8*)peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes;
+        const u32 payload = 2u * hidden;
+        afdep_warp_copy(row, x + (u64)token[r] * hidden, payload, lane);
+        u32* m = (u32*)(row + afdep_align16(payload));
+        const u32* src = meta + r * meta_words;
+        for (u32 w = lane; w < meta_words; w += 32) m[w] = src[w];
+    }
+}
+
+// Thread i < n stores `value` into peers[ranks[i]] + flag_off + 4 * me (st.release.sys after a
+// system fence). Launched after the stores it publishes, on the same stream: the kernel
+// boundary orders them before the fence.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_fused_signal(const u64* __restrict__ peers, const u32* __restrict__ ranks, u32 n,
+                       u64 flag_off, u32 me, u32 value) {
+    const u32 i = blockIdx.x * AFDEP_BLOCK + threadIdx.x;
+    __threadfence_system();
+    if (i < n) afdep_st_release_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), value);
+}

@@ -1,0 +1,57 @@
+// Payload-first copy epilogue, FFN side: waits (bounded) for every source's dispatch flag of
+// this round, then expands the slabs into the expanded layout: for every compact row (sources
+// in order, slab rows in order) and every slot k whose expanded_row is not AFDEP_FUSED_NO_ROW,
+// the payload goes to expanded[expanded_row]. Specialised by AFDEP_TOP_K (the metadata).
+
+#include "common/ptx.cuh"
+#include "common/types.cuh"
+#include "layout/fused.cuh"
+
+#ifndef AFDEP_TOP_K
+#error "fused_epilogue.cu needs AFDEP_TOP_K"
+#endif
+#define K AFDEP_TOP_K
+
+// ws: this rank's workspace. src_rank[s] / slab_rows[s] for s < sources: the sources' ranks and
+// how many rows each stored (slab_starts[s] their exclusive prefix, slab_starts[sources] the
+// total). flag_off: the dispatch flags (u32 per source rank). err: the error word u32[4].
+// One warp per compact row, grid-stride; every block first waits for every flag (thread 0 of
+// the block, at most timeout_ns), and a block whose wait runs out records the fault and leaves.
+// Keep the grid small: the sources' kernels must find SMs to run on while this one waits.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_fused_copy_epilogue(const u8* ws, const u32* __restrict__ src_rank,
+                              const u64* __restrict__ slab_starts, u32 sources, u64 flag_off,
+                              u64 slab_off, u32 cap, u64 row_bytes, u32 hidden, u32 round,
+                              u64 timeout_ns, u32* err, u16* __restrict__ expanded) {
+    __shared__ u32 ok;
+    if (threadIdx.x == 0) {
+        ok = 1;
+        for (u32 s = 0; s < sources && ok; s++) {
+            const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
+            if (!afdep_wait_ge(flag, round, timeout_ns)) {
+                afdep_fused_fault(err, AFDEP_FUSED_FAULT_DISPATCH_WAIT, src_rank[s], round);
+                ok = 0;
+            }
+        }
+    }
+    __syncthreads();
+    if (!ok) return;
+    const u32 lane = afdep_lane();
+    const u64 total = slab_starts[sources];
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    const u32 payload = 2u * hidden;
+    for (u64 c = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; c < total; c += warps) {
+        u32 s = 0;
+        while (s + 1 < sources && slab_starts[s + 1] <= c) s++;
+        const u64 i = c - slab_starts[s];
+        // volatile-free plain loads are fine: the acquire above orders them after the flag
+        const u8* row = ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes;
+        const u32* meta = (const u32*)(row + afdep_align16(payload));
+        const u64* dst = (const u64*)(meta + 2 + 2 * K);
+#pragma unroll 1
+        for (int k = 0; k < K; k++) {
+            const u64 d = dst[k];
+            if (d != AFDEP_FUSED_NO_ROW) afdep_warp_copy(expanded + d * hidden, row, payload, lane);
+        }
+    }
+}

@@ -1,0 +1,52 @@
+// The fused (payload-first) exchange: the layout of one slab row and the device error word.
+// The host side is afdep_kernels::ops::fused (SLAB_META_WORDS, fault codes) and
+// afdep_moe::fused (the workspace offsets); a host test checks the constants agree.
+//
+// A slab row, in the FFN rank's workspace (per-source slabs): the payload, then the metadata,
+// each part 16-byte aligned:
+//   [ hidden bf16 payload | pad to 16 B ][ meta: u32 token, u32 0, i32 local_id[K],
+//     f32 weight[K], u64 expanded_row[K] | pad to 16 B ]
+// local_id is -1 for a slot masked or owned by another FFN rank (weight 0, row ~0).
+#pragma once
+
+#include "common/types.cuh"
+
+// u32 words of the metadata of a row for top-k K: 2 + K + K + 2K.
+#define AFDEP_FUSED_META_WORDS(K) (2 + 4 * (K))
+// An expanded row that does not exist (u64::MAX).
+#define AFDEP_FUSED_NO_ROW 0xffffffffffffffffull
+
+// Fault codes of the error word u32[4] = {code, peer rank, round, 0} (first fault wins).
+#define AFDEP_FUSED_FAULT_DISPATCH_WAIT 1u
+#define AFDEP_FUSED_FAULT_COMBINE_WAIT 2u
+
+static __device__ __forceinline__ u64 afdep_align16(u64 v) { return (v + 15) & ~15ull; }
+
+// Records a fault (the first one wins).
+static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32 peer, u32 round) {
+    if (atomicCAS(err, 0u, code) == 0u) {
+        err[1] = peer;
+        err[2] = round;
+        __threadfence_system();
+    }
+}
+
+// Copies `bytes` bytes (a multiple of 2, below 2^32) from src to dst with one warp: 16-byte
+// vectors when both are 16-byte aligned and bytes is a multiple of 16, 2-byte elements
+// otherwise.
+static __device__ __forceinline__ void afdep_warp_copy(void* dst, const void* src, u32 bytes,
+                                                       u32 lane) {
+    if ((bytes & 15u) == 0 && afdep_aligned16(dst) && afdep_aligned16(src)) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const u32 n = bytes >> 4;
+#pragma unroll 1
+        for (u32 v = lane; v < n; v += 32) d[v] = s[v];
+    } else {
+        const u16* s = (const u16*)src;
+        u16* d = (u16*)dst;
+        const u32 n = bytes >> 1;
+#pragma unroll 1
+        for (u32 v = lane; v < n; v += 32) d[v] = s[v];
+    }
+}

@@ -1,0 +1,447 @@
+//! Launchers of the fused (payload-first) exchange kernels: `fused_dispatch.cu`,
+//! `fused_epilogue.cu`, `fused_combine.cu`.
+//!
+//! These kernels store into other ranks' memory through a **peer table**: the device address of
+//! a `u64[world]` array whose entry r is rank r's workspace base, valid in this context (what
+//! `afdep_transport::NvlinkIpc::workspace_peer_table` gives). Kernels know nothing else about
+//! the transport. Workspace offsets (`slab_off`, flag offsets, `ret_off`) are bytes from a
+//! workspace base and are the same on every rank (symmetric workspace); the layout is the fused
+//! engine's (`afdep_moe::fused`).
+//!
+//! Waiting kernels ([`copy_epilogue`], [`combine`]) spin on flags at system scope for at most
+//! `timeout_ns` (`%globaltimer`), then record a fault in the error word (`u32[4]`:
+//! `{code, peer rank, round, 0}`, codes in [`fault`]) and leave: no trap, no hang. Their grid is
+//! capped by the caller (`blocks`): ranks that share a GPU must leave SMs for each other's
+//! kernels while they wait.
+
+use afdep_core::bf16;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::{as_u32, need};
+use crate::context::{GpuContext, launch_err};
+use crate::error::KernelError;
+use crate::sources::{BLOCK, KernelId};
+
+/// Fault codes of the fused kernels' error word (`layout/fused.cuh`).
+pub mod fault {
+    /// A copy epilogue's wait for a source's dispatch flag ran out (peer = that source).
+    pub const DISPATCH_WAIT: u32 = 1;
+    /// A combine's wait for an FFN rank's combine flag ran out (peer = that FFN rank).
+    pub const COMBINE_WAIT: u32 = 2;
+}
+
+/// `u32` words of a slab row's metadata for top-k `k` (`AFDEP_FUSED_META_WORDS`): token, 0,
+/// `k` local ids (i32), `k` weights (f32), `k` expanded rows (u64).
+pub const fn meta_words(k: usize) -> usize {
+    2 + 4 * k
+}
+
+/// An expanded row that does not exist (`AFDEP_FUSED_NO_ROW`).
+pub const NO_ROW: u64 = u64::MAX;
+
+/// Bytes of one slab row: the payload (`hidden` bf16) and the metadata, each rounded up to 16.
+pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
+    (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
+}
+
+/// Loads every fused kernel for `top_k` now (module compiled or read from the cache, and each
+/// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
+/// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
+/// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
+/// (the CUDA programming guide's lazy-loading caveat). Call it on every rank, then a barrier,
+/// before the first round.
+pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
+    let k = as_u32("top_k", top_k)?;
+    for id in [
+        KernelId::FusedDispatch,
+        KernelId::FusedSignal,
+        KernelId::FusedCopyEpilogue,
+        KernelId::FusedCombineStore,
+        KernelId::FusedCombine,
+    ] {
+        let kk = if id == KernelId::FusedCombineStore {
+            1
+        } else {
+            k
+        };
+        let f = ctx.function(id, 0, kk)?;
+        ctx.cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
+        // SAFETY: f is a live function handle of a module this context keeps loaded.
+        unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
+            .result()
+            .map_err(KernelError::driver(format!("loading {id}")))?;
+    }
+    Ok(())
+}
+
+/// Warps per block of every kernel here.
+const WARPS: u64 = (BLOCK / 32) as u64;
+
+fn blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+    let b = rows.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (b, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Where the slabs of one round live, the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlabGeometry {
+    /// Byte offset of the slabs in every workspace (slab of source rank r, row i at
+    /// `slab_off + (r * cap + i) * row_bytes`).
+    pub slab_off: u64,
+    /// Rows of one source's slab.
+    pub cap: u32,
+    /// Bytes of one slab row ([`slab_row_bytes`]).
+    pub row_bytes: u64,
+    /// Hidden size.
+    pub hidden: u32,
+}
+
+/// The send list of one source for one round: row r sends token `token[r]` to rank
+/// `dst_rank[r]`, row `slab_row[r]` of this source's slab there, with metadata
+/// `meta[r * meta_words ..]`.
+#[derive(Debug)]
+pub struct SendList<'a> {
+    /// Token index per send row.
+    pub token: &'a CudaSlice<u32>,
+    /// Destination rank per send row.
+    pub dst_rank: &'a CudaSlice<u32>,
+    /// Slab row per send row.
+    pub slab_row: &'a CudaSlice<u32>,
+    /// Metadata, `rows × meta_words` u32.
+    pub meta: &'a CudaSlice<u32>,
+    /// Send rows.
+    pub rows: usize,
+}
+
+/// Payload-first dispatch (`afdep_fused_dispatch`): stores every send row (payload of `x`,
+/// `tokens × hidden`, then metadata) into this source's (`me`) slab of its destination, through
+/// `peers` (the device address of the peer table). At most `blocks` blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn dispatch(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    send: &SendList<'_>,
+    top_k: usize,
+    peers: u64,
+    me: usize,
+    geo: &SlabGeometry,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if send.rows == 0 {
+        return Ok(());
+    }
+    let hidden = geo.hidden as usize;
+    let mw = meta_words(top_k);
+    need("x", x, tokens * hidden)?;
+    need("token", send.token, send.rows)?;
+    need("dst_rank", send.dst_rank, send.rows)?;
+    need("slab_row", send.slab_row, send.rows)?;
+    need("meta", send.meta, send.rows * mw)?;
+    if geo.row_bytes < slab_row_bytes(hidden, top_k) as u64 {
+        return Err(KernelError::Shape(format!(
+            "slab rows of {} bytes cannot hold hidden {hidden} and top-k {top_k}",
+            geo.row_bytes
+        )));
+    }
+    let rows = send.rows as u64;
+    let mw = as_u32("meta words", mw)?;
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::FusedDispatch, 0, 0)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(send.token)
+        .arg(send.dst_rank)
+        .arg(send.slab_row)
+        .arg(send.meta)
+        .arg(&mw)
+        .arg(&rows)
+        .arg(&peers)
+        .arg(&geo.slab_off)
+        .arg(&me)
+        .arg(&geo.cap)
+        .arg(&geo.row_bytes)
+        .arg(&geo.hidden);
+    // SAFETY: afdep_fused_dispatch(const u16* x, const u32* token, const u32* dst_rank, const
+    // u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers, u64 slab_off,
+    // u32 me, u32 cap, u64 row_bytes, u32 hidden): warp r < rows reads x[token[r]] (the caller's
+    // tokens are < `tokens`, x holds tokens × hidden, checked) and meta[r] (checked), and writes
+    // row_bytes bytes (enough for payload and metadata, checked) at slab row (me, slab_row[r]) of
+    // the workspace peers[dst_rank[r]]; the caller guarantees the peer table is live, that
+    // dst_rank < world, slab_row < cap, and that every workspace holds the slabs of every rank.
+    unsafe { b.launch(blocks_for(rows, blocks)) }.map_err(launch_err(KernelId::FusedDispatch))?;
+    Ok(())
+}
+
+/// Raises this rank's (`me`) flag to `value` at `flag_off` in the workspace of every rank of
+/// `ranks` (`afdep_fused_signal`, release at system scope), after everything this stream did
+/// before.
+pub fn signal(
+    ctx: &GpuContext,
+    peers: u64,
+    ranks: &CudaSlice<u32>,
+    n: usize,
+    flag_off: u64,
+    me: usize,
+    value: u32,
+) -> Result<(), KernelError> {
+    if n == 0 {
+        return Ok(());
+    }
+    need("ranks", ranks, n)?;
+    let n32 = as_u32("ranks", n)?;
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::FusedSignal, 0, 0)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&peers)
+        .arg(ranks)
+        .arg(&n32)
+        .arg(&flag_off)
+        .arg(&me)
+        .arg(&value);
+    // SAFETY: afdep_fused_signal(const u64* peers, const u32* ranks, u32 n, u64 flag_off, u32
+    // me, u32 value): thread i < n (ranks holds n, checked) stores 4 bytes at flag_off + 4 me of
+    // workspace peers[ranks[i]]; the caller guarantees the ranks are < world and the flag area
+    // holds world u32.
+    unsafe { b.launch(blocks_for(n.div_ceil(32) as u64, u32::MAX)) }
+        .map_err(launch_err(KernelId::FusedSignal))?;
+    Ok(())
+}
+
+/// The sources of one copy epilogue: their ranks and the exclusive prefix of their slab rows.
+#[derive(Debug)]
+pub struct EpilogueSources<'a> {
+    /// Rank of each source, in source order.
+    pub rank: &'a CudaSlice<u32>,
+    /// `sources + 1` entries: slab row prefix (the compact view's source offsets).
+    pub slab_starts: &'a CudaSlice<u64>,
+    /// Number of sources.
+    pub sources: usize,
+    /// Total compact rows (`slab_starts[sources]`).
+    pub total: u64,
+}
+
+/// The copy epilogue (`afdep_fused_copy_epilogue`): waits for every source's dispatch flag
+/// (`>= round`, at `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then copies
+/// every slab row's payload to the expanded rows its metadata names (`expanded` holds
+/// `expanded_rows × hidden`; the caller's metadata names rows below that). A timeout records
+/// [`fault::DISPATCH_WAIT`] in `err`.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_epilogue(
+    ctx: &GpuContext,
+    ws: u64,
+    src: &EpilogueSources<'_>,
+    flag_off: u64,
+    geo: &SlabGeometry,
+    top_k: usize,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    expanded: &mut CudaSlice<bf16>,
+    expanded_rows: usize,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if src.sources == 0 {
+        return Ok(());
+    }
+    need("source ranks", src.rank, src.sources)?;
+    need("slab starts", src.slab_starts, src.sources + 1)?;
+    need("expanded", expanded, expanded_rows * geo.hidden as usize)?;
+    let k = as_u32("top_k", top_k)?;
+    let ns = as_u32("sources", src.sources)?;
+    let f = ctx.function(KernelId::FusedCopyEpilogue, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(src.rank)
+        .arg(src.slab_starts)
+        .arg(&ns)
+        .arg(&flag_off)
+        .arg(&geo.slab_off)
+        .arg(&geo.cap)
+        .arg(&geo.row_bytes)
+        .arg(&geo.hidden)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err)
+        .arg(expanded);
+    // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
+    // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
+    // u32 round, u64 timeout_ns, u32* err, u16* expanded) with K compiled in: thread 0 of each
+    // block reads the sources' flags of this rank's live workspace; after they are raised, warp c
+    // < slab_starts[sources] reads slab row (src_rank[s], c - slab_starts[s]) (< cap, the
+    // caller's counts) and writes the expanded rows its metadata names (< expanded_rows, the
+    // caller's plan; expanded holds expanded_rows × hidden, checked); err is a live u32[4].
+    unsafe { b.launch(blocks_for(src.total, blocks)) }
+        .map_err(launch_err(KernelId::FusedCopyEpilogue))?;
+    Ok(())
+}
+
+/// Where the combine's rows go: expanded row j of this FFN rank (`me`) goes to rank
+/// `dst_rank[j]`, row `dst_row[j]` of this FFN rank's return area there.
+#[derive(Debug)]
+pub struct ReturnList<'a> {
+    /// Destination (source) rank per expanded row.
+    pub dst_rank: &'a CudaSlice<u32>,
+    /// Row in the destination's return area of this FFN rank.
+    pub dst_row: &'a CudaSlice<u64>,
+    /// Expanded rows.
+    pub rows: usize,
+}
+
+/// The combine stores (`afdep_fused_combine_store`): expert output row j of `y` (`rows ×
+/// hidden`) to `ret_off + (me * ret_cap + dst_row[j]) * 2 hidden` of workspace
+/// `peers[dst_rank[j]]`.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_store(
+    ctx: &GpuContext,
+    y: &CudaSlice<bf16>,
+    ret: &ReturnList<'_>,
+    peers: u64,
+    ret_off: u64,
+    me: usize,
+    ret_cap: u64,
+    hidden: usize,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if ret.rows == 0 {
+        return Ok(());
+    }
+    need("y", y, ret.rows * hidden)?;
+    need("dst_rank", ret.dst_rank, ret.rows)?;
+    need("dst_row", ret.dst_row, ret.rows)?;
+    let rows = ret.rows as u64;
+    let me = as_u32("rank", me)?;
+    let h = as_u32("hidden", hidden)?;
+    let f = ctx.function(KernelId::FusedCombineStore, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(y)
+        .arg(ret.dst_rank)
+        .arg(ret.dst_row)
+        .arg(&rows)
+        .arg(&peers)
+        .arg(&ret_off)
+        .arg(&me)
+        .arg(&ret_cap)
+        .arg(&h);
+    // SAFETY: afdep_fused_combine_store(const u16* y, const u32* dst_rank, const u64* dst_row,
+    // u64 rows, const u64* peers, u64 ret_off, u32 me, u64 ret_cap, u32 hidden): warp j < rows
+    // reads y[j] (y holds rows × hidden, checked) and writes 2 hidden bytes at return row (me,
+    // dst_row[j]) of workspace peers[dst_rank[j]]; the caller guarantees the ranks are < world,
+    // dst_row < ret_cap and that every workspace holds world × ret_cap return rows.
+    unsafe { b.launch(blocks_for(rows, blocks)) }
+        .map_err(launch_err(KernelId::FusedCombineStore))?;
+    Ok(())
+}
+
+/// One source's combine inputs: per slot its row in the return area (`ffn_rank * ret_cap +
+/// row`, [`NO_ROW`] when masked), the FFN index of its owner, its weight.
+#[derive(Debug)]
+pub struct CombineSlots<'a> {
+    /// `tokens × top_k` return rows.
+    pub row: &'a CudaSlice<u64>,
+    /// `tokens × top_k` owner FFN indices.
+    pub ffn: &'a CudaSlice<u32>,
+    /// `tokens × top_k` weights.
+    pub weight: &'a CudaSlice<f32>,
+    /// Tokens.
+    pub tokens: usize,
+}
+
+/// The combine (`afdep_fused_combine`): waits for every FFN rank's combine flag (`>= round`, at
+/// `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then writes `out`
+/// (`tokens × hidden` bf16) in the fixed order (FFN ranks ascending, slots ascending, f32). A
+/// timeout records [`fault::COMBINE_WAIT`] in `err`. `ffn_ranks` (ascending) holds `ffns`
+/// ranks.
+#[allow(clippy::too_many_arguments)]
+pub fn combine(
+    ctx: &GpuContext,
+    ws: u64,
+    ffn_ranks: &CudaSlice<u32>,
+    ffns: usize,
+    flag_off: u64,
+    ret_off: u64,
+    slots: &CombineSlots<'_>,
+    top_k: usize,
+    hidden: usize,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    out: &mut CudaSlice<bf16>,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if slots.tokens == 0 {
+        return Ok(());
+    }
+    let n = slots.tokens * top_k;
+    need("ffn ranks", ffn_ranks, ffns)?;
+    need("slot rows", slots.row, n)?;
+    need("slot owners", slots.ffn, n)?;
+    need("slot weights", slots.weight, n)?;
+    need("out", out, slots.tokens * hidden)?;
+    let k = as_u32("top_k", top_k)?;
+    let nf = as_u32("ffns", ffns)?;
+    let h = as_u32("hidden", hidden)?;
+    let t = slots.tokens as u64;
+    let f = ctx.function(KernelId::FusedCombine, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(ffn_ranks)
+        .arg(&nf)
+        .arg(&flag_off)
+        .arg(&ret_off)
+        .arg(slots.row)
+        .arg(slots.ffn)
+        .arg(slots.weight)
+        .arg(&t)
+        .arg(&h)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err)
+        .arg(out);
+    // SAFETY: afdep_fused_combine(const u8* ws, const u32* ffn_rank, u32 ffns, u64 flag_off,
+    // u64 ret_off, const u64* slot_row, const u32* slot_ffn, const float* w, u64 tokens, u32
+    // hidden, u32 round, u64 timeout_ns, u32* err, u16* out) with K compiled in: thread 0 of
+    // each block reads the FFN ranks' flags of this rank's live workspace; then warp t < tokens
+    // reads K slots (the tables hold tokens × K, checked), the return rows they name (within the
+    // return area, the caller's plan) and writes out[t] (tokens × hidden, checked); err is a
+    // live u32[4].
+    unsafe { b.launch(blocks_for(t, blocks)) }.map_err(launch_err(KernelId::FusedCombine))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn define(name: &str) -> String {
+        let text = include_str!("../../cuda/layout/fused.cuh");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
+        line[format!("#define {name} ").len()..].trim().to_string()
+    }
+
+    #[test]
+    fn header_constants_match() {
+        assert_eq!(define("AFDEP_FUSED_META_WORDS(K)"), "(2 + 4 * (K))");
+        assert_eq!(meta_words(3), 14);
+        assert_eq!(define("AFDEP_FUSED_NO_ROW"), "0xffffffffffffffffull");
+        assert_eq!(
+            define("AFDEP_FUSED_FAULT_DISPATCH_WAIT"),
+            format!("{}u", fault::DISPATCH_WAIT)
+        );
+        assert_eq!(
+            define("AFDEP_FUSED_FAULT_COMBINE_WAIT"),
+            format!("{}u", fault::COMBINE_WAIT)
+        );
+        assert_eq!(slab_row_bytes(24, 3), 48 + 64);
+        assert_eq!(slab_row_bytes(8, 1), 16 + 32);
+    }
+}

@@ -1,0 +1,253 @@
+//! Helpers shared by the exchange-engine GPU tests (`gpu_nvlink`): configs, random sources with
+//! a hot expert and masked slots, one round per rank on threads over any engine, and the check
+//! against the oracle. (Copied from `tests/staged.rs`, whose helpers are private to that test
+//! binary.)
+#![allow(dead_code)] // each test binary uses its own subset
+
+use afdep_core::oracle::LayerParams;
+use afdep_core::oracle::exchange::{self as reference, SourceInput};
+use afdep_core::oracle::layer;
+use afdep_core::route::{MASKED, Routes};
+use afdep_core::tensor::{rng, uniform_bf16};
+use afdep_core::{ExchangeConfig, LayerShape, bf16};
+use afdep_moe::{ExchangeError, ExpertFn, RoundOutput};
+use rand::Rng;
+use rand::seq::SliceRandom;
+
+/// What one rank gets from one round.
+pub type RankResult = Result<RoundOutput, ExchangeError>;
+
+/// One rank's exchange engine, whatever its kind.
+pub trait Engine {
+    /// One round (see `StagedEngine::round`).
+    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult;
+}
+
+impl<T: afdep_transport::Transport> Engine for afdep_moe::StagedEngine<T> {
+    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
+        afdep_moe::StagedEngine::round(self, input, expert)
+    }
+}
+
+impl Engine for afdep_moe::FusedEngine {
+    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
+        afdep_moe::FusedEngine::round(self, input, expert)
+    }
+}
+
+/// The expert function of the tests: the layer's SwiGLU experts, or a cheap scaling.
+pub fn expert_of(p: Option<&LayerParams>) -> impl Fn(usize, &[bf16], usize) -> Vec<bf16> + '_ {
+    move |e: usize, rows: &[bf16], n: usize| match p {
+        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
+        None => rows
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+            .collect(),
+    }
+}
+
+/// Runs `rounds` on one group: `make(rank, cfg, transport)` builds each rank's engine on its own
+/// thread. Returns `[round][rank]` results, or every rank's set-up error. The engines are
+/// dropped only after every rank's thread is done, so no rank frees device memory (which may
+/// synchronise the device) while another rank's kernel still waits for its peers.
+pub fn run_group<T: Send, E: Engine + Send>(
+    group: Vec<T>,
+    cfgs: &[ExchangeConfig],
+    rounds: &[Vec<SourceInput>],
+    p: Option<&LayerParams>,
+    make: &(dyn Fn(usize, ExchangeConfig, T) -> Result<E, ExchangeError> + Sync),
+) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
+    let world = cfgs[0].topology.world_size();
+    let mut engines: Vec<E> = Vec::new();
+    let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let cfg = cfgs[rank].clone();
+                sc.spawn(move || {
+                    let mut eng = make(rank, cfg.clone(), t)?;
+                    let expert = expert_of(p);
+                    let results = rounds
+                        .iter()
+                        .map(|inp| {
+                            eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert)
+                        })
+                        .collect();
+                    Ok((results, eng))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().expect("rank thread panicked").map(|(r, e)| {
+                    engines.push(e);
+                    r
+                })
+            })
+            .collect()
+    });
+    drop(engines);
+    let mut ok = Vec::new();
+    let mut errs = Vec::new();
+    for r in per_rank {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => errs.push(e),
+        }
+    }
+    if !errs.is_empty() {
+        assert_eq!(
+            errs.len(),
+            world,
+            "set-up failed on some ranks only: {errs:?}"
+        );
+        return Err(errs);
+    }
+    let nr = rounds.len();
+    let mut out: Vec<Vec<RankResult>> = (0..nr).map(|_| Vec::new()).collect();
+    for rank_results in ok {
+        for (i, r) in rank_results.into_iter().enumerate() {
+            out[i].push(r);
+        }
+    }
+    Ok(out)
+}
+
+/// The rounds of the every-ratio test for `c`: uneven ranks with a hot expert, one token each,
+/// no token anywhere, and a bigger uneven round with a zero-token rank.
+pub fn every_ratio_rounds(c: &ExchangeConfig) -> Vec<Vec<SourceInput>> {
+    let a = c.topology.attention_count();
+    let token_sets: [&[usize]; 3] = [&[7, 0, 13, 2], &[1, 1, 1, 1], &[0, 0, 0, 0]];
+    token_sets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            sources(
+                c,
+                &t[..a],
+                if i == 0 { Some(5) } else { None },
+                i as u64 + 1,
+            )
+        })
+        .chain(std::iter::once(sources(
+            c,
+            &[33, 5, 0, 20][..a],
+            Some(11),
+            9,
+        )))
+        .collect()
+}
+
+pub fn cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
+    ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, top_k, 64).unwrap()
+}
+
+pub fn params(cfg: &ExchangeConfig, width: usize, seed: u64) -> LayerParams {
+    LayerParams::random(
+        LayerShape {
+            d_model: cfg.hidden,
+            width,
+            experts: cfg.experts,
+            top_k: cfg.top_k,
+            shared: 0,
+            renormalize: true,
+        },
+        seed,
+    )
+}
+
+/// Random routes: distinct experts per token, every 4th slot masked at random, and, when `hot`
+/// is set, expert `hot` in slot 0 of 90% of the tokens.
+pub fn routes(tokens: usize, k: usize, owned: usize, hot: Option<i32>, seed: u64) -> Routes {
+    let mut r = rng(seed, 7);
+    let mut idx = Vec::new();
+    let mut weights = Vec::new();
+    for _ in 0..tokens {
+        let mut ids: Vec<i32> = (0..owned as i32).collect();
+        ids.shuffle(&mut r);
+        let mut sel: Vec<i32> = ids[..k].to_vec();
+        if let Some(h) = hot {
+            if r.gen_bool(0.9) {
+                if let Some(p) = sel.iter().position(|&e| e == h) {
+                    sel.swap(0, p);
+                } else {
+                    sel[0] = h;
+                }
+            }
+        }
+        for e in sel {
+            idx.push(if r.gen_bool(0.25) { MASKED } else { e });
+            weights.push(r.gen_range(0.05f32..1.0));
+        }
+    }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
+}
+
+pub fn sources(
+    cfg: &ExchangeConfig,
+    tokens: &[usize],
+    hot: Option<i32>,
+    seed: u64,
+) -> Vec<SourceInput> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(s, &t)| SourceInput {
+            x: uniform_bf16(t * cfg.hidden, 1.0, seed, 50 + s as u64),
+            routes: routes(
+                t,
+                cfg.top_k,
+                cfg.placement().owned(),
+                hot,
+                seed * 31 + s as u64,
+            ),
+        })
+        .collect()
+}
+
+/// Checks one round: every source's combine bit for bit, every FFN rank's received views.
+pub fn check_round(
+    cfg: &ExchangeConfig,
+    inp: &[SourceInput],
+    got: &[RankResult],
+    p: Option<&LayerParams>,
+) {
+    let expert = |e: usize, rows: &[bf16], n: usize| match p {
+        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
+        None => rows
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+            .collect(),
+    };
+    let want_rx = reference::dispatch(cfg, inp).unwrap();
+    let want = reference::exchange(cfg, inp, expert).unwrap();
+    for (rank, r) in got.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        if let Some(s) = cfg.topology.attention_index(rank) {
+            let c = r.combined.as_ref().expect("attention rank combines");
+            assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
+            // bitwise: compare the bits so that -0/+0 differences fail too
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(c),
+                bits(&want[s]),
+                "{}: combine of source {s} differs",
+                cfg.topology
+            );
+        }
+        if let Some(f) = cfg.topology.ffn_index(rank) {
+            let rx = r.received.as_ref().expect("FFN rank receives");
+            assert_eq!(
+                rx, &want_rx[f],
+                "{}: dispatch to FFN rank {f} differs",
+                cfg.topology
+            );
+        }
+    }
+}

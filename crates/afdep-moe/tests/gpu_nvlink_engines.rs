@@ -1,0 +1,280 @@
+//! The exchange engines over NvlinkIpc in-process ranks on one GPU: the staged engine for every
+//! ratio on 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, 1A:2F, EP2, EP3) with uneven
+//! ranks, a zero-token rank, a hot expert and masked slots, bit-identical to the oracle; a
+//! rejected route fails every rank and the next round works. The same for the fused engine
+//! (payload-first kernels storing through the peer table), which must also equal the staged
+//! engine bit for bit.
+//!
+//! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
+//! missing GPU fails.
+
+mod exchange_common;
+
+use std::time::Duration;
+
+use afdep_core::ExchangeConfig;
+use afdep_core::RouteError;
+use afdep_core::oracle::exchange::SourceInput;
+use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
+use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use exchange_common::*;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// One test at a time: the fused engine's kernels spin on the GPU while they wait for their
+/// peers, and another test's module loads or frees could synchronise the shared context.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `n` in-process NvlinkIpc ranks on device 0, or `None` after printing `SKIP: <reason>`.
+fn nvlink(n: usize) -> Option<Vec<NvlinkIpc>> {
+    let opts = NvlinkOptions {
+        staging_bytes: 4 << 20,
+        workspace_bytes: 4 << 20,
+        timeout: TIMEOUT,
+    };
+    match NvlinkIpc::group_on_device(n, 0, opts) {
+        Ok(g) => Some(g),
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
+            }
+            println!("SKIP: {why}");
+            None
+        }
+        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
+    }
+}
+
+fn staged(
+    _rank: usize,
+    cfg: ExchangeConfig,
+    t: NvlinkIpc,
+) -> Result<StagedEngine<NvlinkIpc>, ExchangeError> {
+    StagedEngine::new(cfg, t)
+}
+
+#[test]
+fn staged_over_nvlink_is_bit_identical_to_the_oracle_for_every_ratio() {
+    let _serial = serial();
+    for topo in [
+        "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
+    ] {
+        let c = cfg(topo, 24, 12, 3);
+        let p = params(&c, 8, 5);
+        let rounds = every_ratio_rounds(&c);
+        let Some(g) = nvlink(c.topology.world_size()) else {
+            return;
+        };
+        let got = run_group(
+            g,
+            &vec![c.clone(); c.topology.world_size()],
+            &rounds,
+            Some(&p),
+            &staged,
+        )
+        .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, Some(&p));
+        }
+    }
+}
+
+#[test]
+fn staged_over_nvlink_rejects_a_route_on_every_rank_and_goes_on() {
+    let _serial = serial();
+    let c = cfg("3A:1F", 16, 8, 2);
+    let mut bad = sources(&c, &[4, 3, 5], None, 3);
+    // a duplicate expert in token 1 of source 2
+    bad[2].routes.idx[2] = 3;
+    bad[2].routes.idx[3] = 3;
+    let want = RouteError::Duplicate {
+        rank: 2,
+        token: 1,
+        slot: 1,
+        expert: 3,
+        first_slot: 0,
+    };
+    let good = sources(&c, &[3, 0, 5], Some(2), 12);
+    let rounds: Vec<Vec<SourceInput>> = vec![bad, good.clone()];
+    let Some(g) = nvlink(4) else {
+        return;
+    };
+    let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &staged).unwrap();
+    for (rank, r) in got[0].iter().enumerate() {
+        match r {
+            Err(ExchangeError::Route { reporter, error }) => {
+                assert_eq!(*reporter, rank);
+                assert_eq!(error.to_word(), want.to_word(), "rank {rank}: {error}");
+            }
+            other => panic!("rank {rank}: expected {want}, got {other:?}"),
+        }
+    }
+    check_round(&c, &good, &got[1], None);
+}
+
+fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {
+    FusedEngine::new(cfg, t)
+}
+
+/// The parts of a round's output that engines must agree on (not the times).
+fn parts(
+    r: &RoundOutput,
+) -> (
+    Option<Vec<u16>>,
+    Option<afdep_core::oracle::exchange::FfnReceived>,
+) {
+    (
+        r.combined
+            .as_ref()
+            .map(|c| c.iter().map(|v| v.to_bits()).collect()),
+        r.received.clone(),
+    )
+}
+
+#[test]
+fn fused_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() {
+    let _serial = serial();
+    for topo in [
+        "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
+    ] {
+        let c = cfg(topo, 24, 12, 3);
+        assert!(FusedEngine::workspace_bytes(&c) <= 4 << 20);
+        let p = params(&c, 8, 5);
+        let rounds = every_ratio_rounds(&c);
+        let world = c.topology.world_size();
+        let Some(g) = nvlink(world) else {
+            return;
+        };
+        let got = run_group(g, &vec![c.clone(); world], &rounds, Some(&p), &fused)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, Some(&p));
+        }
+        let Some(g) = nvlink(world) else {
+            return;
+        };
+        let staged_out = run_group(g, &vec![c.clone(); world], &rounds, Some(&p), &staged)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (i, (a, b)) in got.iter().zip(&staged_out).enumerate() {
+            for (rank, (a, b)) in a.iter().zip(b).enumerate() {
+                let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                assert!(
+                    parts(a) == parts(b),
+                    "{topo} round {i} rank {rank}: fused != staged"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_unplaced_experts_and_odd_hidden() {
+    let _serial = serial();
+    // hidden 20 (not a multiple of 8: the element-wise copy path), 2 of 3 experts per rank placed
+    let mut c = cfg("1A:3F", 20, 9, 2);
+    c.experts_per_rank = 2;
+    c.validate().unwrap();
+    let inp = sources(&c, &[9], Some(1), 3);
+    let Some(g) = nvlink(4) else {
+        return;
+    };
+    let got = run_group(
+        g,
+        &vec![c.clone(); 4],
+        std::slice::from_ref(&inp),
+        None,
+        &fused,
+    )
+    .unwrap();
+    check_round(&c, &inp, &got[0], None);
+}
+
+#[test]
+fn fused_rejects_a_route_on_every_rank_and_goes_on() {
+    let _serial = serial();
+    let c = cfg("2A:2F", 16, 8, 2);
+    let mut bad = sources(&c, &[4, 3], None, 3);
+    bad[0].routes.idx[0] = 8; // wide
+    let good = sources(&c, &[3, 0], Some(2), 12);
+    let rounds: Vec<Vec<SourceInput>> = vec![good.clone(), bad, good.clone()];
+    let Some(g) = nvlink(4) else {
+        return;
+    };
+    let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &fused).unwrap();
+    check_round(&c, &good, &got[0], None);
+    for (rank, r) in got[1].iter().enumerate() {
+        match r {
+            Err(ExchangeError::Route { reporter, error }) => {
+                assert_eq!(*reporter, rank);
+                assert!(
+                    matches!(
+                        error,
+                        RouteError::Wide {
+                            rank: 0,
+                            token: 0,
+                            slot: 0,
+                            ..
+                        }
+                    ),
+                    "rank {rank}: {error}"
+                );
+            }
+            other => panic!("rank {rank}: expected a wide-id rejection, got {other:?}"),
+        }
+    }
+    check_round(&c, &good, &got[2], None);
+}
+
+#[test]
+fn fused_rejects_a_too_small_workspace_on_every_rank() {
+    let _serial = serial();
+    let c = cfg("2A:2F", 64, 8, 2);
+    let opts = NvlinkOptions {
+        staging_bytes: 1 << 16,
+        workspace_bytes: FusedEngine::workspace_bytes(&c) - 1,
+        timeout: TIMEOUT,
+    };
+    let g = match NvlinkIpc::group_on_device(4, 0, opts) {
+        Ok(g) => g,
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
+            }
+            println!("SKIP: {why}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let errs = run_group(g, &vec![c.clone(); 4], &[], None, &fused).unwrap_err();
+    for (rank, e) in errs.iter().enumerate() {
+        match e {
+            ExchangeError::Input { rank: r, what } => {
+                assert_eq!(*r, rank);
+                assert!(what.contains("workspace"), "{what}");
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+/// One rank that is both source and FFN rank (EP1): every flag is raised and awaited on the
+/// same stream, so this one also runs under compute-sanitizer (which serialises kernels, so the
+/// multi-rank tests' cross-stream waits would run out there).
+#[test]
+fn fused_single_rank_ep1() {
+    let _serial = serial();
+    let c = cfg("EP1", 24, 12, 3);
+    let p = params(&c, 8, 5);
+    let rounds = every_ratio_rounds(&c);
+    let Some(g) = nvlink(1) else {
+        return;
+    };
+    let got = run_group(g, std::slice::from_ref(&c), &rounds, Some(&p), &fused).unwrap();
+    for (inp, g) in rounds.iter().zip(&got) {
+        check_round(&c, inp, g, Some(&p));
+    }
+}
