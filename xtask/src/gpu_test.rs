@@ -29,12 +29,18 @@ pub struct GpuTestArgs {
 
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
+/// Cargo features of the GPU builds: the NCCL transport (loaded at run time, so it builds
+/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`.
+const GPU_FEATURES: &str = "afdep-moe/nccl,afdep-bench/nccl";
+
 fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.args([
         "test",
         "--workspace",
         "--no-run",
+        "--features",
+        GPU_FEATURES,
         "--message-format=json-render-diagnostics",
     ]);
     if release {
@@ -110,7 +116,16 @@ fn build_afdep() -> Result<PathBuf> {
     crate::run(
         {
             let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            c.args(["build", "--release", "-p", "afdep-bench", "--bin", "afdep"]);
+            c.args([
+                "build",
+                "--release",
+                "-p",
+                "afdep-bench",
+                "--features",
+                "nccl",
+                "--bin",
+                "afdep",
+            ]);
             c
         },
         "cargo build --release afdep",

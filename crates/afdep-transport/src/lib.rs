@@ -74,10 +74,13 @@
 //! any later work the caller orders after the transport (for device transports: later work on the
 //! transport's stream).
 
+mod any;
 pub mod bootstrap;
 mod error;
 pub mod host_tcp;
 pub mod loopback;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
@@ -85,12 +88,15 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+pub use any::{AnyBuffer, AnyTransport, TransportOptions};
 pub use bootstrap::{
     Bootstrap, BootstrapListener, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, RendezvousEnv,
 };
 pub use error::TransportError;
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
+#[cfg(feature = "nccl")]
+pub use nccl::{Nccl, NcclBuffer};
 #[cfg(feature = "ucx")]
 pub use ucx::{Ucx, UcxOptions};
 
