@@ -415,7 +415,9 @@ fn rank_rounds<T: Transport>(
                 }
             }
             Some(Fault::Reject { rank: r, round }) if timed == Some(round) => {
-                let s = topo.attention_index(r).context("checked: an attention rank")?;
+                let s = topo
+                    .attention_index(r)
+                    .context("checked: an attention rank")?;
                 rejecting = Some(s);
                 if r == rank {
                     bad_input = input.cloned().context("an attention rank has input")?;
@@ -581,12 +583,12 @@ fn reference_of(prob: &Problem, expert: ExpertArg) -> Result<Vec<Vec<bf16>>> {
 /// one (`Timeout`, `PeerGone`, ...).
 fn error_class(e: &anyhow::Error) -> &'static str {
     for c in e.chain() {
-        let t = c
-            .downcast_ref::<TransportError>()
-            .or_else(|| match c.downcast_ref::<ExchangeError>() {
+        let t = c.downcast_ref::<TransportError>().or_else(|| {
+            match c.downcast_ref::<ExchangeError>() {
                 Some(ExchangeError::Transport(t)) => Some(t),
                 _ => None,
-            });
+            }
+        });
         if let Some(t) = t {
             return match t {
                 TransportError::Timeout { .. } => "Timeout",
@@ -738,11 +740,12 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                 (status, slowest(&times), runs[0].rejected, combined)
             }
             Some(eng) => {
-                let run = rank_rounds(eng, &prob, a.expert, a.warmup, a.rounds, a.fault)
-                    .map_err(|e| {
+                let run = rank_rounds(eng, &prob, a.expert, a.warmup, a.rounds, a.fault).map_err(
+                    |e| {
                         let class = error_class(&e);
                         e.context(format!("rank {me}: round failed ({class})"))
-                    })?;
+                    },
+                )?;
                 // 0: unverified, 1: ok, 2: mismatch
                 let verdict: u8 = match cfg.topology.attention_index(me) {
                     _ if a.no_verify => 0,

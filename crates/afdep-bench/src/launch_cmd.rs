@@ -11,6 +11,11 @@
 //! signal, the others get `--grace` seconds to finish on their own (so their typed errors, a
 //! peer gone or a timeout, reach the log), then are killed; when `--timeout` passes, all are
 //! killed. Either way the launcher exits non-zero naming the first rank that failed and how.
+//!
+//! The children stay in the launcher's process group, so a Ctrl-C at the terminal reaches all of
+//! them. What a rank started itself (a shell's background children) is not the launcher's to
+//! kill; if such a process keeps a rank's output pipe open, the launcher stops forwarding it
+//! [`DRAIN`] after the last rank ended instead of waiting for it.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -25,6 +30,8 @@ use tracing::{debug, warn};
 
 /// How often the launcher polls its children.
 const POLL: Duration = Duration::from_millis(10);
+/// How long the output of ended ranks is still forwarded (see the module docs).
+const DRAIN: Duration = Duration::from_secs(2);
 
 /// Arguments of `afdep launch`.
 #[derive(Debug, Args)]
@@ -71,6 +78,12 @@ fn describe(s: ExitStatus) -> String {
         Some(c) => format!("exited with status {c}"),
         None => "ended without a status".into(),
     }
+}
+
+/// Kills `c` (SIGKILL) and reaps it.
+fn kill(c: &mut Child) {
+    let _ = c.kill();
+    let _ = c.wait();
 }
 
 /// A free port on 127.0.0.1 (bound, read, released: another process may take it in between,
@@ -123,10 +136,16 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         bail!("-n must be at least 1");
     }
     if !(a.timeout >= 0.0 && a.timeout.is_finite()) {
-        bail!("--timeout must be a non-negative number of seconds, got {}", a.timeout);
+        bail!(
+            "--timeout must be a non-negative number of seconds, got {}",
+            a.timeout
+        );
     }
     if !(a.grace >= 0.0 && a.grace.is_finite()) {
-        bail!("--grace must be a non-negative number of seconds, got {}", a.grace);
+        bail!(
+            "--grace must be a non-negative number of seconds, got {}",
+            a.grace
+        );
     }
     let addr = match &a.rendezvous {
         Some(s) => s.clone(),
@@ -149,8 +168,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             Ok(c) => c,
             Err(e) => {
                 for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
+                    kill(c);
                 }
                 return Err(e).with_context(|| format!("starting rank {rank}: {prog:?}"));
             }
@@ -162,7 +180,12 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             false,
             a.tag_stdout,
         ));
-        pumps.push(forward(rank, child.stderr.take().expect("piped"), true, true));
+        pumps.push(forward(
+            rank,
+            child.stderr.take().expect("piped"),
+            true,
+            true,
+        ));
         children.push(child);
     }
     let start = Instant::now();
@@ -190,8 +213,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
                 Ok(None) => {}
                 Err(e) => {
                     // cannot observe it any more: treat as failed and stop it
-                    let _ = c.kill();
-                    let _ = c.wait();
+                    kill(c);
                     ends[rank] = Some(End::Killed);
                     if failed.is_none() {
                         failed = Some((rank, format!("could not be waited for: {e}")));
@@ -209,8 +231,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             timed_out |= over && failed.is_none();
             for (rank, c) in children.iter_mut().enumerate() {
                 if ends[rank].is_none() {
-                    let _ = c.kill();
-                    let _ = c.wait();
+                    kill(c);
                     ends[rank] = Some(End::Killed);
                 }
             }
@@ -218,8 +239,14 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         }
         std::thread::sleep(POLL);
     }
+    let drained = Instant::now() + DRAIN;
+    while pumps.iter().any(|p| !p.is_finished()) && Instant::now() < drained {
+        std::thread::sleep(POLL);
+    }
     for p in pumps {
-        let _ = p.join();
+        if p.is_finished() {
+            let _ = p.join();
+        }
     }
     let killed: Vec<usize> = (0..a.nprocs)
         .filter(|&r| matches!(ends[r], Some(End::Killed)))

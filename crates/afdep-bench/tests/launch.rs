@@ -51,7 +51,10 @@ fn launch_gives_every_rank_its_environment() {
             f[2]
         })
         .collect();
-    assert!(addrs.iter().all(|a| *a == addrs[0]), "one rendezvous: {addrs:?}");
+    assert!(
+        addrs.iter().all(|a| *a == addrs[0]),
+        "one rendezvous: {addrs:?}"
+    );
     assert!(addrs[0].starts_with("127.0.0.1:"), "{addrs:?}");
     for r in 0..3 {
         assert!(
@@ -92,13 +95,16 @@ fn launch_stops_the_others_when_one_fails_and_names_it() {
         "--",
         "sh",
         "-c",
-        "if [ \"$AFDEP_RANK\" = 1 ]; then exit 7; fi; sleep 60",
+        "if [ \"$AFDEP_RANK\" = 1 ]; then exit 7; fi; exec sleep 60",
     ]);
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(took < Duration::from_secs(20), "took {took:?}");
     assert!(stderr.contains("rank 1 exited with status 7"), "{stderr}");
-    assert!(stderr.contains("[0, 2]"), "ranks 0 and 2 were killed: {stderr}");
+    assert!(
+        stderr.contains("[0, 2]"),
+        "ranks 0 and 2 were killed: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -168,7 +174,11 @@ fn multi_process_needs_the_launch_environment_and_a_process_transport() {
         "loopback",
     ]);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("threads"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("threads"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
@@ -194,7 +204,10 @@ fn unavailable_transports_say_why() {
         ]);
         let stderr = text(&out.stderr);
         assert!(!out.status.success(), "{t}");
-        assert!(stderr.contains("unavailable") && stderr.contains(why), "{t}: {stderr}");
+        assert!(
+            stderr.contains("unavailable") && stderr.contains(why),
+            "{t}: {stderr}"
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
@@ -316,7 +329,8 @@ fn every_ratio_over(transport: &str, extra: &[&str]) {
         // the attention index of the rejecting rank: attention ranks come first
         let s = reject;
         for r in 0..n {
-            let want = format!("[{r}] rank {r}: round 2 rejected as injected: wide route: rank {s}");
+            let want =
+                format!("[{r}] rank {r}: round 2 rejected as injected: wide route: rank {s}");
             assert!(stderr.contains(&want), "{topo}: no `{want}` in\n{stderr}");
         }
     }
@@ -337,7 +351,17 @@ fn killed_mid_round(transport: &str, extra: &[&str]) {
     let input = input.to_str().unwrap().to_string();
     let exe = env!("CARGO_BIN_EXE_afdep");
     // a grace longer than the timeout: the others end on their own, with their errors
-    let mut args = vec!["launch", "-n", "4", "--grace", "30", "--timeout", "120", "--", exe];
+    let mut args = vec![
+        "launch",
+        "-n",
+        "4",
+        "--grace",
+        "30",
+        "--timeout",
+        "120",
+        "--",
+        exe,
+    ];
     args.extend(exchange_args("2A:2F", &input, transport));
     args.extend([
         "--rounds",
@@ -355,7 +379,10 @@ fn killed_mid_round(transport: &str, extra: &[&str]) {
         stderr.contains("rank 2 was killed by signal 6"),
         "the launcher names the aborted rank: {stderr}"
     );
-    assert!(stderr.contains("[2] rank 2: aborting mid-round"), "{stderr}");
+    assert!(
+        stderr.contains("[2] rank 2: aborting mid-round"),
+        "{stderr}"
+    );
     assert!(
         took < Duration::from_secs(25),
         "the others must fail within the timeout, took {took:?}:\n{stderr}"

@@ -15,8 +15,7 @@ use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, LayerShape, RouteError, bf16};
 use afdep_moe::{ExchangeError, StagedEngine};
 use afdep_transport::{
-    AnyTransport, Bootstrap, Nccl, Span, Transport, TransportBuffer, TransportError,
-    TransportKind,
+    AnyTransport, Bootstrap, Nccl, Span, Transport, TransportBuffer, TransportError, TransportKind,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -49,7 +48,12 @@ fn self_exchange_with_odd_spans() {
     let Some(mut t) = world_of_one() else { return };
     assert_eq!((t.rank(), t.world_size()), (0, 1));
     assert_eq!(t.kind(), TransportKind::Nccl);
-    for (len, soff, roff) in [(517usize, 3usize, 11usize), (1, 0, 999), (0, 5, 7), (1 << 20, 1, 3)] {
+    for (len, soff, roff) in [
+        (517usize, 3usize, 11usize),
+        (1, 0, 999),
+        (0, 5, 7),
+        (1 << 20, 1, 3),
+    ] {
         let data = pattern(soff + len + 13, len as u8);
         let mut send = t.alloc(data.len()).unwrap();
         send.write(0, &data).unwrap();
@@ -130,7 +134,11 @@ fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
     let mut weights = Vec::with_capacity(tokens * k);
     for t in 0..tokens {
         // expert 2 is hot; every slot with (t + j + seed) % 5 == 0 is masked
-        let base = if t % 4 != 0 { 2 } else { (t * 7 + seed) % experts };
+        let base = if t % 4 != 0 {
+            2
+        } else {
+            (t * 7 + seed) % experts
+        };
         for j in 0..k {
             idx.push(if (t + j + seed) % 5 == 0 {
                 MASKED

@@ -54,12 +54,7 @@ impl TransportKind {
     /// driver and one GPU per rank of this machine (NCCL refuses two ranks on one GPU).
     /// NVLink-IPC is not implemented on this branch.
     pub fn check_available(self, world_size: usize) -> Result<(), TransportError> {
-        let no = |why: String| {
-            Err(TransportError::Unavailable {
-                kind: self,
-                why,
-            })
-        };
+        let no = |why: String| Err(TransportError::Unavailable { kind: self, why });
         match self {
             TransportKind::Loopback | TransportKind::HostTcp => Ok(()),
             TransportKind::NvlinkIpc => no(
@@ -71,9 +66,11 @@ impl TransportKind {
                 if cfg!(feature = "ucx") {
                     Ok(())
                 } else {
-                    no("this build does not include it: rebuild with the cargo feature \
+                    no(
+                        "this build does not include it: rebuild with the cargo feature \
                         `afdep-transport/ucx` (for the afdep tool: `--features ucx`)"
-                        .into())
+                            .into(),
+                    )
                 }
             }
             TransportKind::Nccl => {
@@ -84,9 +81,11 @@ impl TransportKind {
                 #[cfg(not(feature = "nccl"))]
                 {
                     let _ = world_size;
-                    no("this build does not include it: rebuild with the cargo feature \
+                    no(
+                        "this build does not include it: rebuild with the cargo feature \
                         `afdep-transport/nccl` (for the afdep tool: `--features nccl`)"
-                        .into())
+                            .into(),
+                    )
                 }
             }
         }
@@ -354,8 +353,8 @@ mod tests {
 
     #[test]
     fn loopback_cannot_be_connected_over_a_bootstrap() {
-        let l = Bootstrap::listen("127.0.0.1:0".parse().unwrap(), 1, Duration::from_secs(5))
-            .unwrap();
+        let l =
+            Bootstrap::listen("127.0.0.1:0".parse().unwrap(), 1, Duration::from_secs(5)).unwrap();
         let boot = l.accept().unwrap();
         let e = AnyTransport::connect(TransportKind::Loopback, boot, &TransportOptions::default())
             .unwrap_err();

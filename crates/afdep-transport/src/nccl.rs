@@ -197,8 +197,11 @@ pub fn probe(world_size: usize) -> Result<NcclProbe, TransportError> {
             "libcuda.so (the NVIDIA driver library) cannot be loaded: no NVIDIA driver here".into(),
         ));
     }
-    cudarc::driver::result::init()
-        .map_err(|e| no(format!("the NVIDIA driver failed to initialise (cuInit): {e}")))?;
+    cudarc::driver::result::init().map_err(|e| {
+        no(format!(
+            "the NVIDIA driver failed to initialise (cuInit): {e}"
+        ))
+    })?;
     let n = CudaContext::device_count()
         .map_err(|e| no(format!("the NVIDIA driver cannot count devices: {e}")))?
         .max(0) as usize;
@@ -260,7 +263,11 @@ fn nccl_error(
     }
 }
 
-fn driver_error(op: &'static str, rank: usize, what: &str) -> impl Fn(cudarc::driver::DriverError) -> TransportError {
+fn driver_error(
+    op: &'static str,
+    rank: usize,
+    what: &str,
+) -> impl Fn(cudarc::driver::DriverError) -> TransportError {
     move |e| TransportError::Backend {
         kind: KIND,
         op,
@@ -378,11 +385,7 @@ fn with_status(status: u8, body: &[u8]) -> Vec<u8> {
 }
 
 /// The body of every rank's contribution, or the first (lowest-rank) peer failure.
-fn bodies(
-    op: &'static str,
-    rank: usize,
-    all: &[Vec<u8>],
-) -> Result<Vec<Vec<u8>>, TransportError> {
+fn bodies(op: &'static str, rank: usize, all: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, TransportError> {
     all.iter()
         .enumerate()
         .map(|(p, b)| match b.split_first() {
@@ -419,7 +422,8 @@ impl Nccl {
                     why: format!("device {dev} does not exist ({} visible)", p.devices),
                 });
             }
-            let ctx = CudaContext::new(dev).map_err(driver_error(OP, rank, "creating a context"))?;
+            let ctx =
+                CudaContext::new(dev).map_err(driver_error(OP, rank, "creating a context"))?;
             let stream = ctx
                 .new_stream()
                 .map_err(driver_error(OP, rank, "creating a stream"))?;
@@ -441,7 +445,14 @@ impl Nccl {
             if r == NCCL_SUCCESS {
                 Ok(())
             } else {
-                Err(nccl_error(api, OP, rank, "ncclGetUniqueId", r, std::ptr::null_mut()))
+                Err(nccl_error(
+                    api,
+                    OP,
+                    rank,
+                    "ncclGetUniqueId",
+                    r,
+                    std::ptr::null_mut(),
+                ))
             }
         } else {
             Ok(())
@@ -511,7 +522,11 @@ impl Nccl {
         let comm = match rx.recv_timeout(timeout) {
             Ok(r) => r? as Comm,
             Err(_) => {
-                warn!(rank, ?timeout, "nccl: ncclCommInitRank did not return in time");
+                warn!(
+                    rank,
+                    ?timeout,
+                    "nccl: ncclCommInitRank did not return in time"
+                );
                 return Err(TransportError::Timeout {
                     op: OP,
                     rank,
@@ -658,10 +673,10 @@ impl Nccl {
     /// error up to the timeout; aborts the communicator on expiry or error.
     fn wait(&mut self, op: &'static str) -> Result<(), TransportError> {
         let rank = self.boot.rank();
-        let event = self
-            .stream
-            .record_event(None)
-            .map_err(driver_error(op, rank, "recording an event"))?;
+        let event =
+            self.stream
+                .record_event(None)
+                .map_err(driver_error(op, rank, "recording an event"))?;
         let timeout = self.boot.timeout();
         let start = Instant::now();
         let mut spins = 0u32;
@@ -679,9 +694,23 @@ impl Nccl {
             // SAFETY: the communicator is valid (not broken); writes one result.
             let r = unsafe { (self.api.comm_get_async_error)(self.comm, &mut state) };
             let bad = if r != NCCL_SUCCESS {
-                Some(nccl_error(self.api, op, rank, "ncclCommGetAsyncError", r, self.comm))
+                Some(nccl_error(
+                    self.api,
+                    op,
+                    rank,
+                    "ncclCommGetAsyncError",
+                    r,
+                    self.comm,
+                ))
             } else if state != NCCL_SUCCESS && state != NCCL_IN_PROGRESS {
-                Some(nccl_error(self.api, op, rank, "asynchronous error", state, self.comm))
+                Some(nccl_error(
+                    self.api,
+                    op,
+                    rank,
+                    "asynchronous error",
+                    state,
+                    self.comm,
+                ))
             } else {
                 None
             };
