@@ -651,9 +651,9 @@ impl Nccl {
                 });
             }
         }
-        for p in 0..world {
+        for (p, theirs) in lens.iter().enumerate() {
             for q in 0..world {
-                let (expected, got) = (lens[p][world + q], lens[q][p]);
+                let (expected, got) = (theirs[world + q], lens[q][p]);
                 if expected != got {
                     return Err(TransportError::PeerFailed {
                         op,
