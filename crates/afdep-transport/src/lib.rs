@@ -23,7 +23,7 @@
 //! | [`Loopback`] | ranks are threads of one process | host | here: tests, no-GPU default |
 //! | [`HostTcp`] | ranks are processes | host | here: star through rank 0 over [`Bootstrap`] |
 //! | `NvlinkIpc` | GPUs of one NVLink domain | device | planned, maps as below |
-//! | `Nccl` | GPUs, any NCCL topology | device | planned, maps as below |
+//! | `Nccl` | GPUs, any NCCL topology | device | here behind the cargo feature `nccl` (module `nccl`), maps as below |
 //! | `Ucx` | processes or machines (scale-out) | host | here behind the cargo feature `ucx` (module `ucx`: tagged messages) |
 //!
 //! Multi-process transports rendezvous through [`Bootstrap`] (rank 0 listens on
