@@ -54,8 +54,10 @@
 //!
 //! # Memory, and device buffers
 //!
-//! Host memory only: [`Transport::Buffer`] is [`HostBuffer`]. The engine stages device buffers
-//! through pinned host memory for this transport. Passing device pointers directly needs a
+//! Host memory only: [`Transport::Buffer`] is [`HostBuffer`]. Device data goes through host
+//! memory for this transport: the caller copies it to a host buffer before the exchange and back
+//! after it (the staged engine already works on host memory, so it needs nothing more); no
+//! device pointer is ever given to UCX. Passing device pointers directly needs a
 //! CUDA-aware UCX (UCX configured `--with-cuda=/usr/local/cuda`, plus `--with-gdrcopy` for
 //! GPUDirect RDMA) with the `cuda_copy`/`cuda_ipc` transports in `UCX_TLS`; the bundled build of
 //! `ucx-rs` is configured `--without-cuda`. `ucx-rs` links a preinstalled UCX instead when
