@@ -413,6 +413,25 @@ mod ucx {
         super::every_ratio_over("ucx", &["--ucx-tls", "shm"]);
     }
 
+    /// Without `--multi-process`, the ranks are threads, each with its own UCX worker.
+    #[test]
+    fn ucx_ranks_as_threads_match_the_oracle() {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("in.safetensors");
+        super::write_input(&input, &[0, 9]);
+        let input = input.to_str().unwrap().to_string();
+        let mut args = super::exchange_args("2A:2F", &input, "ucx");
+        args.retain(|a| *a != "--multi-process");
+        args.extend(["--ucx-tls", "shm", "--rounds", "2"]);
+        let (out, _) = super::afdep(&args);
+        let stdout = super::text(&out.stdout);
+        assert!(out.status.success(), "{stdout}\n{}", super::text(&out.stderr));
+        let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(row["status"], "ok", "{row}");
+        assert_eq!(row["ranks_as"], "threads", "{row}");
+        assert_eq!(row["transport"], "ucx", "{row}");
+    }
+
     #[test]
     fn a_process_killed_mid_round_fails_the_others_over_ucx_tcp() {
         super::killed_mid_round("ucx", &["--ucx-tls", "tcp"]);
