@@ -30,8 +30,11 @@ pub struct GpuTestArgs {
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
 /// Cargo features of the GPU builds: the NCCL transport (loaded at run time, so it builds
-/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`.
-const GPU_FEATURES: &str = "afdep-moe/nccl,afdep-bench/nccl";
+/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, and UCX with
+/// device buffers (`gpu_ucx_device`, `afdep exchange --transport ucx --device-buffers`; builds
+/// the bundled UCX).
+const GPU_FEATURES: &str =
+    "afdep-moe/nccl,afdep-moe/ucx,afdep-moe/cuda,afdep-bench/nccl,afdep-bench/ucx";
 
 fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -122,7 +125,7 @@ fn build_afdep() -> Result<PathBuf> {
                 "-p",
                 "afdep-bench",
                 "--features",
-                "nccl",
+                "nccl,ucx",
                 "--bin",
                 "afdep",
             ]);

@@ -167,6 +167,10 @@ pub struct ExchangeArgs {
     /// NCCL: this rank's CUDA device (default: rank modulo the device count).
     #[arg(long)]
     pub device: Option<usize>,
+    /// tcp, ucx: device buffers (CUDA device `--device`) staged through host memory
+    /// (cargo feature `cuda`, implied by `nccl`).
+    #[arg(long)]
+    pub device_buffers: bool,
     /// Inject a fault (tests): `reject@RANK:ROUND` or `abort@RANK:ROUND`.
     #[arg(long)]
     pub fault: Option<Fault>,
@@ -203,6 +207,8 @@ pub struct ExchangeRow {
     pub ranks_as: &'static str,
     /// UCX transports asked for (`--ucx-tls`), if any.
     pub ucx_tls: Option<String>,
+    /// Whether the engine's buffers were device memory (`nccl`, or `--device-buffers`).
+    pub device_buffers: bool,
     /// Hidden size.
     pub hidden: usize,
     /// Experts.
@@ -567,6 +573,7 @@ fn options(a: &ExchangeArgs, timeout: Duration) -> TransportOptions {
         timeout,
         ucx_tls: a.ucx_tls.clone(),
         device: a.device,
+        device_buffers: a.device_buffers,
     }
 }
 
@@ -813,6 +820,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     "threads"
                 },
                 ucx_tls: a.ucx_tls.clone(),
+                device_buffers: a.device_buffers || kind == TransportKind::Nccl,
                 hidden: cfg.hidden,
                 experts: cfg.experts,
                 top_k: cfg.top_k,

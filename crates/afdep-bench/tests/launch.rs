@@ -425,7 +425,11 @@ mod ucx {
         args.extend(["--ucx-tls", "shm", "--rounds", "2"]);
         let (out, _) = super::afdep(&args);
         let stdout = super::text(&out.stdout);
-        assert!(out.status.success(), "{stdout}\n{}", super::text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            super::text(&out.stderr)
+        );
         let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
         assert_eq!(row["status"], "ok", "{row}");
         assert_eq!(row["ranks_as"], "threads", "{row}");

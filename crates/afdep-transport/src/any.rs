@@ -30,8 +30,12 @@ pub struct TransportOptions {
     /// UCX: the UCX transports to use (`UCX_TLS` syntax: `tcp`, `shm`, `tcp,shm`); `None` leaves
     /// UCX's choice (and the `UCX_TLS` environment variable) alone.
     pub ucx_tls: Option<String>,
-    /// NCCL: the CUDA device of this rank; `None` picks `rank % device count`.
+    /// NCCL, and device buffers: the CUDA device of this rank; `None` picks
+    /// `rank % device count`.
     pub device: Option<usize>,
+    /// TCP and UCX: device buffers staged through host memory
+    /// ([`DeviceStaged`](crate::DeviceStaged), cargo feature `cuda`) instead of host buffers.
+    pub device_buffers: bool,
 }
 
 impl Default for TransportOptions {
@@ -40,6 +44,7 @@ impl Default for TransportOptions {
             timeout: DEFAULT_TIMEOUT,
             ucx_tls: None,
             device: None,
+            device_buffers: false,
         }
     }
 }
@@ -108,6 +113,12 @@ pub enum AnyTransport {
     /// NCCL on device memory (feature `nccl`).
     #[cfg(feature = "nccl")]
     Nccl(crate::Nccl),
+    /// TCP with device buffers staged through host memory (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    HostTcpDevice(crate::DeviceStaged<HostTcp>),
+    /// UCX with device buffers staged through host memory (features `ucx` and `cuda`).
+    #[cfg(all(feature = "ucx", feature = "cuda"))]
+    UcxDevice(crate::DeviceStaged<crate::Ucx>),
 }
 
 /// The buffer of an [`AnyTransport`]: host memory, or (NCCL) device memory.
@@ -115,16 +126,16 @@ pub enum AnyTransport {
 pub enum AnyBuffer {
     /// Host memory (Loopback, TCP, UCX).
     Host(HostBuffer),
-    /// Device memory (NCCL).
-    #[cfg(feature = "nccl")]
-    Device(crate::NcclBuffer),
+    /// Device memory (NCCL, and host transports with device buffers).
+    #[cfg(feature = "cuda")]
+    Device(crate::DeviceBuffer),
 }
 
 impl TransportBuffer for AnyBuffer {
     fn len(&self) -> usize {
         match self {
             AnyBuffer::Host(b) => b.len(),
-            #[cfg(feature = "nccl")]
+            #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.len(),
         }
     }
@@ -132,7 +143,7 @@ impl TransportBuffer for AnyBuffer {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
         match self {
             AnyBuffer::Host(b) => b.write(offset, src),
-            #[cfg(feature = "nccl")]
+            #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.write(offset, src),
         }
     }
@@ -140,7 +151,7 @@ impl TransportBuffer for AnyBuffer {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
         match self {
             AnyBuffer::Host(b) => b.read(offset, dst),
-            #[cfg(feature = "nccl")]
+            #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.read(offset, dst),
         }
     }
@@ -158,7 +169,26 @@ impl AnyTransport {
     ) -> Result<AnyTransport, TransportError> {
         let rank = boot.rank();
         kind.check_available(boot.world_size())?;
+        if options.device_buffers && !matches!(kind, TransportKind::HostTcp | TransportKind::Ucx) {
+            return Err(TransportError::InvalidArgument {
+                op: "connect",
+                rank,
+                why: format!("device_buffers is for tcp and ucx; {kind} has its own memory"),
+            });
+        }
+        if options.device_buffers && !cfg!(feature = "cuda") {
+            return Err(TransportError::Unavailable {
+                kind,
+                why: "device buffers need the cargo feature `afdep-transport/cuda` (implied by \
+                      `nccl`)"
+                    .into(),
+            });
+        }
         match kind {
+            #[cfg(feature = "cuda")]
+            TransportKind::HostTcp if options.device_buffers => Ok(AnyTransport::HostTcpDevice(
+                crate::DeviceStaged::new(HostTcp::new(boot), options.device)?,
+            )),
             TransportKind::HostTcp => Ok(AnyTransport::HostTcp(HostTcp::new(boot))),
             #[cfg(feature = "ucx")]
             TransportKind::Ucx => {
@@ -166,7 +196,15 @@ impl AnyTransport {
                     Some(tls) => crate::UcxOptions::with_tls(tls),
                     None => crate::UcxOptions::default(),
                 };
-                Ok(AnyTransport::Ucx(crate::Ucx::new(boot, &o)?))
+                let t = crate::Ucx::new(boot, &o)?;
+                #[cfg(feature = "cuda")]
+                if options.device_buffers {
+                    return Ok(AnyTransport::UcxDevice(crate::DeviceStaged::new(
+                        t,
+                        options.device,
+                    )?));
+                }
+                Ok(AnyTransport::Ucx(t))
             }
             #[cfg(feature = "nccl")]
             TransportKind::Nccl => Ok(AnyTransport::Nccl(crate::Nccl::new(boot, options.device)?)),
@@ -208,6 +246,10 @@ macro_rules! each {
             AnyTransport::Ucx($t) => $body,
             #[cfg(feature = "nccl")]
             AnyTransport::Nccl($t) => $body,
+            #[cfg(feature = "cuda")]
+            AnyTransport::HostTcpDevice($t) => $body,
+            #[cfg(all(feature = "ucx", feature = "cuda"))]
+            AnyTransport::UcxDevice($t) => $body,
         }
     };
 }
@@ -252,6 +294,10 @@ impl Transport for AnyTransport {
             AnyTransport::Ucx(t) => t.alloc(bytes).map(AnyBuffer::Host),
             #[cfg(feature = "nccl")]
             AnyTransport::Nccl(t) => t.alloc(bytes).map(AnyBuffer::Device),
+            #[cfg(feature = "cuda")]
+            AnyTransport::HostTcpDevice(t) => t.alloc(bytes).map(AnyBuffer::Device),
+            #[cfg(all(feature = "ucx", feature = "cuda"))]
+            AnyTransport::UcxDevice(t) => t.alloc(bytes).map(AnyBuffer::Device),
         }
     }
 
@@ -280,6 +326,14 @@ impl Transport for AnyTransport {
             }
             #[cfg(feature = "nccl")]
             (AnyTransport::Nccl(t), AnyBuffer::Device(s), AnyBuffer::Device(r)) => {
+                t.all_to_all_v(s, send_spans, r, recv_spans)
+            }
+            #[cfg(feature = "cuda")]
+            (AnyTransport::HostTcpDevice(t), AnyBuffer::Device(s), AnyBuffer::Device(r)) => {
+                t.all_to_all_v(s, send_spans, r, recv_spans)
+            }
+            #[cfg(all(feature = "ucx", feature = "cuda"))]
+            (AnyTransport::UcxDevice(t), AnyBuffer::Device(s), AnyBuffer::Device(r)) => {
                 t.all_to_all_v(s, send_spans, r, recv_spans)
             }
             #[allow(unreachable_patterns)]

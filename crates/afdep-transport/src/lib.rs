@@ -76,6 +76,8 @@
 
 mod any;
 pub mod bootstrap;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod error;
 pub mod host_tcp;
 pub mod loopback;
@@ -92,6 +94,8 @@ pub use any::{AnyBuffer, AnyTransport, TransportOptions};
 pub use bootstrap::{
     Bootstrap, BootstrapListener, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, RendezvousEnv,
 };
+#[cfg(feature = "cuda")]
+pub use device::{DeviceBuffer, DeviceStaged};
 pub use error::TransportError;
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;

@@ -59,10 +59,11 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use libloading::Library;
 use tracing::{debug, warn};
 
+use crate::device::DeviceBuffer;
 use crate::{
     Bootstrap, Span, Transport, TransportBuffer, TransportError, TransportKind, check_spans,
 };
@@ -191,23 +192,7 @@ pub struct NcclProbe {
 pub fn probe(world_size: usize) -> Result<NcclProbe, TransportError> {
     let api = api()?;
     let no = |why: String| TransportError::Unavailable { kind: KIND, why };
-    // SAFETY: only tries to load the driver library by its candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(no(
-            "libcuda.so (the NVIDIA driver library) cannot be loaded: no NVIDIA driver here".into(),
-        ));
-    }
-    cudarc::driver::result::init().map_err(|e| {
-        no(format!(
-            "the NVIDIA driver failed to initialise (cuInit): {e}"
-        ))
-    })?;
-    let n = CudaContext::device_count()
-        .map_err(|e| no(format!("the NVIDIA driver cannot count devices: {e}")))?
-        .max(0) as usize;
-    if n == 0 {
-        return Err(no("no CUDA device is visible".into()));
-    }
+    let n = crate::device::probe_devices(KIND)?;
     if world_size > n {
         return Err(no(format!(
             "a group of {world_size} ranks on this machine needs {world_size} GPUs (NCCL refuses \
@@ -268,79 +253,11 @@ fn driver_error(
     rank: usize,
     what: &str,
 ) -> impl Fn(cudarc::driver::DriverError) -> TransportError {
-    move |e| TransportError::Backend {
-        kind: KIND,
-        op,
-        rank,
-        why: format!("{what}: {e}"),
-    }
+    crate::device::driver_error(KIND, op, rank, what)
 }
 
-/// Device memory of an [`Nccl`] transport; host reads and writes are copies on the transport's
-/// stream, completed before they return.
-pub struct NcclBuffer {
-    rank: usize,
-    len: usize,
-    stream: Arc<CudaStream>,
-    /// At least one byte (a zero-byte allocation is not allowed), `len` of them in use.
-    mem: CudaSlice<u8>,
-}
-
-impl std::fmt::Debug for NcclBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclBuffer")
-            .field("rank", &self.rank)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl NcclBuffer {
-    fn range(&self, op: &'static str, offset: usize, n: usize) -> Result<(), TransportError> {
-        match offset.checked_add(n) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(TransportError::OutOfBounds {
-                op,
-                rank: self.rank,
-                peer: None,
-                offset: offset as u64,
-                len: n as u64,
-                size: self.len as u64,
-            }),
-        }
-    }
-}
-
-impl TransportBuffer for NcclBuffer {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        const OP: &str = "write";
-        self.range(OP, offset, src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let err = driver_error(OP, self.rank, "host-to-device copy");
-        let stream = self.stream.clone();
-        let mut dst = self.mem.slice_mut(offset..offset + src.len());
-        stream.memcpy_htod(src, &mut dst).map_err(&err)?;
-        stream.synchronize().map_err(&err)
-    }
-
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        const OP: &str = "read";
-        self.range(OP, offset, dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let err = driver_error(OP, self.rank, "device-to-host copy");
-        let src = self.mem.slice(offset..offset + dst.len());
-        self.stream.memcpy_dtoh(&src, dst).map_err(&err)?;
-        self.stream.synchronize().map_err(&err)
-    }
-}
+/// Device memory of an [`Nccl`] transport: a [`DeviceBuffer`].
+pub type NcclBuffer = DeviceBuffer;
 
 /// A [`Transport`] over NCCL; see the [module docs](self).
 pub struct Nccl {
@@ -797,19 +714,7 @@ impl Transport for Nccl {
     fn alloc(&mut self, bytes: usize) -> Result<NcclBuffer, TransportError> {
         const OP: &str = "alloc";
         let rank = self.rank();
-        let mem = self
-            .stream
-            .alloc_zeros::<u8>(bytes.max(1))
-            .map_err(driver_error(OP, rank, "allocating device memory"))?;
-        self.stream
-            .synchronize()
-            .map_err(driver_error(OP, rank, "zeroing device memory"))?;
-        Ok(NcclBuffer {
-            rank,
-            len: bytes,
-            stream: self.stream.clone(),
-            mem,
-        })
+        DeviceBuffer::zeroed(KIND, OP, rank, &self.stream, bytes)
     }
 
     fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
@@ -843,15 +748,23 @@ impl Transport for Nccl {
         const OP: &str = "all_to_all_v";
         self.usable(OP)?;
         let (me, world) = (self.rank(), self.world_size());
-        let checked = check_spans(OP, me, world, send.len, send_spans, recv.len, recv_spans);
+        let checked = check_spans(
+            OP,
+            me,
+            world,
+            send.len(),
+            send_spans,
+            recv.len(),
+            recv_spans,
+        );
         self.agree(OP, &checked, send_spans, recv_spans)?;
         self.ctx
             .bind_to_thread()
             .map_err(driver_error(OP, me, "binding the context"))?;
         let stream = self.stream.clone();
         let cu_stream = stream.cu_stream() as *mut c_void;
-        let (send_ptr, _s) = send.mem.device_ptr(&stream);
-        let (recv_ptr, _r) = recv.mem.device_ptr_mut(&stream);
+        let (send_ptr, _s) = send.mem().device_ptr(&stream);
+        let (recv_ptr, _r) = recv.mem_mut().device_ptr_mut(&stream);
         let api = self.api;
         let comm = self.comm;
         let call = |name: &str, r: NcclResult| {
