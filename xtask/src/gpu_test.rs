@@ -29,12 +29,21 @@ pub struct GpuTestArgs {
 
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
+/// Cargo features of the GPU builds: the NCCL transport (loaded at run time, so it builds
+/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, and UCX with
+/// device buffers (`gpu_ucx_device`, `afdep exchange --transport ucx --device-buffers`; builds
+/// the bundled UCX).
+const GPU_FEATURES: &str =
+    "afdep-moe/nccl,afdep-moe/ucx,afdep-moe/cuda,afdep-bench/nccl,afdep-bench/ucx";
+
 fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     cmd.args([
         "test",
         "--workspace",
         "--no-run",
+        "--features",
+        GPU_FEATURES,
         "--message-format=json-render-diagnostics",
     ]);
     if release {
@@ -110,7 +119,16 @@ fn build_afdep() -> Result<PathBuf> {
     crate::run(
         {
             let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            c.args(["build", "--release", "-p", "afdep-bench", "--bin", "afdep"]);
+            c.args([
+                "build",
+                "--release",
+                "-p",
+                "afdep-bench",
+                "--features",
+                "nccl,ucx",
+                "--bin",
+                "afdep",
+            ]);
             c
         },
         "cargo build --release afdep",

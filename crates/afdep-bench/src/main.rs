@@ -5,6 +5,7 @@
 //!                 [shape flags] [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
 //! afdep report moe --rows A.jsonl B.jsonl .. [--md FILE] [--png FILE] [--commit C]
 //! afdep exchange  [--backend cpu] [--transport loopback] [--topology 3A:1F] [--tokens N,..] ...
+//! afdep launch    -n N [--rendezvous ADDR] [--timeout S] [--grace S] -- CMD ARGS..
 //! afdep kernels   --digest
 //! ```
 //! Every command prints one JSON row per measurement on stdout (logs go to stderr, filtered
@@ -17,6 +18,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod cuda_stages;
 mod exchange_cmd;
+mod launch_cmd;
 mod moe_cmd;
 mod moe_gpu;
 mod report;
@@ -51,6 +53,9 @@ enum Cmd {
     Moe(moe_cmd::MoeArgs),
     /// Run AFD exchange rounds (dispatch + experts + combine) and print JSON rows.
     Exchange(exchange_cmd::ExchangeArgs),
+    /// Start N processes of one multi-process group (rank, world size and rendezvous address
+    /// in their environment) and stop all of them if one fails.
+    Launch(launch_cmd::LaunchArgs),
     /// Reports made from the JSON rows of earlier runs.
     #[command(subcommand)]
     Report(ReportCmd),
@@ -114,6 +119,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Moe(a) => moe_cmd::run(a),
         Cmd::Exchange(a) => exchange_cmd::run(a),
+        Cmd::Launch(a) => launch_cmd::run(a),
         Cmd::Report(ReportCmd::Moe(a)) => Ok(report::run(a)?),
         Cmd::Kernels { digest } => {
             if digest {

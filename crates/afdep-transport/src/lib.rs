@@ -23,7 +23,7 @@
 //! | [`Loopback`] | ranks are threads of one process | host | here: tests, no-GPU default |
 //! | [`HostTcp`] | ranks are processes | host | here: star through rank 0 over [`Bootstrap`] |
 //! | `NvlinkIpc` | GPUs of one NVLink domain | device | here behind the cargo feature `nvlink` (module `nvlink`: in-process ranks on one or several GPUs, or one process per GPU over CUDA IPC) |
-//! | `Nccl` | GPUs, any NCCL topology | device | planned, maps as below |
+//! | `Nccl` | GPUs, any NCCL topology | device | here behind the cargo feature `nccl` (module `nccl`), maps as below |
 //! | `Ucx` | processes or machines (scale-out) | host | here behind the cargo feature `ucx` (module `ucx`: tagged messages) |
 //!
 //! Multi-process transports rendezvous through [`Bootstrap`] (rank 0 listens on
@@ -74,10 +74,15 @@
 //! any later work the caller orders after the transport (for device transports: later work on the
 //! transport's stream).
 
+mod any;
 pub mod bootstrap;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod error;
 pub mod host_tcp;
 pub mod loopback;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "nvlink")]
 pub mod nvlink;
 #[cfg(feature = "ucx")]
@@ -87,14 +92,19 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+pub use any::{AnyBuffer, AnyTransport, TransportOptions};
 pub use bootstrap::{
     Bootstrap, BootstrapListener, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, RendezvousEnv,
 };
+#[cfg(feature = "cuda")]
+pub use device::{DeviceBuffer, DeviceStaged};
 pub use error::TransportError;
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
+#[cfg(feature = "nccl")]
+pub use nccl::{Nccl, NcclBuffer};
 #[cfg(feature = "nvlink")]
-pub use nvlink::{DeviceBuffer, NvlinkIpc, NvlinkOptions};
+pub use nvlink::{NvlinkBuffer, NvlinkIpc, NvlinkOptions};
 #[cfg(feature = "ucx")]
 pub use ucx::{Ucx, UcxOptions};
 

@@ -267,13 +267,13 @@ impl RankStream {
 }
 
 /// Device memory of one [`NvlinkIpc`] rank: the [`Transport::Buffer`] of [`NvlinkIpc`].
-pub struct DeviceBuffer {
+pub struct NvlinkBuffer {
     rank: usize,
     mem: DeviceMem,
     stream: Arc<RankStream>,
 }
 
-impl DeviceBuffer {
+impl NvlinkBuffer {
     /// The device address of the first byte (valid in the rank's context).
     pub fn device_ptr(&self) -> u64 {
         self.mem.ptr
@@ -290,16 +290,16 @@ impl DeviceBuffer {
     }
 }
 
-impl fmt::Debug for DeviceBuffer {
+impl fmt::Debug for NvlinkBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceBuffer")
+        f.debug_struct("NvlinkBuffer")
             .field("rank", &self.rank)
             .field("len", &self.mem.bytes)
             .finish()
     }
 }
 
-impl TransportBuffer for DeviceBuffer {
+impl TransportBuffer for NvlinkBuffer {
     fn len(&self) -> usize {
         self.mem.bytes
     }
@@ -834,7 +834,7 @@ impl Drop for Windows {
 const SIZE_WORDS: usize = 3;
 
 impl Transport for NvlinkIpc {
-    type Buffer = DeviceBuffer;
+    type Buffer = NvlinkBuffer;
 
     fn rank(&self) -> usize {
         self.rank
@@ -860,10 +860,10 @@ impl Transport for NvlinkIpc {
         self.control.t().set_timeout(timeout);
     }
 
-    fn alloc(&mut self, bytes: usize) -> Result<DeviceBuffer, TransportError> {
+    fn alloc(&mut self, bytes: usize) -> Result<NvlinkBuffer, TransportError> {
         self.live("alloc")?;
         let mem = DeviceMem::zeroed(self.rank, &self.stream.ctx, &self.stream, bytes, "alloc")?;
-        Ok(DeviceBuffer {
+        Ok(NvlinkBuffer {
             rank: self.rank,
             mem,
             stream: self.stream.clone(),
@@ -877,9 +877,9 @@ impl Transport for NvlinkIpc {
 
     fn all_to_all_v(
         &mut self,
-        send: &DeviceBuffer,
+        send: &NvlinkBuffer,
         send_spans: &[Span],
-        recv: &mut DeviceBuffer,
+        recv: &mut NvlinkBuffer,
         recv_spans: &[Span],
     ) -> Result<(), TransportError> {
         const OP: &str = "all_to_all_v";

@@ -54,8 +54,11 @@
 //!
 //! # Memory, and device buffers
 //!
-//! Host memory only: [`Transport::Buffer`] is [`HostBuffer`]. The engine stages device buffers
-//! through pinned host memory for this transport. Passing device pointers directly needs a
+//! Host memory only: [`Transport::Buffer`] is [`HostBuffer`]; no device pointer is ever given to
+//! UCX. Device buffers are staged through host memory by wrapping the transport in
+//! `DeviceStaged` (module `device`, cargo feature `cuda`; `afdep exchange --transport ucx
+//! --device-buffers`), which copies every send span device→host before the exchange and every
+//! receive span host→device after it. Passing device pointers directly needs a
 //! CUDA-aware UCX (UCX configured `--with-cuda=/usr/local/cuda`, plus `--with-gdrcopy` for
 //! GPUDirect RDMA) with the `cuda_copy`/`cuda_ipc` transports in `UCX_TLS`; the bundled build of
 //! `ucx-rs` is configured `--without-cuda`. `ucx-rs` links a preinstalled UCX instead when

@@ -1,0 +1,155 @@
+//! UCX with device buffers (features `ucx` and `cuda`): two processes on one GPU run the staged
+//! engine (1A:1F) over `DeviceStaged<Ucx>` (device buffers staged through host memory, since the
+//! bundled UCX is not CUDA-aware), over UCX's tcp and its shared memory, bit-identical to the
+//! oracle, a rejected round included. The test starts itself twice as the two ranks (the
+//! environment of `afdep launch`), waits for both with a bound and fails if either does.
+//! Without a driver or a GPU it prints `SKIP: <reason>` and passes, unless `AFDEP_REQUIRE_GPU=1`.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use afdep_core::oracle::LayerParams;
+use afdep_core::oracle::exchange::{self as reference, SourceInput};
+use afdep_core::oracle::layer;
+use afdep_core::route::{MASKED, Routes};
+use afdep_core::tensor::uniform_bf16;
+use afdep_core::{ExchangeConfig, LayerShape, bf16};
+use afdep_moe::{ExchangeError, StagedEngine};
+use afdep_transport::{
+    Bootstrap, DeviceStaged, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, TransportKind, Ucx,
+    UcxOptions,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CHILD: &str = "AFDEP_TEST_UCX_DEVICE_TLS";
+const TEST: &str = "two_processes_on_one_gpu_match_the_oracle";
+
+fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
+    let mut idx = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for t in 0..tokens {
+        let base = if t % 3 != 0 {
+            5
+        } else {
+            (t * 7 + seed) % experts
+        };
+        for j in 0..k {
+            idx.push(if (t + 2 * j + seed) % 6 == 0 {
+                MASKED
+            } else {
+                ((base + j * 3) % experts) as i32
+            });
+            weights.push(0.05 + ((t * 11 + j * 5) % 19) as f32 / 19.0);
+        }
+    }
+    Routes {
+        tokens,
+        top_k: k,
+        idx,
+        weights,
+    }
+}
+
+/// One rank's part: the engine over device buffers, every round checked on the attention rank.
+fn rank_main(tls: &str) {
+    let boot = Bootstrap::from_env(TIMEOUT).expect("the launch environment");
+    let rank = boot.rank();
+    let ucx = Ucx::new(boot, &UcxOptions::with_tls(tls)).expect("UCX");
+    let t = DeviceStaged::new(ucx, Some(0)).expect("device buffers on GPU 0");
+    let cfg = ExchangeConfig::new("1A:1F".parse().unwrap(), 64, 8, 3, 1024).unwrap();
+    let p = LayerParams::random(
+        LayerShape {
+            d_model: 64,
+            width: 16,
+            experts: 8,
+            top_k: 3,
+            shared: 0,
+            renormalize: true,
+        },
+        11,
+    );
+    let mut eng = StagedEngine::new(cfg.clone(), t).expect("engine");
+    let expert = |e: usize, rows: &[bf16], n: usize| layer::expert_rows(&p, e, rows, n).unwrap();
+    for (i, tokens) in [1usize, 0, 9, 1024].into_iter().enumerate() {
+        let input = SourceInput {
+            x: uniform_bf16(tokens * 64, 1.0, 3, i as u64),
+            routes: routes(tokens, 3, 8, i),
+        };
+        let mine = (rank == 0).then_some(&input);
+        let out = eng.round(mine, &expert).expect("round");
+        if rank == 0 {
+            let want = reference::exchange(&cfg, std::slice::from_ref(&input), expert).unwrap();
+            assert!(
+                out.combined.as_ref() == Some(&want[0]),
+                "{tls}, {tokens} tokens: staged over UCX with device buffers differs from the oracle"
+            );
+        }
+        if tokens > 0 {
+            let mut bad = input.clone();
+            bad.routes.idx[0] = 8;
+            let e = eng.round((rank == 0).then_some(&bad), &expert).unwrap_err();
+            assert!(matches!(e, ExchangeError::Route { .. }), "{e}");
+        }
+    }
+    println!("rank {rank} over {tls}: every round matched");
+}
+
+#[test]
+fn two_processes_on_one_gpu_match_the_oracle() {
+    if let Ok(tls) = std::env::var(CHILD) {
+        rank_main(&tls);
+        return;
+    }
+    if let Err(e) = afdep_transport::device::probe_devices(TransportKind::Ucx) {
+        if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+            panic!("AFDEP_REQUIRE_GPU is set, but there is no GPU: {e}");
+        }
+        println!("SKIP: {e}");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    for tls in ["tcp", "shm"] {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let mut kids: Vec<_> = (0..2)
+            .map(|r| {
+                Command::new(&exe)
+                    .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+                    .env(CHILD, tls)
+                    .env(ENV_RANK, r.to_string())
+                    .env(ENV_WORLD_SIZE, "2")
+                    .env(ENV_RENDEZVOUS, addr.to_string())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let start = Instant::now();
+        while kids.iter_mut().any(|k| k.try_wait().unwrap().is_none()) {
+            if start.elapsed() > Duration::from_secs(120) {
+                for k in &mut kids {
+                    let _ = k.kill();
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for (r, k) in kids.into_iter().enumerate() {
+            let out = k.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            println!("--- rank {r} over {tls}:\n{text}");
+            assert!(out.status.success(), "rank {r} over {tls} failed");
+            assert!(
+                text.contains(&format!("rank {r} over {tls}: every round matched")),
+                "rank {r} over {tls} did not run its rounds"
+            );
+        }
+    }
+}
