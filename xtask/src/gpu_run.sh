@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The afdep GPU test matrix, self-contained: run every test binary of this bundle, write one
 # log per binary under LOGDIR (default: ./logs next to this script) and a summary.
-#   run.sh [--logs DIR] [--sanitize memcheck|racecheck] [--filter NAME]
+#   run.sh [--logs DIR] [--sanitize memcheck|racecheck] [--filter NAME] [--timeout SECS]
+# --timeout bounds each binary's run (default 600 s); a binary stopped by it counts as failed
+# (rc 124 in the summary).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-logs="$here/logs"; sanitize=""; filter=""
+logs="$here/logs"; sanitize=""; filter=""; limit=600
 while [ $# -gt 0 ]; do
   case "$1" in
     --logs) logs=$2; shift 2;;
     --sanitize) sanitize=$2; shift 2;;
     --filter) filter=$2; shift 2;;
+    --timeout) limit=$2; shift 2;;
     *) echo "unknown argument $1" >&2; exit 2;;
   esac
 done
@@ -32,9 +35,9 @@ for t in "$here"/tests/*; do
   log="$logs/$name.log"
   start=$(date +%s)
   if [ -n "$sanitize" ]; then
-    compute-sanitizer --tool "$sanitize" --error-exitcode 99 "$t" --test-threads=1 --nocapture > "$log" 2>&1; rc=$?
+    timeout -k 10 "$limit" compute-sanitizer --tool "$sanitize" --error-exitcode 99 "$t" --test-threads=1 --nocapture > "$log" 2>&1; rc=$?
   else
-    "$t" --test-threads=1 --nocapture > "$log" 2>&1; rc=$?
+    timeout -k 10 "$limit" "$t" --test-threads=1 --nocapture > "$log" 2>&1; rc=$?
   fi
   secs=$(( $(date +%s) - start ))
   # libtest's closing line per binary ("test result: ok. N passed; M failed; ...") is the count;
@@ -51,6 +54,7 @@ for t in "$here"/tests/*; do
   p=$((p - s)); [ $p -lt 0 ] && p=0
   tp=$((tp + p)); tf=$((tf + f)); ts=$((ts + s))
   [ $rc -ne 0 ] && bins_failed=$((bins_failed + 1))
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "    stopped by --timeout $limit s" >> "$log"
   line="$name: rc=$rc passed=$p failed=$f skipped=$s (${secs}s)"
   echo "$line" | tee -a "$summary"
   grep -oE 'SKIP: .*' "$log" | sort | uniq -c | sed 's/^/    /' | tee -a "$summary"
