@@ -1,5 +1,5 @@
 //! UCX with device buffers (features `ucx` and `cuda`): two processes on one GPU run the staged
-//! engine (1A:1F) over `DeviceStaged<Ucx>` (device buffers staged through host memory, since the
+//! engine (1A:1F) over `DeviceStaged<Ucx>` (device buffers staged through pinned host memory, since the
 //! bundled UCX is not CUDA-aware), over UCX's tcp and its shared memory, bit-identical to the
 //! oracle, a rejected round included. The test starts itself twice as the two ranks (the
 //! environment of `afdep launch`), waits for both with a bound and fails if either does.
@@ -91,7 +91,11 @@ fn rank_main(tls: &str) {
             assert!(matches!(e, ExchangeError::Route { .. }), "{e}");
         }
     }
-    println!("rank {rank} over {tls}: every round matched");
+    assert!(
+        eng.transport_mut().pinned(),
+        "rank {rank}: the staging buffers were not page-locked"
+    );
+    println!("rank {rank} over {tls}: every round matched, staged through pinned memory");
 }
 
 #[test]

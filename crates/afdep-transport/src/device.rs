@@ -7,9 +7,14 @@
 //! [`DeviceStaged`] keeps two host buffers of the same sizes as the device buffers of the call.
 //! An `all_to_all_v` copies the bytes of every send span device→host, runs the inner transport's
 //! `all_to_all_v` on the host buffers with the same spans, and copies every receive span
-//! host→device; all copies are on the wrapper's stream and complete before the call returns. The
-//! host buffers are ordinary (pageable) memory: simple and correct, at the price of the driver's
-//! bounce copies; pinned staging is a later optimisation. Argument errors and size mismatches are
+//! host→device; the copies of one direction are queued together on the device buffer's stream and
+//! waited for once, and all complete before the call returns. The host buffers are **pinned**:
+//! ordinary vectors page-locked with `cuMemHostRegister` for as long as they are the staging
+//! buffers (unregistered before they are freed or replaced), so the copies are direct DMA, not the
+//! driver's bounce through its own pinned buffer, and the inner transport (UCX, TCP) reads and
+//! writes the same memory. If the driver refuses to page-lock them (a locked-memory limit), the
+//! staging goes on in pageable memory, correct but slower, with a `tracing` warning;
+//! [`DeviceStaged::pinned`] says which. Argument errors and size mismatches are
 //! those of the inner transport, which sees exactly the caller's spans over buffers of the
 //! caller's sizes, so it reports them as it always does (and the group stays usable).
 //!
@@ -93,6 +98,66 @@ impl DeviceBuffer {
         &mut self.mem
     }
 
+    /// Queues the copy of `dst.len()` bytes at `offset` into `dst` on the buffer's stream and
+    /// returns without waiting.
+    ///
+    /// # Safety
+    /// `dst` must not be read, written or freed until [`sync`](Self::sync) returned: with
+    /// page-locked `dst` the copy runs after this call returns.
+    pub(crate) unsafe fn read_queued(
+        &self,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), TransportError> {
+        const OP: &str = "read";
+        self.range(OP, offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let src = self.mem.slice(offset..offset + dst.len());
+        self.stream.memcpy_dtoh(&src, dst).map_err(driver_error(
+            self.kind,
+            OP,
+            self.rank,
+            "device-to-host copy",
+        ))
+    }
+
+    /// Queues the copy of `src` to `offset` on the buffer's stream and returns without waiting.
+    ///
+    /// # Safety
+    /// `src` must not be written or freed until [`sync`](Self::sync) returned: with page-locked
+    /// `src` the copy runs after this call returns.
+    pub(crate) unsafe fn write_queued(
+        &mut self,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), TransportError> {
+        const OP: &str = "write";
+        self.range(OP, offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream.clone();
+        let mut dst = self.mem.slice_mut(offset..offset + src.len());
+        stream.memcpy_htod(src, &mut dst).map_err(driver_error(
+            self.kind,
+            OP,
+            self.rank,
+            "host-to-device copy",
+        ))
+    }
+
+    /// Waits for every copy queued on the buffer's stream.
+    pub(crate) fn sync(&self, op: &'static str) -> Result<(), TransportError> {
+        self.stream.synchronize().map_err(driver_error(
+            self.kind,
+            op,
+            self.rank,
+            "waiting for the copies",
+        ))
+    }
+
     fn range(&self, op: &'static str, offset: usize, n: usize) -> Result<(), TransportError> {
         match offset.checked_add(n) {
             Some(end) if end <= self.len => Ok(()),
@@ -115,27 +180,15 @@ impl TransportBuffer for DeviceBuffer {
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
         const OP: &str = "write";
-        self.range(OP, offset, src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let err = driver_error(self.kind, OP, self.rank, "host-to-device copy");
-        let stream = self.stream.clone();
-        let mut dst = self.mem.slice_mut(offset..offset + src.len());
-        stream.memcpy_htod(src, &mut dst).map_err(&err)?;
-        stream.synchronize().map_err(&err)
+        // SAFETY: the stream is waited for before `src`'s borrow ends.
+        unsafe { self.write_queued(offset, src)? };
+        self.sync(OP)
     }
 
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        const OP: &str = "read";
-        self.range(OP, offset, dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let err = driver_error(self.kind, OP, self.rank, "device-to-host copy");
-        let src = self.mem.slice(offset..offset + dst.len());
-        self.stream.memcpy_dtoh(&src, dst).map_err(&err)?;
-        self.stream.synchronize().map_err(&err)
+        // SAFETY: the stream is waited for before `dst`'s borrow ends.
+        unsafe { self.read_queued(offset, dst)? };
+        self.sync("read")
     }
 }
 
@@ -163,14 +216,72 @@ pub fn probe_devices(kind: TransportKind) -> Result<usize, TransportError> {
     Ok(n)
 }
 
-/// A host-memory transport with device buffers staged through host memory; see the
+/// A staging buffer: host memory page-locked with `cuMemHostRegister` while this value lives
+/// (when the driver allows it), unregistered on drop before the memory is freed.
+struct Staging {
+    buf: HostBuffer,
+    ctx: Arc<CudaContext>,
+    pinned: bool,
+}
+
+impl Staging {
+    /// `len` zero bytes of `rank`, page-locked if the driver allows it.
+    fn new(ctx: &Arc<CudaContext>, rank: usize, len: usize) -> Staging {
+        let mut buf = HostBuffer::zeroed(rank, len);
+        let mut pinned = false;
+        if len > 0 {
+            let ptr = buf.as_mut_slice().as_mut_ptr().cast();
+            let done = ctx.bind_to_thread().and_then(|()| {
+                // SAFETY: [ptr, ptr + len) is the vector's live heap allocation, which does not
+                // move or shrink while this `Staging` owns it and is unregistered in `drop`
+                // before it is freed.
+                unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr, len, 0) }.result()
+            });
+            match done {
+                Ok(()) => pinned = true,
+                Err(e) => tracing::warn!(
+                    rank,
+                    len,
+                    "cannot page-lock {len} staging bytes ({e}); staging through pageable memory"
+                ),
+            }
+        }
+        Staging {
+            buf,
+            ctx: ctx.clone(),
+            pinned,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if self.pinned {
+            let ptr = self.buf.as_mut_slice().as_mut_ptr().cast();
+            let done = self.ctx.bind_to_thread().and_then(|()| {
+                // SAFETY: ptr was registered in `new` and is still allocated (the vector is
+                // freed after this).
+                unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr) }.result()
+            });
+            if let Err(e) = done {
+                tracing::warn!("unregistering a staging buffer failed: {e}");
+            }
+        }
+    }
+}
+
+/// A host-memory transport with device buffers staged through pinned host memory; see the
 /// [module docs](self).
 pub struct DeviceStaged<T: Transport<Buffer = HostBuffer>> {
     inner: T,
     device: usize,
     stream: Arc<CudaStream>,
-    host_send: HostBuffer,
-    host_recv: HostBuffer,
+    host_send: Staging,
+    host_recv: Staging,
 }
 
 impl<T: Transport<Buffer = HostBuffer> + std::fmt::Debug> std::fmt::Debug for DeviceStaged<T> {
@@ -205,10 +316,18 @@ impl<T: Transport<Buffer = HostBuffer>> DeviceStaged<T> {
         Ok(DeviceStaged {
             inner,
             device,
+            host_send: Staging::new(&ctx, rank, 0),
+            host_recv: Staging::new(&ctx, rank, 0),
             stream,
-            host_send: HostBuffer::zeroed(rank, 0),
-            host_recv: HostBuffer::zeroed(rank, 0),
         })
+    }
+
+    /// Whether both staging buffers of the last call were page-locked (`true` before the first
+    /// call: empty buffers need no locking).
+    pub fn pinned(&self) -> bool {
+        [&self.host_send, &self.host_recv]
+            .iter()
+            .all(|b| b.pinned || b.len() == 0)
     }
 
     /// The host transport underneath.
@@ -270,22 +389,34 @@ impl<T: Transport<Buffer = HostBuffer>> Transport for DeviceStaged<T> {
         recv: &mut DeviceBuffer,
         recv_spans: &[Span],
     ) -> Result<(), TransportError> {
+        const OP: &str = "all_to_all_v";
         let rank = self.rank();
+        let ctx = self.stream.context().clone();
         if self.host_send.len() != send.len {
-            self.host_send = HostBuffer::zeroed(rank, send.len);
+            self.host_send = Staging::new(&ctx, rank, send.len);
         }
         if self.host_recv.len() != recv.len {
-            self.host_recv = HostBuffer::zeroed(rank, recv.len);
+            self.host_recv = Staging::new(&ctx, rank, recv.len);
         }
-        for r in in_bounds(send_spans, send.len) {
-            send.read(r.start, &mut self.host_send.as_mut_slice()[r])?;
-        }
-        self.inner
-            .all_to_all_v(&self.host_send, send_spans, &mut self.host_recv, recv_spans)?;
-        for r in in_bounds(recv_spans, recv.len) {
-            recv.write(r.start, &self.host_recv.as_slice()[r])?;
-        }
-        Ok(())
+        let queued = in_bounds(send_spans, send.len).try_for_each(|r| {
+            // SAFETY: host_send is neither touched nor freed before the sync below.
+            unsafe { send.read_queued(r.start, &mut self.host_send.buf.as_mut_slice()[r]) }
+        });
+        // wait even after a failed queueing: no copy may outlive this call
+        let synced = send.sync(OP);
+        queued.and(synced)?;
+        self.inner.all_to_all_v(
+            &self.host_send.buf,
+            send_spans,
+            &mut self.host_recv.buf,
+            recv_spans,
+        )?;
+        let queued = in_bounds(recv_spans, recv.len).try_for_each(|r| {
+            // SAFETY: host_recv is neither touched nor freed before the sync below.
+            unsafe { recv.write_queued(r.start, &self.host_recv.buf.as_slice()[r]) }
+        });
+        let synced = recv.sync(OP);
+        queued.and(synced)
     }
 
     fn barrier(&mut self) -> Result<(), TransportError> {
