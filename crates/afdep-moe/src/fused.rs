@@ -73,7 +73,10 @@ use afdep_transport::{NvlinkIpc, Transport};
 use tracing::debug;
 
 use crate::error::ExchangeError;
-use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase};
+use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_tokens};
+
+mod count_first;
+pub use count_first::DispatchArm;
 
 /// Byte offset of the dispatch flags in every workspace.
 pub const DISPATCH_FLAGS: u64 = 0;
@@ -92,6 +95,8 @@ struct Geometry {
     slab: SlabGeometry,
     ret_off: u64,
     ret_cap: u64,
+    /// The count-first areas (after the return areas).
+    cf: afdep_kernels::ops::fused_cf::CfAreas,
     bytes: u64,
 }
 
@@ -101,7 +106,7 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
     let ret_cap = cap * cfg.top_k as u64;
-    let bytes = ret_off + world * ret_cap * 2 * cfg.hidden as u64;
+    let (cf, bytes) = count_first::areas(cfg, ret_off + world * ret_cap * 2 * cfg.hidden as u64);
     Geometry {
         slab: SlabGeometry {
             slab_off: SLABS,
@@ -111,6 +116,7 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
         },
         ret_off,
         ret_cap,
+        cf,
         bytes,
     }
 }
@@ -129,6 +135,11 @@ pub struct FusedEngine {
     /// Attention ranks and FFN ranks, ascending, on the device.
     src_ranks: CudaSlice<u32>,
     ffn_ranks: CudaSlice<u32>,
+    /// The arm override ([`FusedEngine::set_arm`]) and the arm of the last round.
+    arm: Option<DispatchArm>,
+    last_arm: DispatchArm,
+    /// Attention ranks: the count-first device scratch.
+    cf_scratch: Option<count_first::CfScratch>,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -204,6 +215,10 @@ impl FusedEngine {
         let ffn_ranks = upload(&gpu, &ffn)?;
         let ws = transport.workspace_peers()[rank];
         let peers = transport.workspace_peer_table();
+        let cf_scratch = match topo.attention_index(rank) {
+            Some(_) => Some(count_first::CfScratch::new(&gpu, &cfg)?),
+            None => None,
+        };
         Ok(FusedEngine {
             cfg,
             transport,
@@ -215,6 +230,9 @@ impl FusedEngine {
             peers,
             src_ranks,
             ffn_ranks,
+            arm: None,
+            last_arm: DispatchArm::PayloadFirst,
+            cf_scratch,
         })
     }
 
@@ -263,7 +281,7 @@ impl FusedEngine {
         let phase = match w[0] {
             fk::fault::DISPATCH_WAIT => "dispatch",
             fk::fault::COMBINE_WAIT => "combine",
-            _ => "unknown phase",
+            c => count_first::fault_phase(c).unwrap_or("unknown phase"),
         };
         let e = ExchangeError::DeviceTimeout {
             rank: self.rank(),
@@ -320,16 +338,22 @@ impl FusedEngine {
 
         // 1. status + counts
         let t0 = Instant::now();
-        let sources = count_phase(&cfg, &mut self.transport, input)?;
+        let (sources, tokens) = count_phase_with_tokens(&cfg, &mut self.transport, input)?;
         let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
         self.round += 1;
         let round = self.round;
+        let arm = self.arm_for(&tokens);
+        self.last_arm = arm;
         times.counts = t0.elapsed();
-        debug!(rank, round, "fused round");
+        debug!(rank, round, %arm, "fused round");
 
-        // 2. dispatch (sources)
+        // 2. dispatch (sources; count-first: the whole dispatch, count_first.rs)
         let t1 = Instant::now();
-        if let (Some(s), Some(inp)) = (src_index, input) {
+        let cf_received = match arm {
+            DispatchArm::PayloadFirst => None,
+            _ => self.count_first_dispatch(arm, input, &plans, round, timeout_ns)?,
+        };
+        if let (DispatchArm::PayloadFirst, Some(s), Some(inp)) = (arm, src_index, input) {
             let mw = fk::meta_words(k);
             let (mut token, mut dst_rank, mut slab_row, mut meta) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
@@ -396,7 +420,13 @@ impl FusedEngine {
         // 3. copy epilogue (FFN ranks)
         let mut received = None;
         let mut y_rows: Vec<bf16> = Vec::new();
-        if let Some(f) = ffn_index {
+        if let (Some(f), Some(rx)) = (ffn_index, cf_received) {
+            times.dispatch = t1.elapsed();
+            let t2 = Instant::now();
+            y_rows = experts_host(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
+            times.experts = t2.elapsed();
+            received = Some(rx);
+        } else if let Some(f) = ffn_index {
             let plan = plans[f].clone();
             let total = plan.total_rows() as usize;
             let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
@@ -447,25 +477,7 @@ impl FusedEngine {
 
             // 4. experts (host)
             let t2 = Instant::now();
-            y_rows.reserve(expanded_h.len());
-            for l in 0..p.experts_per_rank {
-                let (a, b) = (
-                    plan.expert_offsets[l] as usize,
-                    plan.expert_offsets[l + 1] as usize,
-                );
-                if a == b {
-                    continue;
-                }
-                let e = p.experts_of(f).start + l;
-                let ye = expert(e, &expanded_h[a * h..b * h], b - a);
-                if ye.len() != (b - a) * h {
-                    return Err(ExchangeError::Input {
-                        rank,
-                        what: format!("expert {e} returned {} values for {} rows", ye.len(), b - a),
-                    });
-                }
-                y_rows.extend(ye);
-            }
+            y_rows = experts_host(&cfg, rank, f, &plan, &expanded_h, expert)?;
             times.experts = t2.elapsed();
             received = Some(FfnReceived {
                 plan,
@@ -575,4 +587,38 @@ impl FusedEngine {
             times,
         })
     }
+}
+
+/// The experts of FFN rank `f` on the host: `expert` applied to each local expert's rows of
+/// `expanded` (the plan's expert offsets), outputs concatenated in expanded-row order.
+fn experts_host(
+    cfg: &ExchangeConfig,
+    rank: usize,
+    f: usize,
+    plan: &FfnPlan,
+    expanded: &[bf16],
+    expert: &dyn ExpertFn,
+) -> Result<Vec<bf16>, ExchangeError> {
+    let p = cfg.placement();
+    let h = cfg.hidden;
+    let mut y_rows = Vec::with_capacity(expanded.len());
+    for l in 0..p.experts_per_rank {
+        let (a, b) = (
+            plan.expert_offsets[l] as usize,
+            plan.expert_offsets[l + 1] as usize,
+        );
+        if a == b {
+            continue;
+        }
+        let e = p.experts_of(f).start + l;
+        let ye = expert(e, &expanded[a * h..b * h], b - a);
+        if ye.len() != (b - a) * h {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!("expert {e} returned {} values for {} rows", ye.len(), b - a),
+            });
+        }
+        y_rows.extend(ye);
+    }
+    Ok(y_rows)
 }
