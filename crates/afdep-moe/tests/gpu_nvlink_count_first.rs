@@ -1,8 +1,8 @@
 //! Count-first dispatch of the fused engine over NvlinkIpc in-process ranks on one GPU: every
 //! arm ([`DispatchArm`]: payload-first, count-first with the streaming epilogue, the source
 //! arm) bit-identical to the oracle (combine, expanded layout, compact view, and the plan the
-//! device computed) and to the staged engine, on 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F, EP4,
-//! 2A:1F, 1A:2F, EP2, EP3); hidden 2048, 7168 and 8192 with capacities 2048 and 256; transport
+//! device computed) and to the staged engine, on 1, 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F,
+//! EP4, 2A:1F, 1A:2F, EP2, EP3, EP1); hidden 2048, 7168 and 8192 with capacities 2048 and 256; transport
 //! SM budgets 7, 23, 24 and every knob at a non-default value; uneven ranks, a zero-token rank,
 //! a hot expert, masked slots; the arm rule of `min_token_bucket`; arms switching from round
 //! to round; repeated seeds with identical output hashes; a rejected route in a count-first
@@ -184,7 +184,7 @@ const FORCED: [Option<DispatchArm>; 3] = [
 fn every_arm_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() {
     let _serial = serial();
     for topo in [
-        "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3",
+        "3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "1A:2F", "EP2", "EP3", "EP1",
     ] {
         let c = cfg(topo, 24, 12, 3);
         let p = params(&c, 8, 5);

@@ -437,3 +437,40 @@ pub fn stream_epilogue(
     unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::CfStreamEpilogue))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn define(name: &str) -> String {
+        let text = include_str!("../../cuda/layout/fused.cuh");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
+        line[format!("#define {name} ").len()..].trim().to_string()
+    }
+
+    #[test]
+    fn fault_codes_match_the_header_and_differ_from_payload_first() {
+        for (name, code) in [
+            ("AFDEP_FUSED_FAULT_COUNTS_WAIT", fault::COUNTS_WAIT),
+            ("AFDEP_FUSED_FAULT_OFFSETS_WAIT", fault::OFFSETS_WAIT),
+            ("AFDEP_FUSED_FAULT_ROW_WAIT", fault::ROW_WAIT),
+            ("AFDEP_FUSED_FAULT_SOURCE_WAIT", fault::SOURCE_WAIT),
+        ] {
+            assert_eq!(define(name), format!("{code}u"));
+            assert!(
+                code != super::super::fused::fault::DISPATCH_WAIT
+                    && code != super::super::fused::fault::COMBINE_WAIT
+            );
+        }
+    }
+
+    #[test]
+    fn the_mode_constants_match_the_kernel() {
+        let text = include_str!("../../cuda/fused_cf_dispatch.cu");
+        assert!(text.contains("#define AFDEP_CF_SOURCE 0u"));
+        assert!(text.contains("#define AFDEP_CF_STREAM 1u"));
+    }
+}

@@ -482,3 +482,51 @@ impl FusedEngine {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_rule() {
+        let mut k = ExchangeKnobs::default();
+        k.min_token_bucket = 128;
+        assert_eq!(DispatchArm::select(&k, 0), DispatchArm::PayloadFirst);
+        assert_eq!(DispatchArm::select(&k, 127), DispatchArm::PayloadFirst);
+        assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirst);
+        assert_eq!(DispatchArm::select(&k, 4096), DispatchArm::CountFirst);
+    }
+
+    /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
+    /// as `layout/fused.cuh` documents, for odd shapes.
+    #[test]
+    fn areas_are_ordered_and_disjoint() {
+        for (topo, hidden, experts, k, cap) in [
+            ("3A:1F", 2048usize, 128usize, 8usize, 2048usize),
+            ("1A:3F", 20, 9, 2, 3),
+            ("EP4", 7168, 24, 4, 256),
+            ("2A:2F", 8, 2, 2, 1),
+        ] {
+            let c = ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, k, cap).unwrap();
+            let start = 1000;
+            let (a, end) = areas(&c, start);
+            let world = c.topology.world_size() as u64;
+            let ns = c.topology.attention_count() as u64;
+            let epr = c.experts_per_rank as u64;
+            assert!(a.count_flags >= start && a.count_flags % 256 == 0);
+            assert_eq!(a.offset_flags, a.count_flags + 256);
+            assert_eq!(a.counts, a.offset_flags + 256);
+            assert!(a.offsets >= a.counts + world * (epr + 1) * 8);
+            assert!(a.plan >= a.offsets + world * epr * 8);
+            assert!(a.row_flags >= a.plan + (2 * epr * ns + epr + 1 + ns + 1) * 8);
+            assert!(a.expanded >= a.row_flags + world * cap as u64 * 4);
+            assert_eq!(a.expanded % 256, 0);
+            assert_eq!(a.exp_rows, ns * cap as u64 * (k as u64).min(epr));
+            assert_eq!(end, a.expanded + a.exp_rows * 2 * hidden as u64);
+            assert_eq!(a.meta_off, (2 * hidden as u64).div_ceil(16) * 16);
+            assert!(
+                a.meta_off + 4 * fk::meta_words(k) as u64 <= fk::slab_row_bytes(hidden, k) as u64
+            );
+        }
+    }
+}
