@@ -129,18 +129,18 @@ fn hash_of(r: &RankResult) -> u64 {
     let r = r.as_ref().unwrap_or_else(|e| panic!("{e}"));
     let mut h = DefaultHasher::new();
     if let Some(c) = &r.combined {
-        c.iter().for_each(|v| v.to_bits().hash(&mut h));
+        h.write(bytemuck::cast_slice(c));
     }
     if let Some(rx) = &r.received {
+        rx.plan.counts.hash(&mut h);
         rx.plan.expert_offsets.hash(&mut h);
         rx.plan.block_starts.hash(&mut h);
-        rx.expanded.iter().for_each(|v| v.to_bits().hash(&mut h));
+        rx.plan.slab_offsets.hash(&mut h);
+        h.write(bytemuck::cast_slice(&rx.expanded));
         rx.compact_tokens.hash(&mut h);
-        rx.compact_x.iter().for_each(|v| v.to_bits().hash(&mut h));
+        h.write(bytemuck::cast_slice(&rx.compact_x));
         rx.compact_ids.hash(&mut h);
-        rx.compact_weights
-            .iter()
-            .for_each(|v| v.to_bits().hash(&mut h));
+        h.write(bytemuck::cast_slice(&rx.compact_weights));
     }
     h.finish()
 }
@@ -159,11 +159,6 @@ fn check_arms(
         for (arm, g) in arms.iter().zip(per_arm) {
             check_round(c, inp, g, p);
             for (rank, (a, b)) in g.iter().zip(st).enumerate() {
-                assert_eq!(
-                    hash_of(a),
-                    hash_of(b),
-                    "{what} round {i} arm {arm:?} rank {rank}: fused != staged"
-                );
                 let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
                 assert!(
                     a.combined == b.combined && a.received == b.received,
@@ -492,5 +487,48 @@ fn disagreeing_arms_time_out_with_typed_errors() {
             round: 1,
         }) => {}
         other => panic!("FFN rank: {other:?}"),
+    }
+}
+
+/// Logs (asserts nothing about speed) the host-observed dispatch phase per arm on 3A:1F,
+/// hidden 2048, top-8 of 128 experts, capacity 2048, at 1, 512 and 2048 tokens per source:
+/// the median over rounds 2..6 of the slowest rank. Single-GPU rank emulation with host
+/// experts and read-backs: protocol overhead, not NVLink, and not device time. Every round is
+/// also checked against the oracle.
+#[test]
+fn log_dispatch_times_per_arm() {
+    let _serial = serial();
+    let mut c = cfg("3A:1F", 2048, 128, 8);
+    c.capacity = 2048;
+    for tokens in [1usize, 512, 2048] {
+        let inp = sources(&c, &[tokens, tokens, tokens], Some(17), 81);
+        let rounds: Vec<Vec<SourceInput>> = vec![inp.clone(); 6];
+        let Some(got) = run_arms(&c, &rounds, &FORCED, None) else {
+            return;
+        };
+        for per_arm in &got {
+            for g in per_arm {
+                check_round(&c, &inp, g, None);
+            }
+        }
+        let mut line = format!("3A:1F hidden 2048 top-8/128, {tokens} tokens per source:");
+        for (j, arm) in FORCED.iter().enumerate() {
+            let mut us: Vec<f64> = got[1..]
+                .iter()
+                .map(|per_arm| {
+                    per_arm[j]
+                        .iter()
+                        .map(|r| r.as_ref().unwrap().times.dispatch.as_secs_f64() * 1e6)
+                        .fold(0.0, f64::max)
+                })
+                .collect();
+            us.sort_by(f64::total_cmp);
+            line.push_str(&format!(
+                " {}: {:.0} us",
+                arm.expect("forced"),
+                us[us.len() / 2]
+            ));
+        }
+        println!("{line}");
     }
 }

@@ -489,8 +489,10 @@ mod tests {
 
     #[test]
     fn the_bucket_rule() {
-        let mut k = ExchangeKnobs::default();
-        k.min_token_bucket = 128;
+        let k = ExchangeKnobs {
+            min_token_bucket: 128,
+            ..ExchangeKnobs::default()
+        };
         assert_eq!(DispatchArm::select(&k, 0), DispatchArm::PayloadFirst);
         assert_eq!(DispatchArm::select(&k, 127), DispatchArm::PayloadFirst);
         assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirst);
