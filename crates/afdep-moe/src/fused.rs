@@ -1,6 +1,6 @@
-//! The fused exchange engine (first version: payload-first, bf16): GPU-initiated stores into the
-//! symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release /
-//! acquire semantics and bounded device waits.
+//! The fused exchange engine (bf16; payload-first and count-first dispatch): GPU-initiated
+//! stores into the symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags
+//! with release / acquire semantics and bounded device waits.
 //!
 //! One round, on every rank (each calls [`FusedEngine::round`], the same API as
 //! [`StagedEngine`](crate::StagedEngine)):
@@ -8,6 +8,12 @@
 //! 1. **status + counts** (host, one control-plane all-gather; the staged engine's phase): a
 //!    rejected route fails every rank with [`ExchangeError::Route`] before anything moves, and
 //!    every rank computes every FFN rank's [`FfnPlan`].
+//! Each round runs one [`DispatchArm`], the same on every rank: payload-first (steps 2 and 3
+//! below) or count-first (device counts, prefix sums and offsets, then the streaming epilogue
+//! or the source arm: [Count-first](self#count-first) below), chosen by
+//! `knobs.min_token_bucket` ([`DispatchArm::select`]) unless [`FusedEngine::set_arm`] forces
+//! one.
+//!
 //! 2. **dispatch** (source, `afdep_fused_dispatch`): each token row bound for FFN rank f is
 //!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
 //!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
@@ -32,6 +38,8 @@
 //! 512    error word      u32[4]      {code, peer, round, 0}
 //! 1024   slabs           world × capacity rows of slab_row_bytes(hidden, K)   (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
+//! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
+//!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
 //! ```
 //!
 //! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
@@ -55,7 +63,26 @@
 //! drop the engines only once every rank has finished its last round (freeing device memory may
 //! wait for the whole device; the tests join every rank's thread first).
 //!
-//! Not in this version: count-first, fp8 payloads, experts on the device, CUDA-graph capture.
+//! # Count-first
+//!
+//! Sources compute their per-expert counts on the device from their routes and store each FFN
+//! rank's share into its counts area, then raise a count flag; the FFN rank waits (bounded) for
+//! every source's counts, computes [`FfnPlan`]'s prefix sums (64-bit) into its plan area and
+//! publishes each source's block starts into the source's offsets area with an offset flag.
+//! Source arm: the source waits (bounded) for its offsets and stores each row straight to its
+//! final expanded rows in the FFN rank's expanded area (plus the compact view's metadata in its
+//! slab rows), then raises its dispatch flag. Streaming: rows land in the slabs, each with a
+//! row flag holding the round number, and the FFN rank's streaming epilogue expands each row as
+//! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`] is then the plan its device
+//! computed. Stream order, the knobs and the arm rule are documented in `fused/count_first.rs`
+//! and `docs/design.md`.
+//!
+//! The host status + counts phase still runs in a count-first round: it validates the routes
+//! (rejection on every rank before anything moves), carries the token counts of the arm rule,
+//! and its plans drive the combine and the poisoned extents of the expanded area; the dispatch
+//! itself uses only the device's counts and offsets.
+//!
+//! Not in this version: fp8 payloads, experts on the device, CUDA-graph capture.
 
 use std::time::Instant;
 

@@ -194,6 +194,24 @@ fn every_arm_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_rati
     }
 }
 
+/// One rank that is both source and FFN rank (EP1), every arm: every flag is raised and awaited
+/// on the same stream, so this test also runs under compute-sanitizer (which serialises kernels,
+/// so the multi-rank tests' cross-stream waits would run out there).
+#[test]
+fn every_arm_on_a_single_rank_ep1() {
+    let _serial = serial();
+    let c = cfg("EP1", 40, 6, 2);
+    let rounds = every_ratio_rounds(&c);
+    let Some(got) = run_arms(&c, &rounds, &FORCED, None) else {
+        return;
+    };
+    for (inp, per_arm) in rounds.iter().zip(&got) {
+        for g in per_arm {
+            check_round(&c, inp, g, None);
+        }
+    }
+}
+
 /// Hidden 2048, 7168, 8192 with capacities 2048 and 256 on the four 4-rank ratios: two rounds
 /// each (uneven with a zero-token rank and a hot expert; then other counts), every arm.
 #[test]

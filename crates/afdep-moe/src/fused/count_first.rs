@@ -203,6 +203,10 @@ impl FusedEngine {
         if bytes == 0 {
             return Ok(());
         }
+        self.gpu
+            .cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
         // SAFETY: [ws + offset, + bytes) lies in this rank's workspace (the caller's geometry,
         // which fits it, checked at set-up); the memset is ordered on this rank's stream.
         unsafe {
