@@ -7,13 +7,11 @@
 //!
 //! 1. **status + counts** (host, one control-plane all-gather; the staged engine's phase): a
 //!    rejected route fails every rank with [`ExchangeError::Route`] before anything moves, and
-//!    every rank computes every FFN rank's [`FfnPlan`].
-//! Each round runs one [`DispatchArm`], the same on every rank: payload-first (steps 2 and 3
-//! below) or count-first (device counts, prefix sums and offsets, then the streaming epilogue
-//! or the source arm: [Count-first](self#count-first) below), chosen by
-//! `knobs.min_token_bucket` ([`DispatchArm::select`]) unless [`FusedEngine::set_arm`] forces
-//! one.
-//!
+//!    every rank computes every FFN rank's [`FfnPlan`]. The round then runs one
+//!    [`DispatchArm`], the same on every rank: payload-first (steps 2 and 3 below) or
+//!    count-first (device counts, prefix sums and offsets, then the streaming epilogue or the
+//!    source arm: [Count-first](self#count-first) below), chosen by `knobs.min_token_bucket`
+//!    ([`DispatchArm::select`]) unless [`FusedEngine::set_arm`] forces one.
 //! 2. **dispatch** (source, `afdep_fused_dispatch`): each token row bound for FFN rank f is
 //!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
 //!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
