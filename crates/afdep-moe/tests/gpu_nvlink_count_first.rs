@@ -200,7 +200,8 @@ fn every_arm_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_rati
 #[test]
 fn every_arm_on_a_single_rank_ep1() {
     let _serial = serial();
-    let c = cfg("EP1", 40, 6, 2);
+    // 12 experts: every_ratio_rounds' hot experts are 5 and 11
+    let c = cfg("EP1", 40, 12, 2);
     let rounds = every_ratio_rounds(&c);
     let Some(got) = run_arms(&c, &rounds, &FORCED, None) else {
         return;
