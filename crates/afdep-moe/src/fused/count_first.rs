@@ -32,7 +32,9 @@
 //!
 //! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
 //! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
-//! payload-first below it. The token counts come from the host status + counts phase, which
+//! payload-first below it; always payload-first for payloads other than bf16 (count-first
+//! carries bf16 rows only in this version, and a forced count-first arm with another payload
+//! is an [`ExchangeError::Input`]). The token counts come from the host status + counts phase, which
 //! every rank runs, so every rank picks the same arm. [`FusedEngine::set_arm`] overrides the
 //! rule (every rank must then set the same arm, like the configuration; a rank that does not
 //! makes the round fail with a [`ExchangeError::DeviceTimeout`]).
@@ -55,7 +57,7 @@
 
 use afdep_core::layout::FfnPlan;
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
-use afdep_core::{ExchangeConfig, ExchangeKnobs, bf16};
+use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
 use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
@@ -175,6 +177,17 @@ pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
     }
 }
 
+/// The arm rule of a round of `cfg` whose sources have `tokens` tokens each:
+/// [`DispatchArm::select`] on the largest, and payload-first for payloads other than bf16
+/// (count-first carries bf16 rows only in this version).
+pub(super) fn rule(cfg: &ExchangeConfig, tokens: &[u64]) -> DispatchArm {
+    if cfg.payload != PayloadKind::Bf16 {
+        return DispatchArm::PayloadFirst;
+    }
+    let max = tokens.iter().copied().max().unwrap_or(0);
+    DispatchArm::select(&cfg.knobs, usize::try_from(max).unwrap_or(usize::MAX))
+}
+
 fn le_u64(b: &[u8]) -> Vec<u64> {
     bytemuck::pod_collect_to_vec(b)
 }
@@ -193,10 +206,7 @@ impl FusedEngine {
 
     /// The arm of a round whose sources have `tokens` tokens each.
     pub(super) fn arm_for(&self, tokens: &[u64]) -> DispatchArm {
-        self.arm.unwrap_or_else(|| {
-            let max = tokens.iter().copied().max().unwrap_or(0);
-            DispatchArm::select(&self.cfg.knobs, usize::try_from(max).unwrap_or(usize::MAX))
-        })
+        self.arm.unwrap_or_else(|| rule(&self.cfg, tokens))
     }
 
     fn poison_ws(&self, offset: u64, bytes: u64) -> Result<(), ExchangeError> {
@@ -244,6 +254,16 @@ impl FusedEngine {
         let err = self.ws + ERROR_WORD;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
+        if cfg.payload != PayloadKind::Bf16 {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "count-first carries bf16 payloads only, the configuration has {} \
+                     (use payload-first)",
+                    cfg.payload
+                ),
+            });
+        }
         if slab.row_bytes < fk::slab_row_bytes(h, k) as u64 {
             return Err(ExchangeError::Input {
                 rank,
@@ -501,6 +521,18 @@ mod tests {
         assert_eq!(DispatchArm::select(&k, 127), DispatchArm::PayloadFirst);
         assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirst);
         assert_eq!(DispatchArm::select(&k, 4096), DispatchArm::CountFirst);
+    }
+
+    #[test]
+    fn the_rule_takes_the_largest_source_and_keeps_fp8_payload_first() {
+        let mut c = ExchangeConfig::new("3A:1F".parse().unwrap(), 256, 8, 2, 64).unwrap();
+        c.knobs.min_token_bucket = 10;
+        assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst);
+        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirst);
+        assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst);
+        c.payload = PayloadKind::Fp8E4m3;
+        c.validate().unwrap();
+        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::PayloadFirst);
     }
 
     /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
