@@ -68,11 +68,19 @@ pub enum SourceFile {
     /// `fused_combine.cu`: the combine stores and the fixed-order combine (specialised by
     /// top-k).
     FusedCombine,
+    /// `fused_counts.cu`: count-first counts on the device, their publication, the FFN rank's
+    /// plan and offsets, a bounded flag wait (specialised by top-k).
+    FusedCounts,
+    /// `fused_cf_dispatch.cu`: count-first row stores of a source, source arm and streaming
+    /// (specialised by top-k).
+    FusedCfDispatch,
+    /// `fused_stream_epilogue.cu`: the count-first streaming epilogue (specialised by top-k).
+    FusedStreamEpilogue,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 10] = [
+    pub const ALL: [SourceFile; 13] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
@@ -83,6 +91,9 @@ impl SourceFile {
         SourceFile::FusedDispatch,
         SourceFile::FusedEpilogue,
         SourceFile::FusedCombine,
+        SourceFile::FusedCounts,
+        SourceFile::FusedCfDispatch,
+        SourceFile::FusedStreamEpilogue,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -98,6 +109,9 @@ impl SourceFile {
             SourceFile::FusedDispatch => "fused_dispatch.cu",
             SourceFile::FusedEpilogue => "fused_epilogue.cu",
             SourceFile::FusedCombine => "fused_combine.cu",
+            SourceFile::FusedCounts => "fused_counts.cu",
+            SourceFile::FusedCfDispatch => "fused_cf_dispatch.cu",
+            SourceFile::FusedStreamEpilogue => "fused_stream_epilogue.cu",
         }
     }
 
@@ -114,6 +128,9 @@ impl SourceFile {
             SourceFile::FusedDispatch => include_str!("../cuda/fused_dispatch.cu"),
             SourceFile::FusedEpilogue => include_str!("../cuda/fused_epilogue.cu"),
             SourceFile::FusedCombine => include_str!("../cuda/fused_combine.cu"),
+            SourceFile::FusedCounts => include_str!("../cuda/fused_counts.cu"),
+            SourceFile::FusedCfDispatch => include_str!("../cuda/fused_cf_dispatch.cu"),
+            SourceFile::FusedStreamEpilogue => include_str!("../cuda/fused_stream_epilogue.cu"),
         }
     }
 
@@ -135,6 +152,9 @@ impl SourceFile {
                 | SourceFile::Moe
                 | SourceFile::FusedEpilogue
                 | SourceFile::FusedCombine
+                | SourceFile::FusedCounts
+                | SourceFile::FusedCfDispatch
+                | SourceFile::FusedStreamEpilogue
         )
     }
 
@@ -257,11 +277,23 @@ pub enum KernelId {
     FusedCombineStore,
     /// `afdep_fused_combine`: waits for the FFN ranks, sums in the fixed order.
     FusedCombine,
+    /// Count-first: a source's counts, block positions and compact rows from its routes.
+    CfCounts,
+    /// Count-first: a source's counts stored into each FFN rank's workspace, then its flag.
+    CfPublishCounts,
+    /// Count-first: an FFN rank's plan (prefix sums) and each source's published offsets.
+    CfPlan,
+    /// Count-first: a bounded wait for a set of flags.
+    CfWait,
+    /// Count-first: a source's row stores (source arm or streaming).
+    CfDispatch,
+    /// Count-first: the streaming epilogue.
+    CfStreamEpilogue,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 54] = [
+    pub const ALL: [KernelId; 60] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -316,6 +348,12 @@ impl KernelId {
         KernelId::FusedCopyEpilogue,
         KernelId::FusedCombineStore,
         KernelId::FusedCombine,
+        KernelId::CfCounts,
+        KernelId::CfPublishCounts,
+        KernelId::CfPlan,
+        KernelId::CfWait,
+        KernelId::CfDispatch,
+        KernelId::CfStreamEpilogue,
     ];
 
     /// The source file that defines the kernel.
@@ -357,6 +395,12 @@ impl KernelId {
             KernelId::FusedDispatch | KernelId::FusedSignal => SourceFile::FusedDispatch,
             KernelId::FusedCopyEpilogue => SourceFile::FusedEpilogue,
             KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
+            KernelId::CfCounts
+            | KernelId::CfPublishCounts
+            | KernelId::CfPlan
+            | KernelId::CfWait => SourceFile::FusedCounts,
+            KernelId::CfDispatch => SourceFile::FusedCfDispatch,
+            KernelId::CfStreamEpilogue => SourceFile::FusedStreamEpilogue,
             _ => SourceFile::Gemm,
         }
     }
@@ -418,6 +462,12 @@ impl KernelId {
             KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
             KernelId::FusedCombineStore => "afdep_fused_combine_store",
             KernelId::FusedCombine => "afdep_fused_combine",
+            KernelId::CfCounts => "afdep_cf_counts",
+            KernelId::CfPublishCounts => "afdep_cf_publish_counts",
+            KernelId::CfPlan => "afdep_cf_plan",
+            KernelId::CfWait => "afdep_cf_wait",
+            KernelId::CfDispatch => "afdep_cf_dispatch",
+            KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
         }
     }
 
@@ -736,8 +786,9 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue, combine
-        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4);
+        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
+        // combine, count-first counts, dispatch, streaming epilogue
+        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4);
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

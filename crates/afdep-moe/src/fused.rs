@@ -1,13 +1,17 @@
-//! The fused exchange engine (first version: payload-first, bf16): GPU-initiated stores into the
-//! symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release /
-//! acquire semantics and bounded device waits.
+//! The fused exchange engine (bf16; payload-first and count-first dispatch): GPU-initiated
+//! stores into the symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags
+//! with release / acquire semantics and bounded device waits.
 //!
 //! One round, on every rank (each calls [`FusedEngine::round`], the same API as
 //! [`StagedEngine`](crate::StagedEngine)):
 //!
 //! 1. **status + counts** (host, one control-plane all-gather; the staged engine's phase): a
 //!    rejected route fails every rank with [`ExchangeError::Route`] before anything moves, and
-//!    every rank computes every FFN rank's [`FfnPlan`].
+//!    every rank computes every FFN rank's [`FfnPlan`]. The round then runs one
+//!    [`DispatchArm`], the same on every rank: payload-first (steps 2 and 3 below) or
+//!    count-first (device counts, prefix sums and offsets, then the streaming epilogue or the
+//!    source arm: [Count-first](self#count-first) below), chosen by `knobs.min_token_bucket`
+//!    ([`DispatchArm::select`]) unless [`FusedEngine::set_arm`] forces one.
 //! 2. **dispatch** (source, `afdep_fused_dispatch`): each token row bound for FFN rank f is
 //!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
 //!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
@@ -32,6 +36,8 @@
 //! 512    error word      u32[4]      {code, peer, round, 0}
 //! 1024   slabs           world × capacity rows of slab_row_bytes(hidden, K)   (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
+//! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
+//!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
 //! ```
 //!
 //! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
@@ -55,7 +61,26 @@
 //! drop the engines only once every rank has finished its last round (freeing device memory may
 //! wait for the whole device; the tests join every rank's thread first).
 //!
-//! Not in this version: count-first, fp8 payloads, experts on the device, CUDA-graph capture.
+//! # Count-first
+//!
+//! Sources compute their per-expert counts on the device from their routes and store each FFN
+//! rank's share into its counts area, then raise a count flag; the FFN rank waits (bounded) for
+//! every source's counts, computes [`FfnPlan`]'s prefix sums (64-bit) into its plan area and
+//! publishes each source's block starts into the source's offsets area with an offset flag.
+//! Source arm: the source waits (bounded) for its offsets and stores each row straight to its
+//! final expanded rows in the FFN rank's expanded area (plus the compact view's metadata in its
+//! slab rows), then raises its dispatch flag. Streaming: rows land in the slabs, each with a
+//! row flag holding the round number, and the FFN rank's streaming epilogue expands each row as
+//! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`] is then the plan its device
+//! computed. Stream order, the knobs and the arm rule are documented in `fused/count_first.rs`
+//! and `docs/design.md`.
+//!
+//! The host status + counts phase still runs in a count-first round: it validates the routes
+//! (rejection on every rank before anything moves), carries the token counts of the arm rule,
+//! and its plans drive the combine and the poisoned extents of the expanded area; the dispatch
+//! itself uses only the device's counts and offsets.
+//!
+//! Not in this version: fp8 payloads, experts on the device, CUDA-graph capture.
 
 use std::time::Instant;
 
@@ -73,7 +98,10 @@ use afdep_transport::{NvlinkIpc, Transport};
 use tracing::debug;
 
 use crate::error::ExchangeError;
-use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase};
+use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_tokens};
+
+mod count_first;
+pub use count_first::DispatchArm;
 
 /// Byte offset of the dispatch flags in every workspace.
 pub const DISPATCH_FLAGS: u64 = 0;
@@ -92,6 +120,8 @@ struct Geometry {
     slab: SlabGeometry,
     ret_off: u64,
     ret_cap: u64,
+    /// The count-first areas (after the return areas).
+    cf: afdep_kernels::ops::fused_cf::CfAreas,
     bytes: u64,
 }
 
@@ -101,7 +131,7 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
     let ret_cap = cap * cfg.top_k as u64;
-    let bytes = ret_off + world * ret_cap * 2 * cfg.hidden as u64;
+    let (cf, bytes) = count_first::areas(cfg, ret_off + world * ret_cap * 2 * cfg.hidden as u64);
     Geometry {
         slab: SlabGeometry {
             slab_off: SLABS,
@@ -111,6 +141,7 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
         },
         ret_off,
         ret_cap,
+        cf,
         bytes,
     }
 }
@@ -129,6 +160,11 @@ pub struct FusedEngine {
     /// Attention ranks and FFN ranks, ascending, on the device.
     src_ranks: CudaSlice<u32>,
     ffn_ranks: CudaSlice<u32>,
+    /// The arm override ([`FusedEngine::set_arm`]) and the arm of the last round.
+    arm: Option<DispatchArm>,
+    last_arm: DispatchArm,
+    /// Attention ranks: the count-first device scratch.
+    cf_scratch: Option<count_first::CfScratch>,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -204,6 +240,10 @@ impl FusedEngine {
         let ffn_ranks = upload(&gpu, &ffn)?;
         let ws = transport.workspace_peers()[rank];
         let peers = transport.workspace_peer_table();
+        let cf_scratch = match topo.attention_index(rank) {
+            Some(_) => Some(count_first::CfScratch::new(&gpu, &cfg)?),
+            None => None,
+        };
         Ok(FusedEngine {
             cfg,
             transport,
@@ -215,6 +255,9 @@ impl FusedEngine {
             peers,
             src_ranks,
             ffn_ranks,
+            arm: None,
+            last_arm: DispatchArm::PayloadFirst,
+            cf_scratch,
         })
     }
 
@@ -263,7 +306,7 @@ impl FusedEngine {
         let phase = match w[0] {
             fk::fault::DISPATCH_WAIT => "dispatch",
             fk::fault::COMBINE_WAIT => "combine",
-            _ => "unknown phase",
+            c => count_first::fault_phase(c).unwrap_or("unknown phase"),
         };
         let e = ExchangeError::DeviceTimeout {
             rank: self.rank(),
@@ -320,16 +363,22 @@ impl FusedEngine {
 
         // 1. status + counts
         let t0 = Instant::now();
-        let sources = count_phase(&cfg, &mut self.transport, input)?;
+        let (sources, tokens) = count_phase_with_tokens(&cfg, &mut self.transport, input)?;
         let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
         self.round += 1;
         let round = self.round;
+        let arm = self.arm_for(&tokens);
+        self.last_arm = arm;
         times.counts = t0.elapsed();
-        debug!(rank, round, "fused round");
+        debug!(rank, round, %arm, "fused round");
 
-        // 2. dispatch (sources)
+        // 2. dispatch (sources; count-first: the whole dispatch, count_first.rs)
         let t1 = Instant::now();
-        if let (Some(s), Some(inp)) = (src_index, input) {
+        let cf_received = match arm {
+            DispatchArm::PayloadFirst => None,
+            _ => self.count_first_dispatch(arm, input, &plans, round, timeout_ns)?,
+        };
+        if let (DispatchArm::PayloadFirst, Some(s), Some(inp)) = (arm, src_index, input) {
             let mw = fk::meta_words(k);
             let (mut token, mut dst_rank, mut slab_row, mut meta) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
@@ -396,7 +445,13 @@ impl FusedEngine {
         // 3. copy epilogue (FFN ranks)
         let mut received = None;
         let mut y_rows: Vec<bf16> = Vec::new();
-        if let Some(f) = ffn_index {
+        if let (Some(f), Some(rx)) = (ffn_index, cf_received) {
+            times.dispatch = t1.elapsed();
+            let t2 = Instant::now();
+            y_rows = experts_host(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
+            times.experts = t2.elapsed();
+            received = Some(rx);
+        } else if let Some(f) = ffn_index {
             let plan = plans[f].clone();
             let total = plan.total_rows() as usize;
             let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
@@ -447,25 +502,7 @@ impl FusedEngine {
 
             // 4. experts (host)
             let t2 = Instant::now();
-            y_rows.reserve(expanded_h.len());
-            for l in 0..p.experts_per_rank {
-                let (a, b) = (
-                    plan.expert_offsets[l] as usize,
-                    plan.expert_offsets[l + 1] as usize,
-                );
-                if a == b {
-                    continue;
-                }
-                let e = p.experts_of(f).start + l;
-                let ye = expert(e, &expanded_h[a * h..b * h], b - a);
-                if ye.len() != (b - a) * h {
-                    return Err(ExchangeError::Input {
-                        rank,
-                        what: format!("expert {e} returned {} values for {} rows", ye.len(), b - a),
-                    });
-                }
-                y_rows.extend(ye);
-            }
+            y_rows = experts_host(&cfg, rank, f, &plan, &expanded_h, expert)?;
             times.experts = t2.elapsed();
             received = Some(FfnReceived {
                 plan,
@@ -575,4 +612,38 @@ impl FusedEngine {
             times,
         })
     }
+}
+
+/// The experts of FFN rank `f` on the host: `expert` applied to each local expert's rows of
+/// `expanded` (the plan's expert offsets), outputs concatenated in expanded-row order.
+fn experts_host(
+    cfg: &ExchangeConfig,
+    rank: usize,
+    f: usize,
+    plan: &FfnPlan,
+    expanded: &[bf16],
+    expert: &dyn ExpertFn,
+) -> Result<Vec<bf16>, ExchangeError> {
+    let p = cfg.placement();
+    let h = cfg.hidden;
+    let mut y_rows = Vec::with_capacity(expanded.len());
+    for l in 0..p.experts_per_rank {
+        let (a, b) = (
+            plan.expert_offsets[l] as usize,
+            plan.expert_offsets[l + 1] as usize,
+        );
+        if a == b {
+            continue;
+        }
+        let e = p.experts_of(f).start + l;
+        let ye = expert(e, &expanded[a * h..b * h], b - a);
+        if ye.len() != (b - a) * h {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!("expert {e} returned {} values for {} rows", ye.len(), b - a),
+            });
+        }
+        y_rows.extend(ye);
+    }
+    Ok(y_rows)
 }

@@ -379,6 +379,16 @@ pub(crate) fn count_phase<T: Transport>(
     transport: &mut T,
     input: Option<&SourceInput>,
 ) -> Result<Vec<SourceCounts>, ExchangeError> {
+    count_phase_with_tokens(cfg, transport, input).map(|(c, _)| c)
+}
+
+/// [`count_phase`], also returning every source's token count of the round (one more word in
+/// the same all-gather): what the fused engine's arm selection needs.
+pub(crate) fn count_phase_with_tokens<T: Transport>(
+    cfg: &ExchangeConfig,
+    transport: &mut T,
+    input: Option<&SourceInput>,
+) -> Result<(Vec<SourceCounts>, Vec<u64>), ExchangeError> {
     let rank = transport.rank();
     let topo = cfg.topology;
     let p = cfg.placement();
@@ -400,7 +410,7 @@ pub(crate) fn count_phase<T: Transport>(
         (None, None) => Ok(None),
     };
     let count_words = p.owned() + 2 * nf;
-    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words];
+    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words + 1];
     match &local {
         Err(e) => {
             let w = e.to_word();
@@ -408,12 +418,17 @@ pub(crate) fn count_phase<T: Transport>(
                 bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
             w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
         }
-        Ok(Some(c)) => msg[ROUTE_ERROR_WORDS.div_ceil(2)..].copy_from_slice(&c.to_words()),
+        Ok(Some(c)) => {
+            let at = ROUTE_ERROR_WORDS.div_ceil(2);
+            msg[at..at + count_words].copy_from_slice(&c.to_words());
+            msg[at + count_words] = input.map_or(0, |i| i.routes.tokens as u64);
+        }
         Ok(None) => {}
     }
     let gathered = transport.all_gather(u8s_of(&msg))?;
     let per = msg.len() * 8;
     let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
+    let mut tokens: Vec<u64> = Vec::with_capacity(topo.attention_count());
     for r in 0..world {
         let blob = &gathered[r * per..(r + 1) * per];
         let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
@@ -435,13 +450,17 @@ pub(crate) fn count_phase<T: Transport>(
             });
         }
         if topo.attention_index(r).is_some() {
-            let c = SourceCounts::from_words(&words[ROUTE_ERROR_WORDS.div_ceil(2)..], &p)
-                .ok_or_else(|| ExchangeError::Input {
-                    rank,
-                    what: format!("malformed counts from rank {r}"),
+            let at = ROUTE_ERROR_WORDS.div_ceil(2);
+            let c =
+                SourceCounts::from_words(&words[at..at + count_words], &p).ok_or_else(|| {
+                    ExchangeError::Input {
+                        rank,
+                        what: format!("malformed counts from rank {r}"),
+                    }
                 })?;
             sources.push(c);
+            tokens.push(words[at + count_words]);
         }
     }
-    Ok(sources)
+    Ok((sources, tokens))
 }

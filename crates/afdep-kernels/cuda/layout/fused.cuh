@@ -50,3 +50,34 @@ static __device__ __forceinline__ void afdep_warp_copy(void* dst, const void* sr
         for (u32 v = lane; v < n; v += 32) d[v] = s[v];
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Count-first (fused_counts.cu, fused_cf_dispatch.cu, fused_stream_epilogue.cu). The host side
+// is afdep_kernels::ops::fused_cf and afdep_moe::fused_cf (the area offsets, CfGeometry).
+//
+// The count-first area of every workspace (byte offsets from its start `cf`, the same on every
+// rank; every count and offset a u64):
+//   cf + 0      count flags   u32[64]  by source rank: its counts of this round are here
+//   cf + 256    offset flags  u32[64]  by FFN rank: its offsets for this source are here
+//   counts      u64[world][epr + 1]    by source rank: rows per local expert l < epr of this
+//                                      FFN rank, then the source's distinct tokens for it
+//   offsets     u64[world][epr]        by FFN rank: this source's block start per local expert
+//   plan        u64: counts[epr][ns] (expert-major), block_starts[epr][ns], expert_offsets[epr
+//               + 1], slab_offsets[ns + 1]: afdep_core::layout::FfnPlan's numbers
+//   row flags   u32[world][cap]        by (source rank, slab row): streaming readiness
+//   expanded    bf16[rows_max][hidden] this FFN rank's expanded layout (rows_max = sources ×
+//               cap × min(K, epr)), 256-byte aligned
+// Count-first slab rows use the payload-first row format; their expanded_row[k] holds the
+// final expanded row (source arm) or the slot's position in its (expert, source) block
+// (streaming: the epilogue adds the block start).
+
+// Fault codes of the count-first waits (from 16, apart from the payload-first ones).
+#define AFDEP_FUSED_FAULT_COUNTS_WAIT 16u
+#define AFDEP_FUSED_FAULT_OFFSETS_WAIT 17u
+#define AFDEP_FUSED_FAULT_ROW_WAIT 18u
+#define AFDEP_FUSED_FAULT_SOURCE_WAIT 19u
+
+// Whether an error word already holds a fault (a waiter's cue to leave early).
+static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
+    return *(const volatile u32*)err != 0u;
+}

@@ -44,7 +44,7 @@ pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
     (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
-/// Loads every fused kernel for `top_k` now (module compiled or read from the cache, and each
+/// Loads every fused kernel (payload-first and count-first, [`super::fused_cf`]) for `top_k` now (module compiled or read from the cache, and each
 /// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
 /// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
 /// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
@@ -58,8 +58,17 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
         KernelId::FusedCopyEpilogue,
         KernelId::FusedCombineStore,
         KernelId::FusedCombine,
-    ] {
-        let kk = if id == KernelId::FusedCombineStore {
+    ]
+    .into_iter()
+    .chain(super::fused_cf::KERNELS)
+    {
+        let kk = if matches!(
+            id,
+            KernelId::FusedCombineStore
+                | KernelId::CfPublishCounts
+                | KernelId::CfPlan
+                | KernelId::CfWait
+        ) {
             1
         } else {
             k

@@ -5,6 +5,7 @@
 //! results are read with the stream's copies, which order after the launches.
 
 pub mod fused;
+pub mod fused_cf;
 pub mod gemm;
 pub mod layout;
 pub mod moe;

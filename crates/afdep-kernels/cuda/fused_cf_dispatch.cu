@@ -1,0 +1,114 @@
+// Count-first dispatch, the row stores of a source (layout/fused.cuh, count-first area), after
+// afdep_cf_counts computed slot_pos / tok_row on the device.
+//
+// Mode AFDEP_CF_SOURCE (the source arm): waits (bounded) for every FFN rank's offset flag, then
+// stores each row straight to its final expanded row(s) in the FFN rank's expanded area (one
+// per (token, local expert): block start + slot position), and the compact view's metadata
+// (the payload-first format, expanded_row[k] the final row) into its slab row there; the engine
+// then raises the dispatch flags (afdep_fused_signal).
+// Mode AFDEP_CF_STREAM (the streaming variant): with `gate` set, the same wait first; then each
+// row (payload and metadata, expanded_row[k] the slot's block position) goes into this source's
+// slab, and its row flag is raised to the round (release, system scope) as soon as the row is
+// stored, for the streaming epilogue. Specialised by AFDEP_TOP_K.
+
+#include "common/ptx.cuh"
+#include "common/types.cuh"
+#include "layout/fused.cuh"
+
+#ifndef AFDEP_TOP_K
+#error "fused_cf_dispatch.cu needs AFDEP_TOP_K"
+#endif
+#define K AFDEP_TOP_K
+
+static_assert(K <= 32, "one lane per slot");
+
+#define AFDEP_CF_SOURCE 0u
+#define AFDEP_CF_STREAM 1u
+
+// x: tokens × hidden bf16; idx, w: tokens × K routes (validated); slot_pos, tok_row: from
+// afdep_cf_counts. ffn_rank[f] for f < nf: the FFN ranks. ws: this source's (`me`) workspace
+// (its offsets area at offs_off, offset flags at oflag_off). The destination of FFN rank f is
+// workspace peers[ffn_rank[f]]: slab row (me, tok_row) at slab_off + (me cap + row) row_bytes
+// (metadata at meta_off within the row), exp_rows expanded rows at exp_off (a row past them
+// is not stored: never for a consistent plan, and the FFN rank's poison shows it), row flags
+// at rflag_off.
+// One warp per (token, FFN rank) pair, grid-stride; in a waiting mode every block first waits
+// (thread 0) and a block whose wait runs out records AFDEP_FUSED_FAULT_OFFSETS_WAIT and leaves.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_dispatch(const u16* __restrict__ x, const i32* __restrict__ idx,
+                      const float* __restrict__ w, u64 tokens, const u32* __restrict__ slot_pos,
+                      const u32* __restrict__ tok_row, const u32* __restrict__ ffn_rank, u32 nf,
+                      u32 epr, const u64* __restrict__ peers, const u8* ws, u64 offs_off,
+                      u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off,
+                      u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32 gate,
+                      u32 round, u64 timeout_ns, u32* err) {
+    const bool wait = mode == AFDEP_CF_SOURCE || gate != 0u;
+    if (wait) {
+        __shared__ u32 ok;
+        if (threadIdx.x == 0) {
+            ok = 1;
+            for (u32 f = 0; f < nf && ok; f++) {
+                const u32* flag = (const u32*)(ws + oflag_off + 4ull * ffn_rank[f]);
+                if (!afdep_wait_ge(flag, round, timeout_ns)) {
+                    afdep_fused_fault(err, AFDEP_FUSED_FAULT_OFFSETS_WAIT, ffn_rank[f], round);
+                    ok = 0;
+                }
+            }
+        }
+        __syncthreads();
+        if (!ok) return;
+    }
+    const u32 lane = afdep_lane();
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    const u64 pairs = tokens * nf;
+    const u32 payload = 2u * hidden;
+    for (u64 p = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; p < pairs; p += warps) {
+        const u32 row = tok_row[p];
+        if (row == AFDEP_NO_ROW) continue;
+        const u64 t = p / nf;
+        const u32 f = (u32)(p % nf);
+        u8* dst = (u8*)peers[ffn_rank[f]];
+        u8* slab = dst + slab_off + ((u64)me * cap + row) * row_bytes;
+        u32* meta = (u32*)(slab + meta_off);
+        // lane k < K: slot k's local id, weight and row
+        u64 erow = AFDEP_FUSED_NO_ROW;
+        if (lane < K) {
+            const i32 e = idx[t * K + lane];
+            const bool mine = e >= 0 && (u32)e >= f * epr && (u32)e < (f + 1) * epr;
+            i32 l = -1;
+            float wt = 0.0f;
+            if (mine) {
+                l = e - (i32)(f * epr);
+                wt = w[t * K + lane];
+                erow = slot_pos[t * K + lane];
+                if (mode == AFDEP_CF_SOURCE) {
+                    const u64* offs = (const u64*)(ws + offs_off) + (u64)ffn_rank[f] * epr;
+                    erow += offs[l];
+                }
+            }
+            meta[2 + lane] = (u32)l;
+            meta[2 + K + lane] = __float_as_uint(wt);
+            ((u64*)(meta + 2 + 2 * K))[lane] = erow;
+        }
+        if (lane == 0) {
+            meta[0] = (u32)t;
+            meta[1] = 0u;
+        }
+        const u16* src = x + t * hidden;
+        if (mode == AFDEP_CF_SOURCE) {
+            u16* expanded = (u16*)(dst + exp_off);
+#pragma unroll 1
+            for (int k = 0; k < K; k++) {
+                const u64 r = __shfl_sync(0xffffffffu, erow, k);
+                if (r < exp_rows) afdep_warp_copy(expanded + r * hidden, src, payload, lane);
+            }
+        } else {
+            afdep_warp_copy(slab, src, payload, lane);
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence_system();
+                afdep_st_release_sys((u32*)(dst + rflag_off + 4ull * ((u64)me * cap + row)), round);
+            }
+        }
+    }
+}

@@ -1,0 +1,476 @@
+//! Launchers of the count-first exchange kernels: `fused_counts.cu`, `fused_cf_dispatch.cu`,
+//! `fused_stream_epilogue.cu` (the count-first area of `layout/fused.cuh`).
+//!
+//! Like [`super::fused`], these kernels store into other ranks' workspaces through a peer table
+//! (the device address of a `u64[world]` array of workspace bases) and take byte offsets that
+//! are the same in every workspace ([`CfAreas`]). Every wait is bounded by `timeout_ns`
+//! (`%globaltimer`); a wait that runs out records a fault in the error word (`u32[4]`:
+//! `{code, peer rank, round, 0}`, codes in [`fault`]) and the kernel leaves.
+
+use afdep_core::bf16;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::fused::SlabGeometry;
+use super::{as_u32, need};
+use crate::context::{GpuContext, launch_err};
+use crate::error::KernelError;
+use crate::sources::{BLOCK, KernelId};
+
+/// Fault codes of the count-first waits (`layout/fused.cuh`).
+pub mod fault {
+    /// An FFN rank's wait for a source's counts ran out (peer = that source).
+    pub const COUNTS_WAIT: u32 = 16;
+    /// A source's wait for an FFN rank's offsets ran out (peer = that FFN rank).
+    pub const OFFSETS_WAIT: u32 = 17;
+    /// The streaming epilogue's wait for a row ran out (peer = the row's source).
+    pub const ROW_WAIT: u32 = 18;
+    /// An FFN rank's wait for a source's dispatch flag (source arm) ran out (peer = that
+    /// source).
+    pub const SOURCE_WAIT: u32 = 19;
+}
+
+/// The kernels of this module, for [`super::fused::preload`].
+pub const KERNELS: [KernelId; 6] = [
+    KernelId::CfCounts,
+    KernelId::CfPublishCounts,
+    KernelId::CfPlan,
+    KernelId::CfWait,
+    KernelId::CfDispatch,
+    KernelId::CfStreamEpilogue,
+];
+
+/// Warps per block.
+const WARPS: u64 = (BLOCK / 32) as u64;
+
+fn grid(warps: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+    let b = warps.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (b, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Byte offsets of the count-first areas, the same in every workspace (`layout/fused.cuh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CfAreas {
+    /// Count flags, `u32[64]` by source rank.
+    pub count_flags: u64,
+    /// Offset flags, `u32[64]` by FFN rank.
+    pub offset_flags: u64,
+    /// Counts, `u64[world][epr + 1]` by source rank.
+    pub counts: u64,
+    /// Offsets, `u64[world][epr]` by FFN rank.
+    pub offsets: u64,
+    /// The FFN rank's plan: counts, block starts, expert offsets, slab offsets (`u64`).
+    pub plan: u64,
+    /// Row flags, `u32[world][cap]` by (source rank, slab row).
+    pub row_flags: u64,
+    /// The expanded area, `exp_rows × hidden` bf16.
+    pub expanded: u64,
+    /// Rows of the expanded area.
+    pub exp_rows: u64,
+    /// Byte offset of a slab row's metadata within the row (the payload, rounded up to 16).
+    pub meta_off: u64,
+}
+
+/// The routes and device scratch of one source's round.
+#[derive(Debug)]
+pub struct CfSource<'a> {
+    /// Tokens of this round.
+    pub tokens: usize,
+    /// `tokens × top_k` expert ids (validated).
+    pub idx: &'a CudaSlice<i32>,
+    /// `tokens × top_k` weights.
+    pub weight: &'a CudaSlice<f32>,
+    /// `tokens × top_k`: each slot's position in its (expert, source) block.
+    pub slot_pos: &'a CudaSlice<u32>,
+    /// `tokens × ffns`: each (token, FFN rank)'s slab row, `u32::MAX` for none.
+    pub tok_row: &'a CudaSlice<u32>,
+    /// `ffns × epr + ffns`: rows per owned expert, then distinct tokens per FFN rank.
+    pub counts: &'a CudaSlice<u64>,
+}
+
+/// The counts kernel (`afdep_cf_counts`): fills `src.slot_pos`, `src.tok_row` and
+/// `src.counts` from `src.idx` (every expert id -1 or below `ffns × epr`). At most `blocks`
+/// blocks.
+pub fn counts(
+    ctx: &GpuContext,
+    src: &CfSource<'_>,
+    top_k: usize,
+    ffns: usize,
+    epr: usize,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    let n = src.tokens * top_k;
+    need("idx", src.idx, n)?;
+    need("slot positions", src.slot_pos, n.max(1))?;
+    need("token rows", src.tok_row, (src.tokens * ffns).max(1))?;
+    need("counts", src.counts, ffns * epr + ffns)?;
+    let k = as_u32("top_k", top_k)?;
+    let nf = as_u32("ffns", ffns)?;
+    let e = as_u32("experts per rank", epr)?;
+    as_u32("owned experts", ffns * epr)?;
+    let t = src.tokens as u64;
+    let f = ctx.function(KernelId::CfCounts, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(src.idx)
+        .arg(&t)
+        .arg(&nf)
+        .arg(&e)
+        .arg(src.slot_pos)
+        .arg(src.tok_row)
+        .arg(src.counts);
+    // SAFETY: afdep_cf_counts(const i32* idx, u64 tokens, u32 nf, u32 epr, u32* slot_pos, u32*
+    // tok_row, u64* counts) with K compiled in: warp w < nf epr + nf reads idx (tokens × K,
+    // checked) and writes slot_pos entries of its expert's slots (tokens × K, checked),
+    // tok_row[t nf + f] (tokens × nf, checked) and counts[w] (nf epr + nf, checked).
+    unsafe { b.launch(grid((ffns * epr + ffns) as u64, blocks)) }
+        .map_err(launch_err(KernelId::CfCounts))?;
+    Ok(())
+}
+
+/// Publishes this source's (`me`) counts (`afdep_cf_publish_counts`): FFN rank `ffn_ranks[f]`
+/// gets its local experts' counts and this source's distinct tokens for it in row `me` of its
+/// counts area, then this source's count flag there is raised to `round`.
+#[allow(clippy::too_many_arguments)]
+pub fn publish_counts(
+    ctx: &GpuContext,
+    counts: &CudaSlice<u64>,
+    peers: u64,
+    ffn_ranks: &CudaSlice<u32>,
+    ffns: usize,
+    epr: usize,
+    areas: &CfAreas,
+    me: usize,
+    round: u32,
+) -> Result<(), KernelError> {
+    if ffns == 0 {
+        return Ok(());
+    }
+    need("counts", counts, ffns * epr + ffns)?;
+    need("ffn ranks", ffn_ranks, ffns)?;
+    let nf = as_u32("ffns", ffns)?;
+    let e = as_u32("experts per rank", epr)?;
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::CfPublishCounts, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(counts)
+        .arg(&peers)
+        .arg(ffn_ranks)
+        .arg(&nf)
+        .arg(&e)
+        .arg(&areas.counts)
+        .arg(&areas.count_flags)
+        .arg(&me)
+        .arg(&round);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (nf, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: afdep_cf_publish_counts(const u64* counts, const u64* peers, const u32* ffn_rank,
+    // u32 nf, u32 epr, u64 counts_off, u64 cflag_off, u32 me, u32 round): block f < nf reads
+    // counts (nf epr + nf, checked) and ffn_rank[f] (nf, checked), and writes epr + 1 u64 at
+    // row me of the counts area and one u32 flag of workspace peers[ffn_rank[f]]; the caller
+    // guarantees a live peer table, ranks below world and areas that hold world rows.
+    unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::CfPublishCounts))?;
+    Ok(())
+}
+
+/// The FFN rank's (`me`) plan (`afdep_cf_plan`): waits for every source's count flag (`>=
+/// round`, at most `timeout_ns` each; a timeout records [`fault::COUNTS_WAIT`] in `err`),
+/// writes the plan into its workspace `ws` and publishes each source's block starts and
+/// offset flag. `src_ranks` holds `sources` ranks, in source order.
+#[allow(clippy::too_many_arguments)]
+pub fn plan(
+    ctx: &GpuContext,
+    ws: u64,
+    peers: u64,
+    src_ranks: &CudaSlice<u32>,
+    sources: usize,
+    epr: usize,
+    areas: &CfAreas,
+    me: usize,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+) -> Result<(), KernelError> {
+    need("source ranks", src_ranks, sources)?;
+    let ns = as_u32("sources", sources)?;
+    let e = as_u32("experts per rank", epr)?;
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::CfPlan, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(&peers)
+        .arg(src_ranks)
+        .arg(&ns)
+        .arg(&e)
+        .arg(&areas.counts)
+        .arg(&areas.count_flags)
+        .arg(&areas.plan)
+        .arg(&areas.offsets)
+        .arg(&areas.offset_flags)
+        .arg(&me)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err);
+    // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr, u64
+    // counts_off, u64 cflag_off, u64 plan_off, u64 offs_off, u64 oflag_off, u32 me, u32 round,
+    // u64 timeout_ns, u32* err), one block: reads the flags and counts rows of src_rank[s] (ns
+    // entries, checked) in this rank's live workspace, writes its plan (2 epr ns + epr + ns + 2
+    // u64, which the caller's geometry provides), row me of each source's offsets area (epr u64)
+    // and one flag there; the caller guarantees a live peer table and ranks below world; err
+    // is a live u32[4].
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::CfPlan))?;
+    Ok(())
+}
+
+/// A bounded wait (`afdep_cf_wait`): for every rank `ranks[i]`, `i < n`, waits until its flag
+/// at `flag_off` of this rank's workspace `ws` is `>= round` (at most `timeout_ns` each); a
+/// timeout records `code` naming that rank in `err`.
+#[allow(clippy::too_many_arguments)]
+pub fn wait(
+    ctx: &GpuContext,
+    ws: u64,
+    ranks: &CudaSlice<u32>,
+    n: usize,
+    flag_off: u64,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    code: u32,
+) -> Result<(), KernelError> {
+    if n == 0 {
+        return Ok(());
+    }
+    need("ranks", ranks, n)?;
+    let n = as_u32("ranks", n)?;
+    let f = ctx.function(KernelId::CfWait, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(ranks)
+        .arg(&n)
+        .arg(&flag_off)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err)
+        .arg(&code);
+    // SAFETY: afdep_cf_wait(const u8* ws, const u32* ranks, u32 n, u64 flag_off, u32 round, u64
+    // timeout_ns, u32* err, u32 code): one thread reads n ranks (checked) and their u32 flags
+    // in this rank's live workspace (the caller's flag area holds world u32); err is a live
+    // u32[4].
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::CfWait))?;
+    Ok(())
+}
+
+/// Which rows a [`dispatch`] stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CfMode {
+    /// The source arm: waits for the offsets, then stores rows to their final expanded rows
+    /// and the compact view's metadata into the slabs.
+    Source,
+    /// The streaming variant: rows (payload and metadata with block positions) into the
+    /// slabs, each followed by its row flag; `gate` makes it wait for the offsets first.
+    Stream {
+        /// Wait for every FFN rank's offsets before the first store (the payload gate).
+        gate: bool,
+    },
+}
+
+/// The count-first row stores of source `me` (`afdep_cf_dispatch`): rows of `x` (`tokens ×
+/// hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
+/// local experts) through `peers`; `ws` is this rank's workspace (offsets and offset flags).
+/// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `err`. At most `blocks`
+/// blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn dispatch(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    src: &CfSource<'_>,
+    top_k: usize,
+    ffn_ranks: &CudaSlice<u32>,
+    ffns: usize,
+    epr: usize,
+    peers: u64,
+    ws: u64,
+    slab: &SlabGeometry,
+    areas: &CfAreas,
+    me: usize,
+    mode: CfMode,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    let hidden = slab.hidden as usize;
+    let n = src.tokens * top_k;
+    need("x", x, src.tokens * hidden)?;
+    need("idx", src.idx, n)?;
+    need("weights", src.weight, n)?;
+    need("slot positions", src.slot_pos, n)?;
+    need("token rows", src.tok_row, src.tokens * ffns)?;
+    need("ffn ranks", ffn_ranks, ffns)?;
+    if areas.meta_off < (2 * hidden) as u64
+        || slab.row_bytes < areas.meta_off + 4 * super::fused::meta_words(top_k) as u64
+    {
+        return Err(KernelError::Shape(format!(
+            "slab rows of {} bytes (metadata at {}) cannot hold hidden {hidden} and top-k {top_k}",
+            slab.row_bytes, areas.meta_off
+        )));
+    }
+    let k = as_u32("top_k", top_k)?;
+    let nf = as_u32("ffns", ffns)?;
+    let e = as_u32("experts per rank", epr)?;
+    let me = as_u32("rank", me)?;
+    let (m, gate) = match mode {
+        CfMode::Source => (0u32, 0u32),
+        CfMode::Stream { gate } => (1, u32::from(gate)),
+    };
+    let t = src.tokens as u64;
+    let f = ctx.function(KernelId::CfDispatch, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(src.idx)
+        .arg(src.weight)
+        .arg(&t)
+        .arg(src.slot_pos)
+        .arg(src.tok_row)
+        .arg(ffn_ranks)
+        .arg(&nf)
+        .arg(&e)
+        .arg(&peers)
+        .arg(&ws)
+        .arg(&areas.offsets)
+        .arg(&areas.offset_flags)
+        .arg(&slab.slab_off)
+        .arg(&slab.cap)
+        .arg(&slab.row_bytes)
+        .arg(&areas.meta_off)
+        .arg(&areas.expanded)
+        .arg(&areas.exp_rows)
+        .arg(&areas.row_flags)
+        .arg(&slab.hidden)
+        .arg(&me)
+        .arg(&m)
+        .arg(&gate)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err);
+    // SAFETY: afdep_cf_dispatch(const u16* x, const i32* idx, const float* w, u64 tokens, const
+    // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
+    // const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64
+    // meta_off, u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32
+    // gate, u32 round, u64 timeout_ns, u32* err) with K compiled in: reads the route tables
+    // (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked), this rank's
+    // offsets and flags; writes, in workspace peers[ffn_rank[f]], slab row (me, tok_row) (<
+    // cap: the caller's counts; row_bytes holds payload and metadata, checked), expanded rows
+    // below exp_rows (the kernel skips others) and row flags; the caller guarantees a live peer
+    // table, ranks below world and areas that fit every workspace; err is a live u32[4].
+    unsafe { b.launch(grid((src.tokens * ffns) as u64, blocks)) }
+        .map_err(launch_err(KernelId::CfDispatch))?;
+    Ok(())
+}
+
+/// The streaming epilogue (`afdep_cf_stream_epilogue`) of this FFN rank (workspace `ws`,
+/// after its [`plan`] on the same stream): expands each compact row into the expanded area as
+/// soon as its row flag holds `round` (a timeout records [`fault::ROW_WAIT`] in `err`). Work
+/// units of `warps_per_unit` warps take runs of at least `min_rows` rows. At most `blocks`
+/// blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn stream_epilogue(
+    ctx: &GpuContext,
+    ws: u64,
+    src_ranks: &CudaSlice<u32>,
+    sources: usize,
+    epr: usize,
+    top_k: usize,
+    slab: &SlabGeometry,
+    areas: &CfAreas,
+    warps_per_unit: u32,
+    min_rows: u32,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if sources == 0 {
+        return Ok(());
+    }
+    need("source ranks", src_ranks, sources)?;
+    let k = as_u32("top_k", top_k)?;
+    let ns = as_u32("sources", sources)?;
+    let e = as_u32("experts per rank", epr)?;
+    let f = ctx.function(KernelId::CfStreamEpilogue, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(src_ranks)
+        .arg(&ns)
+        .arg(&e)
+        .arg(&areas.plan)
+        .arg(&areas.row_flags)
+        .arg(&slab.slab_off)
+        .arg(&slab.cap)
+        .arg(&slab.row_bytes)
+        .arg(&areas.meta_off)
+        .arg(&areas.expanded)
+        .arg(&areas.exp_rows)
+        .arg(&slab.hidden)
+        .arg(&warps_per_unit)
+        .arg(&min_rows)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err);
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: afdep_cf_stream_epilogue(u8* ws, const u32* src_rank, u32 ns, u32 epr, u64
+    // plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off,
+    // u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, u32 round, u64 timeout_ns,
+    // u32* err) with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream
+    // order), the row flags and slab rows of src_rank[s] (ns entries, checked; rows below the
+    // plan's slab counts, < cap) in this rank's live workspace, and writes expanded rows below
+    // exp_rows (the kernel skips others); err is a live u32[4].
+    unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::CfStreamEpilogue))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn define(name: &str) -> String {
+        let text = include_str!("../../cuda/layout/fused.cuh");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
+        line[format!("#define {name} ").len()..].trim().to_string()
+    }
+
+    #[test]
+    fn fault_codes_match_the_header_and_differ_from_payload_first() {
+        for (name, code) in [
+            ("AFDEP_FUSED_FAULT_COUNTS_WAIT", fault::COUNTS_WAIT),
+            ("AFDEP_FUSED_FAULT_OFFSETS_WAIT", fault::OFFSETS_WAIT),
+            ("AFDEP_FUSED_FAULT_ROW_WAIT", fault::ROW_WAIT),
+            ("AFDEP_FUSED_FAULT_SOURCE_WAIT", fault::SOURCE_WAIT),
+        ] {
+            assert_eq!(define(name), format!("{code}u"));
+            assert!(
+                code != super::super::fused::fault::DISPATCH_WAIT
+                    && code != super::super::fused::fault::COMBINE_WAIT
+            );
+        }
+    }
+
+    #[test]
+    fn the_mode_constants_match_the_kernel() {
+        let text = include_str!("../../cuda/fused_cf_dispatch.cu");
+        assert!(text.contains("#define AFDEP_CF_SOURCE 0u"));
+        assert!(text.contains("#define AFDEP_CF_STREAM 1u"));
+    }
+}

@@ -1,0 +1,570 @@
+//! Count-first dispatch of the fused engine (brief section 4): sources publish per-expert
+//! counts computed on the device, each FFN rank computes its plan (the prefix sums of
+//! [`FfnPlan`], 64-bit) and publishes each source's block starts, and rows then land either
+//! straight in their final expanded rows (the **source arm**, [`DispatchArm::CountFirstSource`])
+//! or in per-source slabs with a per-row readiness flag that a **streaming epilogue** on the FFN
+//! rank waits for row by row ([`DispatchArm::CountFirst`]).
+//!
+//! One count-first dispatch, in stream order on every rank (a rank that is both source and FFN
+//! rank runs both columns, in this order, on its one stream, so none of its kernels waits for
+//! one queued behind it):
+//!
+//! 1. source: `afdep_cf_counts` (block positions, compact rows, counts from the routes on the
+//!    device) and `afdep_cf_publish_counts` (each FFN rank's share into its counts area, then
+//!    the count flag);
+//! 2. FFN rank: poison of the expanded area (and, for the source arm, of the slab rows it will
+//!    receive), then `afdep_cf_plan`: waits for every source's count flag, writes the plan, and
+//!    stores each source's block starts into the source's offsets area, then its offset flag;
+//! 3. source: `afdep_cf_dispatch`. Source arm: waits for every FFN rank's offset flag, stores
+//!    each row to its expanded rows and the compact view's metadata into its slab row, then
+//!    `afdep_fused_signal` raises the dispatch flags. Streaming: with the payload gate on, waits
+//!    for the offsets first; then each row (payload and metadata) into the slab, then its row
+//!    flag (the round number);
+//! 4. FFN rank: streaming, `afdep_cf_stream_epilogue` expands each row as its flag arrives;
+//!    source arm, `afdep_cf_wait` for every source's dispatch flag.
+//!
+//! The FFN rank then reads its plan back from the device (the [`FfnPlan`] of its
+//! [`FfnReceived`]: the device's numbers, which the tests compare with the host's), the
+//! expanded rows and the compact view (the slab rows; in the source arm the slabs hold only the
+//! metadata and each compact row's payload is read from its first expanded row).
+//!
+//! # Arm selection
+//!
+//! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
+//! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
+//! payload-first below it; always payload-first for payloads other than bf16 (count-first
+//! carries bf16 rows only in this version, and a forced count-first arm with another payload
+//! is an [`ExchangeError::Input`]). The token counts come from the host status + counts phase, which
+//! every rank runs, so every rank picks the same arm. [`FusedEngine::set_arm`] overrides the
+//! rule (every rank must then set the same arm, like the configuration; a rank that does not
+//! makes the round fail with a [`ExchangeError::DeviceTimeout`]).
+//!
+//! # Knobs
+//!
+//! - `transport_sms`: grid cap of the source kernels (`afdep_cf_counts`, `afdep_cf_dispatch`).
+//! - `epilogue_sm_cap`: the streaming epilogue's grid (blocks of `BLOCK` threads).
+//! - `warps_per_unit`, `min_rows_per_unit`: the streaming epilogue's work units (a unit is
+//!   `warps_per_unit` warps, capped by the grid; units take contiguous runs of at least
+//!   `min_rows_per_unit` compact rows).
+//! - `payload_gate`: streaming only; when on, a source stores no row before every FFN rank's
+//!   offsets arrived (the rows then never overtake the counts); off, rows stream as soon as
+//!   the counts are published. The source arm always waits (it needs the offsets).
+//! - `min_token_bucket`: the arm rule above.
+//!
+//! The host status + counts phase still runs before every count-first round: it validates the
+//! routes (a rejected route fails every rank before anything moves) and its plans serve the
+//! combine; the dispatch itself uses only the device's counts and offsets.
+
+use afdep_core::layout::FfnPlan;
+use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
+use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, bf16};
+use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
+use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
+use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
+use afdep_kernels::ops::zeros;
+use afdep_kernels::{GpuContext, KernelError};
+
+use super::{DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
+use crate::error::ExchangeError;
+
+/// How one round's dispatch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DispatchArm {
+    /// Rows into per-source slabs, then a copy epilogue on the FFN rank.
+    PayloadFirst,
+    /// Count-first with the streaming epilogue: counts, offsets, rows into slabs with per-row
+    /// readiness flags, expanded as they land.
+    CountFirst,
+    /// Count-first, the source arm: counts, offsets, rows stored straight to their final
+    /// expanded rows.
+    CountFirstSource,
+}
+
+impl DispatchArm {
+    /// Every arm.
+    pub const ALL: [DispatchArm; 3] = [
+        DispatchArm::PayloadFirst,
+        DispatchArm::CountFirst,
+        DispatchArm::CountFirstSource,
+    ];
+
+    /// The arm of a round whose largest source has `max_tokens` tokens: count-first
+    /// (streaming) when `max_tokens >= knobs.min_token_bucket`, payload-first otherwise.
+    pub fn select(knobs: &ExchangeKnobs, max_tokens: usize) -> DispatchArm {
+        if max_tokens >= knobs.min_token_bucket {
+            DispatchArm::CountFirst
+        } else {
+            DispatchArm::PayloadFirst
+        }
+    }
+
+    /// A short name: `payload_first`, `count_first`, `count_first_source`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DispatchArm::PayloadFirst => "payload_first",
+            DispatchArm::CountFirst => "count_first",
+            DispatchArm::CountFirstSource => "count_first_source",
+        }
+    }
+}
+
+impl std::fmt::Display for DispatchArm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A source's device scratch of count-first, sized by the capacity.
+#[derive(Debug)]
+pub(super) struct CfScratch {
+    slot_pos: CudaSlice<u32>,
+    tok_row: CudaSlice<u32>,
+    counts: CudaSlice<u64>,
+}
+
+impl CfScratch {
+    pub(super) fn new(gpu: &GpuContext, cfg: &ExchangeConfig) -> Result<Self, KernelError> {
+        let p = cfg.placement();
+        Ok(CfScratch {
+            slot_pos: zeros(gpu, (cfg.capacity * cfg.top_k).max(1))?,
+            tok_row: zeros(gpu, (cfg.capacity * p.ffn_ranks).max(1))?,
+            counts: zeros(gpu, p.owned() + p.ffn_ranks)?,
+        })
+    }
+}
+
+fn align256(v: u64) -> u64 {
+    v.div_ceil(256) * 256
+}
+
+/// The count-first areas of `cfg`'s workspace from byte `start` on (`layout/fused.cuh`), and
+/// the end of the last one.
+pub(super) fn areas(cfg: &ExchangeConfig, start: u64) -> (CfAreas, u64) {
+    let world = cfg.topology.world_size() as u64;
+    let ns = cfg.topology.attention_count() as u64;
+    let epr = cfg.experts_per_rank as u64;
+    let cap = cfg.capacity as u64;
+    let h = cfg.hidden as u64;
+    let base = align256(start);
+    let counts = base + 512;
+    let offsets = align256(counts + world * (epr + 1) * 8);
+    let plan = align256(offsets + world * epr * 8);
+    let row_flags = align256(plan + (2 * epr * ns + epr + ns + 2) * 8);
+    let expanded = align256(row_flags + world * cap * 4);
+    let exp_rows = ns * cap * (cfg.top_k as u64).min(epr);
+    let a = CfAreas {
+        count_flags: base,
+        offset_flags: base + 256,
+        counts,
+        offsets,
+        plan,
+        row_flags,
+        expanded,
+        exp_rows,
+        meta_off: (2 * h).div_ceil(16) * 16,
+    };
+    (a, expanded + exp_rows * 2 * h)
+}
+
+/// The phase a count-first fault code names.
+pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
+    match code {
+        cf::fault::COUNTS_WAIT => Some("count-first counts"),
+        cf::fault::OFFSETS_WAIT => Some("count-first offsets"),
+        cf::fault::ROW_WAIT => Some("count-first streaming rows"),
+        cf::fault::SOURCE_WAIT => Some("count-first source-arm dispatch"),
+        _ => None,
+    }
+}
+
+/// The arm rule of a round of `cfg` whose sources have `tokens` tokens each:
+/// [`DispatchArm::select`] on the largest, and payload-first for payloads other than bf16
+/// (count-first carries bf16 rows only in this version).
+pub(super) fn rule(cfg: &ExchangeConfig, tokens: &[u64]) -> DispatchArm {
+    if cfg.payload != PayloadKind::Bf16 {
+        return DispatchArm::PayloadFirst;
+    }
+    let max = tokens.iter().copied().max().unwrap_or(0);
+    DispatchArm::select(&cfg.knobs, usize::try_from(max).unwrap_or(usize::MAX))
+}
+
+fn le_u64(b: &[u8]) -> Vec<u64> {
+    bytemuck::pod_collect_to_vec(b)
+}
+
+impl FusedEngine {
+    /// Overrides the arm rule for the following rounds (`None`: [`DispatchArm::select`]).
+    /// Every rank must set the same arm.
+    pub fn set_arm(&mut self, arm: Option<DispatchArm>) {
+        self.arm = arm;
+    }
+
+    /// The arm the last round ran (payload-first before the first round).
+    pub fn last_arm(&self) -> DispatchArm {
+        self.last_arm
+    }
+
+    /// The arm of a round whose sources have `tokens` tokens each.
+    pub(super) fn arm_for(&self, tokens: &[u64]) -> DispatchArm {
+        self.arm.unwrap_or_else(|| rule(&self.cfg, tokens))
+    }
+
+    fn poison_ws(&self, offset: u64, bytes: u64) -> Result<(), ExchangeError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.gpu
+            .cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
+        // SAFETY: [ws + offset, + bytes) lies in this rank's workspace (the caller's geometry,
+        // which fits it, checked at set-up); the memset is ordered on this rank's stream.
+        unsafe {
+            cures::memset_d8_async(
+                self.ws + offset,
+                0xFF,
+                bytes as usize,
+                self.gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(KernelError::driver("poisoning the workspace"))?;
+        Ok(())
+    }
+
+    /// The count-first dispatch of one round (the [module docs](self)); FFN ranks get what
+    /// they received. `host_plans`: the host's plans of the round (only the poisoned extent
+    /// comes from them).
+    pub(super) fn count_first_dispatch(
+        &mut self,
+        arm: DispatchArm,
+        input: Option<&SourceInput>,
+        host_plans: &[FfnPlan],
+        round: u32,
+        timeout_ns: u64,
+    ) -> Result<Option<FfnReceived>, ExchangeError> {
+        let rank = self.rank();
+        let cfg = self.cfg.clone();
+        let topo = cfg.topology;
+        let p = cfg.placement();
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
+        let knobs = cfg.knobs;
+        let a = self.geo.cf;
+        let slab: SlabGeometry = self.geo.slab;
+        let err = self.ws + ERROR_WORD;
+        let src_index = topo.attention_index(rank);
+        let ffn_index = topo.ffn_index(rank);
+        if cfg.payload != PayloadKind::Bf16 {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "count-first carries bf16 payloads only, the configuration has {} \
+                     (use payload-first)",
+                    cfg.payload
+                ),
+            });
+        }
+        if slab.row_bytes < fk::slab_row_bytes(h, k) as u64 {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "count-first needs bf16 slab rows of {} bytes, the workspace has {}",
+                    fk::slab_row_bytes(h, k),
+                    slab.row_bytes
+                ),
+            });
+        }
+
+        // 1. source: counts on the device, published
+        let mut keep = None;
+        if let (Some(_), Some(inp)) = (src_index, input) {
+            let x = upload(&self.gpu, &inp.x)?;
+            let idx = upload(&self.gpu, &inp.routes.idx)?;
+            let w = upload(&self.gpu, &inp.routes.weights)?;
+            let scratch = self
+                .cf_scratch
+                .as_ref()
+                .ok_or_else(|| ExchangeError::Input {
+                    rank,
+                    what: "no count-first scratch on an attention rank".into(),
+                })?;
+            let src = CfSource {
+                tokens: inp.routes.tokens,
+                idx: &idx,
+                weight: &w,
+                slot_pos: &scratch.slot_pos,
+                tok_row: &scratch.tok_row,
+                counts: &scratch.counts,
+            };
+            cf::counts(&self.gpu, &src, k, nf, epr, knobs.transport_sms)?;
+            cf::publish_counts(
+                &self.gpu,
+                &scratch.counts,
+                self.peers,
+                &self.ffn_ranks,
+                nf,
+                epr,
+                &a,
+                rank,
+                round,
+            )?;
+            keep = Some((x, idx, w));
+        }
+
+        // 2. FFN rank: poison, plan, offsets
+        if let Some(f) = ffn_index {
+            let total = host_plans[f].total_rows().min(a.exp_rows);
+            self.poison_ws(a.expanded, total * 2 * h as u64)?;
+            if arm == DispatchArm::CountFirstSource {
+                for (s, r) in topo.attention_ranks().enumerate() {
+                    let n = (host_plans[f].slab_offsets[s + 1] - host_plans[f].slab_offsets[s])
+                        .min(u64::from(slab.cap));
+                    let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
+                    self.poison_ws(off, n * slab.row_bytes)?;
+                }
+            }
+            cf::plan(
+                &self.gpu,
+                self.ws,
+                self.peers,
+                &self.src_ranks,
+                ns,
+                epr,
+                &a,
+                rank,
+                round,
+                timeout_ns,
+                err,
+            )?;
+        }
+
+        // 3. source: the rows
+        if let (Some((x, idx, w)), Some(inp)) = (&keep, input) {
+            let scratch = self.cf_scratch.as_ref().expect("checked above");
+            let src = CfSource {
+                tokens: inp.routes.tokens,
+                idx,
+                weight: w,
+                slot_pos: &scratch.slot_pos,
+                tok_row: &scratch.tok_row,
+                counts: &scratch.counts,
+            };
+            let mode = match arm {
+                DispatchArm::CountFirstSource => CfMode::Source,
+                _ => CfMode::Stream {
+                    gate: knobs.payload_gate,
+                },
+            };
+            cf::dispatch(
+                &self.gpu,
+                x,
+                &src,
+                k,
+                &self.ffn_ranks,
+                nf,
+                epr,
+                self.peers,
+                self.ws,
+                &slab,
+                &a,
+                rank,
+                mode,
+                round,
+                timeout_ns,
+                err,
+                knobs.transport_sms,
+            )?;
+            if arm == DispatchArm::CountFirstSource {
+                fk::signal(
+                    &self.gpu,
+                    self.peers,
+                    &self.ffn_ranks,
+                    nf,
+                    DISPATCH_FLAGS,
+                    rank,
+                    round,
+                )?;
+            }
+        }
+
+        // 4. FFN rank: the streaming epilogue, or the wait for the source arm's rows
+        if ffn_index.is_some() {
+            if arm == DispatchArm::CountFirstSource {
+                cf::wait(
+                    &self.gpu,
+                    self.ws,
+                    &self.src_ranks,
+                    ns,
+                    DISPATCH_FLAGS,
+                    round,
+                    timeout_ns,
+                    err,
+                    cf::fault::SOURCE_WAIT,
+                )?;
+            } else {
+                cf::stream_epilogue(
+                    &self.gpu,
+                    self.ws,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    k,
+                    &slab,
+                    &a,
+                    knobs.warps_per_unit,
+                    knobs.min_rows_per_unit,
+                    round,
+                    timeout_ns,
+                    err,
+                    knobs.epilogue_sm_cap,
+                )?;
+            }
+        }
+        self.check_fault()?;
+        drop(keep);
+        let Some(f) = ffn_index else {
+            return Ok(None);
+        };
+
+        // what this FFN rank received, read back
+        let nl = epr;
+        let plan_words = 2 * nl * ns + nl + 1 + ns + 1;
+        let w = le_u64(&self.read_ws(a.plan, plan_words * 8)?);
+        let counts = w[..nl * ns].to_vec();
+        let block_starts = w[nl * ns..2 * nl * ns].to_vec();
+        let expert_offsets = w[2 * nl * ns..2 * nl * ns + nl + 1].to_vec();
+        let slab_offsets = w[2 * nl * ns + nl + 1..].to_vec();
+        let plan = FfnPlan {
+            ffn: f,
+            sources: ns,
+            local_experts: nl,
+            counts,
+            expert_offsets,
+            block_starts,
+            slab_offsets,
+        };
+        let total = plan.total_rows();
+        if total > a.exp_rows {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "the device plan has {total} expanded rows, the area holds {}",
+                    a.exp_rows
+                ),
+            });
+        }
+        let expanded: Vec<bf16> =
+            bytemuck::pod_collect_to_vec(&self.read_ws(a.expanded, total as usize * 2 * h)?);
+        let mw = fk::meta_words(k);
+        let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (s, r) in topo.attention_ranks().enumerate() {
+            let n = (plan.slab_offsets[s + 1] - plan.slab_offsets[s]) as usize;
+            if n > slab.cap as usize {
+                return Err(ExchangeError::Input {
+                    rank,
+                    what: format!("the device plan has {n} rows from rank {r}, above capacity"),
+                });
+            }
+            let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
+            let bytes = self.read_ws(off, n * slab.row_bytes as usize)?;
+            for row in bytes.chunks(slab.row_bytes as usize) {
+                let m: Vec<u32> = bytemuck::pod_collect_to_vec(
+                    &row[a.meta_off as usize..a.meta_off as usize + 4 * mw],
+                );
+                compact_tokens.push((s as u32, m[0]));
+                let ids: Vec<i32> = m[2..2 + k].iter().map(|&v| v as i32).collect();
+                compact_weights.extend(m[2 + k..2 + 2 * k].iter().map(|&v| f32::from_bits(v)));
+                if arm == DispatchArm::CountFirstSource {
+                    // the payload is in the expanded rows: the first one this token has here
+                    let first = (0..k)
+                        .find(|&j| ids[j] >= 0)
+                        .map(|j| {
+                            u64::from(m[2 + 2 * k + 2 * j])
+                                | (u64::from(m[3 + 2 * k + 2 * j]) << 32)
+                        })
+                        .filter(|&d| d < total);
+                    match first {
+                        Some(d) => compact_x
+                            .extend_from_slice(&expanded[d as usize * h..(d as usize + 1) * h]),
+                        // a row without a valid slot: poison, which the check sees
+                        None => compact_x.extend(std::iter::repeat_n(bf16::from_bits(0xFFFF), h)),
+                    }
+                } else {
+                    compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
+                }
+                compact_ids.extend(ids);
+            }
+        }
+        Ok(Some(FfnReceived {
+            plan,
+            expanded,
+            compact_tokens,
+            compact_x,
+            compact_ids,
+            compact_weights,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_rule() {
+        let k = ExchangeKnobs {
+            min_token_bucket: 128,
+            ..ExchangeKnobs::default()
+        };
+        assert_eq!(DispatchArm::select(&k, 0), DispatchArm::PayloadFirst);
+        assert_eq!(DispatchArm::select(&k, 127), DispatchArm::PayloadFirst);
+        assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirst);
+        assert_eq!(DispatchArm::select(&k, 4096), DispatchArm::CountFirst);
+    }
+
+    #[test]
+    fn the_rule_takes_the_largest_source_and_keeps_fp8_payload_first() {
+        let mut c = ExchangeConfig::new("3A:1F".parse().unwrap(), 256, 8, 2, 64).unwrap();
+        c.knobs.min_token_bucket = 10;
+        assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst);
+        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirst);
+        assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst);
+        c.payload = PayloadKind::Fp8E4m3;
+        c.validate().unwrap();
+        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::PayloadFirst);
+    }
+
+    /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
+    /// as `layout/fused.cuh` documents, for odd shapes.
+    #[test]
+    fn areas_are_ordered_and_disjoint() {
+        for (topo, hidden, experts, k, cap) in [
+            ("3A:1F", 2048usize, 128usize, 8usize, 2048usize),
+            ("1A:3F", 20, 9, 2, 3),
+            ("EP4", 7168, 24, 4, 256),
+            ("2A:2F", 8, 2, 2, 1),
+        ] {
+            let c = ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, k, cap).unwrap();
+            let start = 1000;
+            let (a, end) = areas(&c, start);
+            let world = c.topology.world_size() as u64;
+            let ns = c.topology.attention_count() as u64;
+            let epr = c.experts_per_rank as u64;
+            assert!(a.count_flags >= start && a.count_flags % 256 == 0);
+            assert_eq!(a.offset_flags, a.count_flags + 256);
+            assert_eq!(a.counts, a.offset_flags + 256);
+            assert!(a.offsets >= a.counts + world * (epr + 1) * 8);
+            assert!(a.plan >= a.offsets + world * epr * 8);
+            assert!(a.row_flags >= a.plan + (2 * epr * ns + epr + 1 + ns + 1) * 8);
+            assert!(a.expanded >= a.row_flags + world * cap as u64 * 4);
+            assert_eq!(a.expanded % 256, 0);
+            assert_eq!(a.exp_rows, ns * cap as u64 * (k as u64).min(epr));
+            assert_eq!(end, a.expanded + a.exp_rows * 2 * hidden as u64);
+            assert_eq!(a.meta_off, (2 * hidden as u64).div_ceil(16) * 16);
+            assert!(
+                a.meta_off + 4 * fk::meta_words(k) as u64 <= fk::slab_row_bytes(hidden, k) as u64
+            );
+        }
+    }
+}
