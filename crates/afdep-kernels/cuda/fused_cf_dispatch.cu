@@ -25,6 +25,7 @@ static_assert(K <= 32, "one lane per slot");
 #define AFDEP_CF_SOURCE 0u
 #define AFDEP_CF_STREAM 1u
 
+// ctl: the control block (round, token count; nothing when skipped: layout/fused.cuh).
 // x: tokens × hidden bf16; idx, w: tokens × K routes (validated); slot_pos, tok_row: from
 // afdep_cf_counts. ffn_rank[f] for f < nf: the FFN ranks. ws: this source's (`me`) workspace
 // (its offsets area at offs_off, offset flags at oflag_off). The destination of FFN rank f is
@@ -36,12 +37,15 @@ static_assert(K <= 32, "one lane per slot");
 // (thread 0) and a block whose wait runs out records AFDEP_FUSED_FAULT_OFFSETS_WAIT and leaves.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_dispatch(const u16* __restrict__ x, const i32* __restrict__ idx,
-                      const float* __restrict__ w, u64 tokens, const u32* __restrict__ slot_pos,
+                      const float* __restrict__ w, const u32* ctl, const u32* __restrict__ slot_pos,
                       const u32* __restrict__ tok_row, const u32* __restrict__ ffn_rank, u32 nf,
                       u32 epr, const u64* __restrict__ peers, const u8* ws, u64 offs_off,
                       u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off,
                       u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32 gate,
-                      u32 round, u64 timeout_ns, u32* err) {
+                      u64 timeout_ns, u32* err) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
+    const u64 tokens = afdep_ctl_tokens(ctl);
     const bool wait = mode == AFDEP_CF_SOURCE || gate != 0u;
     if (wait) {
         __shared__ u32 ok;

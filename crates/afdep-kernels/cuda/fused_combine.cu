@@ -31,7 +31,8 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     }
 }
 
-// ws: this rank's workspace; ffn_rank[f] for f < ffns: the FFN ranks, ascending. slot_row[t*K+k]:
+// ws: this rank's workspace; ffn_rank[f] for f < ffns: the FFN ranks, ascending; ctl: the
+// control block (round, verdict, tokens: layout/fused.cuh; nothing when skipped). slot_row[t*K+k]:
 // the slot's row in the return area (ffn_rank * ret_cap + row), AFDEP_FUSED_NO_ROW when masked;
 // slot_ffn[t*K+k]: the FFN index of its owner; w: the weights. One warp per token, grid-stride,
 // each lane 8 channels at a time; every block first waits for every flag (thread 0, at most
@@ -40,9 +41,12 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_combine(const u8* ws, const u32* __restrict__ ffn_rank, u32 ffns,
                         u64 flag_off, u64 ret_off, const u64* __restrict__ slot_row,
                         const u32* __restrict__ slot_ffn, const float* __restrict__ w,
-                        u64 tokens, u32 hidden, u32 round, u64 timeout_ns, u32* err,
+                        const u32* ctl, u32 hidden, u64 timeout_ns, u32* err,
                         u16* __restrict__ out) {
     __shared__ u32 ok;
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
+    const u64 tokens = afdep_ctl_tokens(ctl);
     if (threadIdx.x == 0) {
         ok = 1;
         for (u32 f = 0; f < ffns && ok; f++) {

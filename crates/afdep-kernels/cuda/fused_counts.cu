@@ -20,6 +20,7 @@
 #endif
 #define K AFDEP_TOP_K
 
+// ctl: the control block (layout/fused.cuh: the token count; nothing when the round is skipped).
 // idx: tokens × K expert ids (validated routes: -1 or an owned id < nf * epr).
 // Warp w < nf * epr (grid-stride) scans the tokens in order for expert w: slot_pos[t*K+k] = the
 // number of earlier tokens routed to w (masked slots are not written), counts[w] = its rows.
@@ -27,9 +28,11 @@
 // the number of earlier tokens with a slot there, or AFDEP_NO_ROW; counts[nf epr + f] = its
 // distinct tokens.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_counts(const i32* __restrict__ idx, u64 tokens, u32 nf, u32 epr,
+    afdep_cf_counts(const i32* __restrict__ idx, const u32* ctl, u32 nf, u32 epr,
                     u32* __restrict__ slot_pos, u32* __restrict__ tok_row,
                     u64* __restrict__ counts) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u64 tokens = afdep_ctl_tokens(ctl);
     const u32 lane = afdep_lane();
     const u32 lt = afdep_lanemask_lt();
     const u64 owned = (u64)nf * epr;
@@ -77,11 +80,13 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 
 // Block f < nf: stores counts[f epr .. (f+1) epr) and counts[nf epr + f] into row `me` of the
 // counts area of workspace peers[ffn_rank[f]], then (thread 0, after a system fence) raises
-// flag `me` at cflag_off there to `round` (release, system scope).
+// flag `me` at cflag_off there to the round of the control block ctl (release, system scope).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_publish_counts(const u64* __restrict__ counts, const u64* __restrict__ peers,
                             const u32* __restrict__ ffn_rank, u32 nf, u32 epr, u64 counts_off,
-                            u64 cflag_off, u32 me, u32 round) {
+                            u64 cflag_off, u32 me, const u32* ctl) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
     const u32 f = blockIdx.x;
     if (f >= nf) return;
     u8* base = (u8*)peers[ffn_rank[f]];
@@ -100,13 +105,16 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // records AFDEP_FUSED_FAULT_COUNTS_WAIT naming the source and the block leaves). Then the plan
 // (layout/fused.cuh) is written at plan_off, and source s's block starts (block_starts[l][s]
 // for l < epr) go to row `me` of the offsets area of workspace peers[src_rank[s]], whose offset
-// flag `me` is then raised to `round` (release, system scope).
+// flag `me` is then raised to `round` (release, system scope). The round comes from the control
+// block ctl (layout/fused.cuh); nothing runs when the round is skipped.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_plan(u8* ws, const u64* __restrict__ peers, const u32* __restrict__ src_rank,
                   u32 ns, u32 epr, u64 counts_off, u64 cflag_off, u64 plan_off, u64 offs_off,
-                  u64 oflag_off, u32 me, u32 round, u64 timeout_ns, u32* err) {
+                  u64 oflag_off, u32 me, const u32* ctl, u64 timeout_ns, u32* err) {
     __shared__ u32 ok;
     __shared__ u64 part[AFDEP_BLOCK];
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
     const u32 tid = threadIdx.x;
     if (tid == 0) {
         ok = 1;
@@ -176,13 +184,16 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     }
 }
 
-// One thread: waits for flag ranks[i] at flag_off of this rank's workspace ws (>= round, at
+// One thread: waits for flag ranks[i] at flag_off of this rank's workspace ws (>= the round of
+// the control block ctl; nothing when the round is skipped), at
 // most timeout_ns each) for every i < n; a timeout records `code` naming that rank. Returns at
 // once when the error word already holds a fault.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_wait(const u8* ws, const u32* __restrict__ ranks, u32 n, u64 flag_off, u32 round,
-                  u64 timeout_ns, u32* err, u32 code) {
+    afdep_cf_wait(const u8* ws, const u32* __restrict__ ranks, u32 n, u64 flag_off,
+                  const u32* ctl, u64 timeout_ns, u32* err, u32 code) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
     if (afdep_fused_faulted(err)) return;  // an earlier wait of this round already ran out
     for (u32 i = 0; i < n; i++) {
         const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);

@@ -27,12 +27,15 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     }
 }
 
-// Thread i < n stores `value` into peers[ranks[i]] + flag_off + 4 * me (st.release.sys after a
-// system fence). Launched after the stores it publishes, on the same stream: the kernel
-// boundary orders them before the fence.
+// Thread i < n stores the round (the control block ctl, layout/fused.cuh) into peers[ranks[i]] +
+// flag_off + 4 * me (st.release.sys after a system fence); nothing when the round is skipped.
+// Launched after the stores it publishes, on the same stream: the kernel boundary orders them
+// before the fence.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_signal(const u64* __restrict__ peers, const u32* __restrict__ ranks, u32 n,
-                       u64 flag_off, u32 me, u32 value) {
+                       u64 flag_off, u32 me, const u32* ctl) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 value = afdep_ctl_round(ctl);
     const u32 i = blockIdx.x * AFDEP_BLOCK + threadIdx.x;
     __threadfence_system();
     if (i < n) afdep_st_release_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), value);

@@ -17,14 +17,17 @@
 
 // ws: this rank's workspace; src_rank[s] for s < ns; epr local experts; the plan at plan_off
 // (counts, block starts, expert offsets, slab offsets: layout/fused.cuh); the expanded area at
-// exp_off holds exp_rows rows. A row flag wait runs
+// exp_off holds exp_rows rows; ctl: the control block (the round; nothing when skipped). A row
+// flag wait runs
 // at most timeout_ns, then records AFDEP_FUSED_FAULT_ROW_WAIT naming the source; every warp
 // leaves at its next row once the error word holds a fault.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_stream_epilogue(u8* ws, const u32* __restrict__ src_rank, u32 ns, u32 epr,
                              u64 plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes,
                              u64 meta_off, u64 exp_off, u64 exp_rows, u32 hidden, u32 warps_per_unit,
-                             u32 min_rows, u32 round, u64 timeout_ns, u32* err) {
+                             u32 min_rows, const u32* ctl, u64 timeout_ns, u32* err) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u32 round = afdep_ctl_round(ctl);
     const u64 n = (u64)epr * ns;
     const u64* bs = (const u64*)(ws + plan_off) + n;
     const u64* so = bs + n + epr + 1;

@@ -19,6 +19,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/layout/gemm_problem.cuh"),
     ),
     (
+        "layout/route_check.cuh",
+        include_str!("../cuda/layout/route_check.cuh"),
+    ),
+    (
         "layout/route_error.cuh",
         include_str!("../cuda/layout/route_error.cuh"),
     ),
@@ -76,11 +80,15 @@ pub enum SourceFile {
     FusedCfDispatch,
     /// `fused_stream_epilogue.cu`: the count-first streaming epilogue (specialised by top-k).
     FusedStreamEpilogue,
+    /// `fused_round.cu`: the device round: round control, device route validation with the
+    /// verdict shared among ranks, the device expert, device-side return lists (specialised by
+    /// top-k).
+    FusedRound,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 13] = [
+    pub const ALL: [SourceFile; 14] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
@@ -94,6 +102,7 @@ impl SourceFile {
         SourceFile::FusedCounts,
         SourceFile::FusedCfDispatch,
         SourceFile::FusedStreamEpilogue,
+        SourceFile::FusedRound,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -112,6 +121,7 @@ impl SourceFile {
             SourceFile::FusedCounts => "fused_counts.cu",
             SourceFile::FusedCfDispatch => "fused_cf_dispatch.cu",
             SourceFile::FusedStreamEpilogue => "fused_stream_epilogue.cu",
+            SourceFile::FusedRound => "fused_round.cu",
         }
     }
 
@@ -131,6 +141,7 @@ impl SourceFile {
             SourceFile::FusedCounts => include_str!("../cuda/fused_counts.cu"),
             SourceFile::FusedCfDispatch => include_str!("../cuda/fused_cf_dispatch.cu"),
             SourceFile::FusedStreamEpilogue => include_str!("../cuda/fused_stream_epilogue.cu"),
+            SourceFile::FusedRound => include_str!("../cuda/fused_round.cu"),
         }
     }
 
@@ -155,6 +166,7 @@ impl SourceFile {
                 | SourceFile::FusedCounts
                 | SourceFile::FusedCfDispatch
                 | SourceFile::FusedStreamEpilogue
+                | SourceFile::FusedRound
         )
     }
 
@@ -289,11 +301,21 @@ pub enum KernelId {
     CfDispatch,
     /// Count-first: the streaming epilogue.
     CfStreamEpilogue,
+    /// Device round: round + 1, device route validation, the verdict shared among ranks.
+    RoundBegin,
+    /// Device round: round + 1 of a host-validated round.
+    RoundBump,
+    /// Device round: the reproducible device expert (a per-expert scale).
+    RoundExperts,
+    /// Device round: expert outputs to the sources' return areas, rows from the device plan.
+    RoundReturnStore,
+    /// Device round: each slot's return row and owner from the device counts.
+    RoundSlots,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 60] = [
+    pub const ALL: [KernelId; 65] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -354,6 +376,11 @@ impl KernelId {
         KernelId::CfWait,
         KernelId::CfDispatch,
         KernelId::CfStreamEpilogue,
+        KernelId::RoundBegin,
+        KernelId::RoundBump,
+        KernelId::RoundExperts,
+        KernelId::RoundReturnStore,
+        KernelId::RoundSlots,
     ];
 
     /// The source file that defines the kernel.
@@ -401,6 +428,11 @@ impl KernelId {
             | KernelId::CfWait => SourceFile::FusedCounts,
             KernelId::CfDispatch => SourceFile::FusedCfDispatch,
             KernelId::CfStreamEpilogue => SourceFile::FusedStreamEpilogue,
+            KernelId::RoundBegin
+            | KernelId::RoundBump
+            | KernelId::RoundExperts
+            | KernelId::RoundReturnStore
+            | KernelId::RoundSlots => SourceFile::FusedRound,
             _ => SourceFile::Gemm,
         }
     }
@@ -468,6 +500,11 @@ impl KernelId {
             KernelId::CfWait => "afdep_cf_wait",
             KernelId::CfDispatch => "afdep_cf_dispatch",
             KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
+            KernelId::RoundBegin => "afdep_round_begin",
+            KernelId::RoundBump => "afdep_round_bump",
+            KernelId::RoundExperts => "afdep_round_experts",
+            KernelId::RoundReturnStore => "afdep_round_return_store",
+            KernelId::RoundSlots => "afdep_round_slots",
         }
     }
 

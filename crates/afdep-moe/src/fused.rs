@@ -101,7 +101,9 @@ use crate::error::ExchangeError;
 use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_tokens};
 
 mod count_first;
+mod device_round;
 pub use count_first::DispatchArm;
+pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
 
 /// Byte offset of the dispatch flags in every workspace.
 pub const DISPATCH_FLAGS: u64 = 0;
@@ -109,6 +111,9 @@ pub const DISPATCH_FLAGS: u64 = 0;
 pub const COMBINE_FLAGS: u64 = 256;
 /// Byte offset of the error word.
 pub const ERROR_WORD: u64 = 512;
+/// Byte offset of the round control block (`u32[16]`: round, verdict, route word, token count;
+/// [`afdep_kernels::ops::fused_round`]).
+pub const CONTROL: u64 = 768;
 /// Byte offset of the slabs.
 pub const SLABS: u64 = 1024;
 /// Most ranks of one group (the flag areas hold 64 u32).
@@ -122,6 +127,8 @@ struct Geometry {
     ret_cap: u64,
     /// The count-first areas (after the return areas).
     cf: afdep_kernels::ops::fused_cf::CfAreas,
+    /// The status area of device rounds (after the count-first areas).
+    status: u64,
     bytes: u64,
 }
 
@@ -131,7 +138,9 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
     let ret_cap = cap * cfg.top_k as u64;
-    let (cf, bytes) = count_first::areas(cfg, ret_off + world * ret_cap * 2 * cfg.hidden as u64);
+    let (cf, cf_end) = count_first::areas(cfg, ret_off + world * ret_cap * 2 * cfg.hidden as u64);
+    let status = cf_end.div_ceil(256) * 256;
+    let bytes = status + afdep_kernels::ops::fused_round::STATUS_BYTES;
     Geometry {
         slab: SlabGeometry {
             slab_off: SLABS,
@@ -142,6 +151,7 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
         ret_off,
         ret_cap,
         cf,
+        status,
         bytes,
     }
 }
@@ -165,6 +175,10 @@ pub struct FusedEngine {
     last_arm: DispatchArm,
     /// Attention ranks: the count-first device scratch.
     cf_scratch: Option<count_first::CfScratch>,
+    /// Device rounds' buffers ([`FusedEngine::prepare_device`]).
+    device: Option<device_round::DeviceRound>,
+    /// Poison outputs before every device round.
+    poison: bool,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -227,6 +241,11 @@ impl FusedEngine {
             });
         }
         let gpu = GpuContext::new(transport.device())?;
+        // SAFETY: no buffer of this context exists yet, and every buffer the engine allocates is
+        // allocated, used and freed on the context's one stream, whose order is all the
+        // synchronisation they need; without per-buffer events a graph capture of a round holds
+        // kernel and copy nodes only (device_round.rs).
+        unsafe { gpu.cuda().disable_event_tracking() };
         // no lazy kernel load during a round (it may synchronise the context while another
         // rank's kernel spins on this GPU): load everything now, then wait for every rank
         fk::preload(&gpu, cfg.top_k)?;
@@ -258,6 +277,8 @@ impl FusedEngine {
             arm: None,
             last_arm: DispatchArm::PayloadFirst,
             cf_scratch,
+            device: None,
+            poison: true,
         })
     }
 
@@ -369,6 +390,12 @@ impl FusedEngine {
         let round = self.round;
         let arm = self.arm_for(&tokens);
         self.last_arm = arm;
+        // the device's round (every kernel reads it from the control block) follows the host's
+        afdep_kernels::ops::fused_round::bump(
+            &self.gpu,
+            self.ws + CONTROL,
+            input.map_or(0, |i| i.routes.tokens),
+        )?;
         times.counts = t0.elapsed();
         debug!(rank, round, %arm, "fused round");
 
@@ -376,7 +403,7 @@ impl FusedEngine {
         let t1 = Instant::now();
         let cf_received = match arm {
             DispatchArm::PayloadFirst => None,
-            _ => self.count_first_dispatch(arm, input, &plans, round, timeout_ns)?,
+            _ => self.count_first_dispatch(arm, input, &plans, timeout_ns)?,
         };
         if let (DispatchArm::PayloadFirst, Some(s), Some(inp)) = (arm, src_index, input) {
             let mw = fk::meta_words(k);
@@ -436,7 +463,7 @@ impl FusedEngine {
                 nf,
                 DISPATCH_FLAGS,
                 rank,
-                round,
+                self.ws + CONTROL,
             )?;
             // the host buffers above must live until the copies ran
             self.gpu.synchronize()?;
@@ -560,7 +587,7 @@ impl FusedEngine {
                 ns,
                 COMBINE_FLAGS,
                 rank,
-                round,
+                self.ws + CONTROL,
             )?;
             self.gpu.synchronize()?;
         }
@@ -596,7 +623,7 @@ impl FusedEngine {
                 },
                 k,
                 h,
-                round,
+                self.ws + CONTROL,
                 timeout_ns,
                 self.ws + ERROR_WORD,
                 &mut out,

@@ -81,3 +81,44 @@ static __device__ __forceinline__ void afdep_warp_copy(void* dst, const void* sr
 static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
     return *(const volatile u32*)err != 0u;
 }
+
+// ---------------------------------------------------------------------------------------------
+// The round control block (fused_round.cu; host side afdep_kernels::ops::fused_round and
+// afdep_moe::fused): u32[16] in every rank's own workspace. Every fused kernel that waits for or
+// raises a flag reads the round number from it, and every kernel of a round returns at once when
+// the verdict is not AFDEP_CTL_GO, so a round needs no round number or token count from the host
+// (a captured CUDA graph replays with the values of the moment).
+//   ctl[0]  round     incremented once per round on the device (afdep_round_begin or
+//                     afdep_round_bump), never by the host
+//   ctl[1]  verdict   AFDEP_CTL_GO, AFDEP_CTL_REJECTED (some source's route was rejected: every
+//                     rank skips the data phases), AFDEP_CTL_FAULTED (a status wait ran out)
+//   ctl[2]  route     u32[6]: the route error word (layout/route_error.cuh) of the lowest
+//                     rejecting rank when rejected
+//   ctl[8]  tokens    this source's token count of the round (written by the host before the
+//                     round; a graph's replays read the value of the moment)
+#define AFDEP_CTL_ROUND 0
+#define AFDEP_CTL_VERDICT 1
+#define AFDEP_CTL_ROUTE 2
+#define AFDEP_CTL_TOKENS 8
+#define AFDEP_CTL_WORDS 16
+#define AFDEP_CTL_GO 0u
+#define AFDEP_CTL_REJECTED 1u
+#define AFDEP_CTL_FAULTED 2u
+// The status area (afdep_round_begin): u32[2][64][8] by (round parity, rank): the route error
+// word (6 words), 0, then the round (the flag, release).
+#define AFDEP_STATUS_WORDS 8
+// A status wait ran out (peer = the rank whose status never came).
+#define AFDEP_FUSED_FAULT_STATUS_WAIT 32u
+
+// The round number of the round in flight.
+static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {
+    return *(const volatile u32*)(ctl + AFDEP_CTL_ROUND);
+}
+// Whether this round's data phases are skipped (a rejected route somewhere, or a fault).
+static __device__ __forceinline__ bool afdep_ctl_skip(const u32* ctl) {
+    return *(const volatile u32*)(ctl + AFDEP_CTL_VERDICT) != AFDEP_CTL_GO;
+}
+// This source's token count of the round.
+static __device__ __forceinline__ u64 afdep_ctl_tokens(const u32* ctl) {
+    return *(const volatile u32*)(ctl + AFDEP_CTL_TOKENS);
+}

@@ -44,7 +44,8 @@ pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
     (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
-/// Loads every fused kernel (payload-first and count-first, [`super::fused_cf`]) for `top_k` now (module compiled or read from the cache, and each
+/// Loads every fused kernel (payload-first, count-first ([`super::fused_cf`]) and the device
+/// round ([`super::fused_round`])) for `top_k` now (module compiled or read from the cache, and each
 /// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
 /// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
 /// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
@@ -61,6 +62,7 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     ]
     .into_iter()
     .chain(super::fused_cf::KERNELS)
+    .chain(super::fused_round::KERNELS)
     {
         let kk = if matches!(
             id,
@@ -68,6 +70,9 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
                 | KernelId::CfPublishCounts
                 | KernelId::CfPlan
                 | KernelId::CfWait
+                | KernelId::RoundBump
+                | KernelId::RoundExperts
+                | KernelId::RoundReturnStore
         ) {
             1
         } else {
@@ -188,9 +193,10 @@ pub fn dispatch(
     Ok(())
 }
 
-/// Raises this rank's (`me`) flag to `value` at `flag_off` in the workspace of every rank of
-/// `ranks` (`afdep_fused_signal`, release at system scope), after everything this stream did
-/// before.
+/// Raises this rank's (`me`) flag to the round of the control block at device address `ctl`
+/// ([`super::fused_round`]) at `flag_off` in the workspace of every rank of `ranks`
+/// (`afdep_fused_signal`, release at system scope), after everything this stream did before;
+/// nothing when the round is skipped.
 pub fn signal(
     ctx: &GpuContext,
     peers: u64,
@@ -198,7 +204,7 @@ pub fn signal(
     n: usize,
     flag_off: u64,
     me: usize,
-    value: u32,
+    ctl: u64,
 ) -> Result<(), KernelError> {
     if n == 0 {
         return Ok(());
@@ -213,11 +219,11 @@ pub fn signal(
         .arg(&n32)
         .arg(&flag_off)
         .arg(&me)
-        .arg(&value);
+        .arg(&ctl);
     // SAFETY: afdep_fused_signal(const u64* peers, const u32* ranks, u32 n, u64 flag_off, u32
-    // me, u32 value): thread i < n (ranks holds n, checked) stores 4 bytes at flag_off + 4 me of
-    // workspace peers[ranks[i]]; the caller guarantees the ranks are < world and the flag area
-    // holds world u32.
+    // me, const u32* ctl): reads the caller's live control block; thread i < n (ranks holds n,
+    // checked) stores 4 bytes at flag_off + 4 me of workspace peers[ranks[i]]; the caller
+    // guarantees the ranks are < world and the flag area holds world u32.
     unsafe { b.launch(blocks_for(n.div_ceil(32) as u64, u32::MAX)) }
         .map_err(launch_err(KernelId::FusedSignal))?;
     Ok(())
@@ -349,7 +355,8 @@ pub fn combine_store(
 }
 
 /// One source's combine inputs: per slot its row in the return area (`ffn_rank * ret_cap +
-/// row`, [`NO_ROW`] when masked), the FFN index of its owner, its weight.
+/// row`, [`NO_ROW`] when masked), the FFN index of its owner, its weight. The buffers hold
+/// `tokens` tokens; the round's count (at most that) is the control block's.
 #[derive(Debug)]
 pub struct CombineSlots<'a> {
     /// `tokens × top_k` return rows.
@@ -358,11 +365,13 @@ pub struct CombineSlots<'a> {
     pub ffn: &'a CudaSlice<u32>,
     /// `tokens × top_k` weights.
     pub weight: &'a CudaSlice<f32>,
-    /// Tokens.
+    /// Tokens the buffers hold (the grid's size; the round's count comes from the control
+    /// block).
     pub tokens: usize,
 }
 
-/// The combine (`afdep_fused_combine`): waits for every FFN rank's combine flag (`>= round`, at
+/// The combine (`afdep_fused_combine`): waits for every FFN rank's combine flag (`>= ` the
+/// round of the control block `ctl`, which also gives the token count; nothing when skipped), at
 /// `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then writes `out`
 /// (`tokens × hidden` bf16) in the fixed order (FFN ranks ascending, slots ascending, f32). A
 /// timeout records [`fault::COMBINE_WAIT`] in `err`. `ffn_ranks` (ascending) holds `ffns`
@@ -378,7 +387,7 @@ pub fn combine(
     slots: &CombineSlots<'_>,
     top_k: usize,
     hidden: usize,
-    round: u32,
+    ctl: u64,
     timeout_ns: u64,
     err: u64,
     out: &mut CudaSlice<bf16>,
@@ -407,19 +416,19 @@ pub fn combine(
         .arg(slots.row)
         .arg(slots.ffn)
         .arg(slots.weight)
-        .arg(&t)
+        .arg(&ctl)
         .arg(&h)
-        .arg(&round)
         .arg(&timeout_ns)
         .arg(&err)
         .arg(out);
     // SAFETY: afdep_fused_combine(const u8* ws, const u32* ffn_rank, u32 ffns, u64 flag_off,
-    // u64 ret_off, const u64* slot_row, const u32* slot_ffn, const float* w, u64 tokens, u32
-    // hidden, u32 round, u64 timeout_ns, u32* err, u16* out) with K compiled in: thread 0 of
-    // each block reads the FFN ranks' flags of this rank's live workspace; then warp t < tokens
-    // reads K slots (the tables hold tokens × K, checked), the return rows they name (within the
-    // return area, the caller's plan) and writes out[t] (tokens × hidden, checked); err is a
-    // live u32[4].
+    // u64 ret_off, const u64* slot_row, const u32* slot_ffn, const float* w, const u32* ctl,
+    // u32 hidden, u64 timeout_ns, u32* err, u16* out) with K compiled in: reads the caller's
+    // live control block, whose token count the caller keeps at most `slots.tokens`; thread 0
+    // of each block reads the FFN ranks' flags of this rank's live workspace; then warp t <
+    // tokens reads K slots (the tables hold slots.tokens × K, checked), the return rows they
+    // name (within the return area, the caller's plan) and writes out[t] (slots.tokens ×
+    // hidden, checked); err is a live u32[4].
     unsafe { b.launch(blocks_for(t, blocks)) }.map_err(launch_err(KernelId::FusedCombine))?;
     Ok(())
 }

@@ -77,7 +77,8 @@ pub struct CfAreas {
 /// The routes and device scratch of one source's round.
 #[derive(Debug)]
 pub struct CfSource<'a> {
-    /// Tokens of this round.
+    /// Tokens the buffers hold (the grid's size); the round's count, at most that, is the
+    /// control block's ([`super::fused_round`]).
     pub tokens: usize,
     /// `tokens × top_k` expert ids (validated).
     pub idx: &'a CudaSlice<i32>,
@@ -92,11 +93,12 @@ pub struct CfSource<'a> {
 }
 
 /// The counts kernel (`afdep_cf_counts`): fills `src.slot_pos`, `src.tok_row` and
-/// `src.counts` from `src.idx` (every expert id -1 or below `ffns × epr`). At most `blocks`
-/// blocks.
+/// `src.counts` from `src.idx` (every expert id -1 or below `ffns × epr`) for the token count of
+/// the control block at `ctl` (nothing when the round is skipped). At most `blocks` blocks.
 pub fn counts(
     ctx: &GpuContext,
     src: &CfSource<'_>,
+    ctl: u64,
     top_k: usize,
     ffns: usize,
     epr: usize,
@@ -111,19 +113,19 @@ pub fn counts(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     as_u32("owned experts", ffns * epr)?;
-    let t = src.tokens as u64;
     let f = ctx.function(KernelId::CfCounts, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(src.idx)
-        .arg(&t)
+        .arg(&ctl)
         .arg(&nf)
         .arg(&e)
         .arg(src.slot_pos)
         .arg(src.tok_row)
         .arg(src.counts);
-    // SAFETY: afdep_cf_counts(const i32* idx, u64 tokens, u32 nf, u32 epr, u32* slot_pos, u32*
-    // tok_row, u64* counts) with K compiled in: warp w < nf epr + nf reads idx (tokens × K,
-    // checked) and writes slot_pos entries of its expert's slots (tokens × K, checked),
+    // SAFETY: afdep_cf_counts(const i32* idx, const u32* ctl, u32 nf, u32 epr, u32* slot_pos,
+    // u32* tok_row, u64* counts) with K compiled in: reads the caller's live control block,
+    // whose token count the caller keeps at most src.tokens; warp w < nf epr + nf reads idx
+    // (tokens × K, checked) and writes slot_pos entries of its expert's slots (tokens × K, checked),
     // tok_row[t nf + f] (tokens × nf, checked) and counts[w] (nf epr + nf, checked).
     unsafe { b.launch(grid((ffns * epr + ffns) as u64, blocks)) }
         .map_err(launch_err(KernelId::CfCounts))?;
@@ -132,7 +134,8 @@ pub fn counts(
 
 /// Publishes this source's (`me`) counts (`afdep_cf_publish_counts`): FFN rank `ffn_ranks[f]`
 /// gets its local experts' counts and this source's distinct tokens for it in row `me` of its
-/// counts area, then this source's count flag there is raised to `round`.
+/// counts area, then this source's count flag there is raised to the round of the control
+/// block at `ctl` (nothing when the round is skipped).
 #[allow(clippy::too_many_arguments)]
 pub fn publish_counts(
     ctx: &GpuContext,
@@ -143,7 +146,7 @@ pub fn publish_counts(
     epr: usize,
     areas: &CfAreas,
     me: usize,
-    round: u32,
+    ctl: u64,
 ) -> Result<(), KernelError> {
     if ffns == 0 {
         return Ok(());
@@ -163,14 +166,15 @@ pub fn publish_counts(
         .arg(&areas.counts)
         .arg(&areas.count_flags)
         .arg(&me)
-        .arg(&round);
+        .arg(&ctl);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (nf, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: afdep_cf_publish_counts(const u64* counts, const u64* peers, const u32* ffn_rank,
-    // u32 nf, u32 epr, u64 counts_off, u64 cflag_off, u32 me, u32 round): block f < nf reads
+    // u32 nf, u32 epr, u64 counts_off, u64 cflag_off, u32 me, const u32* ctl): reads the
+    // caller's live control block; block f < nf reads
     // counts (nf epr + nf, checked) and ffn_rank[f] (nf, checked), and writes epr + 1 u64 at
     // row me of the counts area and one u32 flag of workspace peers[ffn_rank[f]]; the caller
     // guarantees a live peer table, ranks below world and areas that hold world rows.
@@ -178,9 +182,9 @@ pub fn publish_counts(
     Ok(())
 }
 
-/// The FFN rank's (`me`) plan (`afdep_cf_plan`): waits for every source's count flag (`>=
-/// round`, at most `timeout_ns` each; a timeout records [`fault::COUNTS_WAIT`] in `err`),
-/// writes the plan into its workspace `ws` and publishes each source's block starts and
+/// The FFN rank's (`me`) plan (`afdep_cf_plan`): waits for every source's count flag (at least
+/// the round of the control block at `ctl`, at most `timeout_ns` each; a timeout records
+/// [`fault::COUNTS_WAIT`] in `err`; nothing when the round is skipped), writes the plan into its workspace `ws` and publishes each source's block starts and
 /// offset flag. `src_ranks` holds `sources` ranks, in source order.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
@@ -192,7 +196,7 @@ pub fn plan(
     epr: usize,
     areas: &CfAreas,
     me: usize,
-    round: u32,
+    ctl: u64,
     timeout_ns: u64,
     err: u64,
 ) -> Result<(), KernelError> {
@@ -213,11 +217,12 @@ pub fn plan(
         .arg(&areas.offsets)
         .arg(&areas.offset_flags)
         .arg(&me)
-        .arg(&round)
+        .arg(&ctl)
         .arg(&timeout_ns)
         .arg(&err);
     // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr, u64
-    // counts_off, u64 cflag_off, u64 plan_off, u64 offs_off, u64 oflag_off, u32 me, u32 round,
+    // counts_off, u64 cflag_off, u64 plan_off, u64 offs_off, u64 oflag_off, u32 me, const u32*
+    // ctl (the caller's live control block),
     // u64 timeout_ns, u32* err), one block: reads the flags and counts rows of src_rank[s] (ns
     // entries, checked) in this rank's live workspace, writes its plan (2 epr ns + epr + ns + 2
     // u64, which the caller's geometry provides), row me of each source's offsets area (epr u64)
@@ -228,7 +233,8 @@ pub fn plan(
 }
 
 /// A bounded wait (`afdep_cf_wait`): for every rank `ranks[i]`, `i < n`, waits until its flag
-/// at `flag_off` of this rank's workspace `ws` is `>= round` (at most `timeout_ns` each); a
+/// at `flag_off` of this rank's workspace `ws` is `>=` the round of the control block at `ctl`
+/// (at most `timeout_ns` each; nothing when the round is skipped); a
 /// timeout records `code` naming that rank in `err`.
 #[allow(clippy::too_many_arguments)]
 pub fn wait(
@@ -237,7 +243,7 @@ pub fn wait(
     ranks: &CudaSlice<u32>,
     n: usize,
     flag_off: u64,
-    round: u32,
+    ctl: u64,
     timeout_ns: u64,
     err: u64,
     code: u32,
@@ -253,11 +259,12 @@ pub fn wait(
         .arg(ranks)
         .arg(&n)
         .arg(&flag_off)
-        .arg(&round)
+        .arg(&ctl)
         .arg(&timeout_ns)
         .arg(&err)
         .arg(&code);
-    // SAFETY: afdep_cf_wait(const u8* ws, const u32* ranks, u32 n, u64 flag_off, u32 round, u64
+    // SAFETY: afdep_cf_wait(const u8* ws, const u32* ranks, u32 n, u64 flag_off, const u32* ctl
+    // (the caller's live control block), u64
     // timeout_ns, u32* err, u32 code): one thread reads n ranks (checked) and their u32 flags
     // in this rank's live workspace (the caller's flag area holds world u32); err is a live
     // u32[4].
@@ -299,7 +306,7 @@ pub fn dispatch(
     areas: &CfAreas,
     me: usize,
     mode: CfMode,
-    round: u32,
+    ctl: u64,
     timeout_ns: u64,
     err: u64,
     blocks: u32,
@@ -328,13 +335,12 @@ pub fn dispatch(
         CfMode::Source => (0u32, 0u32),
         CfMode::Stream { gate } => (1, u32::from(gate)),
     };
-    let t = src.tokens as u64;
     let f = ctx.function(KernelId::CfDispatch, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
         .arg(src.idx)
         .arg(src.weight)
-        .arg(&t)
+        .arg(&ctl)
         .arg(src.slot_pos)
         .arg(src.tok_row)
         .arg(ffn_ranks)
@@ -355,14 +361,14 @@ pub fn dispatch(
         .arg(&me)
         .arg(&m)
         .arg(&gate)
-        .arg(&round)
         .arg(&timeout_ns)
         .arg(&err);
-    // SAFETY: afdep_cf_dispatch(const u16* x, const i32* idx, const float* w, u64 tokens, const
+    // SAFETY: afdep_cf_dispatch(const u16* x, const i32* idx, const float* w, const u32* ctl (the
+    // caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
     // const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64
     // meta_off, u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32
-    // gate, u32 round, u64 timeout_ns, u32* err) with K compiled in: reads the route tables
+    // gate, u64 timeout_ns, u32* err) with K compiled in: reads the route tables
     // (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked), this rank's
     // offsets and flags; writes, in workspace peers[ffn_rank[f]], slab row (me, tok_row) (<
     // cap: the caller's counts; row_bytes holds payload and metadata, checked), expanded rows
@@ -375,7 +381,8 @@ pub fn dispatch(
 
 /// The streaming epilogue (`afdep_cf_stream_epilogue`) of this FFN rank (workspace `ws`,
 /// after its [`plan`] on the same stream): expands each compact row into the expanded area as
-/// soon as its row flag holds `round` (a timeout records [`fault::ROW_WAIT`] in `err`). Work
+/// soon as its row flag holds the round of the control block at `ctl` (a timeout records
+/// [`fault::ROW_WAIT`] in `err`; nothing when the round is skipped). Work
 /// units of `warps_per_unit` warps take runs of at least `min_rows` rows. At most `blocks`
 /// blocks.
 #[allow(clippy::too_many_arguments)]
@@ -390,7 +397,7 @@ pub fn stream_epilogue(
     areas: &CfAreas,
     warps_per_unit: u32,
     min_rows: u32,
-    round: u32,
+    ctl: u64,
     timeout_ns: u64,
     err: u64,
     blocks: u32,
@@ -419,7 +426,7 @@ pub fn stream_epilogue(
         .arg(&slab.hidden)
         .arg(&warps_per_unit)
         .arg(&min_rows)
-        .arg(&round)
+        .arg(&ctl)
         .arg(&timeout_ns)
         .arg(&err);
     let cfg = cudarc::driver::LaunchConfig {
@@ -429,7 +436,8 @@ pub fn stream_epilogue(
     };
     // SAFETY: afdep_cf_stream_epilogue(u8* ws, const u32* src_rank, u32 ns, u32 epr, u64
     // plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off,
-    // u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, u32 round, u64 timeout_ns,
+    // u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, const u32* ctl (the caller's
+    // live control block), u64 timeout_ns,
     // u32* err) with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream
     // order), the row flags and slab rows of src_rank[s] (ns entries, checked; rows below the
     // plan's slab counts, < cap) in this rank's live workspace, and writes expanded rows below

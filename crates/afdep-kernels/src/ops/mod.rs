@@ -6,6 +6,7 @@
 
 pub mod fused;
 pub mod fused_cf;
+pub mod fused_round;
 pub mod gemm;
 pub mod layout;
 pub mod moe;

@@ -117,9 +117,9 @@ impl std::fmt::Display for DispatchArm {
 /// A source's device scratch of count-first, sized by the capacity.
 #[derive(Debug)]
 pub(super) struct CfScratch {
-    slot_pos: CudaSlice<u32>,
-    tok_row: CudaSlice<u32>,
-    counts: CudaSlice<u64>,
+    pub(super) slot_pos: CudaSlice<u32>,
+    pub(super) tok_row: CudaSlice<u32>,
+    pub(super) counts: CudaSlice<u64>,
 }
 
 impl CfScratch {
@@ -209,7 +209,7 @@ impl FusedEngine {
         self.arm.unwrap_or_else(|| rule(&self.cfg, tokens))
     }
 
-    fn poison_ws(&self, offset: u64, bytes: u64) -> Result<(), ExchangeError> {
+    pub(super) fn poison_ws(&self, offset: u64, bytes: u64) -> Result<(), ExchangeError> {
         if bytes == 0 {
             return Ok(());
         }
@@ -239,7 +239,6 @@ impl FusedEngine {
         arm: DispatchArm,
         input: Option<&SourceInput>,
         host_plans: &[FfnPlan],
-        round: u32,
         timeout_ns: u64,
     ) -> Result<Option<FfnReceived>, ExchangeError> {
         let rank = self.rank();
@@ -252,6 +251,7 @@ impl FusedEngine {
         let a = self.geo.cf;
         let slab: SlabGeometry = self.geo.slab;
         let err = self.ws + ERROR_WORD;
+        let ctl = self.ws + super::CONTROL;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         if cfg.payload != PayloadKind::Bf16 {
@@ -296,7 +296,7 @@ impl FusedEngine {
                 tok_row: &scratch.tok_row,
                 counts: &scratch.counts,
             };
-            cf::counts(&self.gpu, &src, k, nf, epr, knobs.transport_sms)?;
+            cf::counts(&self.gpu, &src, ctl, k, nf, epr, knobs.transport_sms)?;
             cf::publish_counts(
                 &self.gpu,
                 &scratch.counts,
@@ -306,7 +306,7 @@ impl FusedEngine {
                 epr,
                 &a,
                 rank,
-                round,
+                ctl,
             )?;
             keep = Some((x, idx, w));
         }
@@ -332,7 +332,7 @@ impl FusedEngine {
                 epr,
                 &a,
                 rank,
-                round,
+                ctl,
                 timeout_ns,
                 err,
             )?;
@@ -369,7 +369,7 @@ impl FusedEngine {
                 &a,
                 rank,
                 mode,
-                round,
+                ctl,
                 timeout_ns,
                 err,
                 knobs.transport_sms,
@@ -382,7 +382,7 @@ impl FusedEngine {
                     nf,
                     DISPATCH_FLAGS,
                     rank,
-                    round,
+                    ctl,
                 )?;
             }
         }
@@ -396,7 +396,7 @@ impl FusedEngine {
                     &self.src_ranks,
                     ns,
                     DISPATCH_FLAGS,
-                    round,
+                    ctl,
                     timeout_ns,
                     err,
                     cf::fault::SOURCE_WAIT,
@@ -413,7 +413,7 @@ impl FusedEngine {
                     &a,
                     knobs.warps_per_unit,
                     knobs.min_rows_per_unit,
-                    round,
+                    ctl,
                     timeout_ns,
                     err,
                     knobs.epilogue_sm_cap,
@@ -425,8 +425,32 @@ impl FusedEngine {
         let Some(f) = ffn_index else {
             return Ok(None);
         };
+        let row_bytes = slab.row_bytes;
+        let read_slab = |r: usize, n: usize| {
+            let off = slab.slab_off + r as u64 * u64::from(slab.cap) * row_bytes;
+            self.read_ws(off, n * row_bytes as usize)
+        };
+        Ok(Some(self.read_received(f, arm, &read_slab)?))
+    }
 
-        // what this FFN rank received, read back
+    /// What FFN rank `f` received in a round of the count-first layout (the plan its device
+    /// computed, the expanded area, the compact view), read back after the dispatch: the slab
+    /// rows of source rank r come from `read_slab(r, rows)` (the workspace, or a device round's
+    /// snapshot). In the source arm the slab rows hold only the metadata, and each compact row's
+    /// payload is read from its first expanded row.
+    pub(super) fn read_received(
+        &self,
+        f: usize,
+        arm: DispatchArm,
+        read_slab: &dyn Fn(usize, usize) -> Result<Vec<u8>, ExchangeError>,
+    ) -> Result<FfnReceived, ExchangeError> {
+        let rank = self.rank();
+        let cfg = &self.cfg;
+        let topo = cfg.topology;
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        let (ns, epr) = (topo.attention_count(), cfg.placement().experts_per_rank);
+        let a = self.geo.cf;
+        let slab = self.geo.slab;
         let nl = epr;
         let plan_words = 2 * nl * ns + nl + 1 + ns + 1;
         let w = le_u64(&self.read_ws(a.plan, plan_words * 8)?);
@@ -466,8 +490,7 @@ impl FusedEngine {
                     what: format!("the device plan has {n} rows from rank {r}, above capacity"),
                 });
             }
-            let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
-            let bytes = self.read_ws(off, n * slab.row_bytes as usize)?;
+            let bytes = read_slab(r, n)?;
             for row in bytes.chunks(slab.row_bytes as usize) {
                 let m: Vec<u32> = bytemuck::pod_collect_to_vec(
                     &row[a.meta_off as usize..a.meta_off as usize + 4 * mw],
@@ -496,14 +519,14 @@ impl FusedEngine {
                 compact_ids.extend(ids);
             }
         }
-        Ok(Some(FfnReceived {
+        Ok(FfnReceived {
             plan,
             expanded,
             compact_tokens,
             compact_x,
             compact_ids,
             compact_weights,
-        }))
+        })
     }
 }
 

@@ -1,0 +1,417 @@
+//! Launchers of the device round of the fused exchange (`fused_round.cu`): the round control
+//! block, route validation with the verdict shared among ranks, the reproducible device expert,
+//! and the device-side return lists.
+//!
+//! **The control block** (`layout/fused.cuh`, `u32[`[`CTL_WORDS`]`]` in each rank's own
+//! workspace): the round number, the round's verdict, the route error word of the lowest
+//! rejecting rank and this source's token count. Every fused kernel that raises or waits for a
+//! flag takes the control block's device address (`ctl`) instead of a round number: the round
+//! is incremented on the device ([`begin`] or [`bump`]) and read there, and every kernel of a
+//! round returns at once when the verdict is not go. A round's launches therefore depend on no
+//! host value that changes from round to round, and can be captured in a CUDA graph whose
+//! replays run new rounds with new routes and token counts (worst-case grids and buffers, sized
+//! by the capacity).
+//!
+//! **The status area** (`u32[2][64][`[`STATUS_WORDS`]`]` in every workspace, by round parity
+//! and rank): [`begin`] stores this rank's verdict word (the route error word of its first
+//! offending slot, zero for none or for an FFN-only rank) into every rank's area and raises its
+//! round there; then it waits (bounded) for every rank's word of the round. A rank publishes
+//! round r + 1 only after it read every rank's word of round r, so the two parity slots are
+//! never overwritten before every rank read them.
+
+use afdep_core::bf16;
+use cudarc::driver::{CudaSlice, PushKernelArg};
+
+use super::{as_u32, need};
+use crate::context::{GpuContext, launch_err};
+use crate::error::KernelError;
+use crate::sources::{BLOCK, KernelId};
+
+/// Words of the control block (`AFDEP_CTL_WORDS`).
+pub const CTL_WORDS: usize = 16;
+/// Index of the round number in the control block.
+pub const CTL_ROUND: usize = 0;
+/// Index of the verdict ([`verdict`]).
+pub const CTL_VERDICT: usize = 1;
+/// Index of the first of the route error word's six words.
+pub const CTL_ROUTE: usize = 2;
+/// Index of this source's token count of the round (written by the host before the round).
+pub const CTL_TOKENS: usize = 8;
+/// Words of one rank's record in the status area.
+pub const STATUS_WORDS: usize = 8;
+/// Bytes of the status area (two parities of 64 ranks).
+pub const STATUS_BYTES: u64 = (2 * 64 * STATUS_WORDS * 4) as u64;
+
+/// The verdicts of the control block.
+pub mod verdict {
+    /// The round runs.
+    pub const GO: u32 = 0;
+    /// A source's route was rejected: every rank skips the data phases.
+    pub const REJECTED: u32 = 1;
+    /// A status wait ran out (the error word names the late rank).
+    pub const FAULTED: u32 = 2;
+}
+
+/// A status wait of [`begin`] ran out (peer = the rank whose word never came); the fault code
+/// of the error word (`AFDEP_FUSED_FAULT_STATUS_WAIT`).
+pub const FAULT_STATUS_WAIT: u32 = 32;
+
+/// The kernels of this module, for [`super::fused::preload`].
+pub const KERNELS: [KernelId; 5] = [
+    KernelId::RoundBegin,
+    KernelId::RoundBump,
+    KernelId::RoundExperts,
+    KernelId::RoundReturnStore,
+    KernelId::RoundSlots,
+];
+
+/// Warps per block.
+const WARPS: u64 = (BLOCK / 32) as u64;
+
+fn grid(warps: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+    let b = warps.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (b, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Where one rank's round control lives: its workspace base, the control block and status area
+/// offsets (the same in every workspace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundControl {
+    /// This rank's workspace base (device address).
+    pub ws: u64,
+    /// Byte offset of the control block.
+    pub ctl_off: u64,
+    /// Byte offset of the status area.
+    pub status_off: u64,
+}
+
+impl RoundControl {
+    /// The control block's device address.
+    pub fn ctl(&self) -> u64 {
+        self.ws + self.ctl_off
+    }
+}
+
+/// The route rules [`begin`] checks (`afdep_core::route::RouteRules::exchange`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRules {
+    /// Expert ids must be below this.
+    pub experts: u64,
+    /// Expert ids must be below this to be owned.
+    pub owned: u64,
+    /// Most tokens of a source.
+    pub capacity: u64,
+}
+
+/// The start of a device round (`afdep_round_begin`, one block) on rank `me` of `world`:
+/// round + 1 in the control block; when `source` holds this rank's attention index and its
+/// route tables (`idx`, `weight`: at least `rules.capacity × top_k` entries), validation of the
+/// control block's token count of routes; the verdict word stored into every rank's status
+/// area through `peers`, then a bounded wait (`timeout_ns`) for every rank's word, and the
+/// verdict (the lowest rejecting rank's word) in the control block. A timeout records
+/// [`FAULT_STATUS_WAIT`] in `err`.
+#[allow(clippy::too_many_arguments)]
+pub fn begin(
+    ctx: &GpuContext,
+    rc: &RoundControl,
+    peers: u64,
+    world: usize,
+    me: usize,
+    source: Option<(usize, &CudaSlice<i32>, &CudaSlice<f32>)>,
+    rules: &DeviceRules,
+    top_k: usize,
+    timeout_ns: u64,
+    err: u64,
+) -> Result<(), KernelError> {
+    let k = as_u32("top_k", top_k)?;
+    let world32 = as_u32("world", world)?;
+    if world > 64 {
+        return Err(KernelError::Shape(format!(
+            "{world} ranks: the status area holds 64"
+        )));
+    }
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::RoundBegin, 0, k)?;
+    // an FFN-only rank passes no tables: a one-element dummy is never read
+    let (src, idx, w) = match source {
+        Some((s, idx, w)) => {
+            let n = rules.capacity as usize * top_k;
+            need("routes", idx, n)?;
+            need("weights", w, n)?;
+            (as_u32("attention index", s)?, idx, w)
+        }
+        None => {
+            return begin_ffn(ctx, rc, peers, world32, me, rules, &f, timeout_ns, err);
+        }
+    };
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&rc.ws)
+        .arg(&peers)
+        .arg(&world32)
+        .arg(&me)
+        .arg(&src)
+        .arg(idx)
+        .arg(w)
+        .arg(&rules.capacity)
+        .arg(&rules.experts)
+        .arg(&rules.owned)
+        .arg(&rc.ctl_off)
+        .arg(&rc.status_off)
+        .arg(&timeout_ns)
+        .arg(&err);
+    // SAFETY: afdep_round_begin(u8* ws, const u64* peers, u32 world, u32 me, u32 src_index,
+    // const i32* idx, const float* w, u64 cap, u64 experts, u64 owned, u64 ctl_off, u64
+    // status_off, u64 timeout_ns, u32* err), one block: reads and writes the control block of
+    // this rank's live workspace, reads at most min(tokens, cap) × K routes (the tables hold
+    // cap × K, checked; a larger token count is rejected without reading), writes one status
+    // record into each of the `world` (<= 64, checked) workspaces of the live peer table and
+    // reads this rank's status area; err is a live u32[4].
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn begin_ffn(
+    ctx: &GpuContext,
+    rc: &RoundControl,
+    peers: u64,
+    world: u32,
+    me: u32,
+    rules: &DeviceRules,
+    f: &cudarc::driver::CudaFunction,
+    timeout_ns: u64,
+    err: u64,
+) -> Result<(), KernelError> {
+    let none = u32::MAX;
+    let null = 0u64;
+    let mut b = ctx.stream().launch_builder(f);
+    b.arg(&rc.ws)
+        .arg(&peers)
+        .arg(&world)
+        .arg(&me)
+        .arg(&none)
+        .arg(&null)
+        .arg(&null)
+        .arg(&rules.capacity)
+        .arg(&rules.experts)
+        .arg(&rules.owned)
+        .arg(&rc.ctl_off)
+        .arg(&rc.status_off)
+        .arg(&timeout_ns)
+        .arg(&err);
+    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route (the
+    // null tables are never dereferenced) and publishes an all-zero word.
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
+    Ok(())
+}
+
+/// The round start of a host-planned round (`afdep_round_bump`, one thread): round + 1,
+/// verdict go, token count `tokens` in the control block at `ctl`.
+pub fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), KernelError> {
+    let t = as_u32("tokens", tokens)?;
+    let f = ctx.function(KernelId::RoundBump, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ctl).arg(&t);
+    // SAFETY: afdep_round_bump(u32* ctl, u32 tokens), one thread: writes three words of the
+    // caller's live control block.
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBump))?;
+    Ok(())
+}
+
+/// Where an FFN rank's plan and expanded rows are (the count-first areas of its workspace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanView {
+    /// This rank's workspace base.
+    pub ws: u64,
+    /// Byte offset of the plan (`layout/fused.cuh`).
+    pub plan_off: u64,
+    /// Local experts.
+    pub epr: usize,
+    /// Sources.
+    pub sources: usize,
+    /// Byte offset of the expanded area.
+    pub exp_off: u64,
+    /// Rows of the expanded area.
+    pub exp_rows: u64,
+    /// Hidden size.
+    pub hidden: usize,
+}
+
+/// The reproducible device expert (`afdep_round_experts`): for every expanded row j of the
+/// plan, `y[j] = bf16(f32(x[j]) * scale[l])` with l the row's local expert (`scale` holds
+/// `epr` f32). `y` holds `exp_rows × hidden`. Nothing when the round is skipped.
+pub fn experts(
+    ctx: &GpuContext,
+    pv: &PlanView,
+    ctl: u64,
+    scale: &CudaSlice<f32>,
+    y: &mut CudaSlice<bf16>,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    need("scales", scale, pv.epr)?;
+    need("y", y, pv.exp_rows as usize * pv.hidden)?;
+    let e = as_u32("experts per rank", pv.epr)?;
+    let ns = as_u32("sources", pv.sources)?;
+    let h = as_u32("hidden", pv.hidden)?;
+    let f = ctx.function(KernelId::RoundExperts, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&pv.ws)
+        .arg(&ctl)
+        .arg(&pv.plan_off)
+        .arg(&e)
+        .arg(&ns)
+        .arg(&pv.exp_off)
+        .arg(&pv.exp_rows)
+        .arg(scale)
+        .arg(y)
+        .arg(&h);
+    // SAFETY: afdep_round_experts(const u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns,
+    // u64 exp_off, u64 exp_rows, const float* scale, u16* y, u32 hidden): reads the caller's
+    // live control block and the plan and expanded area of this rank's live workspace (the
+    // caller's geometry), rows below min(plan rows, exp_rows); scale holds epr and y
+    // exp_rows × hidden (checked).
+    unsafe { b.launch(grid(pv.exp_rows, blocks)) }.map_err(launch_err(KernelId::RoundExperts))?;
+    Ok(())
+}
+
+/// Expert outputs back to their sources (`afdep_round_return_store`): expanded row j of `y`
+/// (block (l, s) of the plan) to the return row of this FFN rank (`me`) in source
+/// `src_ranks[s]`'s workspace (`ret_off + (me × ret_cap + r) × 2 hidden`, r the row's place in
+/// the source's return order). Nothing when the round is skipped.
+#[allow(clippy::too_many_arguments)]
+pub fn return_store(
+    ctx: &GpuContext,
+    pv: &PlanView,
+    ctl: u64,
+    peers: u64,
+    src_ranks: &CudaSlice<u32>,
+    y: &CudaSlice<bf16>,
+    ret_off: u64,
+    me: usize,
+    ret_cap: u64,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    need("source ranks", src_ranks, pv.sources)?;
+    need("y", y, pv.exp_rows as usize * pv.hidden)?;
+    let e = as_u32("experts per rank", pv.epr)?;
+    let ns = as_u32("sources", pv.sources)?;
+    let h = as_u32("hidden", pv.hidden)?;
+    let me = as_u32("rank", me)?;
+    let f = ctx.function(KernelId::RoundReturnStore, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&pv.ws)
+        .arg(&ctl)
+        .arg(&peers)
+        .arg(src_ranks)
+        .arg(&ns)
+        .arg(&e)
+        .arg(&pv.plan_off)
+        .arg(&pv.exp_rows)
+        .arg(y)
+        .arg(&ret_off)
+        .arg(&me)
+        .arg(&ret_cap)
+        .arg(&h);
+    // SAFETY: afdep_round_return_store(const u8* ws, const u32* ctl, const u64* peers, const
+    // u32* src_rank, u32 ns, u32 epr, u64 plan_off, u64 exp_rows, const u16* y, u64 ret_off,
+    // u32 me, u64 ret_cap, u32 hidden): reads the live control block and plan, y rows below
+    // exp_rows (checked), src_rank (ns, checked); writes 2 hidden bytes per row at return rows
+    // below ret_cap (the kernel skips others) of workspaces of the live peer table, which hold
+    // world × ret_cap return rows (the caller's geometry).
+    unsafe { b.launch(grid(pv.exp_rows, blocks)) }
+        .map_err(launch_err(KernelId::RoundReturnStore))?;
+    Ok(())
+}
+
+/// A source's combine slots from the device (`afdep_round_slots`): for the control block's
+/// token count of routes `idx` (the tables hold `tokens × top_k`), each slot's return row
+/// (`ffn_ranks[f] × ret_cap + ` its place in the return order) and owner f, from the
+/// count-first counts (`counts`: `ffns × epr + ffns`) and block positions (`slot_pos`).
+#[allow(clippy::too_many_arguments)]
+pub fn slots(
+    ctx: &GpuContext,
+    ctl: u64,
+    idx: &CudaSlice<i32>,
+    slot_pos: &CudaSlice<u32>,
+    counts: &CudaSlice<u64>,
+    ffn_ranks: &CudaSlice<u32>,
+    ffns: usize,
+    epr: usize,
+    tokens: usize,
+    top_k: usize,
+    ret_cap: u64,
+    slot_row: &mut CudaSlice<u64>,
+    slot_ffn: &mut CudaSlice<u32>,
+) -> Result<(), KernelError> {
+    let n = tokens * top_k;
+    need("routes", idx, n)?;
+    need("slot positions", slot_pos, n)?;
+    need("counts", counts, ffns * epr + ffns)?;
+    need("ffn ranks", ffn_ranks, ffns)?;
+    need("slot rows", slot_row, n)?;
+    need("slot owners", slot_ffn, n)?;
+    let k = as_u32("top_k", top_k)?;
+    let e = as_u32("experts per rank", epr)?;
+    let f = ctx.function(KernelId::RoundSlots, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ctl)
+        .arg(idx)
+        .arg(slot_pos)
+        .arg(counts)
+        .arg(ffn_ranks)
+        .arg(&e)
+        .arg(&ret_cap)
+        .arg(slot_row)
+        .arg(slot_ffn);
+    // SAFETY: afdep_round_slots(const u32* ctl, const i32* idx, const u32* slot_pos, const u64*
+    // counts, const u32* ffn_rank, u32 epr, u64 ret_cap, u64* slot_row, u32* slot_ffn) with K
+    // compiled in: reads the live control block, whose token count the caller keeps at most
+    // `tokens`; thread i < tokens × K reads and writes entry i of the tables (tokens × K,
+    // checked), counts of owned experts (validated ids: below ffns × epr, checked) and
+    // ffn_rank[f] (ffns, checked).
+    unsafe { b.launch(grid((n as u64).div_ceil(32).max(1), u32::MAX)) }
+        .map_err(launch_err(KernelId::RoundSlots))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn define(name: &str) -> String {
+        let text = include_str!("../../cuda/layout/fused.cuh");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
+        line[format!("#define {name} ").len()..].trim().to_string()
+    }
+
+    #[test]
+    fn control_block_constants_match_the_header() {
+        assert_eq!(define("AFDEP_CTL_ROUND"), CTL_ROUND.to_string());
+        assert_eq!(define("AFDEP_CTL_VERDICT"), CTL_VERDICT.to_string());
+        assert_eq!(define("AFDEP_CTL_ROUTE"), CTL_ROUTE.to_string());
+        assert_eq!(define("AFDEP_CTL_TOKENS"), CTL_TOKENS.to_string());
+        assert_eq!(define("AFDEP_CTL_WORDS"), CTL_WORDS.to_string());
+        assert_eq!(define("AFDEP_CTL_GO"), format!("{}u", verdict::GO));
+        assert_eq!(
+            define("AFDEP_CTL_REJECTED"),
+            format!("{}u", verdict::REJECTED)
+        );
+        assert_eq!(
+            define("AFDEP_CTL_FAULTED"),
+            format!("{}u", verdict::FAULTED)
+        );
+        assert_eq!(define("AFDEP_STATUS_WORDS"), STATUS_WORDS.to_string());
+        assert_eq!(
+            define("AFDEP_FUSED_FAULT_STATUS_WAIT"),
+            format!("{FAULT_STATUS_WAIT}u")
+        );
+        assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS);
+    }
+}

@@ -1,0 +1,847 @@
+//! Device rounds of the fused engine: a whole dispatch + combine round with no host work between
+//! its kernels, eager ([`FusedEngine::device_round`]) or captured once in a CUDA graph and
+//! replayed ([`FusedEngine::capture`], [`FusedEngine::replay`]).
+//!
+//! A device round reads its inputs from fixed device buffers sized by the capacity (the
+//! worst case): the caller's rows, routes and token count are copied there before the round
+//! (the token count into the control block, `afdep_kernels::ops::fused_round`), and the
+//! kernels find everything else on the device:
+//!
+//! 1. every rank, `afdep_round_begin`: round + 1 in the control block; a source validates its
+//!    routes (`afdep_core::route::validate`'s rules on the device, over the control block's
+//!    token count); every rank publishes its verdict word to every rank's status area and
+//!    reads all of them (bounded). A rejection anywhere makes every rank skip the data phases
+//!    (every later kernel of the round returns at once), and every rank returns
+//!    [`ExchangeError::Route`] with the lowest rejecting rank's error: the same error as the
+//!    host-planned round's. The round number still advanced on every rank, so the next round
+//!    works.
+//! 2. the count-first counts, plan and offsets on the device (`fused/count_first.rs`) and
+//!    the rows: [`DispatchArm::CountFirst`] (streaming epilogue), [`DispatchArm::CountFirstSource`]
+//!    (the source arm), or [`DispatchArm::PayloadFirst`]: every row with its metadata into the
+//!    per-source slabs first (slab rows carry each slot's position in its (expert, source)
+//!    block), the source's dispatch flag after its last row, and on the FFN rank, after every
+//!    source's flag, the plan from the published counts and the copy epilogue (the streaming
+//!    epilogue's kernel, whose row flags are all raised by then) into the expanded layout.
+//! 3. FFN rank: the device experts ([`DeviceExperts`]) over the expanded rows, then
+//!    `afdep_round_return_store`: each output row to its source's return area, its row found
+//!    from the device plan (no host return list), then the combine flag.
+//! 4. source: `afdep_round_slots` (each slot's return row from the device counts and block
+//!    positions: no host slot list), then the fixed-order combine.
+//!
+//! With [`DeviceRoundOptions::keep_received`], the FFN rank also copies its slabs (the compact
+//! view) into a snapshot buffer before it raises its combine flag (after that flag a source may
+//! start the next round's stores into them), so that [`RoundOutput::received`] can be read
+//! back after the round, as in a host-planned round.
+//!
+//! # Graphs
+//!
+//! [`FusedEngine::capture`] records the launches of one device round on the rank's stream into
+//! a CUDA graph (collective: a barrier before and after). Every launch argument is fixed: the
+//! buffers, the workspace offsets, the grids (worst case, from the capacity); the round number
+//! and the token count are read from the control block, which the graph's first kernel
+//! increments. [`FusedEngine::replay`] refills the input buffers and the token count, poisons
+//! the outputs (unless [`FusedEngine::set_poison`] turned that off), launches the graph and
+//! reads the results. The engine's GPU context runs with cudarc's per-buffer event tracking off
+//! (set in [`FusedEngine::new`], before any buffer exists; everything runs on the one stream),
+//! so a capture holds kernel and copy nodes only; the capture is thread-local, nothing in it
+//! synchronises, and every kernel is loaded at set-up. A graph belongs to the engine that
+//! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
+//! dropped only once every rank finished its last round, like the engines.
+//!
+//! # Not here
+//!
+//! The real SwiGLU expert FFN on the device (grouped GEMM over the expanded layout) is not
+//! wired into device rounds yet; fp8 payloads run host-planned payload-first rounds only.
+
+use afdep_core::oracle::exchange::SourceInput;
+use afdep_core::{PayloadKind, RouteError, bf16};
+use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
+use afdep_kernels::ops::fused as fk;
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
+use afdep_kernels::ops::fused_round::{
+    self as fr, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules, PlanView, RoundControl,
+};
+use afdep_kernels::ops::{download, poison, zeros};
+use afdep_kernels::{GpuContext, KernelError};
+use afdep_transport::Transport;
+use std::time::Instant;
+
+use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
+use crate::error::ExchangeError;
+use crate::staged::{PhaseTimes, RoundOutput};
+
+/// The experts an FFN rank applies on the device in a device round.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceExperts {
+    /// Expert e maps a row x to `bf16(f32(x) * scales[e])` (one rounding, bit-reproducible):
+    /// the exchange tests' and latency runs' expert. `scales` holds one f32 per global expert.
+    Scale(Vec<f32>),
+}
+
+impl DeviceExperts {
+    /// [`DeviceExperts::Scale`] with `scales[e] = e + 1` for `experts` experts.
+    pub fn index_scale(experts: usize) -> DeviceExperts {
+        DeviceExperts::Scale((0..experts).map(|e| e as f32 + 1.0).collect())
+    }
+
+    /// The same experts on the host, as an [`crate::ExpertFn`] for the oracle and the staged
+    /// engine: bit-identical results.
+    pub fn host(&self) -> impl Fn(usize, &[bf16], usize) -> Vec<bf16> + '_ {
+        move |e: usize, rows: &[bf16], _n: usize| match self {
+            DeviceExperts::Scale(s) => {
+                let k = s[e];
+                rows.iter()
+                    .map(|v| bf16::from_f32(v.to_f32() * k))
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Options of device rounds ([`FusedEngine::prepare_device`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceRoundOptions {
+    /// The FFN ranks' device experts.
+    pub experts: DeviceExperts,
+    /// Snapshot the compact view on the device and read [`RoundOutput::received`] back after
+    /// each round (tests; costs a copy of the slabs per round).
+    pub keep_received: bool,
+}
+
+/// The capacity-sized device buffers of a source's device rounds.
+#[derive(Debug)]
+struct SourceBufs {
+    x: CudaSlice<bf16>,
+    idx: CudaSlice<i32>,
+    w: CudaSlice<f32>,
+    out: CudaSlice<bf16>,
+    slot_row: CudaSlice<u64>,
+    slot_ffn: CudaSlice<u32>,
+}
+
+/// The device buffers of an FFN rank's device rounds.
+#[derive(Debug)]
+struct FfnBufs {
+    scale: CudaSlice<f32>,
+    y: CudaSlice<bf16>,
+    snapshot: Option<CudaSlice<u8>>,
+}
+
+/// A rank's device-round state.
+#[derive(Debug)]
+pub(super) struct DeviceRound {
+    id: u64,
+    keep_received: bool,
+    src: Option<SourceBufs>,
+    ffn: Option<FfnBufs>,
+}
+
+/// A dispatch + combine round of one rank captured in a CUDA graph ([`FusedEngine::capture`]);
+/// replay it with [`FusedEngine::replay`].
+pub struct FusedGraph {
+    graph: CudaGraph,
+    arm: DispatchArmOf,
+    engine: u64,
+}
+
+type DispatchArmOf = super::DispatchArm;
+
+impl std::fmt::Debug for FusedGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FusedGraph")
+            .field("arm", &self.arm)
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
+impl FusedGraph {
+    /// The arm the graph runs.
+    pub fn arm(&self) -> super::DispatchArm {
+        self.arm
+    }
+
+    /// Kernel, copy and other nodes of the captured graph, by the driver's node type.
+    pub fn node_types(&self) -> Result<Vec<u32>, ExchangeError> {
+        let g = self.graph.cu_graph();
+        let mut n = 0usize;
+        // SAFETY: g is the live graph this object owns; a null array asks for the count.
+        unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) }
+            .result()
+            .map_err(KernelError::driver("counting graph nodes"))?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` holds n entries, the count the driver gave for this graph.
+        unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .map_err(KernelError::driver("listing graph nodes"))?;
+        let mut out = Vec::with_capacity(n);
+        for node in nodes.into_iter().take(n) {
+            let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: node is a node of the live graph.
+            unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .map_err(KernelError::driver("reading a graph node's type"))?;
+            out.push(t as u32);
+        }
+        Ok(out)
+    }
+}
+
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn bind(gpu: &GpuContext) -> Result<(), ExchangeError> {
+    gpu.cuda()
+        .bind_to_thread()
+        .map_err(KernelError::driver("binding the context"))?;
+    Ok(())
+}
+
+impl FusedEngine {
+    /// Allocates this rank's device-round buffers (capacity-sized: inputs and output of a
+    /// source; expert scales, outputs and the optional snapshot of an FFN rank). Once per
+    /// engine (graphs keep the buffers' addresses); every rank of the group calls it before
+    /// its first device round.
+    pub fn prepare_device(&mut self, opts: DeviceRoundOptions) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        if self.device.is_some() {
+            return Err(ExchangeError::Input {
+                rank,
+                what: "device rounds are prepared already".into(),
+            });
+        }
+        let cfg = self.cfg.clone();
+        let p = cfg.placement();
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let DeviceExperts::Scale(scales) = &opts.experts;
+        if scales.len() < p.owned() {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "{} expert scales for {} owned experts",
+                    scales.len(),
+                    p.owned()
+                ),
+            });
+        }
+        let src = match cfg.topology.attention_index(rank) {
+            Some(_) => Some(SourceBufs {
+                x: zeros(&self.gpu, (cap * h).max(1))?,
+                idx: zeros(&self.gpu, (cap * k).max(1))?,
+                w: zeros(&self.gpu, (cap * k).max(1))?,
+                out: zeros(&self.gpu, (cap * h).max(1))?,
+                slot_row: zeros(&self.gpu, (cap * k).max(1))?,
+                slot_ffn: zeros(&self.gpu, (cap * k).max(1))?,
+            }),
+            None => None,
+        };
+        let ffn = match cfg.topology.ffn_index(rank) {
+            Some(f) => {
+                let local = &scales[p.experts_of(f)];
+                let snap = self.geo.slab.row_bytes
+                    * u64::from(self.geo.slab.cap)
+                    * cfg.topology.attention_count() as u64;
+                Some(FfnBufs {
+                    scale: upload(&self.gpu, local)?,
+                    y: zeros(&self.gpu, (self.geo.cf.exp_rows as usize * h).max(1))?,
+                    snapshot: if opts.keep_received {
+                        Some(zeros(&self.gpu, (snap as usize).max(1))?)
+                    } else {
+                        None
+                    },
+                })
+            }
+            None => None,
+        };
+        self.gpu.synchronize()?;
+        self.device = Some(DeviceRound {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            keep_received: opts.keep_received,
+            src,
+            ffn,
+        });
+        Ok(())
+    }
+
+    /// Whether outputs are poisoned before every device round (default on): unwritten rows then
+    /// read as NaN. Latency runs turn it off.
+    pub fn set_poison(&mut self, on: bool) {
+        self.poison = on;
+    }
+
+    /// Runs one device round eagerly (the launches a graph captures, [module docs](self)).
+    /// Attention ranks pass `Some(input)`; every rank of the group passes the same `arm`.
+    /// Collective.
+    pub fn device_round(
+        &mut self,
+        arm: super::DispatchArm,
+        input: Option<&SourceInput>,
+    ) -> Result<RoundOutput, ExchangeError> {
+        self.guarded(|eng| {
+            let t0 = Instant::now();
+            let local = eng.load_input(arm, input)?;
+            eng.launch_device_round(arm)?;
+            eng.finish_device_round(arm, input, local, t0)
+        })
+    }
+
+    /// Captures one device round of `arm` into a CUDA graph on this rank's stream ([module
+    /// docs](self)). Collective (barriers before and after); no round may be in flight.
+    pub fn capture(&mut self, arm: super::DispatchArm) -> Result<FusedGraph, ExchangeError> {
+        let rank = self.rank();
+        if let Some(why) = &self.closed {
+            return Err(ExchangeError::Closed {
+                rank,
+                why: why.clone(),
+            });
+        }
+        self.check_device(arm)?;
+        self.transport.barrier()?;
+        bind(&self.gpu)?;
+        let s = self.gpu.stream().clone();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(KernelError::driver("beginning a graph capture"))?;
+        let launched = self.launch_device_round(arm);
+        let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = ended
+            .map_err(KernelError::driver("ending the graph capture"))?
+            .ok_or_else(|| ExchangeError::Input {
+                rank,
+                what: "the captured round is empty".into(),
+            })?;
+        graph
+            .upload()
+            .map_err(KernelError::driver("uploading the graph"))?;
+        self.gpu.synchronize()?;
+        self.transport.barrier()?;
+        let engine = self.device.as_ref().map_or(0, |d| d.id);
+        Ok(FusedGraph { graph, arm, engine })
+    }
+
+    /// Replays a captured round with new input: copies `input` (rows, routes, token count) into
+    /// the fixed device buffers, poisons the outputs, launches the graph, reads the results.
+    /// Collective, like a round.
+    pub fn replay(
+        &mut self,
+        graph: &FusedGraph,
+        input: Option<&SourceInput>,
+    ) -> Result<RoundOutput, ExchangeError> {
+        let rank = self.rank();
+        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
+            return Err(ExchangeError::Input {
+                rank,
+                what: "the graph was captured by another engine".into(),
+            });
+        }
+        self.guarded(|eng| {
+            let t0 = Instant::now();
+            let local = eng.load_input(graph.arm, input)?;
+            bind(&eng.gpu)?;
+            graph
+                .graph
+                .launch()
+                .map_err(KernelError::driver("launching the round's graph"))?;
+            eng.finish_device_round(graph.arm, input, local, t0)
+        })
+    }
+
+    /// Runs `f` unless the engine is closed; any error but a rejected route closes it.
+    fn guarded(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<RoundOutput, ExchangeError>,
+    ) -> Result<RoundOutput, ExchangeError> {
+        let rank = self.rank();
+        if let Some(why) = &self.closed {
+            return Err(ExchangeError::Closed {
+                rank,
+                why: why.clone(),
+            });
+        }
+        let r = f(self);
+        if let Err(e) = &r {
+            if !matches!(e, ExchangeError::Route { .. }) && self.closed.is_none() {
+                self.closed = Some(e.to_string());
+            }
+        }
+        r
+    }
+
+    fn check_device(&self, _arm: super::DispatchArm) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        if self.device.is_none() {
+            return Err(ExchangeError::Input {
+                rank,
+                what: "device rounds need FusedEngine::prepare_device first".into(),
+            });
+        }
+        if self.cfg.payload != PayloadKind::Bf16 {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!(
+                    "device rounds carry bf16 payloads only, the configuration has {}",
+                    self.cfg.payload
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies a source's input into the device buffers and its token count into the control
+    /// block, and poisons the outputs. A source whose input does not fit its shape gets its
+    /// error back after the round (`Some`), and its token count is set above the capacity, so
+    /// that every rank rejects the round (over capacity) instead of waiting for it.
+    fn load_input(
+        &mut self,
+        arm: super::DispatchArm,
+        input: Option<&SourceInput>,
+    ) -> Result<Option<ExchangeError>, ExchangeError> {
+        self.check_device(arm)?;
+        let rank = self.rank();
+        let cfg = &self.cfg;
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let is_src = cfg.topology.attention_index(rank).is_some();
+        let mut local = None;
+        let tokens: u32 = match (is_src, input) {
+            (true, Some(inp)) => {
+                let t = inp.routes.tokens;
+                let shaped = inp.routes.top_k == k
+                    && inp.routes.idx.len() == t * k
+                    && inp.routes.weights.len() == t * k
+                    && inp.x.len() == t * h;
+                if !shaped {
+                    local = Some(ExchangeError::Input {
+                        rank,
+                        what: format!(
+                            "input of {t} tokens: {} rows values, {} ids, {} weights, top-k {} \
+                             (hidden {h}, top-k {k})",
+                            inp.x.len(),
+                            inp.routes.idx.len(),
+                            inp.routes.weights.len(),
+                            inp.routes.top_k
+                        ),
+                    });
+                    u32::MAX
+                } else {
+                    // rows beyond the capacity are not copied (the round is rejected anyway)
+                    let n = t.min(cap);
+                    let d = self.device.as_mut().expect("checked");
+                    let s = d.src.as_mut().expect("a source has source buffers");
+                    let stream = self.gpu.stream();
+                    if n > 0 {
+                        stream
+                            .memcpy_htod(&inp.x[..n * h], &mut s.x)
+                            .map_err(KernelError::driver("copying the rows"))?;
+                        stream
+                            .memcpy_htod(&inp.routes.idx[..n * k], &mut s.idx)
+                            .map_err(KernelError::driver("copying the routes"))?;
+                        stream
+                            .memcpy_htod(&inp.routes.weights[..n * k], &mut s.w)
+                            .map_err(KernelError::driver("copying the weights"))?;
+                    }
+                    u32::try_from(t).unwrap_or(u32::MAX)
+                }
+            }
+            (true, None) => {
+                local = Some(ExchangeError::Input {
+                    rank,
+                    what: "an attention rank was given no input".into(),
+                });
+                u32::MAX
+            }
+            (false, Some(_)) => {
+                local = Some(ExchangeError::Input {
+                    rank,
+                    what: "an FFN-only rank was given input".into(),
+                });
+                0
+            }
+            (false, None) => 0,
+        };
+        let word = [tokens];
+        bind(&self.gpu)?;
+        // SAFETY: the control block's token word lies in this rank's workspace (the geometry
+        // fits it, checked at set-up); `word` outlives the copy, which is waited for below
+        // (the synchronisation also makes the pageable copies above complete).
+        unsafe {
+            cures::memcpy_htod_async(
+                self.ws + CONTROL + 4 * CTL_TOKENS as u64,
+                &word,
+                self.gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(KernelError::driver("writing the token count"))?;
+        if self.poison {
+            let d = self.device.as_mut().expect("checked");
+            if let Some(s) = d.src.as_mut() {
+                poison(&self.gpu, &mut s.out)?;
+            }
+            if let Some(f) = d.ffn.as_mut() {
+                poison(&self.gpu, &mut f.y)?;
+                if let Some(snap) = f.snapshot.as_mut() {
+                    poison(&self.gpu, snap)?;
+                }
+            }
+            if cfg.topology.ffn_index(rank).is_some() {
+                let a = self.geo.cf;
+                self.poison_ws(a.expanded, a.exp_rows * 2 * h as u64)?;
+                if arm == super::DispatchArm::CountFirstSource {
+                    // the source arm's slab rows hold metadata only, stored after this rank's
+                    // offsets of the round, so poisoning them here races with nothing
+                    let slab = self.geo.slab;
+                    let first = cfg.topology.attention_ranks().start as u64;
+                    let n = cfg.topology.attention_count() as u64;
+                    let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
+                    self.poison_ws(off, n * u64::from(slab.cap) * slab.row_bytes)?;
+                }
+            }
+        }
+        self.gpu.synchronize()?;
+        Ok(local)
+    }
+
+    /// The launches of one device round on this rank's stream ([module docs](self)): no host
+    /// value that changes from round to round, no allocation, no synchronisation.
+    fn launch_device_round(&mut self, arm: super::DispatchArm) -> Result<(), ExchangeError> {
+        use super::DispatchArm as A;
+        let rank = self.rank();
+        let cfg = &self.cfg;
+        let topo = cfg.topology;
+        let p = cfg.placement();
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
+        let world = topo.world_size();
+        let knobs = cfg.knobs;
+        let timeout_ns = self.transport.timeout().as_nanos().min(u64::MAX as u128) as u64;
+        let (ws, peers) = (self.ws, self.peers);
+        let ctl = ws + CONTROL;
+        let err = ws + ERROR_WORD;
+        let a = self.geo.cf;
+        let slab = self.geo.slab;
+        let src_index = topo.attention_index(rank);
+        let ffn_index = topo.ffn_index(rank);
+        let d = self.device.as_mut().expect("checked by the caller");
+        let gpu = &self.gpu;
+        let rc = RoundControl {
+            ws,
+            ctl_off: CONTROL,
+            status_off: self.geo.status,
+        };
+        let rules = DeviceRules {
+            experts: cfg.experts as u64,
+            owned: p.owned() as u64,
+            capacity: cap as u64,
+        };
+
+        // 1. round, validation, verdict (every rank)
+        let source = match (src_index, d.src.as_ref()) {
+            (Some(s), Some(b)) => Some((s, &b.idx, &b.w)),
+            _ => None,
+        };
+        fr::begin(
+            gpu, &rc, peers, world, rank, source, &rules, k, timeout_ns, err,
+        )?;
+
+        // 2. source: counts on the device, published
+        let scratch = self.cf_scratch.as_ref();
+        let cf_src = match (d.src.as_ref(), scratch) {
+            (Some(b), Some(sc)) => Some(CfSource {
+                tokens: cap,
+                idx: &b.idx,
+                weight: &b.w,
+                slot_pos: &sc.slot_pos,
+                tok_row: &sc.tok_row,
+                counts: &sc.counts,
+            }),
+            _ => None,
+        };
+        if let Some(src) = &cf_src {
+            cf::counts(gpu, src, ctl, k, nf, epr, knobs.transport_sms)?;
+            cf::publish_counts(
+                gpu,
+                src.counts,
+                peers,
+                &self.ffn_ranks,
+                nf,
+                epr,
+                &a,
+                rank,
+                ctl,
+            )?;
+        }
+        // 3. FFN (count-first): plan and offsets before the rows
+        if ffn_index.is_some() && arm != A::PayloadFirst {
+            cf::plan(
+                gpu,
+                ws,
+                peers,
+                &self.src_ranks,
+                ns,
+                epr,
+                &a,
+                rank,
+                ctl,
+                timeout_ns,
+                err,
+            )?;
+        }
+        // 4. source: the rows
+        if let (Some(src), Some(b)) = (&cf_src, d.src.as_ref()) {
+            let mode = match arm {
+                A::CountFirstSource => CfMode::Source,
+                A::CountFirst => CfMode::Stream {
+                    gate: knobs.payload_gate,
+                },
+                A::PayloadFirst => CfMode::Stream { gate: false },
+            };
+            cf::dispatch(
+                gpu,
+                &b.x,
+                src,
+                k,
+                &self.ffn_ranks,
+                nf,
+                epr,
+                peers,
+                ws,
+                &slab,
+                &a,
+                rank,
+                mode,
+                ctl,
+                timeout_ns,
+                err,
+                knobs.transport_sms,
+            )?;
+            if arm != A::CountFirst {
+                fk::signal(gpu, peers, &self.ffn_ranks, nf, DISPATCH_FLAGS, rank, ctl)?;
+            }
+        }
+        // 5. FFN: the epilogue
+        if ffn_index.is_some() {
+            match arm {
+                A::PayloadFirst => {
+                    cf::wait(
+                        gpu,
+                        ws,
+                        &self.src_ranks,
+                        ns,
+                        DISPATCH_FLAGS,
+                        ctl,
+                        timeout_ns,
+                        err,
+                        fk::fault::DISPATCH_WAIT,
+                    )?;
+                    cf::plan(
+                        gpu,
+                        ws,
+                        peers,
+                        &self.src_ranks,
+                        ns,
+                        epr,
+                        &a,
+                        rank,
+                        ctl,
+                        timeout_ns,
+                        err,
+                    )?;
+                }
+                A::CountFirstSource => cf::wait(
+                    gpu,
+                    ws,
+                    &self.src_ranks,
+                    ns,
+                    DISPATCH_FLAGS,
+                    ctl,
+                    timeout_ns,
+                    err,
+                    cf::fault::SOURCE_WAIT,
+                )?,
+                A::CountFirst => {}
+            }
+            if arm != A::CountFirstSource {
+                cf::stream_epilogue(
+                    gpu,
+                    ws,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    k,
+                    &slab,
+                    &a,
+                    knobs.warps_per_unit,
+                    knobs.min_rows_per_unit,
+                    ctl,
+                    timeout_ns,
+                    err,
+                    knobs.epilogue_sm_cap,
+                )?;
+            }
+        }
+        // 6. FFN: snapshot, experts, return stores, combine flags
+        if let Some(fb) = d.ffn.as_mut() {
+            if let Some(snap) = fb.snapshot.as_mut() {
+                let first = topo.attention_ranks().start as u64;
+                let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
+                let bytes = ns * slab.cap as usize * slab.row_bytes as usize;
+                if bytes > 0 {
+                    let (dst, _rec) = afdep_kernels::cudarc::driver::DevicePtrMut::device_ptr_mut(
+                        snap,
+                        gpu.stream(),
+                    );
+                    // SAFETY: [ws + off, + bytes) is the sources' slabs in this rank's workspace
+                    // (the geometry fits it, checked at set-up) and the snapshot holds `bytes`
+                    // (allocated for them); the copy is ordered on this rank's stream.
+                    unsafe {
+                        cures::memcpy_dtod_async(dst, ws + off, bytes, gpu.stream().cu_stream())
+                    }
+                    .map_err(KernelError::driver("copying the slabs"))?;
+                }
+            }
+            let pv = PlanView {
+                ws,
+                plan_off: a.plan,
+                epr,
+                sources: ns,
+                exp_off: a.expanded,
+                exp_rows: a.exp_rows,
+                hidden: h,
+            };
+            fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?;
+            fr::return_store(
+                gpu,
+                &pv,
+                ctl,
+                peers,
+                &self.src_ranks,
+                &fb.y,
+                self.geo.ret_off,
+                rank,
+                self.geo.ret_cap,
+                knobs.transport_sms,
+            )?;
+            fk::signal(gpu, peers, &self.src_ranks, ns, COMBINE_FLAGS, rank, ctl)?;
+        }
+        // 7. source: slots, combine
+        if let (Some(b), Some(sc)) = (d.src.as_mut(), scratch) {
+            fr::slots(
+                gpu,
+                ctl,
+                &b.idx,
+                &sc.slot_pos,
+                &sc.counts,
+                &self.ffn_ranks,
+                nf,
+                epr,
+                cap,
+                k,
+                self.geo.ret_cap,
+                &mut b.slot_row,
+                &mut b.slot_ffn,
+            )?;
+            fk::combine(
+                gpu,
+                ws,
+                &self.ffn_ranks,
+                nf,
+                COMBINE_FLAGS,
+                self.geo.ret_off,
+                &fk::CombineSlots {
+                    row: &b.slot_row,
+                    ffn: &b.slot_ffn,
+                    weight: &b.w,
+                    tokens: cap,
+                },
+                k,
+                h,
+                ctl,
+                timeout_ns,
+                err,
+                &mut b.out,
+                knobs.transport_sms,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// After a device round's launches: waits, checks faults and the verdict, reads the results.
+    fn finish_device_round(
+        &mut self,
+        arm: super::DispatchArm,
+        input: Option<&SourceInput>,
+        local: Option<ExchangeError>,
+        t0: Instant,
+    ) -> Result<RoundOutput, ExchangeError> {
+        let rank = self.rank();
+        self.round += 1;
+        self.last_arm = arm;
+        self.check_fault()?;
+        let ctl: Vec<u32> = bytemuck::pod_collect_to_vec(&self.read_ws(CONTROL, 4 * CTL_WORDS)?);
+        if let Some(e) = local {
+            return Err(e);
+        }
+        match ctl[CTL_VERDICT] {
+            fr::verdict::GO => {}
+            fr::verdict::REJECTED => {
+                let word: [u32; afdep_core::error::ROUTE_ERROR_WORDS] = ctl
+                    [CTL_ROUTE..CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS]
+                    .try_into()
+                    .expect("sized");
+                let error = RouteError::from_word(word).unwrap_or(RouteError::Malformed {
+                    rank: word[1] as usize,
+                    what: format!("unknown error class {}", word[0]),
+                });
+                return Err(ExchangeError::Route {
+                    reporter: rank,
+                    error,
+                });
+            }
+            v => {
+                return Err(ExchangeError::Input {
+                    rank,
+                    what: format!("device round verdict {v} without a recorded fault"),
+                });
+            }
+        }
+        let cfg = self.cfg.clone();
+        let d = self.device.as_ref().expect("checked");
+        let combined = match (d.src.as_ref(), input) {
+            (Some(b), Some(inp)) => {
+                let n = inp.routes.tokens * cfg.hidden;
+                let mut all: Vec<bf16> = download(&self.gpu, &b.out)?;
+                all.truncate(n);
+                Some(all)
+            }
+            _ => None,
+        };
+        let received = match (
+            cfg.topology.ffn_index(rank),
+            d.keep_received,
+            d.ffn.as_ref(),
+        ) {
+            (Some(f), true, Some(fb)) => {
+                let snap: Vec<u8> = match &fb.snapshot {
+                    Some(s) => download(&self.gpu, s)?,
+                    None => Vec::new(),
+                };
+                let slab = self.geo.slab;
+                let first = cfg.topology.attention_ranks().start;
+                let rb = slab.row_bytes as usize;
+                let read_slab = |r: usize, n: usize| -> Result<Vec<u8>, ExchangeError> {
+                    let at = (r - first) * slab.cap as usize * rb;
+                    Ok(snap[at..at + n * rb].to_vec())
+                };
+                Some(self.read_received(f, arm, &read_slab)?)
+            }
+            _ => None,
+        };
+        let times = PhaseTimes {
+            dispatch: t0.elapsed(),
+            ..PhaseTimes::default()
+        };
+        Ok(RoundOutput {
+            combined,
+            received,
+            times,
+        })
+    }
+}
