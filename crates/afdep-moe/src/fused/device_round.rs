@@ -146,6 +146,11 @@ pub struct FusedGraph {
 
 type DispatchArmOf = super::DispatchArm;
 
+// SAFETY: the graph and its executable are driver handles that any thread may use with the
+// context bound (replay binds it); the driver does not allow concurrent use of one executable,
+// which `FusedGraph` being `Send` but not `Sync` rules out (one thread at a time owns it).
+unsafe impl Send for FusedGraph {}
+
 impl std::fmt::Debug for FusedGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FusedGraph")

@@ -1,0 +1,417 @@
+//! Device rounds of the fused engine over NvlinkIpc in-process ranks on one GPU: no host work
+//! between the kernels (device validation and verdict, device counts and plan, device expert,
+//! device-side return and slot lists), eager and captured in a CUDA graph.
+//!
+//! Every rank prepares its device buffers (capacity-sized), captures one graph per arm
+//! (payload-first, count-first streaming, the source arm), then runs every round in every
+//! mode (eager and graph replay of each arm), outputs poisoned before each run. Each run must
+//! be bit-identical to the oracle (combine, expanded layout, compact view, the device's plan;
+//! the oracle's expert is the device expert's host twin) and to every other mode; the rounds
+//! change routing and token counts from replay to replay (uneven ranks, a zero-token rank, no
+//! token anywhere, a rank at capacity, a hot expert, masked slots). The four rejected route
+//! classes (dummy, duplicate, negative, wide) and over-capacity, in graph replays and eager
+//! device rounds: the typed route error on every rank, and the next replay correct. Ratios
+//! 3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, EP2, EP1.
+//!
+//! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
+//! missing GPU fails.
+
+mod exchange_common;
+
+use std::time::{Duration, Instant};
+
+use afdep_core::ExchangeConfig;
+use afdep_core::oracle::exchange::SourceInput;
+use afdep_core::route::{RouteRules, validate};
+use afdep_moe::{
+    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
+};
+use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use exchange_common::*;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// One test at a time (waiting kernels of several groups must not share the GPU).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
+    let opts = NvlinkOptions {
+        staging_bytes: 16 << 20,
+        workspace_bytes: FusedEngine::workspace_bytes(cfg),
+        timeout: TIMEOUT,
+    };
+    match NvlinkIpc::group_on_device(n, 0, opts) {
+        Ok(g) => Some(g),
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
+            }
+            println!("SKIP: {why}");
+            None
+        }
+        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
+    }
+}
+
+/// How one run of a round goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Eager(DispatchArm),
+    Graph(DispatchArm),
+}
+
+const ARMS: [DispatchArm; 3] = [
+    DispatchArm::PayloadFirst,
+    DispatchArm::CountFirst,
+    DispatchArm::CountFirstSource,
+];
+
+fn all_modes() -> Vec<Mode> {
+    ARMS.iter()
+        .flat_map(|&a| [Mode::Eager(a), Mode::Graph(a)])
+        .collect()
+}
+
+/// Runs every round in every mode on one group (each rank captures one graph per arm first).
+/// Returns `[round][mode][rank]`, and each rank's graphs' node types.
+fn run_modes(
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    modes: &[Mode],
+) -> Option<(Vec<Vec<Vec<RankResult>>>, Vec<Vec<Vec<u32>>>)> {
+    let world = c.topology.world_size();
+    let g = nvlink(world, c)?;
+    let opts = DeviceRoundOptions {
+        experts: DeviceExperts::index_scale(c.experts),
+        keep_received: true,
+    };
+    // engines and graphs are dropped after every rank's thread is done
+    let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
+    let per_rank: Vec<(Vec<Vec<RankResult>>, Vec<Vec<u32>>)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = g
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let cfg = c.clone();
+                let opts = opts.clone();
+                sc.spawn(move || {
+                    let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
+                    eng.prepare_device(opts).expect("device buffers");
+                    let graphs: Vec<FusedGraph> = ARMS
+                        .iter()
+                        .map(|&a| eng.capture(a).expect("capture"))
+                        .collect();
+                    let nodes: Vec<Vec<u32>> =
+                        graphs.iter().map(|g| g.node_types().unwrap()).collect();
+                    let mut out = Vec::new();
+                    for inp in rounds {
+                        let mine = cfg.topology.attention_index(rank).map(|s| &inp[s]);
+                        let per_mode: Vec<RankResult> = modes
+                            .iter()
+                            .map(|m| match *m {
+                                Mode::Eager(a) => eng.device_round(a, mine),
+                                Mode::Graph(a) => {
+                                    let i = ARMS.iter().position(|&x| x == a).unwrap();
+                                    eng.replay(&graphs[i], mine)
+                                }
+                            })
+                            .collect();
+                        out.push(per_mode);
+                    }
+                    (out, nodes, eng, graphs)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let (out, nodes, eng, graphs) = h.join().expect("rank thread panicked");
+                keep.push((eng, graphs));
+                (out, nodes)
+            })
+            .collect()
+    });
+    // graphs before their engines' buffers
+    for (eng, graphs) in keep {
+        drop(graphs);
+        drop(eng);
+    }
+    let nodes = per_rank.iter().map(|(_, n)| n.clone()).collect();
+    let mut out: Vec<Vec<Vec<RankResult>>> = (0..rounds.len())
+        .map(|_| (0..modes.len()).map(|_| Vec::new()).collect())
+        .collect();
+    for (results, _) in per_rank {
+        for (i, per_mode) in results.into_iter().enumerate() {
+            for (m, r) in per_mode.into_iter().enumerate() {
+                out[i][m].push(r);
+            }
+        }
+    }
+    Some((out, nodes))
+}
+
+/// Every run against the oracle (the device expert's host twin is `expert_of(None)`: x × (e
+/// + 1)) and against the first mode, bit for bit.
+fn check_modes(
+    what: &str,
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    got: &[Vec<Vec<RankResult>>],
+    modes: &[Mode],
+) {
+    for (i, (inp, per_mode)) in rounds.iter().zip(got).enumerate() {
+        for (m, g) in modes.iter().zip(per_mode) {
+            for (rank, r) in g.iter().enumerate() {
+                if let Err(e) = r {
+                    panic!("{what} round {i} {m:?} rank {rank}: {e}");
+                }
+            }
+            check_round(c, inp, g, None);
+        }
+        let first = &per_mode[0];
+        for (m, g) in modes.iter().zip(per_mode).skip(1) {
+            for (rank, (a, b)) in g.iter().zip(first).enumerate() {
+                let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                assert!(
+                    a.combined == b.combined && a.received == b.received,
+                    "{what} round {i} rank {rank}: {m:?} != {:?}",
+                    modes[0]
+                );
+            }
+        }
+    }
+}
+
+fn node_check(what: &str, nodes: &[Vec<Vec<u32>>]) {
+    use afdep_kernels::cudarc::driver::sys::CUgraphNodeType as T;
+    let ok = [
+        T::CU_GRAPH_NODE_TYPE_KERNEL as u32,
+        T::CU_GRAPH_NODE_TYPE_MEMCPY as u32,
+    ];
+    for (rank, per_arm) in nodes.iter().enumerate() {
+        for (a, n) in ARMS.iter().zip(per_arm) {
+            assert!(
+                n.iter().all(|t| ok.contains(t)),
+                "{what} rank {rank} {a}: the graph holds nodes other than kernels and copies: {n:?}"
+            );
+            assert!(
+                n.iter().filter(|&&t| t == ok[0]).count() >= 3,
+                "{what} rank {rank} {a}: too few kernel nodes: {n:?}"
+            );
+        }
+    }
+}
+
+/// Rounds with new routing and token counts each time: the every-ratio rounds (uneven with a
+/// hot expert, one token each, none anywhere, uneven with a zero-token rank) and a round with
+/// one rank at capacity.
+fn replay_rounds(c: &ExchangeConfig) -> Vec<Vec<SourceInput>> {
+    let a = c.topology.attention_count();
+    let cap = c.capacity;
+    let mut r = every_ratio_rounds(c);
+    r.push(sources(c, &[cap, 3, 0, cap - 1][..a], Some(2), 41));
+    r.push(sources(c, &[0, cap, 17, 1][..a], None, 42));
+    r
+}
+
+#[test]
+fn graph_replays_match_the_oracle_and_eager_rounds_for_every_ratio_and_arm() {
+    let _serial = serial();
+    let modes = all_modes();
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4", "2A:1F", "EP2", "EP1"] {
+        let t0 = Instant::now();
+        let mut c = cfg(topo, 40, 12, 3);
+        c.capacity = 48;
+        c.validate().unwrap();
+        let rounds = replay_rounds(&c);
+        let Some((got, nodes)) = run_modes(&c, &rounds, &modes) else {
+            return;
+        };
+        node_check(topo, &nodes);
+        check_modes(topo, &c, &rounds, &got, &modes);
+        println!("{topo}: {:.2} s", t0.elapsed().as_secs_f64());
+    }
+}
+
+/// Hidden 2048 and 7168 with capacity 256 (rounds at capacity), odd SM budgets and knobs.
+#[test]
+fn graph_replays_at_large_hidden_with_knobs() {
+    let _serial = serial();
+    let modes = all_modes();
+    for (topo, hidden, k, sms, gate) in [
+        ("3A:1F", 2048, 6, 7, true),
+        ("1A:3F", 2048, 8, 23, false),
+        ("EP4", 7168, 4, 24, true),
+        ("2A:2F", 7168, 4, 7, false),
+    ] {
+        let t0 = Instant::now();
+        let mut c = cfg(topo, hidden, 24, k);
+        c.capacity = 256;
+        c.knobs.transport_sms = sms;
+        c.knobs.payload_gate = gate;
+        c.knobs.warps_per_unit = 3;
+        c.knobs.min_rows_per_unit = 5;
+        c.validate().unwrap();
+        let a = c.topology.attention_count();
+        let rounds = vec![
+            sources(&c, &[250, 0, 131, 9][..a], Some(7), 61),
+            sources(&c, &[256, 256, 0, 64][..a], Some(2), 62),
+            sources(&c, &[1, 0, 256, 3][..a], None, 63),
+        ];
+        let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
+            return;
+        };
+        check_modes(
+            &format!("{topo} hidden {hidden}"),
+            &c,
+            &rounds,
+            &got,
+            &modes,
+        );
+        println!(
+            "{topo} hidden {hidden}: {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Unmasked routes (every slot a distinct expert, none masked) so that a corruption lands where
+/// the expected error says.
+fn fixed_sources(c: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
+    let mut s = sources(c, tokens, None, seed);
+    let owned = c.placement().owned();
+    for (i, inp) in s.iter_mut().enumerate() {
+        let k = c.top_k;
+        for t in 0..inp.routes.tokens {
+            for j in 0..k {
+                inp.routes.idx[t * k + j] = ((t + i + j * 3) % owned) as i32;
+            }
+        }
+    }
+    s
+}
+
+#[test]
+fn rejected_routes_fail_every_rank_in_graph_and_eager_rounds_and_the_next_round_works() {
+    let _serial = serial();
+    type Corrupt = fn(&mut Vec<SourceInput>);
+    // 3A:1F, 12 experts, 10 placed (ids 10 and 11 are dummies)
+    let mut c = cfg("3A:1F", 24, 12, 3);
+    c.capacity = 16;
+    c.experts_per_rank = 10;
+    c.validate().unwrap();
+    let cases: [(&str, Corrupt, u32); 5] = [
+        (
+            "dummy",
+            |s| s[1].routes.idx[2 * 3 + 1] = 11,
+            afdep_core::error::route_class::DUMMY,
+        ),
+        (
+            "duplicate",
+            |s| s[2].routes.idx[3 * 3 + 2] = s[2].routes.idx[3 * 3],
+            afdep_core::error::route_class::DUPLICATE,
+        ),
+        (
+            "negative",
+            |s| s[0].routes.idx[4] = -5,
+            afdep_core::error::route_class::NEGATIVE,
+        ),
+        (
+            "wide",
+            |s| {
+                s[1].routes.idx[0] = 12;
+                s[2].routes.idx[5] = 400; // a later rank's error is not the one reported
+            },
+            afdep_core::error::route_class::WIDE,
+        ),
+        (
+            "over capacity",
+            |s| {
+                let c = {
+                    let mut c = cfg("3A:1F", 24, 12, 3);
+                    c.experts_per_rank = 10;
+                    c
+                };
+                s[2] = fixed_sources(&c, &[0, 0, 17], 9).remove(2);
+            },
+            afdep_core::error::route_class::OVER_CAPACITY,
+        ),
+    ];
+    let modes = [
+        Mode::Graph(DispatchArm::PayloadFirst),
+        Mode::Graph(DispatchArm::CountFirst),
+        Mode::Graph(DispatchArm::CountFirstSource),
+        Mode::Eager(DispatchArm::PayloadFirst),
+        Mode::Eager(DispatchArm::CountFirstSource),
+    ];
+    let mut rounds = Vec::new();
+    let mut want = Vec::new();
+    for (i, (what, corrupt, class)) in cases.iter().enumerate() {
+        let mut bad = fixed_sources(&c, &[5, 9, 7], 70 + i as u64);
+        corrupt(&mut bad);
+        // the lowest rejecting rank's error, as the host-planned engines report it
+        let err = bad
+            .iter()
+            .enumerate()
+            .find_map(|(s, inp)| validate(&inp.routes, &RouteRules::exchange(&c), s).err())
+            .unwrap_or_else(|| panic!("{what}: the corruption is not rejected"));
+        assert_eq!(err.to_word()[0], *class, "{what}: {err}");
+        rounds.push(bad);
+        want.push(Some(err));
+        rounds.push(sources(&c, &[3, 0, 16], Some(4), 80 + i as u64));
+        want.push(None);
+    }
+    let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
+        return;
+    };
+    for (i, ((inp, w), per_mode)) in rounds.iter().zip(&want).zip(&got).enumerate() {
+        for (m, g) in modes.iter().zip(per_mode) {
+            match w {
+                None => check_round(&c, inp, g, None),
+                Some(want) => {
+                    for (rank, r) in g.iter().enumerate() {
+                        match r {
+                            Err(ExchangeError::Route { reporter, error }) => {
+                                assert_eq!(*reporter, rank);
+                                assert_eq!(error, want, "round {i} {m:?} rank {rank}");
+                            }
+                            other => panic!(
+                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Repeated replays of the same seeds give identical outputs (hash of every run's bits).
+#[test]
+fn repeated_replays_are_identical() {
+    let _serial = serial();
+    let mut c = cfg("2A:2F", 64, 8, 2);
+    c.capacity = 40;
+    c.validate().unwrap();
+    let one = sources(&c, &[40, 13], Some(1), 90);
+    let rounds: Vec<Vec<SourceInput>> = (0..6).map(|_| one.clone()).collect();
+    let modes = [
+        Mode::Graph(DispatchArm::PayloadFirst),
+        Mode::Graph(DispatchArm::CountFirst),
+    ];
+    let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
+        return;
+    };
+    check_modes("2A:2F repeat", &c, &rounds, &got, &modes);
+    for per_mode in &got[1..] {
+        for (a, b) in per_mode.iter().zip(&got[0]) {
+            for (x, y) in a.iter().zip(b) {
+                let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                assert!(x.combined == y.combined && x.received == y.received);
+            }
+        }
+    }
+}
