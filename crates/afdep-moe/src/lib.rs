@@ -28,6 +28,6 @@ pub mod staged;
 pub mod timing;
 
 pub use error::ExchangeError;
-pub use fused::FusedEngine;
+pub use fused::{DevicePhaseTimes, FusedEngine};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};
