@@ -133,9 +133,10 @@ pub fn summarize(
     unsupported: &BTreeMap<ArmArg, String>,
 ) -> Vec<ArmSummary> {
     type Key = (String, Vec<usize>);
+    /// One child's time: (repeat, round_us, pid, timing).
+    type Sample = (usize, f64, u32, String);
     let mut keys: Vec<Key> = Vec::new();
-    // (key, arm) -> [(repeat, round_us, pid, timing)]
-    let mut by: BTreeMap<(Key, ArmArg), Vec<(usize, f64, u32, String)>> = BTreeMap::new();
+    let mut by: BTreeMap<(Key, ArmArg), Vec<Sample>> = BTreeMap::new();
     for r in runs {
         let key = (r.row.topology.clone(), r.row.tokens.clone());
         if !keys.contains(&key) {

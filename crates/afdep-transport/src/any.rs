@@ -314,10 +314,11 @@ pub enum AnyTransport {
     /// UCX with device buffers staged through host memory (features `ucx` and `cuda`).
     #[cfg(all(feature = "ucx", feature = "cuda"))]
     UcxDevice(crate::DeviceStaged<crate::Ucx>),
-    /// NVLink-IPC: device memory, peer stores (feature `nvlink`). The fused engine takes the
-    /// [`NvlinkIpc`](crate::NvlinkIpc) itself: [`AnyTransport::into_nvlink`].
+    /// NVLink-IPC: device memory, peer stores (feature `nvlink`; boxed, it is the largest). The
+    /// fused engine takes the [`NvlinkIpc`](crate::NvlinkIpc) itself:
+    /// [`AnyTransport::into_nvlink`].
     #[cfg(feature = "nvlink")]
-    Nvlink(crate::NvlinkIpc),
+    Nvlink(Box<crate::NvlinkIpc>),
 }
 
 /// The buffer of an [`AnyTransport`]: host memory, or (NCCL) device memory.
@@ -420,11 +421,9 @@ impl AnyTransport {
             TransportKind::NvlinkIpc => {
                 let devices = crate::nvlink::probe_driver()?;
                 let ordinal = options.device_of(kind, rank, boot.world_size(), devices)?;
-                Ok(AnyTransport::Nvlink(crate::NvlinkIpc::from_bootstrap(
-                    boot,
-                    ordinal,
-                    nvlink_options(options),
-                )?))
+                Ok(AnyTransport::Nvlink(Box::new(
+                    crate::NvlinkIpc::from_bootstrap(boot, ordinal, nvlink_options(options))?,
+                )))
             }
             TransportKind::Loopback => Err(TransportError::InvalidArgument {
                 op: "connect",
@@ -485,7 +484,7 @@ impl AnyTransport {
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok(crate::NvlinkIpc::group(&ordinals, nvlink_options(options))?
                     .into_iter()
-                    .map(AnyTransport::Nvlink)
+                    .map(|t| AnyTransport::Nvlink(Box::new(t)))
                     .collect())
             }
             other => Err(TransportError::InvalidArgument {
@@ -511,10 +510,9 @@ impl AnyTransport {
     /// The NvlinkIpc rank inside (what the fused engine takes), or `self` back for any other
     /// kind.
     #[cfg(feature = "nvlink")]
-    #[allow(clippy::result_large_err)]
     pub fn into_nvlink(self) -> Result<crate::NvlinkIpc, AnyTransport> {
         match self {
-            AnyTransport::Nvlink(t) => Ok(t),
+            AnyTransport::Nvlink(t) => Ok(*t),
             other => Err(other),
         }
     }
