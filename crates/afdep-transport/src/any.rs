@@ -507,13 +507,13 @@ impl AnyTransport {
         AnyTransport::group(config.kind(), world_size, &config.options())
     }
 
-    /// The NvlinkIpc rank inside (what the fused engine takes), or `self` back for any other
-    /// kind.
+    /// The NvlinkIpc rank inside (what the fused engine takes), or `self` back (boxed) for any
+    /// other kind.
     #[cfg(feature = "nvlink")]
-    pub fn into_nvlink(self) -> Result<crate::NvlinkIpc, AnyTransport> {
+    pub fn into_nvlink(self) -> Result<crate::NvlinkIpc, Box<AnyTransport>> {
         match self {
             AnyTransport::Nvlink(t) => Ok(*t),
-            other => Err(other),
+            other => Err(Box::new(other)),
         }
     }
 }
