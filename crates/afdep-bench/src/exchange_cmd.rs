@@ -160,10 +160,10 @@ impl EngineKind {
     }
 }
 
-/// Tells the fused engine which arm to run; only arms in [`EngineKind::arms`] reach it (the
-/// engine runs payload-first only today, so there is nothing to select yet).
-fn select_arm(eng: &mut FusedEngine, arm: ArmArg) -> Result<()> {
-    let _ = eng;
+/// Tells the fused engine which arm to run; only arms in [`EngineKind::arms`] reach it. The
+/// engine runs payload-first only today, so there is nothing to select yet; once it takes an
+/// arm (a `DispatchArm`), this passes `arm` on.
+fn select_arm(_eng: &mut FusedEngine, arm: ArmArg) -> Result<()> {
     match arm {
         ArmArg::PayloadFirst => Ok(()),
         other => bail!("select_arm: {other} is not in EngineKind::Fused.arms()"),
