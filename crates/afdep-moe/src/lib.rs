@@ -28,6 +28,6 @@ pub mod staged;
 pub mod timing;
 
 pub use error::ExchangeError;
-pub use fused::{DispatchArm, FusedEngine};
+pub use fused::{DevicePhaseTimes, DispatchArm, FusedEngine};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};
