@@ -7,7 +7,8 @@
 //! machine without Rust runs the whole matrix with `DIR/run.sh` and gets `summary.txt` /
 //! `summary.json` and one log per test binary (see docs/gpu.md). The bundle also carries the
 //! peer scripts (`DIR/peers/`, with `run_moe_comparison.sh`), `DIR/docs/perf/moe.md` (the
-//! document the comparison's report updates) and `DIR/commit.txt` (the commit it was built
+//! document the comparison's report updates), `DIR/docs/perf/exchange_gpu_run.sh` (the
+//! single-GPU exchange latency table) and `DIR/commit.txt` (the commit it was built
 //! from, `-dirty` when the work tree had changes).
 
 use std::io::BufRead;
@@ -212,6 +213,11 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     let perf = dir.join("docs").join("perf");
     std::fs::create_dir_all(&perf)?;
     std::fs::copy("docs/perf/moe.md", perf.join("moe.md")).context("copying docs/perf/moe.md")?;
+    std::fs::copy(
+        "docs/perf/exchange_gpu_run.sh",
+        perf.join("exchange_gpu_run.sh"),
+    )
+    .context("copying docs/perf/exchange_gpu_run.sh")?;
     std::fs::write(dir.join("commit.txt"), format!("{}\n", commit_name()))?;
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
@@ -221,6 +227,10 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
         std::fs::set_permissions(
             dir.join("peers").join("run_moe_comparison.sh"),
+            std::fs::Permissions::from_mode(0o755),
+        )?;
+        std::fs::set_permissions(
+            perf.join("exchange_gpu_run.sh"),
             std::fs::Permissions::from_mode(0o755),
         )?;
     }

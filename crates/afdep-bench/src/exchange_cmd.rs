@@ -1,14 +1,40 @@
 //! `afdep exchange`: AFD dispatch + experts + combine rounds.
 //!
-//! Two modes. By default every rank is a thread of this process (`--transport loopback`, or
-//! `tcp` / `ucx` / `nccl` with each thread joining a bootstrap over 127.0.0.1). With
-//! `--multi-process`, this process is one rank of a group started by `afdep launch -n N`
-//! (rank, world size and rendezvous address from the environment): every process builds the
-//! same seeded problem (or reads the same `--input`), runs its rank's part of every round,
-//! checks its own results against the oracle bit for bit, and rank 0 prints the rows (phase
-//! times of the slowest rank, status `ok` only when every rank matched).
+//! # Engines and transports
+//!
+//! - the **staged engine** (host-driven, `--backend cpu`, or `auto` with a transport other than
+//!   NVLink-IPC) over any transport: `--transport loopback|tcp|nvlink|nccl|ucx`;
+//! - the **fused engine** (GPU-initiated stores, `--backend cuda`, or `auto` with
+//!   `--transport nvlink`) over NVLink-IPC only. Its rows time each phase on the device (CUDA
+//!   events on every rank's stream, [`afdep_moe::DevicePhaseTimes`]).
+//!
+//! # Where the ranks run
+//!
+//! By default every rank is a thread of this process (`loopback`; `nvlink` as an in-process
+//! group, the ranks sharing one GPU or spread over several, see `--device` and
+//! `--one-gpu-per-rank`; `tcp` / `ucx` / `nccl` with each thread joining a bootstrap over
+//! 127.0.0.1). With `--multi-process`, this process is one rank of a group started by `afdep
+//! launch -n N` (rank, world size and rendezvous address from the environment; `nvlink` shares
+//! its buffers by CUDA IPC): every process builds the same seeded problem (or reads the same
+//! `--input`), runs its rank's part of every round, checks its own results against the oracle
+//! bit for bit, and rank 0 prints the rows (phase times of the slowest rank, status `ok` only
+//! when every rank matched).
+//!
+//! # Config file and arms
+//!
+//! `--config FILE` reads the exchange configuration and the transport from a TOML or JSON file
+//! ([`crate::exchange_config`]); flags given on the command line override it. `--arm` picks the
+//! dispatch arm of the engine; an arm the engine does not have is an [`Unsupported`] error
+//! (exit status [`EXIT_UNSUPPORTED`]), which `afdep exchange-arms` reports as an `unsupported`
+//! row.
+//!
+//! # Output
+//!
+//! One JSON row per token count on stdout ([`ExchangeRow`]), and a table of them on stderr at
+//! the end (`--table FILE` also writes it as markdown).
 
 use std::cell::Cell;
+use std::fmt;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,18 +48,19 @@ use afdep_core::oracle::layer;
 use afdep_core::oracle::params::random_tokens;
 use afdep_core::route::{Routes, route};
 use afdep_core::tensor::uniform_bf16;
-use afdep_core::{ExchangeConfig, LayerShape, Topology, bf16};
-use afdep_moe::{ExchangeError, RoundOutput, StagedEngine};
+use afdep_core::{ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind, Topology, bf16};
+use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, RoundOutput, StagedEngine};
 use afdep_transport::{
-    AnyTransport, Bootstrap, Loopback, RendezvousEnv, Transport, TransportError, TransportKind,
-    TransportOptions,
+    AnyTransport, Bootstrap, RendezvousEnv, Transport, TransportConfig, TransportError,
+    TransportKind, TransportOptions,
 };
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::Backend;
+use crate::exchange_config::{ExchangeFile, KnobsFile};
 use crate::tensor_file::TensorFile;
 
 /// Which transport moves the rows.
@@ -43,7 +70,8 @@ pub enum TransportArg {
     Loopback,
     /// TCP through the bootstrap (`HostTcp`), relayed by rank 0: always available.
     Tcp,
-    /// NVLink-IPC (CUDA IPC / peer access): not built yet, says so.
+    /// NVLink-IPC (CUDA IPC / peer access): ranks as threads sharing one GPU or on several,
+    /// or one process per rank with `--multi-process`; the fused engine's transport.
     #[value(alias = "nvlink-ipc")]
     Nvlink,
     /// NCCL grouped send/recv on device memory (cargo feature `nccl`, libnccl, one GPU per rank).
@@ -61,6 +89,123 @@ impl TransportArg {
             TransportArg::Nvlink => TransportKind::NvlinkIpc,
             TransportArg::Nccl => TransportKind::Nccl,
             TransportArg::Ucx => TransportKind::Ucx,
+        }
+    }
+}
+
+/// A dispatch arm of the exchange (brief section 4, the reference record's arms).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, ValueEnum, Serialize, Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArmArg {
+    /// Payload-first: rows into per-source slabs, then the copy epilogue (the record's `C`).
+    PayloadFirst,
+    /// Count-first with the streaming epilogue (the record's `CF`).
+    CountFirst,
+    /// Count-first, source arm: rows stored straight to their expanded positions (`CF_src`).
+    CountFirstSource,
+}
+
+impl ArmArg {
+    /// The text form (as on the command line).
+    pub fn name(self) -> &'static str {
+        match self {
+            ArmArg::PayloadFirst => "payload-first",
+            ArmArg::CountFirst => "count-first",
+            ArmArg::CountFirstSource => "count-first-source",
+        }
+    }
+}
+
+impl fmt::Display for ArmArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The exchange engine a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// [`StagedEngine`]: host-driven, any transport.
+    Staged,
+    /// [`FusedEngine`]: GPU-initiated stores over NVLink-IPC.
+    Fused,
+}
+
+impl EngineKind {
+    /// The name in rows and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Staged => "staged",
+            EngineKind::Fused => "fused",
+        }
+    }
+
+    /// The dispatch arms this engine runs today. The staged engine's one protocol is
+    /// payload-first (per-source slabs, then the copy epilogue on the FFN rank). When the fused
+    /// engine gains an arm, listing it here (and passing it on in [`select_arm`]) is the change.
+    pub fn arms(self) -> &'static [ArmArg] {
+        match self {
+            EngineKind::Staged => &[ArmArg::PayloadFirst],
+            EngineKind::Fused => &[
+                ArmArg::PayloadFirst,
+                ArmArg::CountFirst,
+                ArmArg::CountFirstSource,
+            ],
+        }
+    }
+
+    /// The payload formats this engine moves today.
+    pub fn payloads(self) -> &'static [PayloadKind] {
+        match self {
+            EngineKind::Staged | EngineKind::Fused => &[PayloadKind::Bf16],
+        }
+    }
+}
+
+/// Tells the fused engine which arm to run (every round, on every rank); only arms in
+/// [`EngineKind::arms`] reach it.
+fn select_arm(eng: &mut FusedEngine, arm: ArmArg) -> Result<()> {
+    eng.set_arm(Some(match arm {
+        ArmArg::PayloadFirst => DispatchArm::PayloadFirst,
+        ArmArg::CountFirst => DispatchArm::CountFirst,
+        ArmArg::CountFirstSource => DispatchArm::CountFirstSource,
+    }));
+    Ok(())
+}
+
+/// The exit status of `afdep exchange` when it was asked for an arm or a payload that its engine
+/// does not support ([`Unsupported`]).
+pub const EXIT_UNSUPPORTED: i32 = 3;
+
+/// An arm or payload the engine does not support (yet).
+#[derive(Debug, thiserror::Error)]
+#[error("unsupported: the {engine} engine has no {what} (it runs: {have})")]
+pub struct Unsupported {
+    /// The engine.
+    pub engine: &'static str,
+    /// What was asked for (`arm count-first`, `payload fp8_e4m3`).
+    pub what: String,
+    /// What it supports.
+    pub have: String,
+}
+
+/// Payload formats on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PayloadArg {
+    /// bf16 rows.
+    Bf16,
+    /// fp8 e4m3 rows, one f32 scale per 128 channels per token.
+    #[value(alias = "fp8-e4m3")]
+    Fp8,
+}
+
+impl From<PayloadArg> for PayloadKind {
+    fn from(p: PayloadArg) -> PayloadKind {
+        match p {
+            PayloadArg::Bf16 => PayloadKind::Bf16,
+            PayloadArg::Fp8 => PayloadKind::Fp8E4m3,
         }
     }
 }
@@ -115,39 +260,68 @@ pub enum ExpertArg {
 }
 
 /// Arguments of `afdep exchange`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ExchangeArgs {
-    /// Where to run.
+    /// Where to run: `cuda` is the fused engine (needs `--transport nvlink`), `cpu` the staged
+    /// engine (any transport), `auto` the fused engine over nvlink and the staged one otherwise.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
-    /// The transport.
-    #[arg(long, value_enum, default_value = "loopback")]
-    pub transport: TransportArg,
-    /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism).
-    #[arg(long, default_value = "3A:1F")]
-    pub topology: Topology,
+    /// A TOML or JSON file with the exchange configuration and the transport (see
+    /// `exchange_config`); the flags below override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The transport [default: the config file's, else loopback].
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+    /// The dispatch arm (an arm the engine does not have fails with exit status 3).
+    #[arg(long, value_enum, default_value = "payload-first")]
+    pub arm: ArmArg,
+    /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
+    #[arg(long)]
+    pub topology: Option<Topology>,
     /// Tokens per attention rank, comma-separated; one row per count. Ignored with `--input`.
     #[arg(long, default_value = "1,8,32,128,512,1024,2048")]
     pub tokens: crate::TokenList,
-    /// Hidden size.
-    #[arg(long, default_value_t = 2048)]
-    pub hidden: usize,
-    /// Number of experts.
-    #[arg(long, default_value_t = 128)]
-    pub experts: usize,
+    /// Hidden size [default: 2048].
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Number of experts [default: 128].
+    #[arg(long)]
+    pub experts: Option<usize>,
     /// Experts per FFN rank (default: experts / FFN ranks, rounded down; ids beyond the
     /// placed experts are "dummy" and rejected).
     #[arg(long)]
     pub experts_per_rank: Option<usize>,
-    /// Slots per token.
-    #[arg(long, default_value_t = 8)]
-    pub top_k: usize,
+    /// Slots per token [default: 8].
+    #[arg(long)]
+    pub top_k: Option<usize>,
     /// Width of the SwiGLU experts.
     #[arg(long, default_value_t = 128)]
     pub width: usize,
-    /// Most tokens per attention rank.
-    #[arg(long, default_value_t = 2048)]
-    pub capacity: usize,
+    /// Most tokens per attention rank [default: 2048].
+    #[arg(long)]
+    pub capacity: Option<usize>,
+    /// Dispatch payload [default: bf16].
+    #[arg(long, value_enum)]
+    pub payload: Option<PayloadArg>,
+    /// Knob: SMs of the dispatch and combine kernels [default: 24].
+    #[arg(long)]
+    pub transport_sms: Option<u32>,
+    /// Knob: most SMs of the epilogue [default: 16].
+    #[arg(long)]
+    pub epilogue_sm_cap: Option<u32>,
+    /// Knob: the epilogue's payload gate, `true` or `false` [default: true].
+    #[arg(long)]
+    pub payload_gate: Option<bool>,
+    /// Knob: warps per epilogue work unit [default: 4].
+    #[arg(long)]
+    pub warps_per_unit: Option<u32>,
+    /// Knob: minimum rows per epilogue work unit [default: 8].
+    #[arg(long)]
+    pub min_rows_per_unit: Option<u32>,
+    /// Knob: the smallest largest-source token count that uses count-first [default: 2048].
+    #[arg(long)]
+    pub min_token_bucket: Option<usize>,
     /// The FFN computation.
     #[arg(long, value_enum, default_value = "swiglu")]
     pub expert: ExpertArg,
@@ -164,9 +338,14 @@ pub struct ExchangeArgs {
     /// UCX: the UCX transports (`tcp`, `shm`, `tcp,shm`; default: UCX's choice / `UCX_TLS`).
     #[arg(long)]
     pub ucx_tls: Option<String>,
-    /// NCCL: this rank's CUDA device (default: rank modulo the device count).
+    /// NCCL, nvlink, device buffers: the CUDA device of every rank (default: rank modulo the
+    /// device count).
     #[arg(long)]
     pub device: Option<usize>,
+    /// nvlink: rank r on GPU r (refused when the machine has fewer GPUs than ranks); without
+    /// it, nvlink ranks may share a GPU.
+    #[arg(long)]
+    pub one_gpu_per_rank: bool,
     /// tcp, ucx: device buffers (CUDA device `--device`) staged through host memory
     /// (cargo feature `cuda`, implied by `nccl`).
     #[arg(long)]
@@ -177,12 +356,15 @@ pub struct ExchangeArgs {
     /// Also append the rows to this JSONL file.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+    /// Also write the table of the rows to this markdown file.
+    #[arg(long)]
+    pub table: Option<PathBuf>,
     /// Seed of tokens, router and experts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Bound on every transport wait, in milliseconds.
-    #[arg(long, default_value_t = 30_000)]
-    pub timeout_ms: u64,
+    /// Bound on every transport wait, in milliseconds [default: the config file's, else 30000].
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
     /// Read per-rank `x.r`, `topk_idx.r`, `topk_weights.r` (and optionally `w1`, `w3`, `w2`).
     #[arg(long)]
     pub input: Option<PathBuf>,
@@ -194,20 +376,149 @@ pub struct ExchangeArgs {
     pub no_verify: bool,
 }
 
+/// What a run uses once the config file, the flags and the defaults are merged.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The exchange configuration (validated).
+    pub cfg: ExchangeConfig,
+    /// The transport kind.
+    pub kind: TransportKind,
+    /// Its options (with `--timeout-ms` and the device flags applied).
+    pub options: TransportOptions,
+    /// The engine.
+    pub engine: EngineKind,
+}
+
+impl ExchangeArgs {
+    /// Merges the config file (if any), the flags and the defaults, checks the result, and
+    /// picks the engine. Errors name the file and field, or the flag.
+    pub fn resolve(&self) -> Result<Resolved> {
+        let file = match &self.config {
+            Some(p) => ExchangeFile::read(p)?,
+            None => ExchangeFile::default(),
+        };
+        let topology = self
+            .topology
+            .or(file.topology)
+            .unwrap_or_else(|| "3A:1F".parse().expect("a topology"));
+        let experts = self.experts.or(file.experts).unwrap_or(128);
+        let mut knobs = ExchangeKnobs::default();
+        file.knobs.apply(
+            &KnobsFile {
+                min_token_bucket: self.min_token_bucket,
+                epilogue_sm_cap: self.epilogue_sm_cap,
+                payload_gate: self.payload_gate,
+                warps_per_unit: self.warps_per_unit,
+                min_rows_per_unit: self.min_rows_per_unit,
+                transport_sms: self.transport_sms,
+            },
+            &mut knobs,
+        );
+        let cfg = ExchangeConfig {
+            topology,
+            hidden: self.hidden.or(file.hidden).unwrap_or(2048),
+            experts,
+            experts_per_rank: self
+                .experts_per_rank
+                .or(file.experts_per_rank)
+                .unwrap_or(experts / topology.ffn_count().max(1)),
+            top_k: self.top_k.or(file.top_k).unwrap_or(8),
+            capacity: self.capacity.or(file.capacity).unwrap_or(2048),
+            payload: self
+                .payload
+                .map(PayloadKind::from)
+                .or(file.payload)
+                .unwrap_or_default(),
+            knobs,
+        };
+        cfg.validate().map_err(|e| match &self.config {
+            Some(p) => anyhow::Error::new(crate::exchange_config::ConfigFileError::Invalid {
+                path: p.clone(),
+                source: e,
+            }),
+            None => anyhow::Error::new(e),
+        })?;
+        let file_transport = file
+            .transport
+            .clone()
+            .unwrap_or(TransportConfig::Kind(TransportKind::Loopback));
+        let kind = self
+            .transport
+            .map_or(file_transport.kind(), TransportArg::kind);
+        let mut options = file_transport.options();
+        if let Some(ms) = self.timeout_ms {
+            options.timeout = Duration::from_millis(ms);
+        }
+        if self.ucx_tls.is_some() {
+            options.ucx_tls = self.ucx_tls.clone();
+        }
+        if self.device.is_some() {
+            options.device = self.device;
+        }
+        options.device_buffers |= self.device_buffers;
+        options.one_gpu_per_rank |= self.one_gpu_per_rank;
+        let engine = match (self.backend, kind) {
+            (Backend::Cuda, TransportKind::NvlinkIpc) => EngineKind::Fused,
+            (Backend::Cuda, other) => bail!(
+                "--backend cuda is the fused engine, which runs over NVLink-IPC only: use \
+                 --transport nvlink (or --backend cpu for the staged engine over {other})"
+            ),
+            (Backend::Auto, TransportKind::NvlinkIpc) => EngineKind::Fused,
+            _ => EngineKind::Staged,
+        };
+        let file_sets = |f: fn(&afdep_transport::TransportTable) -> bool| matches!(&file.transport, Some(TransportConfig::Table(t)) if f(t));
+        if kind == TransportKind::NvlinkIpc {
+            // size the windows for this config unless the file set them
+            if !file_sets(|t| t.workspace_bytes.is_some()) {
+                options.workspace_bytes = match engine {
+                    EngineKind::Fused => FusedEngine::workspace_bytes(&cfg).div_ceil(256) * 256,
+                    EngineKind::Staged => 256,
+                };
+            }
+            if !file_sets(|t| t.staging_bytes.is_some()) {
+                options.staging_bytes = match engine {
+                    EngineKind::Fused => 256,
+                    EngineKind::Staged => staged_recv_bytes(&cfg).div_ceil(256) * 256,
+                };
+            }
+        }
+        Ok(Resolved {
+            cfg,
+            kind,
+            options,
+            engine,
+        })
+    }
+}
+
+/// The most bytes one rank of the staged engine receives in one all-to-all-v of `cfg`: an FFN
+/// rank's dispatch (every source's capacity of tokens with their ids and weights) or a source's
+/// combine (capacity × top-k rows).
+fn staged_recv_bytes(cfg: &ExchangeConfig) -> usize {
+    let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+    let sources = cfg.topology.attention_count();
+    let dispatch = sources * cap * (2 * h + 4 + 8 * k);
+    let combine = cap * k * 2 * h;
+    dispatch.max(combine).max(1)
+}
+
 /// One JSON row.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExchangeRow {
     /// Topology.
     pub topology: String,
-    /// Engine.
-    pub engine: &'static str,
+    /// Engine: `staged` or `fused`.
+    pub engine: String,
+    /// The dispatch arm.
+    pub arm: String,
     /// Transport.
-    pub transport: &'static str,
+    pub transport: String,
     /// `threads` (ranks as threads of one process) or `processes` (`--multi-process`).
-    pub ranks_as: &'static str,
+    pub ranks_as: String,
     /// UCX transports asked for (`--ucx-tls`), if any.
     pub ucx_tls: Option<String>,
-    /// Whether the engine's buffers were device memory (`nccl`, or `--device-buffers`).
+    /// Whether the engine's buffers were device memory (`nccl`, `nvlink`, or
+    /// `--device-buffers`).
     pub device_buffers: bool,
     /// Hidden size.
     pub hidden: usize,
@@ -215,6 +526,12 @@ pub struct ExchangeRow {
     pub experts: usize,
     /// Top-k.
     pub top_k: usize,
+    /// Capacity.
+    pub capacity: usize,
+    /// Payload.
+    pub payload: String,
+    /// The transport SM budget (knob).
+    pub transport_sms: u32,
     /// Tokens on each attention rank.
     pub tokens: Vec<usize>,
     /// FFN computation.
@@ -225,20 +542,29 @@ pub struct ExchangeRow {
     pub warmup: usize,
     /// Timed rounds rejected as injected (`--fault reject@..`), left out of the times.
     pub rejected_rounds: usize,
-    /// Median wall time of a whole round (slowest rank), µs.
+    /// How `round_us`, `dispatch_us` and `combine_us` were taken: `device` (fused engine: CUDA
+    /// events on every rank's stream, each phase aligned by a barrier; per round, the slowest
+    /// rank's dispatch plus the slowest rank's combine) or `host` (staged engine: wall time of
+    /// the whole round, experts included, and of each phase, slowest rank).
+    pub timing: String,
+    /// Median time of a round, µs (see `timing`).
     pub round_us: f64,
-    /// Median phase times, µs (slowest rank per phase).
+    /// Median wall time of a whole round on the host (slowest rank), µs.
+    pub wall_us: f64,
+    /// Median host time of the status + count phase (slowest rank), µs.
     pub counts_us: f64,
-    /// Dispatch phase.
+    /// Median dispatch phase (slowest rank), µs.
     pub dispatch_us: f64,
-    /// Expert phase.
+    /// Median host time of the experts (slowest rank), µs.
     pub experts_us: f64,
-    /// Combine phase.
+    /// Median combine phase (slowest rank), µs.
     pub combine_us: f64,
     /// `ok`, `mismatch` (against the oracle), or `unverified`.
     pub status: String,
     /// Digest of the kernel sources.
     pub kernel_digest: String,
+    /// The process that printed the row (the arms runner checks its arms ran apart).
+    pub pid: u32,
 }
 
 struct Problem {
@@ -335,14 +661,116 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Times of one timed round on one rank, µs.
+#[derive(Debug, Clone, Copy, Default)]
+struct RoundTimes {
+    /// Host wall time of the whole round.
+    wall: f64,
+    /// Host: status + counts.
+    counts: f64,
+    /// Dispatch (device with the fused engine, host with the staged one).
+    dispatch: f64,
+    /// Host: experts.
+    experts: f64,
+    /// Combine (device with the fused engine, host with the staged one).
+    combine: f64,
+}
+
+impl RoundTimes {
+    const N: usize = 5;
+
+    fn to_array(self) -> [f64; Self::N] {
+        [
+            self.wall,
+            self.counts,
+            self.dispatch,
+            self.experts,
+            self.combine,
+        ]
+    }
+
+    fn from_array(v: [f64; Self::N]) -> RoundTimes {
+        RoundTimes {
+            wall: v[0],
+            counts: v[1],
+            dispatch: v[2],
+            experts: v[3],
+            combine: v[4],
+        }
+    }
+}
+
 /// What one rank got from the rounds of one problem.
 struct RankRun {
     /// The output of the last round that was not rejected.
     last: Option<RoundOutput>,
-    /// Per timed, not rejected round: `[round, counts, dispatch, experts, combine]` in µs.
-    times: Vec<[f64; 5]>,
+    /// Per timed, not rejected round.
+    times: Vec<RoundTimes>,
     /// Timed rounds rejected as injected.
     rejected: usize,
+}
+
+/// The two engines behind one interface for the round loop.
+trait Engine {
+    fn rank(&self) -> usize;
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError>;
+    fn barrier(&mut self) -> Result<(), TransportError>;
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError>;
+    /// Device (dispatch, combine) times of the last round, µs, where the engine takes them.
+    fn device_times(&self) -> Option<(f64, f64)>;
+}
+
+impl<T: Transport> Engine for StagedEngine<T> {
+    fn rank(&self) -> usize {
+        StagedEngine::rank(self)
+    }
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        StagedEngine::round(self, input, expert)
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.transport_mut().barrier()
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.transport_mut().all_gather(mine)
+    }
+    fn device_times(&self) -> Option<(f64, f64)> {
+        None
+    }
+}
+
+impl Engine for FusedEngine {
+    fn rank(&self) -> usize {
+        FusedEngine::rank(self)
+    }
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        FusedEngine::round(self, input, expert)
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.transport_mut().barrier()
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.transport_mut().all_gather(mine)
+    }
+    fn device_times(&self) -> Option<(f64, f64)> {
+        self.last_device_times().map(|t| {
+            (
+                t.dispatch.as_secs_f64() * 1e6,
+                t.combine.as_secs_f64() * 1e6,
+            )
+        })
+    }
 }
 
 /// The expert function of `prob`.
@@ -382,8 +810,8 @@ fn check_fault(fault: Option<Fault>, prob: &Problem, multi_process: bool) -> Res
 
 /// Runs `warmup + rounds` rounds of `prob` on this rank's engine (faults applied), a barrier
 /// before each.
-fn rank_rounds<T: Transport>(
-    eng: &mut StagedEngine<T>,
+fn rank_rounds(
+    eng: &mut dyn Engine,
     prob: &Problem,
     expert: ExpertArg,
     warmup: usize,
@@ -433,7 +861,7 @@ fn rank_rounds<T: Transport>(
             }
             _ => {}
         }
-        eng.transport_mut().barrier()?;
+        eng.barrier()?;
         let t0 = Instant::now();
         let res = eng.round(this_input, &f);
         let total = t0.elapsed().as_secs_f64() * 1e6;
@@ -460,13 +888,16 @@ fn rank_rounds<T: Transport>(
         }
         if timed.is_some() {
             let us = |d: Duration| d.as_secs_f64() * 1e6;
-            run.times.push([
-                total,
-                us(out.times.counts),
-                us(out.times.dispatch),
-                us(out.times.experts),
-                us(out.times.combine),
-            ]);
+            let (dispatch, combine) = eng
+                .device_times()
+                .unwrap_or((us(out.times.dispatch), us(out.times.combine)));
+            run.times.push(RoundTimes {
+                wall: total,
+                counts: us(out.times.counts),
+                dispatch,
+                experts: us(out.times.experts),
+                combine,
+            });
         }
         run.last = Some(out);
     }
@@ -474,24 +905,24 @@ fn rank_rounds<T: Transport>(
 }
 
 /// Per-round slowest-rank times of every rank's runs (rounds align: rejected rounds are left
-/// out on every rank alike).
-fn slowest(per_rank: &[Vec<[f64; 5]>]) -> Vec<[f64; 5]> {
+/// out on every rank alike), each column on its own.
+fn slowest(per_rank: &[Vec<RoundTimes>]) -> Vec<RoundTimes> {
     let n = per_rank.iter().map(Vec::len).min().unwrap_or(0);
     (0..n)
         .map(|i| {
-            let mut acc = [0f64; 5];
+            let mut acc = [0f64; RoundTimes::N];
             for t in per_rank {
-                for (a, v) in acc.iter_mut().zip(t[i]) {
+                for (a, v) in acc.iter_mut().zip(t[i].to_array()) {
                     *a = a.max(v);
                 }
             }
-            acc
+            RoundTimes::from_array(acc)
         })
         .collect()
 }
 
 /// Runs the rounds of `prob` with one thread per rank, each building its transport with
-/// `make(rank)` inside its thread; returns each rank's run.
+/// `make(rank)` inside its thread; returns each rank's run (staged engine).
 fn run_threads(
     a: &ExchangeArgs,
     prob: &Problem,
@@ -525,13 +956,13 @@ fn run_threads(
         .collect()
 }
 
-/// The transports of a threaded run: a Loopback group, or one bootstrap per thread over
-/// 127.0.0.1 and the kind's transport over it.
-fn run_threaded(a: &ExchangeArgs, prob: &Problem, timeout: Duration) -> Result<Vec<RankRun>> {
+/// The transports of a threaded staged run: an in-process group (Loopback, NvlinkIpc), or one
+/// bootstrap per thread over 127.0.0.1 and the kind's transport over it.
+fn run_threaded(a: &ExchangeArgs, res: &Resolved, prob: &Problem) -> Result<Vec<RankRun>> {
     let world = prob.cfg.topology.world_size();
-    let kind = a.transport.kind();
-    if kind == TransportKind::Loopback {
-        let group: Vec<Mutex<Option<Loopback>>> = Loopback::group(world, timeout)
+    let (kind, opts) = (res.kind, &res.options);
+    if matches!(kind, TransportKind::Loopback | TransportKind::NvlinkIpc) {
+        let group: Vec<Mutex<Option<AnyTransport>>> = AnyTransport::group(kind, world, opts)?
             .into_iter()
             .map(|t| Mutex::new(Some(t)))
             .collect();
@@ -540,13 +971,11 @@ fn run_threaded(a: &ExchangeArgs, prob: &Problem, timeout: Duration) -> Result<V
                 .lock()
                 .expect("unpoisoned")
                 .take()
-                .map(AnyTransport::Loopback)
                 .context("rank built twice")
         });
     }
-    let opts = options(a, timeout);
     let any: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
-    let listener = Mutex::new(Some(Bootstrap::listen(any, world, timeout)?));
+    let listener = Mutex::new(Some(Bootstrap::listen(any, world, opts.timeout)?));
     let addr = listener
         .lock()
         .expect("unpoisoned")
@@ -562,19 +991,82 @@ fn run_threaded(a: &ExchangeArgs, prob: &Problem, timeout: Duration) -> Result<V
                 .context("rank 0 built twice")?;
             l.accept()?
         } else {
-            Bootstrap::connect(addr, r, world, timeout)?
+            Bootstrap::connect(addr, r, world, opts.timeout)?
         };
-        Ok(AnyTransport::connect(kind, boot, &opts)?)
+        Ok(AnyTransport::connect(kind, boot, opts)?)
     })
 }
 
-fn options(a: &ExchangeArgs, timeout: Duration) -> TransportOptions {
-    TransportOptions {
-        timeout,
-        ucx_tls: a.ucx_tls.clone(),
-        device: a.device,
-        device_buffers: a.device_buffers,
+/// A fused engine on this rank's NvlinkIpc transport, with phase timing on and `arm` selected.
+fn fused_engine(cfg: &ExchangeConfig, t: AnyTransport, arm: ArmArg) -> Result<FusedEngine> {
+    let t = t
+        .into_nvlink()
+        .map_err(|t| anyhow::anyhow!("the fused engine needs nvlink, got {}", t.kind()))?;
+    let mut eng = FusedEngine::new(cfg.clone(), t)?;
+    eng.set_phase_timing(true)?;
+    select_arm(&mut eng, arm)?;
+    Ok(eng)
+}
+
+/// A threaded fused run: one in-process NvlinkIpc group and one engine per rank thread for all
+/// the problems (set up once: windows, kernel loads); returns `[problem][rank]`. No engine is
+/// dropped before every rank has finished (see the fused engine's docs).
+fn run_fused_threads(
+    a: &ExchangeArgs,
+    res: &Resolved,
+    probs: &[Problem],
+    bar: &ProgressBar,
+) -> Result<Vec<Vec<RankRun>>> {
+    let world = res.cfg.topology.world_size();
+    let group = AnyTransport::group(res.kind, world, &res.options)?;
+    let done = std::sync::Barrier::new(world);
+    let results: Vec<Result<Vec<RankRun>>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let done = &done;
+                sc.spawn(move || -> Result<Vec<RankRun>> {
+                    let mut eng = None;
+                    let r = (|| {
+                        let e = eng.insert(fused_engine(&res.cfg, t, a.arm)?);
+                        let mut out = Vec::with_capacity(probs.len());
+                        for prob in probs {
+                            out.push(rank_rounds(e, prob, a.expert, a.warmup, a.rounds, a.fault)?);
+                            if rank == 0 {
+                                bar.inc(1);
+                            }
+                        }
+                        Ok(out)
+                    })();
+                    // every rank has finished its last round before any engine is dropped
+                    done.wait();
+                    drop(eng);
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("a rank thread panicked"))?
+            })
+            .collect()
+    });
+    let per_rank: Vec<Vec<RankRun>> = results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.with_context(|| format!("rank {rank}")))
+        .collect::<Result<_>>()?;
+    // transpose to [problem][rank]
+    let mut out: Vec<Vec<RankRun>> = (0..probs.len()).map(|_| Vec::new()).collect();
+    for runs in per_rank {
+        for (p, run) in runs.into_iter().enumerate() {
+            out[p].push(run);
+        }
     }
+    Ok(out)
 }
 
 /// The oracle's combined rows of every attention rank.
@@ -611,38 +1103,140 @@ fn error_class(e: &anyhow::Error) -> &'static str {
     "error"
 }
 
+/// One rank's part of a problem in a multi-process group: its rounds, its own check against
+/// the oracle, and every rank's times gathered (the slowest rank's per round).
+fn multi_process_problem(
+    a: &ExchangeArgs,
+    eng: &mut dyn Engine,
+    prob: &Problem,
+    world: usize,
+) -> Result<(Vec<RoundTimes>, usize)> {
+    let me = eng.rank();
+    let run = rank_rounds(eng, prob, a.expert, a.warmup, a.rounds, a.fault).map_err(|e| {
+        let class = error_class(&e);
+        e.context(format!("rank {me}: round failed ({class})"))
+    })?;
+    // 0: unverified, 1: ok, 2: mismatch
+    let verdict: u8 = match prob.cfg.topology.attention_index(me) {
+        _ if a.no_verify => 0,
+        None => 1,
+        Some(s) => {
+            let got = run.last.as_ref().and_then(|o| o.combined.as_ref());
+            if got == Some(&reference_of(prob, a.expert)?[s]) {
+                1
+            } else {
+                2
+            }
+        }
+    };
+    let mut blob = vec![verdict];
+    blob.extend((run.times.len() as u64).to_ne_bytes());
+    for t in &run.times {
+        for v in t.to_array() {
+            blob.extend(v.to_ne_bytes());
+        }
+    }
+    let lens = eng.all_gather(&(blob.len() as u64).to_ne_bytes())?;
+    let max = lens
+        .chunks_exact(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
+        .max()
+        .unwrap_or(0) as usize;
+    blob.resize(max, 0);
+    let all = eng.all_gather(&blob)?;
+    let mut times = Vec::with_capacity(world);
+    let mut bad = Vec::new();
+    let w = 8 * RoundTimes::N;
+    for (r, b) in all.chunks_exact(max).enumerate() {
+        if b[0] == 2 {
+            bad.push(r);
+        }
+        let n = u64::from_ne_bytes(b[1..9].try_into().expect("8 bytes")) as usize;
+        let rounds: Vec<RoundTimes> = b[9..9 + n * w]
+            .chunks_exact(w)
+            .map(|c| {
+                let mut v = [0f64; RoundTimes::N];
+                for (d, x) in v.iter_mut().zip(c.chunks_exact(8)) {
+                    *d = f64::from_ne_bytes(x.try_into().expect("8 bytes"));
+                }
+                RoundTimes::from_array(v)
+            })
+            .collect();
+        times.push(rounds);
+    }
+    if !bad.is_empty() {
+        bail!("rank {me}: the engine's result differs from the oracle's on ranks {bad:?}");
+    }
+    Ok((slowest(&times), run.rejected))
+}
+
+/// The markdown table of `rows`.
+pub fn table(rows: &[ExchangeRow]) -> String {
+    let mut t = String::from(
+        "| topology | engine | arm | transport | tokens | round µs | dispatch µs | combine µs | \
+         wall µs | timing | status |\n|---|---|---|---|---|---:|---:|---:|---:|---|---|\n",
+    );
+    for r in rows {
+        let tokens = match r.tokens.iter().min() == r.tokens.iter().max() {
+            true => r.tokens.first().map_or("0".into(), |t| t.to_string()),
+            false => format!("{:?}", r.tokens),
+        };
+        t.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |\n",
+            r.topology,
+            r.engine,
+            r.arm,
+            r.transport,
+            tokens,
+            r.round_us,
+            r.dispatch_us,
+            r.combine_us,
+            r.wall_us,
+            r.timing,
+            r.status
+        ));
+    }
+    t
+}
+
 /// Runs `afdep exchange`.
 pub fn run(a: ExchangeArgs) -> Result<()> {
-    if a.backend == Backend::Cuda {
-        bail!(
-            "the CUDA backend of `afdep exchange` (fused NVLink engine) does not exist yet; use --backend cpu"
-        );
-    }
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let cfg = ExchangeConfig {
-        topology: a.topology,
-        hidden: a.hidden,
-        experts: a.experts,
-        experts_per_rank: a
-            .experts_per_rank
-            .unwrap_or(a.experts / a.topology.ffn_count()),
-        top_k: a.top_k,
-        capacity: a.capacity,
-        payload: Default::default(),
-        knobs: Default::default(),
-    };
-    cfg.validate()?;
+    let res = a.resolve()?;
+    let cfg = res.cfg.clone();
+    let kind = res.kind;
+    let engine = res.engine;
+    if !engine.arms().contains(&a.arm) {
+        return Err(Unsupported {
+            engine: engine.name(),
+            what: format!("arm {}", a.arm),
+            have: names(engine.arms()),
+        }
+        .into());
+    }
+    if !engine.payloads().contains(&cfg.payload) {
+        return Err(Unsupported {
+            engine: engine.name(),
+            what: format!("payload {}", cfg.payload),
+            have: engine
+                .payloads()
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+        .into());
+    }
     let world = cfg.topology.world_size();
-    let kind = a.transport.kind();
     if a.multi_process && kind == TransportKind::Loopback {
         bail!(
-            "--multi-process needs a multi-process transport (tcp, ucx, nccl); loopback ranks are threads"
+            "--multi-process needs a multi-process transport (tcp, ucx, nccl, nvlink); loopback \
+             ranks are threads"
         );
     }
-    kind.check_available(world)?;
-    let timeout = Duration::from_millis(a.timeout_ms);
+    kind.check_placement(world, &res.options)?;
     let problems: Vec<(Vec<SourceInput>, Option<LayerParams>)> = match &a.input {
         Some(p) => vec![read_problem(p, &a, &cfg)?],
         None => a
@@ -671,7 +1265,25 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             a.seed,
         )
     };
-    let mut mp = if a.multi_process {
+    let probs: Vec<Problem> = problems
+        .into_iter()
+        .map(|(inputs, params)| {
+            let params = match (a.expert, params) {
+                (ExpertArg::Swiglu, Some(p)) => Some(p),
+                (ExpertArg::Swiglu, None) => Some(random_params()),
+                (ExpertArg::Identity, _) => None,
+            };
+            Problem {
+                cfg: cfg.clone(),
+                inputs,
+                params,
+            }
+        })
+        .collect();
+    for prob in &probs {
+        check_fault(a.fault, prob, a.multi_process)?;
+    }
+    let mut mp: Option<Box<dyn Engine>> = if a.multi_process {
         let env = RendezvousEnv::from_env()
             .context("--multi-process: run under `afdep launch -n N -- afdep exchange ...`")?;
         if env.world_size != world {
@@ -682,15 +1294,18 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                 cfg.topology
             );
         }
-        let t = AnyTransport::from_env(kind, &options(&a, timeout))
+        let t = AnyTransport::from_env(kind, &res.options)
             .with_context(|| format!("rank {}: setting up {kind}", env.rank))?;
-        Some(StagedEngine::new(cfg.clone(), t)?)
+        Some(match engine {
+            EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
+            EngineKind::Fused => Box::new(fused_engine(&cfg, t, a.arm)?),
+        })
     } else {
         None
     };
     let me = mp.as_ref().map_or(0, |e| e.rank());
     let bar = if me == 0 {
-        ProgressBar::new(problems.len() as u64)
+        ProgressBar::new(probs.len() as u64)
     } else {
         ProgressBar::hidden()
     };
@@ -698,6 +1313,12 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} {elapsed}")
             .expect("template"),
     );
+    bar.set_message(format!(
+        "{} {}/{kind} {}",
+        cfg.topology,
+        engine.name(),
+        a.arm
+    ));
     let mut json_out = match (&a.json_out, me) {
         (Some(p), 0) => Some(
             std::fs::OpenOptions::new()
@@ -708,23 +1329,20 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         ),
         _ => None,
     };
-    for (inputs, params) in problems {
-        let params = match (a.expert, params) {
-            (ExpertArg::Swiglu, Some(p)) => Some(p),
-            (ExpertArg::Swiglu, None) => Some(random_params()),
-            (ExpertArg::Identity, _) => None,
-        };
-        let tokens: Vec<usize> = inputs.iter().map(|i| i.routes.tokens).collect();
-        bar.set_message(format!("{} staged/{kind}, tokens {tokens:?}", cfg.topology));
-        let prob = Problem {
-            cfg: cfg.clone(),
-            inputs,
-            params,
-        };
-        check_fault(a.fault, &prob, a.multi_process)?;
+    // threaded fused runs set up once for every problem
+    let mut fused_runs = match (&mp, engine) {
+        (None, EngineKind::Fused) => Some(run_fused_threads(&a, &res, &probs, &bar)?.into_iter()),
+        _ => None,
+    };
+    let mut rows = Vec::new();
+    for prob in &probs {
+        let tokens: Vec<usize> = prob.inputs.iter().map(|i| i.routes.tokens).collect();
         let (status, per_round, rejected, combined) = match &mut mp {
             None => {
-                let runs = run_threaded(&a, &prob, timeout)?;
+                let runs = match &mut fused_runs {
+                    Some(it) => it.next().context("a run per problem")?,
+                    None => run_threaded(&a, &res, prob)?,
+                };
                 let combined: Vec<Vec<bf16>> = cfg
                     .topology
                     .attention_ranks()
@@ -738,110 +1356,72 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     .collect::<Result<_>>()?;
                 let status = if a.no_verify {
                     "unverified"
-                } else if reference_of(&prob, a.expert)? == combined {
+                } else if reference_of(prob, a.expert)? == combined {
                     "ok"
                 } else {
                     "mismatch"
                 };
-                let times: Vec<Vec<[f64; 5]>> = runs.iter().map(|r| r.times.clone()).collect();
+                let times: Vec<Vec<RoundTimes>> = runs.iter().map(|r| r.times.clone()).collect();
                 (status, slowest(&times), runs[0].rejected, combined)
             }
             Some(eng) => {
-                let run = rank_rounds(eng, &prob, a.expert, a.warmup, a.rounds, a.fault).map_err(
-                    |e| {
-                        let class = error_class(&e);
-                        e.context(format!("rank {me}: round failed ({class})"))
-                    },
-                )?;
-                // 0: unverified, 1: ok, 2: mismatch
-                let verdict: u8 = match cfg.topology.attention_index(me) {
-                    _ if a.no_verify => 0,
-                    None => 1,
-                    Some(s) => {
-                        let got = run.last.as_ref().and_then(|o| o.combined.as_ref());
-                        if got == Some(&reference_of(&prob, a.expert)?[s]) {
-                            1
-                        } else {
-                            2
-                        }
-                    }
-                };
-                let mut blob = vec![verdict];
-                blob.extend((run.times.len() as u64).to_ne_bytes());
-                for t in &run.times {
-                    for v in t {
-                        blob.extend(v.to_ne_bytes());
-                    }
-                }
-                let t = eng.transport_mut();
-                let lens = t.all_gather(&(blob.len() as u64).to_ne_bytes())?;
-                let max = lens
-                    .chunks_exact(8)
-                    .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")))
-                    .max()
-                    .unwrap_or(0) as usize;
-                blob.resize(max, 0);
-                let all = t.all_gather(&blob)?;
-                let mut times = Vec::with_capacity(world);
-                let mut bad = Vec::new();
-                for (r, b) in all.chunks_exact(max).enumerate() {
-                    if b[0] == 2 {
-                        bad.push(r);
-                    }
-                    let n = u64::from_ne_bytes(b[1..9].try_into().expect("8 bytes")) as usize;
-                    let vals: Vec<f64> = b[9..9 + n * 40]
-                        .chunks_exact(8)
-                        .map(|c| f64::from_ne_bytes(c.try_into().expect("8 bytes")))
-                        .collect();
-                    times.push(
-                        vals.chunks_exact(5)
-                            .map(|c| c.try_into().expect("5 values"))
-                            .collect::<Vec<[f64; 5]>>(),
-                    );
-                }
-                if !bad.is_empty() {
-                    bail!(
-                        "rank {me}: the staged engine's result differs from the oracle's on ranks {bad:?}"
-                    );
-                }
+                let (times, rejected) = multi_process_problem(&a, eng.as_mut(), prob, world)?;
                 let status = if a.no_verify { "unverified" } else { "ok" };
-                (status, slowest(&times), run.rejected, Vec::new())
+                (status, times, rejected, Vec::new())
             }
         };
         if me == 0 {
-            let col = |i: usize| median(per_round.iter().map(|r| r[i]).collect());
+            let col = |f: fn(&RoundTimes) -> f64| median(per_round.iter().map(f).collect());
+            let round_us = match engine {
+                EngineKind::Fused => col(|t| t.dispatch + t.combine),
+                EngineKind::Staged => col(|t| t.wall),
+            };
             let row = ExchangeRow {
                 topology: cfg.topology.to_string(),
-                engine: "staged",
-                transport: kind.name(),
+                engine: engine.name().into(),
+                arm: a.arm.name().into(),
+                transport: kind.name().into(),
                 ranks_as: if a.multi_process {
                     "processes"
                 } else {
                     "threads"
-                },
-                ucx_tls: a.ucx_tls.clone(),
-                device_buffers: a.device_buffers || kind == TransportKind::Nccl,
+                }
+                .into(),
+                ucx_tls: res.options.ucx_tls.clone(),
+                device_buffers: res.options.device_buffers
+                    || matches!(kind, TransportKind::Nccl | TransportKind::NvlinkIpc),
                 hidden: cfg.hidden,
                 experts: cfg.experts,
                 top_k: cfg.top_k,
+                capacity: cfg.capacity,
+                payload: cfg.payload.to_string(),
+                transport_sms: cfg.knobs.transport_sms,
                 tokens,
                 expert: format!("{:?}", a.expert).to_lowercase(),
                 rounds: a.rounds,
                 warmup: a.warmup,
                 rejected_rounds: rejected,
-                round_us: col(0),
-                counts_us: col(1),
-                dispatch_us: col(2),
-                experts_us: col(3),
-                combine_us: col(4),
+                timing: match engine {
+                    EngineKind::Fused => "device",
+                    EngineKind::Staged => "host",
+                }
+                .into(),
+                round_us,
+                wall_us: col(|t| t.wall),
+                counts_us: col(|t| t.counts),
+                dispatch_us: col(|t| t.dispatch),
+                experts_us: col(|t| t.experts),
+                combine_us: col(|t| t.combine),
                 status: status.to_string(),
                 kernel_digest: afdep_kernels::source_digest(),
+                pid: std::process::id(),
             };
             let line = serde_json::to_string(&row).expect("row serializes");
             bar.suspend(|| println!("{line}"));
             if let Some(f) = &mut json_out {
                 writeln!(f, "{line}").context("writing --json-out")?;
             }
+            rows.push(row);
         }
         if let Some(p) = &a.output {
             let mut f = TensorFile::default();
@@ -855,10 +1435,32 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             f.write(p)?;
         }
         if status == "mismatch" {
-            bail!("the staged engine's result differs from the oracle's exchange reference");
+            bail!(
+                "the {} engine's result differs from the oracle's exchange reference",
+                engine.name()
+            );
         }
-        bar.inc(1);
+        if fused_runs.is_none() {
+            bar.inc(1);
+        }
     }
     bar.finish_and_clear();
+    if me == 0 && !rows.is_empty() {
+        let t = table(&rows);
+        eprint!("{t}");
+        if let Some(p) = &a.table {
+            std::fs::write(p, &t).with_context(|| format!("writing {}", p.display()))?;
+        }
+    }
+    // the multi-process engine is dropped after a last barrier: no rank frees its windows
+    // while a peer may still read them
+    if let Some(mut eng) = mp {
+        eng.barrier()?;
+    }
     Ok(())
+}
+
+/// `a, b, c` of the arms' names.
+fn names(arms: &[ArmArg]) -> String {
+    arms.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
 }

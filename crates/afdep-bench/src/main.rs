@@ -4,7 +4,9 @@
 //! afdep moe       [--backend auto|cpu|cuda] [--tokens N,..] [--dispatch D,..] [--iters N]
 //!                 [shape flags] [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
 //! afdep report moe --rows A.jsonl B.jsonl .. [--md FILE] [--png FILE] [--commit C]
-//! afdep exchange  [--backend cpu] [--transport loopback] [--topology 3A:1F] [--tokens N,..] ...
+//! afdep exchange  [--backend auto|cpu|cuda] [--config FILE] [--transport loopback|tcp|nvlink|nccl|ucx]
+//!                 [--arm payload-first|count-first|count-first-source] [--topology 3A:1F] [--tokens N,..] ...
+//! afdep exchange-arms [--arms A,B,..] [--repeats R] -- <exchange flags>
 //! afdep launch    -n N [--rendezvous ADDR] [--timeout S] [--grace S] -- CMD ARGS..
 //! afdep kernels   --digest
 //! ```
@@ -16,8 +18,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod arms_cmd;
 mod cuda_stages;
 mod exchange_cmd;
+mod exchange_config;
 mod launch_cmd;
 mod moe_cmd;
 mod moe_gpu;
@@ -53,6 +57,9 @@ enum Cmd {
     Moe(moe_cmd::MoeArgs),
     /// Run AFD exchange rounds (dispatch + experts + combine) and print JSON rows.
     Exchange(exchange_cmd::ExchangeArgs),
+    /// Compare dispatch arms: each arm in its own `afdep exchange` process, in rotated orders
+    /// over repeats; medians and the paired change against payload-first.
+    ExchangeArms(arms_cmd::ArmsArgs),
     /// Start N processes of one multi-process group (rank, world size and rendezvous address
     /// in their environment) and stop all of them if one fails.
     Launch(launch_cmd::LaunchArgs),
@@ -118,7 +125,14 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().cmd {
         Cmd::Moe(a) => moe_cmd::run(a),
-        Cmd::Exchange(a) => exchange_cmd::run(a),
+        Cmd::Exchange(a) => match exchange_cmd::run(a) {
+            Err(e) if e.downcast_ref::<exchange_cmd::Unsupported>().is_some() => {
+                eprintln!("Error: {e}");
+                std::process::exit(exchange_cmd::EXIT_UNSUPPORTED);
+            }
+            r => r,
+        },
+        Cmd::ExchangeArms(a) => arms_cmd::run(a),
         Cmd::Launch(a) => launch_cmd::run(a),
         Cmd::Report(ReportCmd::Moe(a)) => Ok(report::run(a)?),
         Cmd::Kernels { digest } => {

@@ -183,7 +183,7 @@ fn multi_process_needs_the_launch_environment_and_a_process_transport() {
 
 #[test]
 fn unavailable_transports_say_why() {
-    let mut cases = vec![("nvlink", "not built yet")];
+    let mut cases = vec![];
     if !cfg!(feature = "ucx") {
         cases.push(("ucx", "feature"));
     }
@@ -209,6 +209,38 @@ fn unavailable_transports_say_why() {
             "{t}: {stderr}"
         );
         assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    // nvlink is built in; without a GPU and driver it says so (on a GPU machine it runs)
+    for backend in ["cpu", "cuda"] {
+        let (out, _) = afdep(&[
+            "exchange",
+            "--backend",
+            backend,
+            "--transport",
+            "nvlink",
+            "--topology",
+            "1A:1F",
+            "--hidden",
+            "16",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--capacity",
+            "8",
+            "--tokens",
+            "4",
+            "--expert",
+            "identity",
+        ]);
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        if !out.status.success() {
+            assert!(
+                stderr.contains("nvlink-ipc is unavailable") && stderr.contains("driver"),
+                "{backend}: {stderr}"
+            );
+        }
     }
 }
 

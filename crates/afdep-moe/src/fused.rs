@@ -61,6 +61,18 @@
 //! drop the engines only once every rank has finished its last round (freeing device memory may
 //! wait for the whole device; the tests join every rank's thread first).
 //!
+//! Each phase's host preparation (send lists, return lists, their uploads, the poisoned output
+//! buffers) is done before the phase's first kernel, so that the phase's kernels run back to
+//! back on the rank's stream.
+//!
+//! # Phase timing
+//!
+//! [`FusedEngine::set_phase_timing`] adds CUDA events around each phase's kernels on the rank's
+//! stream and a control-plane barrier before each phase, so that a phase's device time holds
+//! only the exchange, not another rank's host work; [`FusedEngine::last_device_times`] gives
+//! the spans of the last round ([`DevicePhaseTimes`] says exactly what they hold). `afdep
+//! exchange --backend cuda` reports them.
+//!
 //! # Count-first
 //!
 //! Sources compute their per-expert counts on the device from their routes and store each FFN
@@ -80,15 +92,16 @@
 //! and its plans drive the combine and the poisoned extents of the expanded area; the dispatch
 //! itself uses only the device's counts and offsets.
 //!
-//! Not in this version: fp8 payloads, experts on the device, CUDA-graph capture.
+//! Not in this version: experts on the device, CUDA-graph capture.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs, return_positions};
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
 use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, bf16};
-use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
+use afdep_kernels::cudarc::driver::sys::CUevent_flags;
+use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{
     self as fk, CombineSlots, EpilogueSources, ReturnList, SendList, SlabGeometry,
 };
@@ -175,6 +188,8 @@ pub struct FusedEngine {
     last_arm: DispatchArm,
     /// Attention ranks: the count-first device scratch.
     cf_scratch: Option<count_first::CfScratch>,
+    /// Phase timing, when on ([`FusedEngine::set_phase_timing`]).
+    events: Option<PhaseEvents>,
     /// Device rounds' buffers ([`FusedEngine::prepare_device`]).
     device: Option<device_round::DeviceRound>,
     /// Poison outputs before every device round.
@@ -277,6 +292,7 @@ impl FusedEngine {
             arm: None,
             last_arm: DispatchArm::PayloadFirst,
             cf_scratch,
+            events: None,
             device: None,
             poison: true,
         })
@@ -381,6 +397,9 @@ impl FusedEngine {
         let timeout_ns = self.transport.timeout().as_nanos().min(u64::MAX as u128) as u64;
         let knobs = cfg.knobs;
         let mut times = PhaseTimes::default();
+        if let Some(ev) = &mut self.events {
+            ev.last = None;
+        }
 
         // 1. status + counts
         let t0 = Instant::now();
@@ -399,13 +418,17 @@ impl FusedEngine {
         times.counts = t0.elapsed();
         debug!(rank, round, %arm, "fused round");
 
-        // 2. dispatch (sources; count-first: the whole dispatch, count_first.rs)
+        // 2. dispatch. Count-first: the whole dispatch (count_first.rs). Payload-first: host
+        // preparation first (send lists, uploads, the poisoned expanded buffer), then the
+        // kernels of the phase.
         let t1 = Instant::now();
         let cf_received = match arm {
             DispatchArm::PayloadFirst => None,
             _ => self.count_first_dispatch(arm, input, &plans, timeout_ns)?,
         };
-        if let (DispatchArm::PayloadFirst, Some(s), Some(inp)) = (arm, src_index, input) {
+        let pf = arm == DispatchArm::PayloadFirst;
+        let mut send = None;
+        if let (true, Some(s), Some(inp)) = (pf, src_index, input) {
             let mw = fk::meta_words(k);
             let (mut token, mut dst_rank, mut slab_row, mut meta) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
@@ -434,21 +457,40 @@ impl FusedEngine {
                     debug_assert_eq!(meta.len() - start, mw);
                 }
             }
+            let rows = token.len();
             let x = upload(&self.gpu, &inp.x)?;
             let token_d = upload(&self.gpu, &token)?;
             let dst_d = upload(&self.gpu, &dst_rank)?;
             let row_d = upload(&self.gpu, &slab_row)?;
             let meta_d = upload(&self.gpu, &meta)?;
+            // the host vectors above must live until the copies ran
+            self.gpu.synchronize()?;
+            send = Some((inp.routes.tokens, x, token_d, dst_d, row_d, meta_d, rows));
+        }
+        let mut expand = None;
+        if let (true, Some(f)) = (pf, ffn_index) {
+            let total = plans[f].total_rows() as usize;
+            let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
+            poison(&self.gpu, &mut expanded)?;
+            let starts = upload(&self.gpu, &plans[f].slab_offsets)?;
+            self.gpu.synchronize()?;
+            expand = Some((f, total, expanded, starts));
+        }
+        if pf {
+            self.phase_start(Phase::Dispatch)?;
+        }
+        if let Some((tokens, x, token_d, dst_d, row_d, meta_d, rows)) = &send {
+            // sources: rows into their slabs in every FFN rank's workspace, then the flags
             fk::dispatch(
                 &self.gpu,
-                &x,
-                inp.routes.tokens,
+                x,
+                *tokens,
                 &SendList {
-                    token: &token_d,
-                    dst_rank: &dst_d,
-                    slab_row: &row_d,
-                    meta: &meta_d,
-                    rows: token.len(),
+                    token: token_d,
+                    dst_rank: dst_d,
+                    slab_row: row_d,
+                    meta: meta_d,
+                    rows: *rows,
                 },
                 k,
                 self.peers,
@@ -465,11 +507,40 @@ impl FusedEngine {
                 rank,
                 self.ws + CONTROL,
             )?;
-            // the host buffers above must live until the copies ran
-            self.gpu.synchronize()?;
         }
+        if let Some((_, total, expanded, starts)) = &mut expand {
+            // FFN ranks: the copy epilogue (waits for every source's flag)
+            fk::copy_epilogue(
+                &self.gpu,
+                self.ws,
+                &EpilogueSources {
+                    rank: &self.src_ranks,
+                    slab_starts: starts,
+                    sources: ns,
+                    total: plans[ffn_index.expect("an FFN rank")].total_tokens(),
+                },
+                DISPATCH_FLAGS,
+                &geo.slab,
+                k,
+                round,
+                timeout_ns,
+                self.ws + ERROR_WORD,
+                expanded,
+                *total,
+                knobs.epilogue_sm_cap,
+            )?;
+        }
+        if pf {
+            self.phase_end(Phase::Dispatch)?;
+            if expand.is_some() {
+                self.check_fault()?;
+            } else {
+                self.gpu.synchronize()?;
+            }
+        }
+        drop(send);
 
-        // 3. copy epilogue (FFN ranks)
+        // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
         let mut received = None;
         let mut y_rows: Vec<bf16> = Vec::new();
         if let (Some(f), Some(rx)) = (ffn_index, cf_received) {
@@ -478,32 +549,8 @@ impl FusedEngine {
             y_rows = experts_host(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
             times.experts = t2.elapsed();
             received = Some(rx);
-        } else if let Some(f) = ffn_index {
+        } else if let Some((f, _, expanded, _)) = expand {
             let plan = plans[f].clone();
-            let total = plan.total_rows() as usize;
-            let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
-            poison(&self.gpu, &mut expanded)?;
-            let starts = upload(&self.gpu, &plan.slab_offsets)?;
-            fk::copy_epilogue(
-                &self.gpu,
-                self.ws,
-                &EpilogueSources {
-                    rank: &self.src_ranks,
-                    slab_starts: &starts,
-                    sources: ns,
-                    total: plan.total_tokens(),
-                },
-                DISPATCH_FLAGS,
-                &geo.slab,
-                k,
-                round,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                &mut expanded,
-                total,
-                knobs.epilogue_sm_cap,
-            )?;
-            self.check_fault()?;
             let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &expanded)?;
             // the compact collect view: the slabs themselves
             let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
@@ -527,7 +574,6 @@ impl FusedEngine {
             }
             times.dispatch = t1.elapsed();
 
-            // 4. experts (host)
             let t2 = Instant::now();
             y_rows = experts_host(&cfg, rank, f, &plan, &expanded_h, expert)?;
             times.experts = t2.elapsed();
@@ -543,8 +589,10 @@ impl FusedEngine {
             times.dispatch = t1.elapsed();
         }
 
-        // 5. combine: stores back (FFN ranks), then the sums (sources)
+        // 5. combine: host preparation (return lists, uploads, the poisoned output), then the
+        // stores back (FFN ranks) and the sums (sources)
         let t3 = Instant::now();
+        let mut back = None;
         if let Some(f) = ffn_index {
             let plan = &plans[f];
             let total = plan.total_rows() as usize;
@@ -565,13 +613,38 @@ impl FusedEngine {
             let y = upload(&self.gpu, &y_rows)?;
             let dr = upload(&self.gpu, &dst_rank)?;
             let dw = upload(&self.gpu, &dst_row)?;
+            self.gpu.synchronize()?;
+            back = Some((y, dr, dw, total));
+        }
+        let mut sums = None;
+        if let (Some(s), Some(inp)) = (src_index, input) {
+            let t = inp.routes.tokens;
+            let pos = return_positions(&inp.routes, &p, &sources[s]);
+            let mut row = vec![fk::NO_ROW; t * k];
+            let mut owner = vec![0u32; t * k];
+            for (i, d) in pos.iter().enumerate() {
+                if let Some(d) = d {
+                    row[i] = topo.ffn_rank(d.ffn) as u64 * geo.ret_cap + d.row;
+                    owner[i] = d.ffn as u32;
+                }
+            }
+            let row_d = upload(&self.gpu, &row)?;
+            let own_d = upload(&self.gpu, &owner)?;
+            let w_d = upload(&self.gpu, &inp.routes.weights)?;
+            let mut out: CudaSlice<bf16> = zeros(&self.gpu, t * h)?;
+            poison(&self.gpu, &mut out)?;
+            self.gpu.synchronize()?;
+            sums = Some((t, row_d, own_d, w_d, out));
+        }
+        self.phase_start(Phase::Combine)?;
+        if let Some((y, dr, dw, total)) = &back {
             fk::combine_store(
                 &self.gpu,
-                &y,
+                y,
                 &ReturnList {
-                    dst_rank: &dr,
-                    dst_row: &dw,
-                    rows: total,
+                    dst_rank: dr,
+                    dst_row: dw,
+                    rows: *total,
                 },
                 self.peers,
                 geo.ret_off,
@@ -589,25 +662,8 @@ impl FusedEngine {
                 rank,
                 self.ws + CONTROL,
             )?;
-            self.gpu.synchronize()?;
         }
-        let mut combined = None;
-        if let (Some(s), Some(inp)) = (src_index, input) {
-            let t = inp.routes.tokens;
-            let pos = return_positions(&inp.routes, &p, &sources[s]);
-            let mut row = vec![fk::NO_ROW; t * k];
-            let mut owner = vec![0u32; t * k];
-            for (i, d) in pos.iter().enumerate() {
-                if let Some(d) = d {
-                    row[i] = topo.ffn_rank(d.ffn) as u64 * geo.ret_cap + d.row;
-                    owner[i] = d.ffn as u32;
-                }
-            }
-            let row_d = upload(&self.gpu, &row)?;
-            let own_d = upload(&self.gpu, &owner)?;
-            let w_d = upload(&self.gpu, &inp.routes.weights)?;
-            let mut out: CudaSlice<bf16> = zeros(&self.gpu, t * h)?;
-            poison(&self.gpu, &mut out)?;
+        if let Some((t, row_d, own_d, w_d, out)) = &mut sums {
             fk::combine(
                 &self.gpu,
                 self.ws,
@@ -616,27 +672,155 @@ impl FusedEngine {
                 COMBINE_FLAGS,
                 geo.ret_off,
                 &CombineSlots {
-                    row: &row_d,
-                    ffn: &own_d,
-                    weight: &w_d,
-                    tokens: t,
+                    row: row_d,
+                    ffn: own_d,
+                    weight: w_d,
+                    tokens: *t,
                 },
                 k,
                 h,
                 self.ws + CONTROL,
                 timeout_ns,
                 self.ws + ERROR_WORD,
-                &mut out,
+                out,
                 knobs.transport_sms,
             )?;
+        }
+        self.phase_end(Phase::Combine)?;
+        let mut combined = None;
+        if let Some((_, _, _, _, out)) = sums {
             self.check_fault()?;
             combined = Some(afdep_kernels::ops::download(&self.gpu, &out)?);
+        } else {
+            self.gpu.synchronize()?;
         }
+        drop(back);
         times.combine = t3.elapsed();
+        if let Some(ev) = &mut self.events {
+            ev.last = Some(ev.read()?);
+        }
         Ok(RoundOutput {
             combined,
             received,
             times,
+        })
+    }
+
+    /// Turns phase timing on or off (see [`DevicePhaseTimes`]). Collective in effect: with
+    /// timing on, every round adds two control-plane barriers, so every rank must set the
+    /// same. Creates the events now, outside any round.
+    pub fn set_phase_timing(&mut self, on: bool) -> Result<(), ExchangeError> {
+        self.events = if on {
+            Some(PhaseEvents::new(&self.gpu)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The device times of the last round that completed with phase timing on; `None` when
+    /// timing is off or the last round failed.
+    pub fn last_device_times(&self) -> Option<DevicePhaseTimes> {
+        self.events.as_ref().and_then(|e| e.last)
+    }
+
+    /// Start of a timed phase: a barrier of every rank (so that no rank's host preparation
+    /// or host experts fall inside another rank's device time), then the phase's first event.
+    fn phase_start(&mut self, phase: Phase) -> Result<(), ExchangeError> {
+        if self.events.is_none() {
+            return Ok(());
+        }
+        self.transport.barrier()?;
+        let ev = self.events.as_ref().expect("checked");
+        let e = match phase {
+            Phase::Dispatch => &ev.dispatch.0,
+            Phase::Combine => &ev.combine.0,
+        };
+        e.record(self.gpu.stream())
+            .map_err(KernelError::driver("recording a phase event"))?;
+        Ok(())
+    }
+
+    /// End of a timed phase: its second event, after the phase's last kernel.
+    fn phase_end(&mut self, phase: Phase) -> Result<(), ExchangeError> {
+        let Some(ev) = &self.events else {
+            return Ok(());
+        };
+        let e = match phase {
+            Phase::Dispatch => &ev.dispatch.1,
+            Phase::Combine => &ev.combine.1,
+        };
+        e.record(self.gpu.stream())
+            .map_err(KernelError::driver("recording a phase event"))?;
+        Ok(())
+    }
+}
+
+/// The two timed phases of a round.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Dispatch,
+    Combine,
+}
+
+/// Device time of the two exchange phases of one round on one rank, from CUDA events on the
+/// rank's stream ([`FusedEngine::set_phase_timing`]).
+///
+/// With timing on, each phase starts with a control-plane barrier of every rank, after the
+/// rank's host preparation of the phase (send lists, return lists and their uploads, the
+/// poisoned output buffers), and the first event is recorded right after it; the second
+/// follows the phase's last kernel. So a span holds only this rank's kernels of the phase and
+/// their waits for peers that started the phase at the same barrier, not the host work of
+/// another rank (an FFN rank's host experts, a source's send lists):
+///
+/// - **dispatch**: a source's dispatch and signal kernels; an FFN rank's copy epilogue, which
+///   waits for every source's flag and then expands; both on a rank that is both (EP).
+/// - **combine**: an FFN rank's return stores and signal; a source's combine, which waits for
+///   every FFN rank's flag and then sums; both on a rank that is both.
+///
+/// The latency of a phase is the largest span over the ranks; a round's is the sum of its two
+/// phases' latencies. The barrier's own skew between ranks (the time one rank's kernels wait
+/// for a peer that left the barrier later) counts, as it would in any host-launched round.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DevicePhaseTimes {
+    /// The dispatch phase on this rank.
+    pub dispatch: Duration,
+    /// The combine phase on this rank.
+    pub combine: Duration,
+}
+
+/// The events of phase timing, created once ([`FusedEngine::set_phase_timing`]).
+struct PhaseEvents {
+    dispatch: (CudaEvent, CudaEvent),
+    combine: (CudaEvent, CudaEvent),
+    last: Option<DevicePhaseTimes>,
+}
+
+impl PhaseEvents {
+    fn new(gpu: &GpuContext) -> Result<PhaseEvents, KernelError> {
+        let ev = || {
+            gpu.cuda()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(KernelError::driver("creating a phase event"))
+        };
+        Ok(PhaseEvents {
+            dispatch: (ev()?, ev()?),
+            combine: (ev()?, ev()?),
+            last: None,
+        })
+    }
+
+    /// The spans of the round just finished (its stream was waited for).
+    fn read(&self) -> Result<DevicePhaseTimes, KernelError> {
+        let span = |(a, b): &(CudaEvent, CudaEvent)| -> Result<Duration, KernelError> {
+            let ms = a
+                .elapsed_ms(b)
+                .map_err(KernelError::driver("reading a phase event"))?;
+            Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3))
+        };
+        Ok(DevicePhaseTimes {
+            dispatch: span(&self.dispatch)?,
+            combine: span(&self.combine)?,
         })
     }
 }

@@ -28,6 +28,8 @@ pub mod staged;
 pub mod timing;
 
 pub use error::ExchangeError;
-pub use fused::{DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph};
+pub use fused::{
+    DeviceExperts, DevicePhaseTimes, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph,
+};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};

@@ -3,7 +3,8 @@
 //! ranks, a zero-token rank, a hot expert and masked slots, bit-identical to the oracle; a
 //! rejected route fails every rank and the next round works. The same for the fused engine
 //! (payload-first kernels storing through the peer table), which must also equal the staged
-//! engine bit for bit.
+//! engine bit for bit, also with phase timing on (device times after every round, none after a
+//! rejected one).
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -276,5 +277,72 @@ fn fused_single_rank_ep1() {
     let got = run_group(g, std::slice::from_ref(&c), &rounds, Some(&p), &fused).unwrap();
     for (inp, g) in rounds.iter().zip(&got) {
         check_round(&c, inp, g, Some(&p));
+    }
+}
+
+/// A fused engine with phase timing on that checks, after every successful round, that the
+/// round's device times were taken.
+struct Timed(FusedEngine);
+
+impl Engine for Timed {
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn afdep_moe::ExpertFn,
+    ) -> RankResult {
+        let r = self.0.round(input, expert);
+        match &r {
+            Ok(_) => {
+                let t = self
+                    .0
+                    .last_device_times()
+                    .expect("phase timing on: device times after every round");
+                assert!(
+                    t.dispatch > Duration::ZERO && t.combine > Duration::ZERO,
+                    "rank {}: {t:?}",
+                    self.0.rank()
+                );
+            }
+            Err(_) => assert!(self.0.last_device_times().is_none()),
+        }
+        r
+    }
+}
+
+#[test]
+fn fused_with_phase_timing_is_bit_identical_and_times_every_round() {
+    let _serial = serial();
+    for topo in ["3A:1F", "2A:2F", "EP4", "1A:2F"] {
+        let c = cfg(topo, 24, 12, 3);
+        let p = params(&c, 8, 5);
+        let mut rounds = every_ratio_rounds(&c);
+        // and a rejected round in the middle: no times, the next round timed again
+        let mut bad = rounds[0].clone();
+        let s = bad.iter().position(|i| i.routes.tokens > 0).unwrap();
+        bad[s].routes.idx[0] = c.experts as i32;
+        rounds.insert(1, bad);
+        let world = c.topology.world_size();
+        let Some(g) = nvlink(world) else {
+            return;
+        };
+        let timed = |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
+            let mut e = FusedEngine::new(cfg, t)?;
+            e.set_phase_timing(true)?;
+            Ok(Timed(e))
+        };
+        let got = run_group(g, &vec![c.clone(); world], &rounds, Some(&p), &timed)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (i, (inp, g)) in rounds.iter().zip(&got).enumerate() {
+            if i == 1 {
+                for (rank, r) in g.iter().enumerate() {
+                    assert!(
+                        matches!(r, Err(ExchangeError::Route { .. })),
+                        "{topo} rank {rank}: {r:?}"
+                    );
+                }
+                continue;
+            }
+            check_round(&c, inp, g, Some(&p));
+        }
     }
 }

@@ -1,7 +1,21 @@
-//! Picking a transport at run time: [`TransportKind::check_available`] says whether a kind can be
-//! used in this build and on this machine (and why not), and [`AnyTransport`] is one
-//! [`Transport`] type over every kind, built from a [`TransportKind`] value, so that swapping
-//! transports is a config value and not a code change.
+//! Picking a transport at run time: [`TransportKind::check_available`] and
+//! [`TransportKind::check_placement`] say whether a kind can be used in this build and on this
+//! machine (and why not), and [`AnyTransport`] is one [`Transport`] type over every kind, built
+//! from a [`TransportKind`] value or a [`TransportConfig`] (the `transport` field of a config
+//! file), so that swapping transports is a config value and not a code change.
+//!
+//! Ranks are threads of one process ([`AnyTransport::group`]: Loopback, and NvlinkIpc ranks
+//! sharing one GPU or spread over several) or processes ([`AnyTransport::connect`] over a formed
+//! [`Bootstrap`], or [`AnyTransport::from_env`] under `afdep launch`: TCP, UCX, NCCL, and
+//! NvlinkIpc over CUDA IPC).
+//!
+//! # Devices of the GPU transports
+//!
+//! NCCL, NvlinkIpc and device buffers put rank r on device [`TransportOptions::device`] when it
+//! is set, else on device `r % device count`. NvlinkIpc ranks may share a GPU (the single-GPU
+//! rank emulation); [`TransportOptions::one_gpu_per_rank`] asks for one GPU each and makes too
+//! few GPUs an [`Unavailable`](TransportError::Unavailable) error. NCCL always needs one GPU
+//! per rank.
 //!
 //! ```no_run
 //! use afdep_transport::{AnyTransport, Transport, TransportKind, TransportOptions};
@@ -15,6 +29,8 @@
 //! ```
 
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use crate::{
     Bootstrap, DEFAULT_TIMEOUT, HostBuffer, HostTcp, Loopback, Span, Transport, TransportBuffer,
@@ -36,7 +52,20 @@ pub struct TransportOptions {
     /// TCP and UCX: device buffers staged through host memory
     /// ([`DeviceStaged`](crate::DeviceStaged), cargo feature `cuda`) instead of host buffers.
     pub device_buffers: bool,
+    /// NvlinkIpc: rank r on device r, and [`Unavailable`](TransportError::Unavailable) when the
+    /// machine has fewer GPUs than ranks (without it, ranks may share a GPU).
+    pub one_gpu_per_rank: bool,
+    /// NvlinkIpc: bytes of the staging area of `all_to_all_v` in every rank's window (the most
+    /// one rank receives in one operation).
+    pub staging_bytes: usize,
+    /// NvlinkIpc: bytes of the workspace of the fused kernels in every rank's window (at least
+    /// `FusedEngine::workspace_bytes` of the exchange config for the fused engine).
+    pub workspace_bytes: usize,
 }
+
+/// [`TransportOptions::staging_bytes`] and [`TransportOptions::workspace_bytes`] unless set:
+/// 64 MiB each.
+pub const DEFAULT_WINDOW_BYTES: usize = 64 << 20;
 
 impl Default for TransportOptions {
     fn default() -> TransportOptions {
@@ -45,7 +74,138 @@ impl Default for TransportOptions {
             ucx_tls: None,
             device: None,
             device_buffers: false,
+            one_gpu_per_rank: false,
+            staging_bytes: DEFAULT_WINDOW_BYTES,
+            workspace_bytes: DEFAULT_WINDOW_BYTES,
         }
+    }
+}
+
+impl TransportOptions {
+    /// The device of `rank` of `world` ranks on a machine with `devices` GPUs (see the
+    /// [module docs](self)), or [`Unavailable`](TransportError::Unavailable) naming what is
+    /// missing.
+    pub fn device_of(
+        &self,
+        kind: TransportKind,
+        rank: usize,
+        world: usize,
+        devices: usize,
+    ) -> Result<usize, TransportError> {
+        let no = |why: String| Err(TransportError::Unavailable { kind, why });
+        if devices == 0 {
+            return no("the NVIDIA driver sees no CUDA device".into());
+        }
+        if self.one_gpu_per_rank {
+            if world > devices {
+                return no(format!(
+                    "too few GPUs: {world} ranks with one GPU per rank need {world}, the driver \
+                     sees {devices}"
+                ));
+            }
+            if let Some(d) = self.device {
+                return no(format!(
+                    "one GPU per rank and device {d} for every rank were both requested"
+                ));
+            }
+            return Ok(rank);
+        }
+        match self.device {
+            Some(d) if d >= devices => no(format!(
+                "too few GPUs: device {d} requested, the driver sees {devices}"
+            )),
+            Some(d) => Ok(d),
+            None => Ok(rank % devices),
+        }
+    }
+}
+
+/// The `transport` field of a config file: a kind alone (`"nvlink"`), or a table with the kind
+/// and its options. Deserialized with serde (TOML, JSON, ...); turned into a transport by
+/// [`AnyTransport::group_from_config`] (ranks as threads) or [`AnyTransport::from_config_env`]
+/// (one process per rank under `afdep launch`).
+///
+/// ```toml
+/// [transport]
+/// kind = "nvlink"        # loopback | tcp | nvlink | nccl | ucx
+/// one_gpu_per_rank = false
+/// timeout_ms = 30000
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TransportConfig {
+    /// Only the kind; every option at its default.
+    Kind(TransportKind),
+    /// The kind and options.
+    Table(TransportTable),
+}
+
+/// The table form of [`TransportConfig`]; absent fields take [`TransportOptions::default`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TransportTable {
+    /// The transport.
+    pub kind: TransportKind,
+    /// [`TransportOptions::timeout`], in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// [`TransportOptions::ucx_tls`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ucx_tls: Option<String>,
+    /// [`TransportOptions::device`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<usize>,
+    /// [`TransportOptions::device_buffers`].
+    #[serde(default)]
+    pub device_buffers: bool,
+    /// [`TransportOptions::one_gpu_per_rank`].
+    #[serde(default)]
+    pub one_gpu_per_rank: bool,
+    /// [`TransportOptions::staging_bytes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging_bytes: Option<usize>,
+    /// [`TransportOptions::workspace_bytes`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_bytes: Option<usize>,
+}
+
+impl TransportConfig {
+    /// The transport kind.
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            TransportConfig::Kind(k) => *k,
+            TransportConfig::Table(t) => t.kind,
+        }
+    }
+
+    /// The options it sets, the others at their defaults.
+    pub fn options(&self) -> TransportOptions {
+        let d = TransportOptions::default();
+        match self {
+            TransportConfig::Kind(_) => d,
+            TransportConfig::Table(t) => TransportOptions {
+                timeout: t.timeout_ms.map_or(d.timeout, Duration::from_millis),
+                ucx_tls: t.ucx_tls.clone(),
+                device: t.device,
+                device_buffers: t.device_buffers,
+                one_gpu_per_rank: t.one_gpu_per_rank,
+                staging_bytes: t.staging_bytes.unwrap_or(d.staging_bytes),
+                workspace_bytes: t.workspace_bytes.unwrap_or(d.workspace_bytes),
+            },
+        }
+    }
+}
+
+impl Serialize for TransportKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for TransportKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -57,16 +217,28 @@ impl TransportKind {
     /// Loopback and TCP are always available. UCX needs the cargo feature `ucx`. NCCL needs the
     /// cargo feature `nccl`, a loadable NCCL library (`libnccl.so` or `libnccl.so.2`), the NVIDIA
     /// driver and one GPU per rank of this machine (NCCL refuses two ranks on one GPU).
-    /// NVLink-IPC is not implemented on this branch.
+    /// NVLink-IPC needs the cargo feature `nvlink` (the afdep tool has it: afdep-moe's fused
+    /// engine needs it), the NVIDIA driver and a GPU; its ranks may share one GPU, so the
+    /// number of GPUs it needs depends on the placement: see
+    /// [`check_placement`](TransportKind::check_placement).
     pub fn check_available(self, world_size: usize) -> Result<(), TransportError> {
         let no = |why: String| Err(TransportError::Unavailable { kind: self, why });
         match self {
             TransportKind::Loopback | TransportKind::HostTcp => Ok(()),
-            TransportKind::NvlinkIpc => no(
-                "not built yet: the NVLink-IPC transport (CUDA IPC / peer access) is being \
-                 implemented on another branch; use nccl, ucx or tcp"
-                    .into(),
-            ),
+            TransportKind::NvlinkIpc => {
+                #[cfg(feature = "nvlink")]
+                {
+                    crate::nvlink::probe_driver().map(|_| ())
+                }
+                #[cfg(not(feature = "nvlink"))]
+                {
+                    no(
+                        "this build does not include it: rebuild with the cargo feature \
+                        `afdep-transport/nvlink` (the afdep tool always has it)"
+                            .into(),
+                    )
+                }
+            }
             TransportKind::Ucx => {
                 if cfg!(feature = "ucx") {
                     Ok(())
@@ -97,6 +269,29 @@ impl TransportKind {
     }
 }
 
+impl TransportKind {
+    /// [`check_available`](TransportKind::check_available), then, for NvlinkIpc, whether the
+    /// machine has the GPUs that `options` place `world_size` ranks on
+    /// ([`TransportOptions::device_of`]): [`Unavailable`](TransportError::Unavailable) with
+    /// "too few GPUs" otherwise.
+    pub fn check_placement(
+        self,
+        world_size: usize,
+        options: &TransportOptions,
+    ) -> Result<(), TransportError> {
+        self.check_available(world_size)?;
+        #[cfg(feature = "nvlink")]
+        if self == TransportKind::NvlinkIpc {
+            let devices = crate::nvlink::probe_driver()?;
+            for r in 0..world_size {
+                options.device_of(self, r, world_size, devices)?;
+            }
+        }
+        let _ = options;
+        Ok(())
+    }
+}
+
 /// Every transport behind one type: the [`Transport`] to use when the kind is a run-time value.
 /// Built by [`AnyTransport::connect`] (over a formed [`Bootstrap`]) or
 /// [`AnyTransport::from_env`]; [`Loopback`] ranks are threads of one process and come from
@@ -119,6 +314,11 @@ pub enum AnyTransport {
     /// UCX with device buffers staged through host memory (features `ucx` and `cuda`).
     #[cfg(all(feature = "ucx", feature = "cuda"))]
     UcxDevice(crate::DeviceStaged<crate::Ucx>),
+    /// NVLink-IPC: device memory, peer stores (feature `nvlink`; boxed, it is the largest). The
+    /// fused engine takes the [`NvlinkIpc`](crate::NvlinkIpc) itself:
+    /// [`AnyTransport::into_nvlink`].
+    #[cfg(feature = "nvlink")]
+    Nvlink(Box<crate::NvlinkIpc>),
 }
 
 /// The buffer of an [`AnyTransport`]: host memory, or (NCCL) device memory.
@@ -129,6 +329,9 @@ pub enum AnyBuffer {
     /// Device memory (NCCL, and host transports with device buffers).
     #[cfg(feature = "cuda")]
     Device(crate::DeviceBuffer),
+    /// Device memory of an NvlinkIpc rank.
+    #[cfg(feature = "nvlink")]
+    Nvlink(crate::NvlinkBuffer),
 }
 
 impl TransportBuffer for AnyBuffer {
@@ -137,6 +340,8 @@ impl TransportBuffer for AnyBuffer {
             AnyBuffer::Host(b) => b.len(),
             #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.len(),
+            #[cfg(feature = "nvlink")]
+            AnyBuffer::Nvlink(b) => b.len(),
         }
     }
 
@@ -145,6 +350,8 @@ impl TransportBuffer for AnyBuffer {
             AnyBuffer::Host(b) => b.write(offset, src),
             #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.write(offset, src),
+            #[cfg(feature = "nvlink")]
+            AnyBuffer::Nvlink(b) => b.write(offset, src),
         }
     }
 
@@ -153,6 +360,8 @@ impl TransportBuffer for AnyBuffer {
             AnyBuffer::Host(b) => b.read(offset, dst),
             #[cfg(feature = "cuda")]
             AnyBuffer::Device(b) => b.read(offset, dst),
+            #[cfg(feature = "nvlink")]
+            AnyBuffer::Nvlink(b) => b.read(offset, dst),
         }
     }
 }
@@ -168,7 +377,7 @@ impl AnyTransport {
         options: &TransportOptions,
     ) -> Result<AnyTransport, TransportError> {
         let rank = boot.rank();
-        kind.check_available(boot.world_size())?;
+        kind.check_placement(boot.world_size(), options)?;
         if options.device_buffers && !matches!(kind, TransportKind::HostTcp | TransportKind::Ucx) {
             return Err(TransportError::InvalidArgument {
                 op: "connect",
@@ -208,6 +417,14 @@ impl AnyTransport {
             }
             #[cfg(feature = "nccl")]
             TransportKind::Nccl => Ok(AnyTransport::Nccl(crate::Nccl::new(boot, options.device)?)),
+            #[cfg(feature = "nvlink")]
+            TransportKind::NvlinkIpc => {
+                let devices = crate::nvlink::probe_driver()?;
+                let ordinal = options.device_of(kind, rank, boot.world_size(), devices)?;
+                Ok(AnyTransport::Nvlink(Box::new(
+                    crate::NvlinkIpc::from_bootstrap(boot, ordinal, nvlink_options(options))?,
+                )))
+            }
             TransportKind::Loopback => Err(TransportError::InvalidArgument {
                 op: "connect",
                 rank,
@@ -215,6 +432,7 @@ impl AnyTransport {
                     .into(),
             }),
             // unavailable kinds were refused by check_available above
+            #[allow(unreachable_patterns)]
             other => Err(TransportError::Unavailable {
                 kind: other,
                 why: format!("not available in this build (rank {rank}, {options:?})"),
@@ -230,9 +448,83 @@ impl AnyTransport {
         options: &TransportOptions,
     ) -> Result<AnyTransport, TransportError> {
         let env = crate::RendezvousEnv::from_env()?;
-        kind.check_available(env.world_size)?;
+        kind.check_placement(env.world_size, options)?;
         let boot = Bootstrap::connect(env.addr, env.rank, env.world_size, options.timeout)?;
         AnyTransport::connect(kind, boot, options)
+    }
+
+    /// [`from_env`](AnyTransport::from_env) with the kind and options of a config file's
+    /// `transport` field.
+    pub fn from_config_env(config: &TransportConfig) -> Result<AnyTransport, TransportError> {
+        AnyTransport::from_env(config.kind(), &config.options())
+    }
+
+    /// A group of `world_size` ranks as threads of this process (element r is rank r, to be
+    /// moved into the thread that plays it): [`Loopback::group`], or an in-process
+    /// [`NvlinkIpc`](crate::NvlinkIpc) group (devices per [`TransportOptions::device_of`];
+    /// ranks sharing a GPU get one stream each). Other kinds connect per rank over a
+    /// [`Bootstrap`] ([`AnyTransport::connect`]); for them this is an
+    /// [`InvalidArgument`](TransportError::InvalidArgument).
+    pub fn group(
+        kind: TransportKind,
+        world_size: usize,
+        options: &TransportOptions,
+    ) -> Result<Vec<AnyTransport>, TransportError> {
+        kind.check_placement(world_size, options)?;
+        match kind {
+            TransportKind::Loopback => Ok(Loopback::group(world_size, options.timeout)
+                .into_iter()
+                .map(AnyTransport::Loopback)
+                .collect()),
+            #[cfg(feature = "nvlink")]
+            TransportKind::NvlinkIpc => {
+                let devices = crate::nvlink::probe_driver()?;
+                let ordinals = (0..world_size)
+                    .map(|r| options.device_of(kind, r, world_size, devices))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(crate::NvlinkIpc::group(&ordinals, nvlink_options(options))?
+                    .into_iter()
+                    .map(|t| AnyTransport::Nvlink(Box::new(t)))
+                    .collect())
+            }
+            other => Err(TransportError::InvalidArgument {
+                op: "group",
+                rank: 0,
+                why: format!(
+                    "{other} ranks connect over a bootstrap (AnyTransport::connect), not as an \
+                     in-process group"
+                ),
+            }),
+        }
+    }
+
+    /// [`group`](AnyTransport::group) with the kind and options of a config file's `transport`
+    /// field.
+    pub fn group_from_config(
+        config: &TransportConfig,
+        world_size: usize,
+    ) -> Result<Vec<AnyTransport>, TransportError> {
+        AnyTransport::group(config.kind(), world_size, &config.options())
+    }
+
+    /// The NvlinkIpc rank inside (what the fused engine takes), or `self` back (boxed) for any
+    /// other kind.
+    #[cfg(feature = "nvlink")]
+    pub fn into_nvlink(self) -> Result<crate::NvlinkIpc, Box<AnyTransport>> {
+        match self {
+            AnyTransport::Nvlink(t) => Ok(*t),
+            other => Err(Box::new(other)),
+        }
+    }
+}
+
+/// The window sizes and timeout of NvlinkIpc ranks built from `options`.
+#[cfg(feature = "nvlink")]
+pub fn nvlink_options(options: &TransportOptions) -> crate::NvlinkOptions {
+    crate::NvlinkOptions {
+        staging_bytes: options.staging_bytes,
+        workspace_bytes: options.workspace_bytes,
+        timeout: options.timeout,
     }
 }
 
@@ -250,6 +542,8 @@ macro_rules! each {
             AnyTransport::HostTcpDevice($t) => $body,
             #[cfg(all(feature = "ucx", feature = "cuda"))]
             AnyTransport::UcxDevice($t) => $body,
+            #[cfg(feature = "nvlink")]
+            AnyTransport::Nvlink($t) => $body,
         }
     };
 }
@@ -298,6 +592,8 @@ impl Transport for AnyTransport {
             AnyTransport::HostTcpDevice(t) => t.alloc(bytes).map(AnyBuffer::Device),
             #[cfg(all(feature = "ucx", feature = "cuda"))]
             AnyTransport::UcxDevice(t) => t.alloc(bytes).map(AnyBuffer::Device),
+            #[cfg(feature = "nvlink")]
+            AnyTransport::Nvlink(t) => t.alloc(bytes).map(AnyBuffer::Nvlink),
         }
     }
 
@@ -336,6 +632,10 @@ impl Transport for AnyTransport {
             (AnyTransport::UcxDevice(t), AnyBuffer::Device(s), AnyBuffer::Device(r)) => {
                 t.all_to_all_v(s, send_spans, r, recv_spans)
             }
+            #[cfg(feature = "nvlink")]
+            (AnyTransport::Nvlink(t), AnyBuffer::Nvlink(s), AnyBuffer::Nvlink(r)) => {
+                t.all_to_all_v(s, send_spans, r, recv_spans)
+            }
             #[allow(unreachable_patterns)]
             _ => Err(wrong_buffer(rank)),
         }
@@ -354,18 +654,31 @@ mod tests {
     fn host_kinds_are_available_and_nvlink_says_why_not() {
         TransportKind::Loopback.check_available(4).unwrap();
         TransportKind::HostTcp.check_available(4).unwrap();
-        let e = TransportKind::NvlinkIpc.check_available(2).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                TransportError::Unavailable {
-                    kind: TransportKind::NvlinkIpc,
-                    ..
+        // NvlinkIpc: available on a GPU machine; otherwise the feature or the driver is named
+        match TransportKind::NvlinkIpc.check_available(2) {
+            Ok(()) => {}
+            Err(e) => {
+                assert!(
+                    matches!(
+                        e,
+                        TransportError::Unavailable {
+                            kind: TransportKind::NvlinkIpc,
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+                let text = e.to_string();
+                if cfg!(feature = "nvlink") {
+                    assert!(
+                        text.contains("driver") || text.contains("libcuda"),
+                        "{text}"
+                    );
+                } else {
+                    assert!(text.contains("afdep-transport/nvlink"), "{text}");
                 }
-            ),
-            "{e}"
-        );
-        assert!(e.to_string().contains("not built yet"), "{e}");
+            }
+        }
         #[cfg(not(feature = "ucx"))]
         {
             let e = TransportKind::Ucx.check_available(2).unwrap_err();
@@ -376,6 +689,76 @@ mod tests {
             let e = TransportKind::Nccl.check_available(1).unwrap_err();
             assert!(e.to_string().contains("afdep-transport/nccl"), "{e}");
         }
+    }
+
+    #[test]
+    fn devices_follow_the_placement_and_too_few_gpus_say_so() {
+        let k = TransportKind::NvlinkIpc;
+        let d = TransportOptions::default();
+        // ranks share GPUs round-robin by default
+        let got: Vec<usize> = (0..4).map(|r| d.device_of(k, r, 4, 1).unwrap()).collect();
+        assert_eq!(got, vec![0, 0, 0, 0]);
+        let got: Vec<usize> = (0..4).map(|r| d.device_of(k, r, 4, 2).unwrap()).collect();
+        assert_eq!(got, vec![0, 1, 0, 1]);
+        let on3 = TransportOptions {
+            device: Some(3),
+            ..TransportOptions::default()
+        };
+        assert_eq!(on3.device_of(k, 1, 4, 4).unwrap(), 3);
+        let e = on3.device_of(k, 1, 4, 2).unwrap_err();
+        assert!(
+            e.to_string().contains("too few GPUs") && e.to_string().contains("device 3"),
+            "{e}"
+        );
+        let each = TransportOptions {
+            one_gpu_per_rank: true,
+            ..TransportOptions::default()
+        };
+        assert_eq!(each.device_of(k, 2, 4, 8).unwrap(), 2);
+        let e = each.device_of(k, 0, 4, 1).unwrap_err();
+        assert!(
+            matches!(e, TransportError::Unavailable { kind, .. } if kind == k),
+            "{e}"
+        );
+        assert!(e.to_string().contains("too few GPUs: 4 ranks"), "{e}");
+        assert!(d.device_of(k, 0, 1, 0).is_err());
+    }
+
+    #[test]
+    fn transport_config_reads_a_kind_or_a_table() {
+        let c: TransportConfig = serde_json::from_str(r#""nvlink""#).unwrap();
+        assert_eq!(c.kind(), TransportKind::NvlinkIpc);
+        assert_eq!(c.options(), TransportOptions::default());
+        let c: TransportConfig = serde_json::from_str(
+            r#"{"kind": "ucx", "ucx_tls": "tcp", "timeout_ms": 500, "workspace_bytes": 4096}"#,
+        )
+        .unwrap();
+        assert_eq!(c.kind(), TransportKind::Ucx);
+        let o = c.options();
+        assert_eq!(o.ucx_tls.as_deref(), Some("tcp"));
+        assert_eq!(o.timeout, Duration::from_millis(500));
+        assert_eq!(o.workspace_bytes, 4096);
+        assert_eq!(o.staging_bytes, DEFAULT_WINDOW_BYTES);
+        let back: TransportConfig =
+            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+        assert!(serde_json::from_str::<TransportConfig>(r#""mpi""#).is_err());
+        assert!(
+            serde_json::from_str::<TransportConfig>(r#"{"kind": "tcp", "colour": 1}"#).is_err()
+        );
+    }
+
+    #[test]
+    fn groups_are_for_in_process_kinds() {
+        let o = TransportOptions::default();
+        let g = AnyTransport::group(TransportKind::Loopback, 3, &o).unwrap();
+        assert_eq!(g.len(), 3);
+        assert_eq!(g[2].rank(), 2);
+        let e = AnyTransport::group(TransportKind::HostTcp, 2, &o).unwrap_err();
+        assert!(matches!(e, TransportError::InvalidArgument { .. }), "{e}");
+        let g = AnyTransport::group_from_config(&TransportConfig::Kind(TransportKind::Loopback), 2)
+            .unwrap();
+        assert_eq!(g[1].world_size(), 2);
     }
 
     #[test]

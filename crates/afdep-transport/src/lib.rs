@@ -92,7 +92,12 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-pub use any::{AnyBuffer, AnyTransport, TransportOptions};
+#[cfg(feature = "nvlink")]
+pub use any::nvlink_options;
+pub use any::{
+    AnyBuffer, AnyTransport, DEFAULT_WINDOW_BYTES, TransportConfig, TransportOptions,
+    TransportTable,
+};
 pub use bootstrap::{
     Bootstrap, BootstrapListener, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, RendezvousEnv,
 };

@@ -275,12 +275,31 @@ impl FusedEngine {
             });
         }
 
-        // 1. source: counts on the device, published
+        // host preparation first (uploads, the poisoned areas), then the phase's kernels back
+        // to back (what phase timing measures, as in payload-first)
         let mut keep = None;
         if let (Some(_), Some(inp)) = (src_index, input) {
             let x = upload(&self.gpu, &inp.x)?;
             let idx = upload(&self.gpu, &inp.routes.idx)?;
             let w = upload(&self.gpu, &inp.routes.weights)?;
+            keep = Some((x, idx, w));
+        }
+        if let Some(f) = ffn_index {
+            let total = host_plans[f].total_rows().min(a.exp_rows);
+            self.poison_ws(a.expanded, total * 2 * h as u64)?;
+            if arm == DispatchArm::CountFirstSource {
+                for (s, r) in topo.attention_ranks().enumerate() {
+                    let n = (host_plans[f].slab_offsets[s + 1] - host_plans[f].slab_offsets[s])
+                        .min(u64::from(slab.cap));
+                    let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
+                    self.poison_ws(off, n * slab.row_bytes)?;
+                }
+            }
+        }
+        self.phase_start(super::Phase::Dispatch)?;
+
+        // 1. source: counts on the device, published
+        if let (Some((_, idx, w)), Some(inp)) = (&keep, input) {
             let scratch = self
                 .cf_scratch
                 .as_ref()
@@ -290,8 +309,8 @@ impl FusedEngine {
                 })?;
             let src = CfSource {
                 tokens: inp.routes.tokens,
-                idx: &idx,
-                weight: &w,
+                idx,
+                weight: w,
                 slot_pos: &scratch.slot_pos,
                 tok_row: &scratch.tok_row,
                 counts: &scratch.counts,
@@ -308,21 +327,10 @@ impl FusedEngine {
                 rank,
                 ctl,
             )?;
-            keep = Some((x, idx, w));
         }
 
-        // 2. FFN rank: poison, plan, offsets
-        if let Some(f) = ffn_index {
-            let total = host_plans[f].total_rows().min(a.exp_rows);
-            self.poison_ws(a.expanded, total * 2 * h as u64)?;
-            if arm == DispatchArm::CountFirstSource {
-                for (s, r) in topo.attention_ranks().enumerate() {
-                    let n = (host_plans[f].slab_offsets[s + 1] - host_plans[f].slab_offsets[s])
-                        .min(u64::from(slab.cap));
-                    let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
-                    self.poison_ws(off, n * slab.row_bytes)?;
-                }
-            }
+        // 2. FFN rank: plan, offsets
+        if ffn_index.is_some() {
             cf::plan(
                 &self.gpu,
                 self.ws,
@@ -420,6 +428,7 @@ impl FusedEngine {
                 )?;
             }
         }
+        self.phase_end(super::Phase::Dispatch)?;
         self.check_fault()?;
         drop(keep);
         let Some(f) = ffn_index else {

@@ -1,0 +1,367 @@
+//! `afdep exchange` arms, config file and engine choice, and the paired, rotated-order runner
+//! `afdep exchange-arms`, on the CPU: the staged engine over loopback and TCP stands in for
+//! the fused engine (payload-first and both count-first arms; the staged engine has payload-first only, so its count-first rows are `unsupported`).
+
+use std::process::{Command, Output};
+
+const SMALL: [&str; 14] = [
+    "--hidden",
+    "16",
+    "--experts",
+    "6",
+    "--top-k",
+    "2",
+    "--capacity",
+    "8",
+    "--rounds",
+    "2",
+    "--warmup",
+    "1",
+    "--expert",
+    "identity",
+];
+
+fn afdep(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_afdep"))
+        .args(args)
+        .output()
+        .expect("running afdep")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).to_string()
+}
+
+fn rows(stdout: &str) -> Vec<serde_json::Value> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+fn ok(args: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let out = afdep(args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "afdep {args:?}:\n{stdout}\n{stderr}");
+    (rows(&stdout), stderr)
+}
+
+/// The runner over `transport`: payload-first runs in a child process per repeat, in rotated
+/// order with count-first; count-first is reported `unsupported` by the staged engine.
+fn arms_over(transport: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rows.jsonl");
+    let table = dir.path().join("table.md");
+    let mut args = vec![
+        "exchange-arms",
+        "--arms",
+        "payload-first,count-first",
+        "--repeats",
+        "3",
+        "--json-out",
+        json.to_str().unwrap(),
+        "--table",
+        table.to_str().unwrap(),
+        "--",
+        "--backend",
+        "cpu",
+        "--transport",
+        transport,
+        "--topology",
+        "2A:1F",
+        "--tokens",
+        "3,5",
+    ];
+    args.extend(SMALL);
+    let (rows, stderr) = ok(&args);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let repeats: Vec<&serde_json::Value> = rows.iter().filter(|r| r["kind"] == "repeat").collect();
+    // 3 repeats × 2 token counts of payload-first; count-first never produced a row
+    assert_eq!(repeats.len(), 6, "{rows:?}");
+    let mut pids = Vec::new();
+    for r in &repeats {
+        assert_eq!(r["arm"], "payload-first");
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["engine"], "staged");
+        assert_eq!(r["timing"], "host");
+        let repeat = r["repeat"].as_u64().unwrap();
+        // rotated orders: repeat 0 and 2 start with payload-first, repeat 1 with count-first
+        let want = if repeat == 1 {
+            serde_json::json!(["count-first", "payload-first"])
+        } else {
+            serde_json::json!(["payload-first", "count-first"])
+        };
+        assert_eq!(r["order"], want, "{r}");
+        let pos = r["position"].as_u64().unwrap();
+        assert_eq!(pos, if repeat == 1 { 1 } else { 0 });
+        pids.push(r["pid"].as_u64().unwrap());
+    }
+    // one process per repeat (both token counts of a repeat in one child), none of them this one
+    pids.sort();
+    pids.dedup();
+    assert_eq!(pids.len(), 3, "separate child processes: {pids:?}");
+    let summary: Vec<&serde_json::Value> = rows.iter().filter(|r| r["kind"] == "arms").collect();
+    assert_eq!(summary.len(), 4, "2 token counts × 2 arms: {summary:?}");
+    for s in &summary {
+        match s["arm"].as_str().unwrap() {
+            "payload-first" => {
+                assert_eq!(s["status"], "ok");
+                assert_eq!(s["change_pct"], 0.0);
+                let us: Vec<f64> = s["repeats_us"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap())
+                    .collect();
+                assert_eq!(us.len(), 3);
+                let mut sorted = us.clone();
+                sorted.sort_by(f64::total_cmp);
+                assert_eq!(s["median_us"].as_f64().unwrap(), sorted[1]);
+                assert_eq!(s["pids"].as_array().unwrap().len(), 3);
+            }
+            "count-first" => {
+                assert_eq!(s["status"], "unsupported", "{s}");
+                assert!(
+                    s["why"].as_str().unwrap().contains("no arm count-first"),
+                    "{s}"
+                );
+                assert!(s["median_us"].is_null());
+            }
+            other => panic!("arm {other}"),
+        }
+    }
+    let written = std::fs::read_to_string(&json).unwrap();
+    assert_eq!(written.lines().count(), rows.len());
+    let md = std::fs::read_to_string(&table).unwrap();
+    assert!(md.contains("| 2A:1F | 3 |"), "{md}");
+    assert!(md.contains("| unsupported |"), "{md}");
+}
+
+#[test]
+fn arms_runner_over_loopback() {
+    arms_over("loopback");
+}
+
+#[test]
+fn arms_runner_over_tcp() {
+    arms_over("tcp");
+}
+
+#[test]
+fn arms_runner_refuses_bad_arguments() {
+    for args in [
+        &[
+            "exchange-arms",
+            "--arms",
+            "count-first",
+            "--",
+            "--backend",
+            "cpu",
+        ][..],
+        &["exchange-arms", "--repeats", "0", "--", "--backend", "cpu"][..],
+        &["exchange-arms", "--", "--arm", "payload-first"][..],
+        &["exchange-arms", "--arms", "payload-first,payload-first"][..],
+    ] {
+        let out = afdep(args);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    // a child that fails for another reason stops the runner with its error
+    let out = afdep(&[
+        "exchange-arms",
+        "--arms",
+        "payload-first",
+        "--repeats",
+        "1",
+        "--",
+        "--backend",
+        "cpu",
+        "--topology",
+        "1A:1F",
+        "--hidden",
+        "0",
+    ]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("hidden"), "{stderr}");
+}
+
+#[test]
+fn unsupported_arms_and_payloads_exit_3_and_say_so() {
+    for (flag, value, what) in [
+        ("--arm", "count-first", "no arm count-first"),
+        ("--arm", "count-first-source", "no arm count-first-source"),
+        ("--payload", "fp8", "no payload fp8_e4m3"),
+    ] {
+        let mut args = vec![
+            "exchange",
+            "--backend",
+            "cpu",
+            "--topology",
+            "1A:1F",
+            "--tokens",
+            "2",
+            flag,
+            value,
+        ];
+        args.extend(SMALL);
+        // fp8 needs a multiple of 128 channels
+        assert_eq!(args[9], "--hidden");
+        args[10] = "128";
+        let out = afdep(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{value}: {stderr}");
+        assert!(
+            stderr.contains("unsupported: the staged engine") && stderr.contains(what),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn the_fused_backend_needs_nvlink() {
+    let out = afdep(&[
+        "exchange",
+        "--backend",
+        "cuda",
+        "--transport",
+        "tcp",
+        "--topology",
+        "1A:1F",
+    ]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("fused engine") && stderr.contains("--transport nvlink"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_config_file_sets_the_exchange_and_the_transport_and_flags_override_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml_path = dir.path().join("x.toml");
+    std::fs::write(
+        &toml_path,
+        r#"
+topology = "2A:2F"
+hidden = 24
+experts = 8
+top_k = 2
+capacity = 16
+payload = "bf16"
+
+[knobs]
+transport_sms = 7
+
+[transport]
+kind = "tcp"
+timeout_ms = 20000
+"#,
+    )
+    .unwrap();
+    let cfg = toml_path.to_str().unwrap();
+    let common = ["--tokens", "3", "--rounds", "1", "--expert", "identity"];
+    let mut args = vec!["exchange", "--backend", "cpu", "--config", cfg];
+    args.extend(common);
+    let (r, _) = ok(&args);
+    assert_eq!(r.len(), 1);
+    let r = &r[0];
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["topology"], "2A:2F");
+    assert_eq!(r["hidden"], 24);
+    assert_eq!(r["experts"], 8);
+    assert_eq!(r["top_k"], 2);
+    assert_eq!(r["capacity"], 16);
+    assert_eq!(r["transport_sms"], 7);
+    assert_eq!(r["transport"], "tcp");
+    // flags win over the file
+    let mut args = vec![
+        "exchange",
+        "--backend",
+        "cpu",
+        "--config",
+        cfg,
+        "--transport",
+        "loopback",
+        "--hidden",
+        "32",
+        "--transport-sms",
+        "23",
+        "--topology",
+        "EP2",
+    ];
+    args.extend(common);
+    let (r, _) = ok(&args);
+    let r = &r[0];
+    assert_eq!(r["status"], "ok", "{r}");
+    assert_eq!(r["topology"], "EP2");
+    assert_eq!(r["hidden"], 32);
+    assert_eq!(r["experts"], 8);
+    assert_eq!(r["transport_sms"], 23);
+    assert_eq!(r["transport"], "loopback");
+    // JSON works the same
+    let json_path = dir.path().join("x.json");
+    std::fs::write(
+        &json_path,
+        r#"{"topology": "1A:1F", "hidden": 16, "experts": 4, "top_k": 2, "capacity": 8,
+            "transport": "loopback"}"#,
+    )
+    .unwrap();
+    let mut args = vec![
+        "exchange",
+        "--backend",
+        "cpu",
+        "--config",
+        json_path.to_str().unwrap(),
+    ];
+    args.extend(common);
+    let (r, _) = ok(&args);
+    assert_eq!(r[0]["topology"], "1A:1F");
+    assert_eq!(r[0]["status"], "ok");
+}
+
+#[test]
+fn bad_config_files_name_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (text_, want)) in [
+        ("hiden = 16\n", "field `hiden`"),
+        ("hidden = \"wide\"\n", "field `hidden`"),
+        ("[knobs]\ntransport_sms = 0\n", "knobs.transport_sms"),
+        ("[knobs]\nwarps_per_unit = 33\n", "knobs.warps_per_unit"),
+        ("top_k = 200\n", "top_k"),
+        ("transport = \"mpi\"\n", "field `transport`"),
+        (
+            "[transport]\nkind = \"tcp\"\ncolour = 1\n",
+            "field `transport`",
+        ),
+        ("topology = \"3A:0F\"\n", "field `topology`"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&p, text_).unwrap();
+        let out = afdep(&[
+            "exchange",
+            "--backend",
+            "cpu",
+            "--config",
+            p.to_str().unwrap(),
+            "--tokens",
+            "1",
+        ]);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{text_}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains(want) && stderr.contains(p.to_str().unwrap()),
+            "{text_:?}: want {want:?} in {stderr}"
+        );
+    }
+    let out = afdep(&["exchange", "--config", "/nonexistent/afdep.toml"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("/nonexistent/afdep.toml"));
+}
