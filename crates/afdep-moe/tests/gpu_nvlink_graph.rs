@@ -76,13 +76,20 @@ fn all_modes() -> Vec<Mode> {
         .collect()
 }
 
+/// `[round][mode][rank]` results.
+type Runs = Vec<Vec<Vec<RankResult>>>;
+/// Each rank's graphs' node types, `[rank][arm]`.
+type Nodes = Vec<Vec<Vec<u32>>>;
+/// One rank's results `[round][mode]` and its graphs' node types `[arm]`.
+type RankRuns = (Vec<Vec<RankResult>>, Vec<Vec<u32>>);
+
 /// Runs every round in every mode on one group (each rank captures one graph per arm first).
 /// Returns `[round][mode][rank]`, and each rank's graphs' node types.
 fn run_modes(
     c: &ExchangeConfig,
     rounds: &[Vec<SourceInput>],
     modes: &[Mode],
-) -> Option<(Vec<Vec<Vec<RankResult>>>, Vec<Vec<Vec<u32>>>)> {
+) -> Option<(Runs, Nodes)> {
     let world = c.topology.world_size();
     let g = nvlink(world, c)?;
     let opts = DeviceRoundOptions {
@@ -91,7 +98,7 @@ fn run_modes(
     };
     // engines and graphs are dropped after every rank's thread is done
     let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
-    let per_rank: Vec<(Vec<Vec<RankResult>>, Vec<Vec<u32>>)> = std::thread::scope(|sc| {
+    let per_rank: Vec<RankRuns> = std::thread::scope(|sc| {
         let hs: Vec<_> = g
             .into_iter()
             .enumerate()
@@ -140,7 +147,7 @@ fn run_modes(
         drop(eng);
     }
     let nodes = per_rank.iter().map(|(_, n)| n.clone()).collect();
-    let mut out: Vec<Vec<Vec<RankResult>>> = (0..rounds.len())
+    let mut out: Runs = (0..rounds.len())
         .map(|_| (0..modes.len()).map(|_| Vec::new()).collect())
         .collect();
     for (results, _) in per_rank {

@@ -412,6 +412,6 @@ mod tests {
             define("AFDEP_FUSED_FAULT_STATUS_WAIT"),
             format!("{FAULT_STATUS_WAIT}u")
         );
-        assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS);
+        const { assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS) };
     }
 }

@@ -350,7 +350,8 @@ impl FusedEngine {
         })
     }
 
-    /// Runs `f` unless the engine is closed; any error but a rejected route closes it.
+    /// Runs `f` unless the engine is closed; any error but a rejected route or a caller's input
+    /// error (found before the launches, or returned after a completed round) closes it.
     fn guarded(
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<RoundOutput, ExchangeError>,
@@ -364,7 +365,8 @@ impl FusedEngine {
         }
         let r = f(self);
         if let Err(e) = &r {
-            if !matches!(e, ExchangeError::Route { .. }) && self.closed.is_none() {
+            let keeps = matches!(e, ExchangeError::Route { .. } | ExchangeError::Input { .. });
+            if !keeps && self.closed.is_none() {
                 self.closed = Some(e.to_string());
             }
         }
