@@ -824,8 +824,11 @@ mod tests {
         );
         let v = runtime_variants();
         // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue
-        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4);
+        // combine, count-first counts, dispatch, streaming epilogue, device round
+        assert_eq!(
+            v.len(),
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4
+        );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

@@ -19,8 +19,9 @@
 //! 3. **copy epilogue** (FFN, `afdep_fused_copy_epilogue`): waits (bounded) for every source's
 //!    flag, then expands the slabs into the expanded layout (one row per (token, local expert),
 //!    grouped by local expert, [`FfnPlan`]'s offsets). The slabs are the compact collect view.
-//! 4. **experts** (FFN, host in this version: the expanded rows are read back, the
-//!    [`ExpertFn`] applied per local expert, the outputs uploaded).
+//! 4. **experts** (FFN, host in a host-planned round: the expanded rows are read back, the
+//!    [`ExpertFn`] applied per local expert, the outputs uploaded; on the device in a device
+//!    round, below).
 //! 5. **combine** (FFN, `afdep_fused_combine_store`): each expert output row is stored into this
 //!    FFN rank's return area in its source's workspace (per source, local experts in order, the
 //!    staged engine's return order), then the FFN rank's combine flag is raised in every source.
@@ -34,11 +35,18 @@
 //! 0      dispatch flags  u32[world]  (indexed by source rank)
 //! 256    combine flags   u32[world]  (indexed by FFN rank)
 //! 512    error word      u32[4]      {code, peer, round, 0}
+//! 768    control block   u32[16]     {round, verdict, route word[6], tokens, ...}
 //! 1024   slabs           world × capacity rows of slab_row_bytes(hidden, K)   (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
 //!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
+//! status device rounds'  u32[2][64][8] by (round parity, rank): verdict words (after cf)
 //! ```
+//!
+//! Every fused kernel that raises or waits for a flag reads the round number (and a source's
+//! token count) from the rank's control block ([`afdep_kernels::ops::fused_round`]) and does
+//! nothing when the round's verdict is not go; a host-planned round starts with
+//! `afdep_round_bump` (round + 1, its token count), a device round with `afdep_round_begin`.
 //!
 //! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
 //!
@@ -92,7 +100,14 @@
 //! and its plans drive the combine and the poisoned extents of the expanded area; the dispatch
 //! itself uses only the device's counts and offsets.
 //!
-//! Not in this version: experts on the device, CUDA-graph capture.
+//! # Device rounds and CUDA graphs
+//!
+//! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a
+//! whole round with no host work between its kernels: route validation on the device with the
+//! verdict shared among ranks through the workspace (a rejection is the same typed
+//! [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
+//! device experts ([`DeviceExperts`]), device-side return and slot lists, over capacity-sized
+//! buffers, eagerly or replayed from a CUDA graph: `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 

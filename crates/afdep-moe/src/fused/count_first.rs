@@ -173,6 +173,7 @@ pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
         cf::fault::OFFSETS_WAIT => Some("count-first offsets"),
         cf::fault::ROW_WAIT => Some("count-first streaming rows"),
         cf::fault::SOURCE_WAIT => Some("count-first source-arm dispatch"),
+        afdep_kernels::ops::fused_round::FAULT_STATUS_WAIT => Some("device round status"),
         _ => None,
     }
 }
