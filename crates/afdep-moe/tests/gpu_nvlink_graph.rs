@@ -243,6 +243,28 @@ fn graph_replays_match_the_oracle_and_eager_rounds_for_every_ratio_and_arm() {
     }
 }
 
+/// One rank that is both source and FFN rank (EP1), every mode, a few small rounds: every flag
+/// is raised and awaited on the same stream, so this test also runs under compute-sanitizer
+/// (which serialises kernels; the multi-rank tests' cross-stream waits would run out there).
+#[test]
+fn device_rounds_on_a_single_rank_ep1() {
+    let _serial = serial();
+    let modes = all_modes();
+    let mut c = cfg("EP1", 40, 12, 2);
+    c.capacity = 24;
+    c.validate().unwrap();
+    let rounds = vec![
+        sources(&c, &[7], Some(5), 51),
+        sources(&c, &[0], None, 52),
+        sources(&c, &[24], Some(11), 53),
+    ];
+    let Some((got, nodes)) = run_modes(&c, &rounds, &modes) else {
+        return;
+    };
+    node_check("EP1", &nodes);
+    check_modes("EP1", &c, &rounds, &got, &modes);
+}
+
 /// Hidden 2048 and 7168 with capacity 256 (rounds at capacity), odd SM budgets and knobs.
 #[test]
 fn graph_replays_at_large_hidden_with_knobs() {
