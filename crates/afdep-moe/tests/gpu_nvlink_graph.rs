@@ -90,12 +90,22 @@ fn run_modes(
     rounds: &[Vec<SourceInput>],
     modes: &[Mode],
 ) -> Option<(Runs, Nodes)> {
-    let world = c.topology.world_size();
-    let g = nvlink(world, c)?;
     let opts = DeviceRoundOptions {
         experts: DeviceExperts::index_scale(c.experts),
         keep_received: true,
     };
+    run_modes_with(c, rounds, modes, &opts)
+}
+
+/// [`run_modes`] with other device experts.
+fn run_modes_with(
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    modes: &[Mode],
+    opts: &DeviceRoundOptions,
+) -> Option<(Runs, Nodes)> {
+    let world = c.topology.world_size();
+    let g = nvlink(world, c)?;
     // engines and graphs are dropped after every rank's thread is done
     let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
     let per_rank: Vec<RankRuns> = std::thread::scope(|sc| {
@@ -440,6 +450,75 @@ fn repeated_replays_are_identical() {
             for (x, y) in a.iter().zip(b) {
                 let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
                 assert!(x.combined == y.combined && x.received == y.received);
+            }
+        }
+    }
+}
+
+/// The SwiGLU expert FFN on the device (grouped GEMM over the expanded layout, groups from the
+/// device plan): every source's combine within the layer output's bf16 tolerance of the oracle
+/// with the oracle's SwiGLU experts, the received views bit-identical, and every mode (eager,
+/// graph replays of each arm) bit-identical to the first.
+#[test]
+fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
+    let _serial = serial();
+    let modes = [
+        Mode::Eager(DispatchArm::PayloadFirst),
+        Mode::Graph(DispatchArm::PayloadFirst),
+        Mode::Graph(DispatchArm::CountFirst),
+        Mode::Graph(DispatchArm::CountFirstSource),
+    ];
+    for topo in ["3A:1F", "1A:3F", "EP4"] {
+        let mut c = cfg(topo, 64, 8, 2);
+        c.capacity = 40;
+        c.validate().unwrap();
+        let p = params(&c, 32, 7);
+        let opts = DeviceRoundOptions {
+            experts: DeviceExperts::SwiGlu(std::sync::Arc::new(p.clone())),
+            keep_received: true,
+        };
+        let a = c.topology.attention_count();
+        let rounds = vec![
+            sources(&c, &[37, 0, 11, 40][..a], Some(3), 101),
+            sources(&c, &[1, 40, 0, 5][..a], None, 102),
+        ];
+        let Some((got, _)) = run_modes_with(&c, &rounds, &modes, &opts) else {
+            return;
+        };
+        let expert = |e: usize, rows: &[afdep_core::bf16], n: usize| {
+            afdep_core::oracle::layer::expert_rows(&p, e, rows, n).unwrap()
+        };
+        for (i, (inp, per_mode)) in rounds.iter().zip(&got).enumerate() {
+            let want = afdep_core::oracle::exchange::exchange(&c, inp, expert).unwrap();
+            let want_rx = afdep_core::oracle::exchange::dispatch(&c, inp).unwrap();
+            for (m, g) in modes.iter().zip(per_mode) {
+                for (rank, r) in g.iter().enumerate() {
+                    let r = r
+                        .as_ref()
+                        .unwrap_or_else(|e| panic!("{topo} round {i} {m:?} rank {rank}: {e}"));
+                    if let Some(s) = c.topology.attention_index(rank) {
+                        let got = r.combined.as_ref().unwrap();
+                        let err = afdep_moe::accuracy::max_rel_err(got, &want[s]);
+                        assert!(
+                            err <= afdep_moe::accuracy::OUT_TOL,
+                            "{topo} round {i} {m:?} source {s}: error {err}"
+                        );
+                        println!("{topo} round {i} {m:?} source {s}: max rel err {err:.2e}");
+                    }
+                    if let Some(f) = c.topology.ffn_index(rank) {
+                        assert_eq!(r.received.as_ref().unwrap(), &want_rx[f]);
+                    }
+                }
+            }
+            for (m, g) in modes.iter().zip(per_mode).skip(1) {
+                for (rank, (x, y)) in g.iter().zip(&per_mode[0]).enumerate() {
+                    let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                    assert!(
+                        x.combined == y.combined,
+                        "{topo} round {i} rank {rank}: {m:?} differs from {:?}",
+                        modes[0]
+                    );
+                }
             }
         }
     }

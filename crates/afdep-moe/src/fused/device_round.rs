@@ -48,10 +48,21 @@
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
 //!
+//! # Experts
+//!
+//! [`DeviceExperts::Scale`] (bf16(f32(x) · s_e), bit-reproducible: its host twin
+//! [`DeviceExperts::host`] makes the oracle's results bit-identical) or
+//! [`DeviceExperts::SwiGlu`], the layer's expert FFN through afdep-kernels' grouped GEMM
+//! (`ops::gemm::up_swiglu`, `ops::gemm::down`, as `MoeLayer` uses them): the device plan's
+//! expert offsets and the expanded rows are copied on the device into the GEMM's buffers, the
+//! groups are the local experts; within the bf16 tolerances of [`crate::accuracy`]. The GEMM
+//! kernels are loaded and warmed up in [`FusedEngine::prepare_device`] (their occupancy and
+//! fault word are set up there, not during a capture).
+//!
 //! # Not here
 //!
-//! The real SwiGLU expert FFN on the device (grouped GEMM over the expanded layout) is not
-//! wired into device rounds yet; fp8 payloads run host-planned payload-first rounds only.
+//! fp8 payloads run host-planned payload-first rounds only; the arm is chosen by the caller
+//! (one graph per arm), not on the device.
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
@@ -71,11 +82,17 @@ use crate::error::ExchangeError;
 use crate::staged::{PhaseTimes, RoundOutput};
 
 /// The experts an FFN rank applies on the device in a device round.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum DeviceExperts {
     /// Expert e maps a row x to `bf16(f32(x) * scales[e])` (one rounding, bit-reproducible):
     /// the exchange tests' and latency runs' expert. `scales` holds one f32 per global expert.
     Scale(Vec<f32>),
+    /// The layer's SwiGLU expert FFN (`W1`, `W3`, `W2` of the parameters, whose shape must have
+    /// the configuration's hidden size and experts) through afdep-kernels' grouped GEMM over the
+    /// expanded layout, groups from the device plan's expert offsets: `h = bf16(silu(x·W1) ·
+    /// x·W3)`, `y = bf16(h·W2)`; within bf16 tolerances of the oracle's `expert_rows`
+    /// ([`crate::accuracy`]), not bit-identical. Hidden size and width must be multiples of 8.
+    SwiGlu(std::sync::Arc<afdep_core::oracle::LayerParams>),
 }
 
 impl DeviceExperts {
@@ -85,21 +102,24 @@ impl DeviceExperts {
     }
 
     /// The same experts on the host, as an [`crate::ExpertFn`] for the oracle and the staged
-    /// engine: bit-identical results.
+    /// engine: bit-identical results for [`DeviceExperts::Scale`], the oracle's SwiGLU
+    /// (`afdep_core::oracle::layer::expert_rows`) for [`DeviceExperts::SwiGlu`].
     pub fn host(&self) -> impl Fn(usize, &[bf16], usize) -> Vec<bf16> + '_ {
-        move |e: usize, rows: &[bf16], _n: usize| match self {
+        move |e: usize, rows: &[bf16], n: usize| match self {
             DeviceExperts::Scale(s) => {
                 let k = s[e];
                 rows.iter()
                     .map(|v| bf16::from_f32(v.to_f32() * k))
                     .collect()
             }
+            DeviceExperts::SwiGlu(p) => afdep_core::oracle::layer::expert_rows(p, e, rows, n)
+                .unwrap_or_else(|_| vec![bf16::from_bits(0xFFFF); rows.len()]),
         }
     }
 }
 
 /// Options of device rounds ([`FusedEngine::prepare_device`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct DeviceRoundOptions {
     /// The FFN ranks' device experts.
     pub experts: DeviceExperts,
@@ -125,6 +145,21 @@ struct FfnBufs {
     scale: CudaSlice<f32>,
     y: CudaSlice<bf16>,
     snapshot: Option<CudaSlice<u8>>,
+    swiglu: Option<SwigluBufs>,
+}
+
+/// An FFN rank's SwiGLU experts: its local experts' weights, the GEMM groups (a copy of the
+/// device plan's expert offsets), the GEMM's input rows (a copy of the expanded area: the GEMM
+/// takes device buffers) and the SwiGLU activations.
+#[derive(Debug)]
+struct SwigluBufs {
+    w1: CudaSlice<bf16>,
+    w3: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+    width: usize,
+    offsets: CudaSlice<u64>,
+    x: CudaSlice<bf16>,
+    h: CudaSlice<bf16>,
 }
 
 /// A rank's device-round state.
@@ -203,9 +238,9 @@ fn bind(gpu: &GpuContext) -> Result<(), ExchangeError> {
 
 impl FusedEngine {
     /// Allocates this rank's device-round buffers (capacity-sized: inputs and output of a
-    /// source; expert scales, outputs and the optional snapshot of an FFN rank). Once per
-    /// engine (graphs keep the buffers' addresses); every rank of the group calls it before
-    /// its first device round.
+    /// source; expert scales or SwiGLU weights, outputs and the optional snapshot of an FFN
+    /// rank). Once per engine (graphs keep the buffers' addresses). Collective (a barrier at
+    /// the end): every rank of the group calls it before its first device round.
     pub fn prepare_device(&mut self, opts: DeviceRoundOptions) -> Result<(), ExchangeError> {
         let rank = self.rank();
         if self.device.is_some() {
@@ -217,7 +252,25 @@ impl FusedEngine {
         let cfg = self.cfg.clone();
         let p = cfg.placement();
         let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
-        let DeviceExperts::Scale(scales) = &opts.experts;
+        let ones = vec![1.0f32; cfg.experts];
+        let scales: &[f32] = match &opts.experts {
+            DeviceExperts::Scale(s) => s,
+            DeviceExperts::SwiGlu(lp) => {
+                let sh = &lp.shape;
+                if sh.d_model != h || sh.experts != cfg.experts || h % 8 != 0 || sh.width % 8 != 0 {
+                    return Err(ExchangeError::Input {
+                        rank,
+                        what: format!(
+                            "SwiGLU experts of hidden {}, {} experts, width {} for a \
+                             configuration of hidden {h}, {} experts (hidden and width must \
+                             be multiples of 8)",
+                            sh.d_model, sh.experts, sh.width, cfg.experts
+                        ),
+                    });
+                }
+                &ones
+            }
+        };
         if scales.len() < p.owned() {
             return Err(ExchangeError::Input {
                 rank,
@@ -245,6 +298,10 @@ impl FusedEngine {
                 let snap = self.geo.slab.row_bytes
                     * u64::from(self.geo.slab.cap)
                     * cfg.topology.attention_count() as u64;
+                let swiglu = match &opts.experts {
+                    DeviceExperts::SwiGlu(lp) => Some(self.swiglu_bufs(lp, f)?),
+                    DeviceExperts::Scale(_) => None,
+                };
                 Some(FfnBufs {
                     scale: upload(&self.gpu, local)?,
                     y: zeros(&self.gpu, (self.geo.cf.exp_rows as usize * h).max(1))?,
@@ -253,11 +310,14 @@ impl FusedEngine {
                     } else {
                         None
                     },
+                    swiglu,
                 })
             }
             None => None,
         };
         self.gpu.synchronize()?;
+        // kernels loaded (the GEMM's at its warm-up) on every rank before any round
+        self.transport.barrier()?;
         self.device = Some(DeviceRound {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             keep_received: opts.keep_received,
@@ -713,7 +773,10 @@ impl FusedEngine {
                 exp_rows: a.exp_rows,
                 hidden: h,
             };
-            fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?;
+            match fb.swiglu.as_mut() {
+                None => fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?,
+                Some(sw) => swiglu(gpu, &pv, sw, &mut fb.y)?,
+            }
             fr::return_store(
                 gpu,
                 &pv,
@@ -770,6 +833,41 @@ impl FusedEngine {
         Ok(())
     }
 
+    /// FFN rank `f`'s SwiGLU buffers, and one GEMM over empty groups (loads the GEMM kernels,
+    /// sets their occupancy and fault word up: nothing of that may happen during a capture).
+    fn swiglu_bufs(
+        &self,
+        lp: &afdep_core::oracle::LayerParams,
+        f: usize,
+    ) -> Result<SwigluBufs, ExchangeError> {
+        let p = self.cfg.placement();
+        let (h, wd) = (self.cfg.hidden, lp.shape.width);
+        let e = p.experts_of(f);
+        let per = h * wd;
+        let rows = self.geo.cf.exp_rows as usize;
+        let mut sw = SwigluBufs {
+            w1: upload(&self.gpu, &lp.w1[e.start * per..e.end * per])?,
+            w3: upload(&self.gpu, &lp.w3[e.start * per..e.end * per])?,
+            w2: upload(&self.gpu, &lp.w2[e.start * per..e.end * per])?,
+            width: wd,
+            offsets: zeros(&self.gpu, p.experts_per_rank + 1)?,
+            x: zeros(&self.gpu, rows.max(1) * h)?,
+            h: zeros(&self.gpu, rows.max(1) * wd)?,
+        };
+        let mut y: CudaSlice<bf16> = zeros(&self.gpu, rows.max(1) * h)?;
+        swiglu_gemms(
+            &self.gpu,
+            p.experts_per_rank,
+            rows.max(1),
+            h,
+            &mut sw,
+            &mut y,
+        )?;
+        self.gpu.synchronize()?;
+        self.gpu.take_fault()?;
+        Ok(sw)
+    }
+
     /// After a device round's launches: waits, checks faults and the verdict, reads the results.
     fn finish_device_round(
         &mut self,
@@ -782,6 +880,8 @@ impl FusedEngine {
         self.round += 1;
         self.last_arm = arm;
         self.check_fault()?;
+        // the GEMM's bounded TMA waits record their faults in the context's fault word
+        self.gpu.take_fault()?;
         let ctl: Vec<u32> = bytemuck::pod_collect_to_vec(&self.read_ws(CONTROL, 4 * CTL_WORDS)?);
         if let Some(e) = local {
             return Err(e);
@@ -851,4 +951,76 @@ impl FusedEngine {
             times,
         })
     }
+}
+
+/// The SwiGLU experts of a device round: the device plan's expert offsets and the expanded rows
+/// copied into the GEMM's buffers (device copies, in stream order), then the grouped up- and
+/// down-projection GEMMs into `y`. On a skipped round the copies read the previous plan
+/// (offsets never above the expanded area's rows) and the outputs are never returned.
+fn swiglu(
+    gpu: &GpuContext,
+    pv: &PlanView,
+    sw: &mut SwigluBufs,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::cudarc::driver::DevicePtrMut;
+    let eo = pv.ws + pv.plan_off + 8 * (2 * pv.epr * pv.sources) as u64;
+    let rows = pv.exp_rows as usize;
+    let copies = [
+        (
+            sw.offsets.device_ptr_mut(gpu.stream()).0,
+            eo,
+            8 * (pv.epr + 1),
+        ),
+        (
+            sw.x.device_ptr_mut(gpu.stream()).0,
+            pv.ws + pv.exp_off,
+            2 * rows * pv.hidden,
+        ),
+    ];
+    for (dst, src, bytes) in copies {
+        if bytes == 0 {
+            continue;
+        }
+        // SAFETY: `src` lies in this rank's workspace (the plan's expert offsets, or the
+        // expanded area: the geometry fits them, checked at set-up); `dst` is a buffer of this
+        // context allocated for `bytes` (epr + 1 offsets, exp_rows × hidden rows); the copy is
+        // ordered on this rank's stream.
+        unsafe { cures::memcpy_dtod_async(dst, src, bytes, gpu.stream().cu_stream()) }
+            .map_err(KernelError::driver("copying the expert rows"))?;
+    }
+    swiglu_gemms(gpu, pv.epr, rows, pv.hidden, sw, y)
+}
+
+/// The grouped SwiGLU GEMMs over `rows` rows of `sw.x` in `epr` groups (`sw.offsets`) into `y`.
+fn swiglu_gemms(
+    gpu: &GpuContext,
+    epr: usize,
+    rows: usize,
+    hidden: usize,
+    sw: &mut SwigluBufs,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::ops::gemm::{self, Groups, RowsOut};
+    let groups = Groups::Experts {
+        offsets: &sw.offsets,
+        experts: epr,
+        capacity: rows,
+    };
+    gemm::up_swiglu(
+        gpu, groups, &sw.x, None, &sw.w1, &sw.w3, hidden, sw.width, &mut sw.h, None, None,
+    )?;
+    gemm::down(
+        gpu,
+        groups,
+        &sw.h,
+        &sw.w2,
+        sw.width,
+        hidden,
+        RowsOut::Store {
+            out: y,
+            weights: None,
+        },
+    )?;
+    Ok(())
 }
