@@ -770,6 +770,7 @@ mod tests {
         assert_eq!(get("AFDEP_ROUTE_NON_FINITE_WEIGHT"), c::NON_FINITE_WEIGHT);
         assert_eq!(get("AFDEP_ROUTE_OVER_CAPACITY"), c::OVER_CAPACITY);
         assert_eq!(get("AFDEP_ROUTE_MALFORMED"), c::MALFORMED);
+        assert_eq!(get("AFDEP_ROUTE_NON_FINITE_PAYLOAD"), c::NON_FINITE_PAYLOAD);
         assert_eq!(
             get("AFDEP_ROUTE_ERROR_WORDS") as usize,
             afdep_core::error::ROUTE_ERROR_WORDS
