@@ -474,6 +474,7 @@ impl FusedEngine {
                 compact_x,
                 compact_ids,
                 compact_weights,
+                fp8: None,
             });
         } else {
             times.dispatch = t1.elapsed();
