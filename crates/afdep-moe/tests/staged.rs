@@ -3,8 +3,6 @@
 //! one-device layer. With the feature `ucx`, every ratio and the rejected routes also run over
 //! UCX (ranks as threads, over tcp and over shared memory).
 
-mod fp8_common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -496,7 +494,7 @@ fn fp8_rounds(c: &ExchangeConfig) -> Vec<Vec<SourceInput>> {
         .map(|(i, t)| {
             let mut s = sources(c, &t[..a], [Some(5), None, None, Some(11)][i], i as u64 + 1);
             for (j, src) in s.iter_mut().enumerate() {
-                fp8_common::edge_groups(&mut src.x, c.hidden, (i * 7 + j) as u64);
+                afdep_core::tensor::fp8_edge_groups(&mut src.x, c.hidden, (i * 7 + j) as u64);
             }
             s
         })
