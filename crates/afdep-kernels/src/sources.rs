@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 
 /// The embedded headers: `(include name, text)`, sorted by name.
 pub const HEADERS: &[(&str, &str)] = &[
+    ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
     ("layout/fused.cuh", include_str!("../cuda/layout/fused.cuh")),
@@ -60,19 +61,22 @@ pub enum SourceFile {
     /// `reference.cu`: the simple GPU reference path of the MoE layer (not specialised: every
     /// shape is a run-time value).
     Reference,
-    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table and the flag
-    /// signal of the fused exchange (not specialised).
+    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table (bf16, and fp8
+    /// quantised on the way) and the flag signal of the fused exchange (not specialised).
     FusedDispatch,
     /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
     FusedEpilogue,
     /// `fused_combine.cu`: the combine stores and the fixed-order combine (specialised by
     /// top-k).
     FusedCombine,
+    /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device
+    /// functions (not specialised).
+    Fp8,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 10] = [
+    pub const ALL: [SourceFile; 11] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
@@ -83,6 +87,7 @@ impl SourceFile {
         SourceFile::FusedDispatch,
         SourceFile::FusedEpilogue,
         SourceFile::FusedCombine,
+        SourceFile::Fp8,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -98,6 +103,7 @@ impl SourceFile {
             SourceFile::FusedDispatch => "fused_dispatch.cu",
             SourceFile::FusedEpilogue => "fused_epilogue.cu",
             SourceFile::FusedCombine => "fused_combine.cu",
+            SourceFile::Fp8 => "fp8.cu",
         }
     }
 
@@ -114,6 +120,7 @@ impl SourceFile {
             SourceFile::FusedDispatch => include_str!("../cuda/fused_dispatch.cu"),
             SourceFile::FusedEpilogue => include_str!("../cuda/fused_epilogue.cu"),
             SourceFile::FusedCombine => include_str!("../cuda/fused_combine.cu"),
+            SourceFile::Fp8 => include_str!("../cuda/fp8.cu"),
         }
     }
 
@@ -257,11 +264,23 @@ pub enum KernelId {
     FusedCombineStore,
     /// `afdep_fused_combine`: waits for the FFN ranks, sums in the fixed order.
     FusedCombine,
+    /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
+    /// while stored.
+    FusedDispatchFp8,
+    /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
+    /// dequantised rows).
+    FusedCopyEpilogueFp8,
+    /// `afdep_fp8_encode`: f32 values to e4m3 codes.
+    Fp8Encode,
+    /// `afdep_fp8_decode`: e4m3 codes to f32 values.
+    Fp8Decode,
+    /// `afdep_fp8_quantise_rows`: bf16 rows to codes, scales and dequantised rows.
+    Fp8QuantiseRows,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 54] = [
+    pub const ALL: [KernelId; 59] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -316,6 +335,11 @@ impl KernelId {
         KernelId::FusedCopyEpilogue,
         KernelId::FusedCombineStore,
         KernelId::FusedCombine,
+        KernelId::FusedDispatchFp8,
+        KernelId::FusedCopyEpilogueFp8,
+        KernelId::Fp8Encode,
+        KernelId::Fp8Decode,
+        KernelId::Fp8QuantiseRows,
     ];
 
     /// The source file that defines the kernel.
@@ -354,8 +378,15 @@ impl KernelId {
             | KernelId::RefGradS13
             | KernelId::RefGradWr
             | KernelId::RefErrStats => SourceFile::Reference,
-            KernelId::FusedDispatch | KernelId::FusedSignal => SourceFile::FusedDispatch,
-            KernelId::FusedCopyEpilogue => SourceFile::FusedEpilogue,
+            KernelId::FusedDispatch | KernelId::FusedSignal | KernelId::FusedDispatchFp8 => {
+                SourceFile::FusedDispatch
+            }
+            KernelId::FusedCopyEpilogue | KernelId::FusedCopyEpilogueFp8 => {
+                SourceFile::FusedEpilogue
+            }
+            KernelId::Fp8Encode | KernelId::Fp8Decode | KernelId::Fp8QuantiseRows => {
+                SourceFile::Fp8
+            }
             KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
             _ => SourceFile::Gemm,
         }
@@ -418,6 +449,11 @@ impl KernelId {
             KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
             KernelId::FusedCombineStore => "afdep_fused_combine_store",
             KernelId::FusedCombine => "afdep_fused_combine",
+            KernelId::FusedDispatchFp8 => "afdep_fused_dispatch_fp8",
+            KernelId::FusedCopyEpilogueFp8 => "afdep_fused_copy_epilogue_fp8",
+            KernelId::Fp8Encode => "afdep_fp8_encode",
+            KernelId::Fp8Decode => "afdep_fp8_decode",
+            KernelId::Fp8QuantiseRows => "afdep_fp8_quantise_rows",
         }
     }
 
@@ -736,8 +772,9 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue, combine
-        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4);
+        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
+        // combine, fp8
+        assert_eq!(v.len(), 12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 1);
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
 

@@ -1,4 +1,5 @@
-//! The fused exchange engine (first version: payload-first, bf16): GPU-initiated stores into the
+//! The fused exchange engine (first version: payload-first, bf16 and fp8 payloads): GPU-initiated
+//! stores into the
 //! symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release /
 //! acquire semantics and bounded device waits.
 //!
@@ -12,9 +13,15 @@
 //!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
 //!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
 //!    source's dispatch flag in every FFN rank to the round number (release, system scope).
+//!    With fp8 payloads (`afdep_fused_dispatch_fp8`) each row is quantised while it is stored:
+//!    its e4m3 codes and one f32 scale per 128 channels ([`afdep_core::fp8`], bit for bit the
+//!    host encoder) take the payload's place in the slab row.
 //! 3. **copy epilogue** (FFN, `afdep_fused_copy_epilogue`): waits (bounded) for every source's
 //!    flag, then expands the slabs into the expanded layout (one row per (token, local expert),
 //!    grouped by local expert, [`FfnPlan`]'s offsets). The slabs are the compact collect view.
+//!    fp8 (`afdep_fused_copy_epilogue_fp8`): codes and scales are expanded, and the dequantised
+//!    bf16 rows (`bf16(f32(q) · scale)`) written beside them for the experts;
+//!    [`FfnReceived::fp8`] carries codes and scales of both views.
 //! 4. **experts** (FFN, host in this version: the expanded rows are read back, the
 //!    [`ExpertFn`] applied per local expert, the outputs uploaded).
 //! 5. **combine** (FFN, `afdep_fused_combine_store`): each expert output row is stored into this
@@ -30,7 +37,8 @@
 //! 0      dispatch flags  u32[world]  (indexed by source rank)
 //! 256    combine flags   u32[world]  (indexed by FFN rank)
 //! 512    error word      u32[4]      {code, peer, round, 0}
-//! 1024   slabs           world × capacity rows of slab_row_bytes(hidden, K)   (by source rank)
+//! 1024   slabs           world × capacity rows of slab_row_bytes_for(payload, hidden, K)
+//!                        (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! ```
 //!
@@ -55,17 +63,18 @@
 //! drop the engines only once every rank has finished its last round (freeing device memory may
 //! wait for the whole device; the tests join every rank's thread first).
 //!
-//! Not in this version: count-first, fp8 payloads, experts on the device, CUDA-graph capture.
+//! Not in this version: count-first, experts on the device, CUDA-graph capture.
 
 use std::time::Instant;
 
+use afdep_core::fp8;
 use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs, return_positions};
-use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::route::MASKED;
-use afdep_core::{ExchangeConfig, bf16};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{
-    self as fk, CombineSlots, EpilogueSources, ReturnList, SendList, SlabGeometry,
+    self as fk, CombineSlots, EpilogueSources, Fp8Expanded, ReturnList, SendList, SlabGeometry,
 };
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -97,7 +106,7 @@ struct Geometry {
 
 fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let world = cfg.topology.world_size() as u64;
-    let row_bytes = fk::slab_row_bytes(cfg.hidden, cfg.top_k) as u64;
+    let row_bytes = fk::slab_row_bytes_for(cfg.payload, cfg.hidden, cfg.top_k) as u64;
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
     let ret_cap = cap * cfg.top_k as u64;
@@ -363,7 +372,11 @@ impl FusedEngine {
             let dst_d = upload(&self.gpu, &dst_rank)?;
             let row_d = upload(&self.gpu, &slab_row)?;
             let meta_d = upload(&self.gpu, &meta)?;
-            fk::dispatch(
+            let dispatch = match cfg.payload {
+                PayloadKind::Bf16 => fk::dispatch,
+                PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
+            };
+            dispatch(
                 &self.gpu,
                 &x,
                 inp.routes.tokens,
@@ -402,31 +415,72 @@ impl FusedEngine {
             let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
             poison(&self.gpu, &mut expanded)?;
             let starts = upload(&self.gpu, &plan.slab_offsets)?;
-            fk::copy_epilogue(
-                &self.gpu,
-                self.ws,
-                &EpilogueSources {
-                    rank: &self.src_ranks,
-                    slab_starts: &starts,
-                    sources: ns,
-                    total: plan.total_tokens(),
-                },
-                DISPATCH_FLAGS,
-                &geo.slab,
-                k,
-                round,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                &mut expanded,
-                total,
-                knobs.epilogue_sm_cap,
-            )?;
+            let src = EpilogueSources {
+                rank: &self.src_ranks,
+                slab_starts: &starts,
+                sources: ns,
+                total: plan.total_tokens(),
+            };
+            let g = fp8::scales_per_row(h);
+            // fp8: the codes and scales of the expanded layout beside the dequantised rows
+            let mut fp8_dev: Option<(CudaSlice<u8>, CudaSlice<f32>)> = None;
+            match cfg.payload {
+                PayloadKind::Bf16 => fk::copy_epilogue(
+                    &self.gpu,
+                    self.ws,
+                    &src,
+                    DISPATCH_FLAGS,
+                    &geo.slab,
+                    k,
+                    round,
+                    timeout_ns,
+                    self.ws + ERROR_WORD,
+                    &mut expanded,
+                    total,
+                    knobs.epilogue_sm_cap,
+                )?,
+                PayloadKind::Fp8E4m3 => {
+                    let mut q: CudaSlice<u8> = zeros(&self.gpu, total * h)?;
+                    let mut sc: CudaSlice<f32> = zeros(&self.gpu, total * g)?;
+                    poison(&self.gpu, &mut q)?;
+                    poison(&self.gpu, &mut sc)?;
+                    fk::copy_epilogue_fp8(
+                        &self.gpu,
+                        self.ws,
+                        &src,
+                        DISPATCH_FLAGS,
+                        &geo.slab,
+                        k,
+                        round,
+                        timeout_ns,
+                        self.ws + ERROR_WORD,
+                        Fp8Expanded {
+                            q: &mut q,
+                            scales: &mut sc,
+                            dequant: &mut expanded,
+                        },
+                        total,
+                        knobs.epilogue_sm_cap,
+                    )?;
+                    fp8_dev = Some((q, sc));
+                }
+            }
             self.check_fault()?;
             let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &expanded)?;
-            // the compact collect view: the slabs themselves
+            let mut fp8_rx = match &fp8_dev {
+                None => None,
+                Some((q, sc)) => Some(Fp8Received {
+                    expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
+                    expanded_scales: afdep_kernels::ops::download(&self.gpu, sc)?,
+                    compact_q: Vec::new(),
+                    compact_scales: Vec::new(),
+                }),
+            };
+            // the compact collect view: the slabs themselves (fp8: the codes and scales as
+            // stored, and their dequantised rows)
             let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let payload = (2 * h).div_ceil(16) * 16;
+            let payload = fk::slab_payload_bytes(cfg.payload, h);
             for (s, c) in sources.iter().enumerate() {
                 let n = c.ffn_tokens[f] as usize;
                 let src_rank = topo.attention_ranks().start + s;
@@ -434,7 +488,20 @@ impl FusedEngine {
                     + (src_rank as u64 * geo.slab.cap as u64) * geo.slab.row_bytes;
                 let bytes = self.read_ws(off, n * geo.slab.row_bytes as usize)?;
                 for row in bytes.chunks(geo.slab.row_bytes as usize) {
-                    compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
+                    match fp8_rx.as_mut() {
+                        None => compact_x
+                            .extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h])),
+                        Some(rx) => {
+                            let q = &row[..h];
+                            let at = h.div_ceil(16) * 16;
+                            let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+                            let mut deq = vec![bf16::ZERO; h];
+                            fp8::dequantise_row(q, &sc, &mut deq);
+                            compact_x.extend(deq);
+                            rx.compact_q.extend_from_slice(q);
+                            rx.compact_scales.extend(sc);
+                        }
+                    }
                     let m: Vec<u32> = bytemuck::pod_collect_to_vec(
                         &row[payload..payload + 4 * fk::meta_words(k)],
                     );
@@ -474,7 +541,7 @@ impl FusedEngine {
                 compact_x,
                 compact_ids,
                 compact_weights,
-                fp8: None,
+                fp8: fp8_rx,
             });
         } else {
             times.dispatch = t1.elapsed();
