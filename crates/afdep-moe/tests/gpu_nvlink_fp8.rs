@@ -201,3 +201,20 @@ fn fused_fp8_rejects_a_non_finite_row_on_every_rank_and_goes_on() {
     }
     check_round(&c, &good, &got[2], None);
 }
+
+/// One rank that is both source and FFN rank (EP1), fp8 at hidden 2048 with edge groups: every
+/// flag is raised and awaited on the same stream, so this one also runs under
+/// compute-sanitizer (memcheck, racecheck).
+#[test]
+fn fused_fp8_single_rank_ep1() {
+    let _serial = serial();
+    let c = fp8_cfg("EP1", 2048, 12, 3);
+    let rounds = edge_rounds(&c);
+    let Some(g) = nvlink(1, 16 << 20) else {
+        return;
+    };
+    let got = run_group(g, std::slice::from_ref(&c), &rounds, None, &fused).unwrap();
+    for (inp, g) in rounds.iter().zip(&got) {
+        check_round(&c, inp, g, None);
+    }
+}
