@@ -172,11 +172,10 @@ fn encoder_equals_the_host_on_random_values() {
     }
 }
 
-#[test]
-fn row_quantiser_equals_the_host() {
-    let Some(ctx) = common::gpu() else {
-        return;
-    };
+/// The row-quantiser cases: `(hidden, rows, seed, x)` with edge groups, at 1 to 56 groups per
+/// row (odd counts too: a half-warp without a group).
+fn row_cases() -> Vec<(usize, usize, u64, Vec<bf16>)> {
+    let mut cases = Vec::new();
     for (hidden, rows) in [
         (128usize, 1usize),
         (128, 37),
@@ -195,61 +194,84 @@ fn row_quantiser_equals_the_host() {
                         *v = bf16::from_f32(v.to_f32() * 1e37);
                     }
                 }
-                assert!(x.iter().all(|v| v.is_finite()));
             }
-            let want = QuantisedRows::of(&x, hidden);
-            let g = fp8::scales_per_row(hidden);
-            let xd = ctx.stream().clone_htod(&x).unwrap();
-            let mut q = zeros::<u8>(&ctx, rows * hidden).unwrap();
-            let mut sc = zeros::<f32>(&ctx, rows * g).unwrap();
-            let mut dq = zeros::<bf16>(&ctx, rows * hidden).unwrap();
-            poison(&ctx, &mut q).unwrap();
-            poison(&ctx, &mut sc).unwrap();
-            poison(&ctx, &mut dq).unwrap();
-            quantise_rows(
-                &ctx,
-                &xd,
-                rows,
-                hidden,
-                Fp8Rows {
-                    q: &mut q,
-                    scales: &mut sc,
-                    dequant: &mut dq,
-                },
-            )
-            .unwrap();
-            let (q, sc, dq) = (
-                download(&ctx, &q).unwrap(),
-                download(&ctx, &sc).unwrap(),
-                download(&ctx, &dq).unwrap(),
-            );
-            let sbits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            let bbits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            if let Some(i) = q.iter().zip(&want.q).position(|(a, b)| a != b) {
-                panic!(
-                    "hidden {hidden} seed {seed}: code {i} (row {}, ch {}) device {:#04x} host \
-                     {:#04x}, x {} scale {}",
-                    i / hidden,
-                    i % hidden,
-                    q[i],
-                    want.q[i],
-                    x[i],
-                    want.scales[i / 128]
-                );
-            }
-            assert_eq!(
-                sbits(&sc),
-                sbits(&want.scales),
-                "hidden {hidden} seed {seed}: scales"
-            );
-            assert_eq!(
-                bbits(&dq),
-                bbits(&want.dequant),
-                "hidden {hidden} seed {seed}: dequant"
-            );
-            // the inputs reached what they are for
-            assert!(want.q.contains(&0x80) && want.scales.contains(&1.0));
-            assert!(want.q.iter().any(|&c| c & 0x78 == 0 && c & 7 != 0));
+            cases.push((hidden, rows, seed, x));
         }
+    }
+    cases
+}
+
+/// The cases reach what they are for (no GPU needed): finite rows, negative zero codes, unit
+/// scales (zero or tied groups), subnormal codes, saturated codes.
+#[test]
+fn row_cases_cover_the_edges() {
+    let mut covered = [false; 4];
+    for (hidden, _, _, x) in row_cases() {
+        assert!(x.iter().all(|v| v.is_finite()));
+        let q = QuantisedRows::of(&x, hidden);
+        covered[0] |= q.q.contains(&0x80);
+        covered[1] |= q.scales.contains(&1.0);
+        covered[2] |= q.q.iter().any(|&c| c & 0x78 == 0 && c & 7 != 0);
+        covered[3] |= q.q.contains(&0xfe);
+    }
+    assert_eq!(covered, [true; 4]);
+}
+
+#[test]
+fn row_quantiser_equals_the_host() {
+    let Some(ctx) = common::gpu() else {
+        return;
+    };
+    for (hidden, rows, seed, x) in row_cases() {
+        let want = QuantisedRows::of(&x, hidden);
+        let g = fp8::scales_per_row(hidden);
+        let xd = ctx.stream().clone_htod(&x).unwrap();
+        let mut q = zeros::<u8>(&ctx, rows * hidden).unwrap();
+        let mut sc = zeros::<f32>(&ctx, rows * g).unwrap();
+        let mut dq = zeros::<bf16>(&ctx, rows * hidden).unwrap();
+        poison(&ctx, &mut q).unwrap();
+        poison(&ctx, &mut sc).unwrap();
+        poison(&ctx, &mut dq).unwrap();
+        quantise_rows(
+            &ctx,
+            &xd,
+            rows,
+            hidden,
+            Fp8Rows {
+                q: &mut q,
+                scales: &mut sc,
+                dequant: &mut dq,
+            },
+        )
+        .unwrap();
+        let (q, sc, dq) = (
+            download(&ctx, &q).unwrap(),
+            download(&ctx, &sc).unwrap(),
+            download(&ctx, &dq).unwrap(),
+        );
+        let sbits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let bbits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        if let Some(i) = q.iter().zip(&want.q).position(|(a, b)| a != b) {
+            panic!(
+                "hidden {hidden} seed {seed}: code {i} (row {}, ch {}) device {:#04x} host \
+                 {:#04x}, x {} scale {}",
+                i / hidden,
+                i % hidden,
+                q[i],
+                want.q[i],
+                x[i],
+                want.scales[i / 128]
+            );
+        }
+        assert_eq!(
+            sbits(&sc),
+            sbits(&want.scales),
+            "hidden {hidden} seed {seed}: scales"
+        );
+        assert_eq!(
+            bbits(&dq),
+            bbits(&want.dequant),
+            "hidden {hidden} seed {seed}: dequant"
+        );
     }
 }
