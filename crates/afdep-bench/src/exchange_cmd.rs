@@ -159,7 +159,7 @@ impl EngineKind {
     /// The payload formats this engine moves today.
     pub fn payloads(self) -> &'static [PayloadKind] {
         match self {
-            EngineKind::Staged | EngineKind::Fused => &[PayloadKind::Bf16],
+            EngineKind::Staged | EngineKind::Fused => &[PayloadKind::Bf16, PayloadKind::Fp8E4m3],
         }
     }
 }
@@ -1226,6 +1226,17 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                 .map(|p| p.to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
+        }
+        .into());
+    }
+    if engine == EngineKind::Fused
+        && cfg.payload != PayloadKind::Bf16
+        && a.arm != ArmArg::PayloadFirst
+    {
+        return Err(Unsupported {
+            engine: engine.name(),
+            what: format!("arm {} with payload {}", a.arm, cfg.payload),
+            have: format!("{} only with bf16", names(&engine.arms()[1..])),
         }
         .into());
     }

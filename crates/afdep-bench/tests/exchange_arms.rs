@@ -193,7 +193,6 @@ fn unsupported_arms_and_payloads_exit_3_and_say_so() {
     for (flag, value, what) in [
         ("--arm", "count-first", "no arm count-first"),
         ("--arm", "count-first-source", "no arm count-first-source"),
-        ("--payload", "fp8", "no payload fp8_e4m3"),
     ] {
         let mut args = vec![
             "exchange",
@@ -218,6 +217,34 @@ fn unsupported_arms_and_payloads_exit_3_and_say_so() {
             "{stderr}"
         );
     }
+}
+
+#[test]
+fn the_staged_engine_moves_fp8_payloads() {
+    let mut args = vec![
+        "exchange",
+        "--backend",
+        "cpu",
+        "--topology",
+        "2A:1F",
+        "--tokens",
+        "0,5",
+        "--payload",
+        "fp8",
+    ];
+    args.extend(SMALL);
+    let i = args.iter().position(|a| *a == "--hidden").unwrap();
+    args[i + 1] = "256";
+    let out = afdep(&args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows.iter().all(|r| r["status"] == "ok"), "{stdout}");
 }
 
 #[test]

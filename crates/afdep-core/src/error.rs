@@ -135,6 +135,22 @@ pub enum RouteError {
         /// The configured capacity per attention rank.
         capacity: usize,
     },
+    /// A NaN or infinite value in a token row that travels as an fp8 payload (see
+    /// [`crate::fp8`]: such a row has no scale).
+    #[error(
+        "non-finite fp8 payload: rank {rank} token {token} channel {channel} is {value} (fp8 \
+         payloads quantise finite rows only)"
+    )]
+    NonFinitePayload {
+        /// Attention rank.
+        rank: usize,
+        /// Token index on that rank.
+        token: usize,
+        /// The first non-finite channel of the row.
+        channel: usize,
+        /// The value there.
+        value: f32,
+    },
     /// The route table's arrays do not have the sizes the shape requires.
     #[error("malformed routes on rank {rank}: {what}")]
     Malformed {
@@ -166,6 +182,8 @@ pub mod route_class {
     pub const OVER_CAPACITY: u32 = 6;
     /// [`super::RouteError::Malformed`].
     pub const MALFORMED: u32 = 7;
+    /// [`super::RouteError::NonFinitePayload`].
+    pub const NON_FINITE_PAYLOAD: u32 = 8;
 }
 
 impl RouteError {
@@ -178,6 +196,7 @@ impl RouteError {
             | RouteError::Dummy { rank, .. }
             | RouteError::NonFiniteWeight { rank, .. }
             | RouteError::OverCapacity { rank, .. }
+            | RouteError::NonFinitePayload { rank, .. }
             | RouteError::Malformed { rank, .. } => *rank,
         }
     }
@@ -186,7 +205,8 @@ impl RouteError {
     /// `[class, rank, token, slot, value bits, extra]`, where `value` is the expert id
     /// (as `i32` bits) or the weight (as `f32` bits), and `extra` is the first slot
     /// (duplicate), the number of experts (wide), the owned experts (dummy), or the
-    /// capacity (over capacity, whose `token` field holds the token count).
+    /// capacity (over capacity, whose `token` field holds the token count). A non-finite
+    /// payload puts its channel in the slot field and the value's `f32` bits in `value`.
     /// [`RouteError::Malformed`] loses its text in the word.
     pub fn to_word(&self) -> [u32; ROUTE_ERROR_WORDS] {
         use route_class::*;
@@ -244,6 +264,19 @@ impl RouteError {
                 tokens,
                 capacity,
             } => [OVER_CAPACITY, c(rank), c(tokens), 0, 0, c(capacity)],
+            RouteError::NonFinitePayload {
+                rank,
+                token,
+                channel,
+                value,
+            } => [
+                NON_FINITE_PAYLOAD,
+                c(rank),
+                c(token),
+                c(channel),
+                value.to_bits(),
+                0,
+            ],
             RouteError::Malformed { rank, .. } => [MALFORMED, c(rank), 0, 0, 0, 0],
         }
     }
@@ -290,6 +323,12 @@ impl RouteError {
                 rank,
                 tokens: token,
                 capacity: w[5] as usize,
+            },
+            NON_FINITE_PAYLOAD => RouteError::NonFinitePayload {
+                rank,
+                token,
+                channel: slot,
+                value: f32::from_bits(w[4]),
             },
             MALFORMED => RouteError::Malformed {
                 rank,
@@ -344,6 +383,12 @@ mod tests {
                 rank: 2,
                 tokens: 3000,
                 capacity: 2048,
+            },
+            RouteError::NonFinitePayload {
+                rank: 1,
+                token: 17,
+                channel: 300,
+                value: f32::NEG_INFINITY,
             },
         ];
         for e in cases {

@@ -7,6 +7,7 @@
 //! - [`layout`]: dispatch layout (counts, 64-bit prefix sums) and the payload-first and
 //!   count-first plans;
 //! - [`fingerprint`]: the configuration fingerprint that ranks compare at initialisation;
+//! - [`fp8`]: the e4m3 payload format, its host encoder and decoder, and row quantisation;
 //! - [`oracle`]: the CPU reference of every computation (the MoE layer forward and train step,
 //!   the AFD exchange), against which every other path is checked;
 //! - [`tensor`]: bf16 helpers and seeded random inputs.
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod error;
 pub mod fingerprint;
+pub mod fp8;
 pub mod layout;
 pub mod oracle;
 pub mod route;

@@ -1,30 +1,62 @@
 // Payload-first dispatch, source side: every send row (token, destination FFN rank, slab row)
 // is stored into this source's slab in the destination's workspace through the peer table,
 // payload then metadata; afdep_fused_signal then raises this source's flag in every
-// destination (release, system scope). Not specialised (the metadata size is an argument).
+// destination (release, system scope). Not specialised by top-k (the metadata size is an
+// argument); the payload kind is a template constant: afdep_fused_dispatch stores bf16 rows,
+// afdep_fused_dispatch_fp8 quantises each row while it stores it (codes, then the scales of
+// each 128 channels; common/fp8.cuh, bit for bit afdep_core::fp8).
 
+#include "common/fp8.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
 
-// One warp per send row r < rows: copies x[token[r]] (hidden bf16) and meta[r] (meta_words
-// u32) to peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes.
+// One warp per send row r < rows: stores the payload of x[token[r]] (hidden bf16; fp8: its
+// codes and scales) and meta[r] (meta_words u32) to peers[dst_rank[r]] + slab_off +
+// ((u64)me * cap + slab_row[r]) * row_bytes.
+template <int PAYLOAD>
+static __device__ __forceinline__ void afdep_fused_dispatch_rows(
+    const u16* __restrict__ x, const u32* __restrict__ token, const u32* __restrict__ dst_rank,
+    const u32* __restrict__ slab_row, const u32* __restrict__ meta, u32 meta_words, u64 rows,
+    const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap, u64 row_bytes, u32 hidden) {
+    const u32 lane = afdep_lane();
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    for (u64 r = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; r < rows; r += warps) {
+        u8* row = (u8*)peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes;
+        const u16* src_row = x + (u64)token[r] * hidden;
+        if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
+            afdep_fp8_quantise_row_warp(row, (float*)(row + afdep_align16(hidden)), src_row,
+                                        hidden, lane);
+        } else {
+            afdep_warp_copy(row, src_row, 2u * hidden, lane);
+        }
+        u32* m = (u32*)(row + afdep_fused_payload_bytes<PAYLOAD>(hidden));
+        const u32* src = meta + r * meta_words;
+        for (u32 w = lane; w < meta_words; w += 32) m[w] = src[w];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_dispatch(const u16* __restrict__ x, const u32* __restrict__ token,
                          const u32* __restrict__ dst_rank, const u32* __restrict__ slab_row,
                          const u32* __restrict__ meta, u32 meta_words, u64 rows,
                          const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap,
                          u64 row_bytes, u32 hidden) {
-    const u32 lane = afdep_lane();
-    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
-    for (u64 r = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; r < rows; r += warps) {
-        u8* row = (u8*)peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes;
-        const u32 payload = 2u * hidden;
-        afdep_warp_copy(row, x + (u64)token[r] * hidden, payload, lane);
-        u32* m = (u32*)(row + afdep_align16(payload));
-        const u32* src = meta + r * meta_words;
-        for (u32 w = lane; w < meta_words; w += 32) m[w] = src[w];
-    }
+    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_BF16>(x, token, dst_rank, slab_row, meta, meta_words,
+                                                  rows, peers, slab_off, me, cap, row_bytes,
+                                                  hidden);
+}
+
+// The same with fp8 payloads: hidden is a multiple of 128 and x 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_fused_dispatch_fp8(const u16* __restrict__ x, const u32* __restrict__ token,
+                             const u32* __restrict__ dst_rank, const u32* __restrict__ slab_row,
+                             const u32* __restrict__ meta, u32 meta_words, u64 rows,
+                             const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap,
+                             u64 row_bytes, u32 hidden) {
+    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_FP8>(x, token, dst_rank, slab_row, meta, meta_words,
+                                                 rows, peers, slab_off, me, cap, row_bytes,
+                                                 hidden);
 }
 
 // Thread i < n stores the round (the control block ctl, layout/fused.cuh) into peers[ranks[i]] +

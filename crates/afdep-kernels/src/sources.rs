@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 
 /// The embedded headers: `(include name, text)`, sorted by name.
 pub const HEADERS: &[(&str, &str)] = &[
+    ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
     ("layout/fused.cuh", include_str!("../cuda/layout/fused.cuh")),
@@ -64,8 +65,8 @@ pub enum SourceFile {
     /// `reference.cu`: the simple GPU reference path of the MoE layer (not specialised: every
     /// shape is a run-time value).
     Reference,
-    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table and the flag
-    /// signal of the fused exchange (not specialised).
+    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table (bf16, and fp8
+    /// quantised on the way) and the flag signal of the fused exchange (not specialised).
     FusedDispatch,
     /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
     FusedEpilogue,
@@ -84,11 +85,14 @@ pub enum SourceFile {
     /// verdict shared among ranks, the device expert, device-side return lists (specialised by
     /// top-k).
     FusedRound,
+    /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device
+    /// functions (not specialised).
+    Fp8,
 }
 
 impl SourceFile {
     /// Every source file.
-    pub const ALL: [SourceFile; 14] = [
+    pub const ALL: [SourceFile; 15] = [
         SourceFile::Router,
         SourceFile::Validate,
         SourceFile::Layout,
@@ -103,6 +107,7 @@ impl SourceFile {
         SourceFile::FusedCfDispatch,
         SourceFile::FusedStreamEpilogue,
         SourceFile::FusedRound,
+        SourceFile::Fp8,
     ];
 
     /// The file name (also the NVRTC program name).
@@ -122,6 +127,7 @@ impl SourceFile {
             SourceFile::FusedCfDispatch => "fused_cf_dispatch.cu",
             SourceFile::FusedStreamEpilogue => "fused_stream_epilogue.cu",
             SourceFile::FusedRound => "fused_round.cu",
+            SourceFile::Fp8 => "fp8.cu",
         }
     }
 
@@ -142,6 +148,7 @@ impl SourceFile {
             SourceFile::FusedCfDispatch => include_str!("../cuda/fused_cf_dispatch.cu"),
             SourceFile::FusedStreamEpilogue => include_str!("../cuda/fused_stream_epilogue.cu"),
             SourceFile::FusedRound => include_str!("../cuda/fused_round.cu"),
+            SourceFile::Fp8 => include_str!("../cuda/fp8.cu"),
         }
     }
 
@@ -311,11 +318,23 @@ pub enum KernelId {
     RoundReturnStore,
     /// Device round: each slot's return row and owner from the device counts.
     RoundSlots,
+    /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
+    /// while stored.
+    FusedDispatchFp8,
+    /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
+    /// dequantised rows).
+    FusedCopyEpilogueFp8,
+    /// `afdep_fp8_encode`: f32 values to e4m3 codes.
+    Fp8Encode,
+    /// `afdep_fp8_decode`: e4m3 codes to f32 values.
+    Fp8Decode,
+    /// `afdep_fp8_quantise_rows`: bf16 rows to codes, scales and dequantised rows.
+    Fp8QuantiseRows,
 }
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 65] = [
+    pub const ALL: [KernelId; 70] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -381,6 +400,11 @@ impl KernelId {
         KernelId::RoundExperts,
         KernelId::RoundReturnStore,
         KernelId::RoundSlots,
+        KernelId::FusedDispatchFp8,
+        KernelId::FusedCopyEpilogueFp8,
+        KernelId::Fp8Encode,
+        KernelId::Fp8Decode,
+        KernelId::Fp8QuantiseRows,
     ];
 
     /// The source file that defines the kernel.
@@ -419,8 +443,15 @@ impl KernelId {
             | KernelId::RefGradS13
             | KernelId::RefGradWr
             | KernelId::RefErrStats => SourceFile::Reference,
-            KernelId::FusedDispatch | KernelId::FusedSignal => SourceFile::FusedDispatch,
-            KernelId::FusedCopyEpilogue => SourceFile::FusedEpilogue,
+            KernelId::FusedDispatch | KernelId::FusedSignal | KernelId::FusedDispatchFp8 => {
+                SourceFile::FusedDispatch
+            }
+            KernelId::FusedCopyEpilogue | KernelId::FusedCopyEpilogueFp8 => {
+                SourceFile::FusedEpilogue
+            }
+            KernelId::Fp8Encode | KernelId::Fp8Decode | KernelId::Fp8QuantiseRows => {
+                SourceFile::Fp8
+            }
             KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
             KernelId::CfCounts
             | KernelId::CfPublishCounts
@@ -500,6 +531,11 @@ impl KernelId {
             KernelId::CfWait => "afdep_cf_wait",
             KernelId::CfDispatch => "afdep_cf_dispatch",
             KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
+            KernelId::FusedDispatchFp8 => "afdep_fused_dispatch_fp8",
+            KernelId::FusedCopyEpilogueFp8 => "afdep_fused_copy_epilogue_fp8",
+            KernelId::Fp8Encode => "afdep_fp8_encode",
+            KernelId::Fp8Decode => "afdep_fp8_decode",
+            KernelId::Fp8QuantiseRows => "afdep_fp8_quantise_rows",
             KernelId::RoundBegin => "afdep_round_begin",
             KernelId::RoundBump => "afdep_round_bump",
             KernelId::RoundExperts => "afdep_round_experts",
@@ -824,10 +860,10 @@ mod tests {
         );
         let v = runtime_variants();
         // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue, device round
+        // combine, count-first counts, dispatch, streaming epilogue, device round, fp8
         assert_eq!(
             v.len(),
-            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 1
         );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
@@ -861,6 +897,7 @@ mod tests {
         assert_eq!(get("AFDEP_ROUTE_NON_FINITE_WEIGHT"), c::NON_FINITE_WEIGHT);
         assert_eq!(get("AFDEP_ROUTE_OVER_CAPACITY"), c::OVER_CAPACITY);
         assert_eq!(get("AFDEP_ROUTE_MALFORMED"), c::MALFORMED);
+        assert_eq!(get("AFDEP_ROUTE_NON_FINITE_PAYLOAD"), c::NON_FINITE_PAYLOAD);
         assert_eq!(
             get("AFDEP_ROUTE_ERROR_WORDS") as usize,
             afdep_core::error::ROUTE_ERROR_WORDS

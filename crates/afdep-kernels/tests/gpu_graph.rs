@@ -499,7 +499,9 @@ fn location(e: &RouteError) -> (usize, Option<(usize, usize)>) {
         | RouteError::NonFiniteWeight {
             rank, token, slot, ..
         } => (rank, Some((token, slot))),
-        RouteError::OverCapacity { rank, .. } | RouteError::Malformed { rank, .. } => (rank, None),
+        RouteError::OverCapacity { rank, .. }
+        | RouteError::NonFinitePayload { rank, .. }
+        | RouteError::Malformed { rank, .. } => (rank, None),
     }
 }
 

@@ -1,6 +1,7 @@
-//! The fused exchange engine (bf16; payload-first and count-first dispatch): GPU-initiated
-//! stores into the symmetric workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags
-//! with release / acquire semantics and bounded device waits.
+//! The fused exchange engine (payload-first and count-first dispatch; bf16 payloads, and fp8
+//! in payload-first): GPU-initiated stores into the symmetric workspaces of an [`NvlinkIpc`]
+//! group, one kernel per phase, flags with release / acquire semantics and bounded device
+//! waits.
 //!
 //! One round, on every rank (each calls [`FusedEngine::round`], the same API as
 //! [`StagedEngine`](crate::StagedEngine)):
@@ -16,9 +17,15 @@
 //!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
 //!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
 //!    source's dispatch flag in every FFN rank to the round number (release, system scope).
+//!    With fp8 payloads (`afdep_fused_dispatch_fp8`) each row is quantised while it is stored:
+//!    its e4m3 codes and one f32 scale per 128 channels ([`afdep_core::fp8`], bit for bit the
+//!    host encoder) take the payload's place in the slab row.
 //! 3. **copy epilogue** (FFN, `afdep_fused_copy_epilogue`): waits (bounded) for every source's
 //!    flag, then expands the slabs into the expanded layout (one row per (token, local expert),
 //!    grouped by local expert, [`FfnPlan`]'s offsets). The slabs are the compact collect view.
+//!    fp8 (`afdep_fused_copy_epilogue_fp8`): codes and scales are expanded, and the dequantised
+//!    bf16 rows (`bf16(f32(q) · scale)`) written beside them for the experts;
+//!    [`FfnReceived::fp8`] carries codes and scales of both views.
 //! 4. **experts** (FFN, host in a host-planned round: the expanded rows are read back, the
 //!    [`ExpertFn`] applied per local expert, the outputs uploaded; on the device in a device
 //!    round, below).
@@ -36,7 +43,8 @@
 //! 256    combine flags   u32[world]  (indexed by FFN rank)
 //! 512    error word      u32[4]      {code, peer, round, 0}
 //! 768    control block   u32[16]     {round, verdict, route word[6], tokens, ...}
-//! 1024   slabs           world × capacity rows of slab_row_bytes(hidden, K)   (by source rank)
+//! 1024   slabs           world × capacity rows of slab_row_bytes_for(payload, hidden, K)
+//!                        (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
 //!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
@@ -111,14 +119,15 @@
 
 use std::time::{Duration, Instant};
 
+use afdep_core::fp8;
 use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs, return_positions};
-use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::route::MASKED;
-use afdep_core::{ExchangeConfig, bf16};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{
-    self as fk, CombineSlots, EpilogueSources, ReturnList, SendList, SlabGeometry,
+    self as fk, CombineSlots, EpilogueSources, Fp8Expanded, ReturnList, SendList, SlabGeometry,
 };
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -162,7 +171,7 @@ struct Geometry {
 
 fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let world = cfg.topology.world_size() as u64;
-    let row_bytes = fk::slab_row_bytes(cfg.hidden, cfg.top_k) as u64;
+    let row_bytes = fk::slab_row_bytes_for(cfg.payload, cfg.hidden, cfg.top_k) as u64;
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
     let ret_cap = cap * cfg.top_k as u64;
@@ -483,10 +492,18 @@ impl FusedEngine {
             send = Some((inp.routes.tokens, x, token_d, dst_d, row_d, meta_d, rows));
         }
         let mut expand = None;
+        let mut fp8_bufs: Option<(CudaSlice<u8>, CudaSlice<f32>)> = None;
         if let (true, Some(f)) = (pf, ffn_index) {
             let total = plans[f].total_rows() as usize;
             let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
             poison(&self.gpu, &mut expanded)?;
+            if cfg.payload == PayloadKind::Fp8E4m3 {
+                let mut q: CudaSlice<u8> = zeros(&self.gpu, total * h)?;
+                let mut sc: CudaSlice<f32> = zeros(&self.gpu, total * fp8::scales_per_row(h))?;
+                poison(&self.gpu, &mut q)?;
+                poison(&self.gpu, &mut sc)?;
+                fp8_bufs = Some((q, sc));
+            }
             let starts = upload(&self.gpu, &plans[f].slab_offsets)?;
             self.gpu.synchronize()?;
             expand = Some((f, total, expanded, starts));
@@ -496,7 +513,11 @@ impl FusedEngine {
         }
         if let Some((tokens, x, token_d, dst_d, row_d, meta_d, rows)) = &send {
             // sources: rows into their slabs in every FFN rank's workspace, then the flags
-            fk::dispatch(
+            let dispatch = match cfg.payload {
+                PayloadKind::Bf16 => fk::dispatch,
+                PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
+            };
+            dispatch(
                 &self.gpu,
                 x,
                 *tokens,
@@ -523,27 +544,55 @@ impl FusedEngine {
                 self.ws + CONTROL,
             )?;
         }
+        // fp8: the codes and scales of the expanded layout beside the dequantised rows
+        let g = fp8::scales_per_row(h);
         if let Some((_, total, expanded, starts)) = &mut expand {
             // FFN ranks: the copy epilogue (waits for every source's flag)
-            fk::copy_epilogue(
-                &self.gpu,
-                self.ws,
-                &EpilogueSources {
-                    rank: &self.src_ranks,
-                    slab_starts: starts,
-                    sources: ns,
-                    total: plans[ffn_index.expect("an FFN rank")].total_tokens(),
-                },
-                DISPATCH_FLAGS,
-                &geo.slab,
-                k,
-                round,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                expanded,
-                *total,
-                knobs.epilogue_sm_cap,
-            )?;
+            let src = EpilogueSources {
+                rank: &self.src_ranks,
+                slab_starts: starts,
+                sources: ns,
+                total: plans[ffn_index.expect("an FFN rank")].total_tokens(),
+            };
+            match cfg.payload {
+                PayloadKind::Bf16 => fk::copy_epilogue(
+                    &self.gpu,
+                    self.ws,
+                    &src,
+                    DISPATCH_FLAGS,
+                    &geo.slab,
+                    k,
+                    round,
+                    timeout_ns,
+                    self.ws + ERROR_WORD,
+                    expanded,
+                    *total,
+                    knobs.epilogue_sm_cap,
+                )?,
+                PayloadKind::Fp8E4m3 => {
+                    let (q, sc) = fp8_bufs
+                        .as_mut()
+                        .expect("prepared with the expanded buffer");
+                    fk::copy_epilogue_fp8(
+                        &self.gpu,
+                        self.ws,
+                        &src,
+                        DISPATCH_FLAGS,
+                        &geo.slab,
+                        k,
+                        round,
+                        timeout_ns,
+                        self.ws + ERROR_WORD,
+                        Fp8Expanded {
+                            q,
+                            scales: sc,
+                            dequant: expanded,
+                        },
+                        *total,
+                        knobs.epilogue_sm_cap,
+                    )?;
+                }
+            }
         }
         if pf {
             self.phase_end(Phase::Dispatch)?;
@@ -554,6 +603,7 @@ impl FusedEngine {
             }
         }
         drop(send);
+        let fp8_dev = fp8_bufs;
 
         // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
         let mut received = None;
@@ -567,10 +617,20 @@ impl FusedEngine {
         } else if let Some((f, _, expanded, _)) = expand {
             let plan = plans[f].clone();
             let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &expanded)?;
-            // the compact collect view: the slabs themselves
+            let mut fp8_rx = match &fp8_dev {
+                None => None,
+                Some((q, sc)) => Some(Fp8Received {
+                    expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
+                    expanded_scales: afdep_kernels::ops::download(&self.gpu, sc)?,
+                    compact_q: Vec::new(),
+                    compact_scales: Vec::new(),
+                }),
+            };
+            // the compact collect view: the slabs themselves (fp8: the codes and scales as
+            // stored, and their dequantised rows)
             let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
                 (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let payload = (2 * h).div_ceil(16) * 16;
+            let payload = fk::slab_payload_bytes(cfg.payload, h);
             for (s, c) in sources.iter().enumerate() {
                 let n = c.ffn_tokens[f] as usize;
                 let src_rank = topo.attention_ranks().start + s;
@@ -578,7 +638,20 @@ impl FusedEngine {
                     + (src_rank as u64 * geo.slab.cap as u64) * geo.slab.row_bytes;
                 let bytes = self.read_ws(off, n * geo.slab.row_bytes as usize)?;
                 for row in bytes.chunks(geo.slab.row_bytes as usize) {
-                    compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
+                    match fp8_rx.as_mut() {
+                        None => compact_x
+                            .extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h])),
+                        Some(rx) => {
+                            let q = &row[..h];
+                            let at = h.div_ceil(16) * 16;
+                            let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+                            let mut deq = vec![bf16::ZERO; h];
+                            fp8::dequantise_row(q, &sc, &mut deq);
+                            compact_x.extend(deq);
+                            rx.compact_q.extend_from_slice(q);
+                            rx.compact_scales.extend(sc);
+                        }
+                    }
                     let m: Vec<u32> = bytemuck::pod_collect_to_vec(
                         &row[payload..payload + 4 * fk::meta_words(k)],
                     );
@@ -599,6 +672,7 @@ impl FusedEngine {
                 compact_x,
                 compact_ids,
                 compact_weights,
+                fp8: fp8_rx,
             });
         } else {
             times.dispatch = t1.elapsed();

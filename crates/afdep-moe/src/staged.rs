@@ -19,19 +19,25 @@
 //!
 //! Wire formats are native-endian (afdep runs on little-endian hosts). A dispatch message of
 //! `n` tokens is `[n × hidden bf16][n u32 token indices][n × K i32 local ids][n × K f32
-//! weights]`; a combine message
-//! of `m` rows is `m × hidden bf16`.
+//! weights]` with bf16 payloads, and `[n × hidden e4m3 codes][n × hidden/128 f32 scales][n u32
+//! token indices][n × K i32 local ids][n × K f32 weights]` with fp8 payloads (the source
+//! quantises each row it sends, [`afdep_core::fp8`]; the FFN rank expands codes and scales
+//! and dequantises the rows for its experts: bit-identical to the oracle's fp8 dispatch); a
+//! combine message of `m` rows is `m × hidden bf16`.
 
 use std::time::{Duration, Instant};
 
 use afdep_core::error::ROUTE_ERROR_WORDS;
 use afdep_core::fingerprint::Fingerprint;
+use afdep_core::fp8::{self, QuantisedRows};
 use afdep_core::layout::{
     FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
 };
-use afdep_core::oracle::exchange::{FfnReceived, SourceInput, check_rows, combine_source};
+use afdep_core::oracle::exchange::{
+    FfnReceived, Fp8Received, SourceInput, check_payload, check_rows, combine_source,
+};
 use afdep_core::route::{RouteRules, validate};
-use afdep_core::{ExchangeConfig, RouteError, bf16};
+use afdep_core::{ExchangeConfig, PayloadKind, RouteError, bf16};
 use afdep_transport::{Span, Transport, TransportBuffer};
 use tracing::debug;
 
@@ -76,6 +82,17 @@ pub struct StagedEngine<T: Transport> {
 
 fn u8s_of<P: bytemuck::Pod>(v: &[P]) -> &[u8] {
     bytemuck::cast_slice(v)
+}
+
+/// Bytes of one token of a dispatch message: payload (bf16 row, or e4m3 codes and f32 scales),
+/// token index, K local ids and K weights.
+pub(crate) fn dispatch_row_bytes(cfg: &ExchangeConfig) -> usize {
+    let (h, k) = (cfg.hidden, cfg.top_k);
+    let payload = match cfg.payload {
+        PayloadKind::Bf16 => 2 * h,
+        PayloadKind::Fp8E4m3 => h + 4 * fp8::scales_per_row(h),
+    };
+    payload + 4 + 8 * k
 }
 
 impl<T: Transport> StagedEngine<T> {
@@ -143,15 +160,35 @@ impl<T: Transport> StagedEngine<T> {
 
         // 2-3. dispatch: compact slabs with metadata
         let t1 = Instant::now();
-        let row_bytes = h * 2 + 4 + k * 8;
+        let row_bytes = dispatch_row_bytes(&cfg);
+        let g = fp8::scales_per_row(h);
+        let is_fp8 = cfg.payload == PayloadKind::Fp8E4m3;
         let mut send_spans = vec![Span { offset: 0, len: 0 }; world];
         let mut recv_spans = vec![Span { offset: 0, len: 0 }; world];
         let mut packed: Vec<u8> = Vec::new();
         if let (Some(s), Some(inp)) = (src_index, input) {
+            // fp8: every row is quantised once (the count phase checked that the rows that
+            // travel are finite; rows of fully masked tokens never travel)
+            let quantised = is_fp8.then(|| QuantisedRows::of(&inp.x, h));
             for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
                 let start = packed.len();
-                for &t in slab {
-                    packed.extend_from_slice(u8s_of(&inp.x[t as usize * h..(t as usize + 1) * h]));
+                match &quantised {
+                    None => {
+                        for &t in slab {
+                            let t = t as usize;
+                            packed.extend_from_slice(u8s_of(&inp.x[t * h..(t + 1) * h]));
+                        }
+                    }
+                    Some(q) => {
+                        for &t in slab {
+                            let t = t as usize;
+                            packed.extend_from_slice(&q.q[t * h..(t + 1) * h]);
+                        }
+                        for &t in slab {
+                            let t = t as usize;
+                            packed.extend_from_slice(u8s_of(&q.scales[t * g..(t + 1) * g]));
+                        }
+                    }
                 }
                 packed.extend_from_slice(u8s_of(slab));
                 let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
@@ -201,26 +238,63 @@ impl<T: Transport> StagedEngine<T> {
             let mut compact_x = Vec::new();
             let mut compact_ids = Vec::new();
             let mut compact_weights = Vec::new();
+            let mut compact_q: Vec<u8> = Vec::new();
+            let mut compact_scales: Vec<f32> = Vec::new();
             let mut bytes = vec![0u8; recv_total as usize];
             recv.read(0, &mut bytes)?;
             for (s, c) in sources.iter().enumerate() {
                 let n = c.ffn_tokens[f] as usize;
                 let base = recv_spans[topo.attention_ranks().start + s].offset as usize;
                 let msg = &bytes[base..base + n * row_bytes];
-                let (xs, rest) = msg.split_at(n * h * 2);
+                let rest = if is_fp8 {
+                    let (qs, rest) = msg.split_at(n * h);
+                    let (scales, rest) = rest.split_at(n * g * 4);
+                    let scales: Vec<f32> = bytemuck::pod_collect_to_vec(scales);
+                    let at = compact_x.len();
+                    compact_x.resize(at + n * h, bf16::ZERO);
+                    for (i, (q, sc)) in qs.chunks(h).zip(scales.chunks(g)).enumerate() {
+                        let out = &mut compact_x[at + i * h..at + (i + 1) * h];
+                        fp8::dequantise_row(q, sc, out);
+                    }
+                    compact_q.extend_from_slice(qs);
+                    compact_scales.extend(scales);
+                    rest
+                } else {
+                    let (xs, rest) = msg.split_at(n * h * 2);
+                    compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(xs));
+                    rest
+                };
                 let (toks, rest) = rest.split_at(n * 4);
                 let (ids, ws) = rest.split_at(n * k * 4);
-                compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(xs));
                 let toks: Vec<u32> = bytemuck::pod_collect_to_vec(toks);
                 compact_tokens.extend(toks.into_iter().map(|t| (s as u32, t)));
                 compact_ids.extend(bytemuck::pod_collect_to_vec::<u8, i32>(ids));
                 compact_weights.extend(bytemuck::pod_collect_to_vec::<u8, f32>(ws));
             }
-            let mut expanded = vec![bf16::ZERO; plan.total_rows() as usize * h];
+            let total = plan.total_rows() as usize;
+            let mut expanded = vec![bf16::ZERO; total * h];
+            let mut fp8_rx = is_fp8.then(|| Fp8Received {
+                expanded_q: vec![0; total * h],
+                expanded_scales: vec![0.0; total * g],
+                compact_q,
+                compact_scales,
+            });
             for (row, dst) in copy_plan(&compact_ids, k, &plan.expert_offsets) {
                 let (row, dst) = (row as usize, dst as usize);
                 expanded[dst * h..(dst + 1) * h]
                     .copy_from_slice(&compact_x[row * h..(row + 1) * h]);
+                if let Some(Fp8Received {
+                    expanded_q,
+                    expanded_scales,
+                    compact_q,
+                    compact_scales,
+                }) = fp8_rx.as_mut()
+                {
+                    expanded_q[dst * h..(dst + 1) * h]
+                        .copy_from_slice(&compact_q[row * h..(row + 1) * h]);
+                    expanded_scales[dst * g..(dst + 1) * g]
+                        .copy_from_slice(&compact_scales[row * g..(row + 1) * g]);
+                }
             }
             times.dispatch = t1.elapsed();
 
@@ -257,6 +331,7 @@ impl<T: Transport> StagedEngine<T> {
                 compact_x,
                 compact_ids,
                 compact_weights,
+                fp8: fp8_rx,
             });
         } else {
             times.dispatch = t1.elapsed();
@@ -398,6 +473,7 @@ pub(crate) fn count_phase_with_tokens<T: Transport>(
     let local: Result<Option<SourceCounts>, RouteError> = match (src_index, input) {
         (Some(s), Some(inp)) => check_rows(cfg, s, inp)
             .and_then(|_| validate(&inp.routes, &RouteRules::exchange(cfg), s))
+            .and_then(|_| check_payload(cfg, s, inp))
             .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
         (Some(s), None) => Err(RouteError::Malformed {
             rank: s,

@@ -3,6 +3,7 @@
 //! one-device layer. With the feature `ucx`, every ratio and the rejected routes also run over
 //! UCX (ranks as threads, over tcp and over shared memory).
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use afdep_core::oracle::LayerParams;
@@ -10,9 +11,9 @@ use afdep_core::oracle::exchange::{self as reference, SourceInput};
 use afdep_core::oracle::layer;
 use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
-use afdep_core::{ConfigError, ExchangeConfig, LayerShape, RouteError, bf16};
+use afdep_core::{ConfigError, ExchangeConfig, LayerShape, PayloadKind, RouteError, bf16};
 use afdep_moe::{ExchangeError, RoundOutput, StagedEngine};
-use afdep_transport::{Loopback, Transport};
+use afdep_transport::{Loopback, Span, Transport, TransportError, TransportKind};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -470,6 +471,189 @@ fn exchange_equals_the_one_device_layer() {
     }
 }
 
+fn fp8_cfg(topo: &str, hidden: usize) -> ExchangeConfig {
+    let mut c = cfg(topo, hidden, 12, 3);
+    c.payload = PayloadKind::Fp8E4m3;
+    c.validate().unwrap();
+    c
+}
+
+/// The every-ratio rounds with fp8 edge groups in every row (zero, subnormal, huge, spiked and
+/// tied groups), masked slots, a hot expert, a zero-token rank and an empty round.
+fn fp8_rounds(c: &ExchangeConfig) -> Vec<Vec<SourceInput>> {
+    let a = c.topology.attention_count();
+    let token_sets: [&[usize]; 4] = [
+        &[7, 0, 13, 2],
+        &[1, 1, 1, 1],
+        &[0, 0, 0, 0],
+        &[33, 5, 0, 20],
+    ];
+    token_sets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mut s = sources(c, &t[..a], [Some(5), None, None, Some(11)][i], i as u64 + 1);
+            for (j, src) in s.iter_mut().enumerate() {
+                afdep_core::tensor::fp8_edge_groups(&mut src.x, c.hidden, (i * 7 + j) as u64);
+            }
+            s
+        })
+        .collect()
+}
+
+#[test]
+fn fp8_every_ratio_is_bit_identical_to_the_oracle() {
+    fp8_every_ratio_on(&loopback);
+}
+
+fn fp8_every_ratio_on<T: Transport + Send>(make: &dyn Fn(usize) -> Vec<T>) {
+    for (topo, hidden) in [("3A:1F", 384), ("2A:2F", 128), ("1A:3F", 256), ("EP4", 384)] {
+        let c = fp8_cfg(topo, hidden);
+        // the cheap expert (rows × (e + 1)): the SwiGLU experts would overflow on the huge
+        // groups; the quantisation is what is under test
+        let rounds = fp8_rounds(&c);
+        let got = run_on(
+            make,
+            &vec![c.clone(); c.topology.world_size()],
+            &rounds,
+            None,
+        )
+        .unwrap();
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, None);
+            for (rank, r) in g.iter().enumerate() {
+                if let Some(rx) = &r.as_ref().unwrap().received {
+                    assert!(rx.fp8.is_some(), "{topo} rank {rank}: no fp8 rows");
+                }
+            }
+        }
+    }
+}
+
+/// A transport that counts the bytes each rank sends through `all_to_all_v`.
+struct Counting<T> {
+    inner: T,
+    sent: Arc<Mutex<Vec<u64>>>,
+}
+
+impl<T: Transport> Transport for Counting<T> {
+    type Buffer = T::Buffer;
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn kind(&self) -> TransportKind {
+        self.inner.kind()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
+    fn alloc(&mut self, bytes: usize) -> Result<T::Buffer, TransportError> {
+        self.inner.alloc(bytes)
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.inner.all_gather(mine)
+    }
+    fn all_to_all_v(
+        &mut self,
+        send: &T::Buffer,
+        send_spans: &[Span],
+        recv: &mut T::Buffer,
+        recv_spans: &[Span],
+    ) -> Result<(), TransportError> {
+        self.sent
+            .lock()
+            .unwrap()
+            .push(send_spans.iter().map(|s| s.len).sum());
+        self.inner.all_to_all_v(send, send_spans, recv, recv_spans)
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.inner.barrier()
+    }
+}
+
+/// The dispatch message of an fp8 round carries codes and scales: per token
+/// `hidden + 4·hidden/128` payload bytes instead of `2·hidden`, the same metadata.
+#[test]
+fn fp8_dispatch_sends_codes_and_scales_not_bf16_rows() {
+    let hidden = 2048;
+    for payload in [PayloadKind::Bf16, PayloadKind::Fp8E4m3] {
+        let mut c = cfg("3A:1F", hidden, 12, 3);
+        c.payload = payload;
+        let inp = sources(&c, &[9, 0, 17], Some(2), 3);
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let got = run_on(
+            &|w| {
+                Loopback::group(w, TIMEOUT)
+                    .into_iter()
+                    .map(|t| Counting {
+                        inner: t,
+                        sent: sent.clone(),
+                    })
+                    .collect()
+            },
+            &[c.clone(), c.clone(), c.clone(), c.clone()],
+            std::slice::from_ref(&inp),
+            None,
+        )
+        .unwrap();
+        check_round(&c, &inp, &got[0], None);
+        // the FFN rank's compact view has one row per token that travels
+        let tokens = got[0][3]
+            .as_ref()
+            .unwrap()
+            .received
+            .as_ref()
+            .unwrap()
+            .compact_tokens
+            .len();
+        let payload_bytes = match payload {
+            PayloadKind::Bf16 => 2 * hidden,
+            PayloadKind::Fp8E4m3 => hidden + 4 * hidden / 128,
+        };
+        let want = (tokens * (payload_bytes + 4 + 8 * c.top_k)) as u64;
+        // each rank's first all-to-all is the dispatch; sources send, the FFN rank sends nothing
+        let sent = sent.lock().unwrap();
+        let dispatch: u64 = sent.iter().take(4).sum();
+        assert_eq!(dispatch, want, "{payload}: dispatch bytes");
+    }
+}
+
+#[test]
+fn fp8_non_finite_row_fails_every_rank_and_the_next_round_works() {
+    let c = fp8_cfg("2A:2F", 256);
+    let mut bad = sources(&c, &[4, 6], None, 3);
+    // token 1 of source 1: an infinity at channel 130; token 0 of source 1 masks every slot
+    // and holds a NaN, which does not travel
+    bad[1].routes.idx[..3].iter_mut().for_each(|e| *e = MASKED);
+    bad[1].x[5] = bf16::NAN;
+    bad[1].routes.idx[3] = 1;
+    bad[1].x[256 + 130] = bf16::INFINITY;
+    let want = RouteError::NonFinitePayload {
+        rank: 1,
+        token: 1,
+        channel: 130,
+        value: f32::INFINITY,
+    };
+    let good = sources(&c, &[3, 0], Some(2), 12);
+    let got = run(&vec![c.clone(); 4], &[bad, good.clone()], None).unwrap();
+    for (rank, r) in got[0].iter().enumerate() {
+        match r {
+            Err(ExchangeError::Route { reporter, error }) => {
+                assert_eq!(*reporter, rank);
+                assert_eq!(error, &want, "rank {rank}");
+            }
+            other => panic!("rank {rank}: expected {want}, got {other:?}"),
+        }
+    }
+    check_round(&c, &good, &got[1], None);
+}
+
 #[cfg(feature = "ucx")]
 mod over_ucx {
     use super::*;
@@ -504,6 +688,11 @@ mod over_ucx {
         for tls in ["tcp", "shm"] {
             every_ratio_on(&|w| ucx_group(w, tls));
         }
+    }
+
+    #[test]
+    fn fp8_every_ratio_is_bit_identical_to_the_oracle_over_ucx() {
+        fp8_every_ratio_on(&|w| ucx_group(w, "tcp"));
     }
 
     #[test]

@@ -8,11 +8,21 @@
 //! then `acc = 0; acc = acc + partial_r` over the FFN ranks that hold at least one slot of
 //! the token, ascending; then one cast to bf16. `y_k` is the bf16 row the FFN rank returned.
 //! A token with no unmasked slot combines to +0.
+//!
+//! Payloads ([`ExchangeConfig::payload`]): with bf16 the FFN ranks receive the source rows bit
+//! for bit. With fp8 e4m3 ([`crate::fp8`]) every row that travels is quantised on its source
+//! (per token, one f32 scale per 128 channels); the FFN ranks receive the codes and scales in
+//! the expanded layout and the compact view ([`Fp8Received`]), and `expanded` / `compact_x`
+//! hold the dequantised bf16 rows (`bf16(f32(q) · scale)`), which is what the experts
+//! consume. A non-finite value in a row that travels rejects the round
+//! ([`RouteError::NonFinitePayload`], checked after the routes, [`check_payload`]). Combine is
+//! the same for both payloads: bf16 rows back, f32 sums in the fixed order above.
 
 use half::bf16;
 
-use crate::config::ExchangeConfig;
+use crate::config::{ExchangeConfig, PayloadKind};
 use crate::error::RouteError;
+use crate::fp8::{self, QuantisedRows};
 use crate::layout::{FfnPlan, SourceCounts, block_positions, compact_slots, payload_first_slabs};
 use crate::route::{MASKED, RouteRules, Routes, validate};
 
@@ -40,6 +50,24 @@ pub struct FfnReceived {
     pub compact_ids: Vec<i32>,
     /// Compact view weights, K per row (0 where the id is -1).
     pub compact_weights: Vec<f32>,
+    /// fp8 payloads: the codes and scales as delivered (then `expanded` and `compact_x` hold
+    /// their dequantised rows); `None` for bf16 payloads.
+    pub fp8: Option<Fp8Received>,
+}
+
+/// What an fp8 exchange delivers to an FFN rank besides the dequantised rows: e4m3 codes and
+/// f32 scales (`hidden / 128` per row, [`crate::fp8`]) in the same row orders as
+/// [`FfnReceived::expanded`] and [`FfnReceived::compact_x`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Received {
+    /// Expanded rows' codes, `plan.total_rows()` × hidden.
+    pub expanded_q: Vec<u8>,
+    /// Expanded rows' scales, `plan.total_rows()` × hidden / 128.
+    pub expanded_scales: Vec<f32>,
+    /// Compact view codes, one row per token × hidden.
+    pub compact_q: Vec<u8>,
+    /// Compact view scales, one row per token × hidden / 128.
+    pub compact_scales: Vec<f32>,
 }
 
 /// Validates every source's routes (and row counts); the error is that of the lowest-numbered
@@ -59,8 +87,34 @@ pub fn validate_sources(cfg: &ExchangeConfig, inputs: &[SourceInput]) -> Result<
     for (s, inp) in inputs.iter().enumerate() {
         check_rows(cfg, s, inp)?;
         validate(&inp.routes, &rules, s)?;
+        check_payload(cfg, s, inp)?;
     }
     Ok(())
+}
+
+/// Checks that an fp8 payload can be quantised: no NaN or infinity in the row of a token with
+/// at least one unmasked slot (the first in token, then channel order is the error). Nothing
+/// to check for bf16 payloads. Call it after the routes are valid.
+pub fn check_payload(
+    cfg: &ExchangeConfig,
+    rank: usize,
+    inp: &SourceInput,
+) -> Result<(), RouteError> {
+    if cfg.payload != PayloadKind::Fp8E4m3 {
+        return Ok(());
+    }
+    let k = inp.routes.top_k;
+    fp8::first_non_finite(&inp.x, cfg.hidden, rank, |t| {
+        inp.routes.idx[t * k..(t + 1) * k]
+            .iter()
+            .any(|&e| e != MASKED)
+    })
+}
+
+/// The rows a source's tokens deliver: the source rows (bf16), or their fp8 codes, scales and
+/// dequantised rows.
+fn delivered_rows(cfg: &ExchangeConfig, inp: &SourceInput) -> Option<QuantisedRows> {
+    (cfg.payload == PayloadKind::Fp8E4m3).then(|| QuantisedRows::of(&inp.x, cfg.hidden))
 }
 
 /// Checks that `x` holds one row of `hidden` per routed token.
@@ -96,20 +150,40 @@ pub fn dispatch(
         .iter()
         .map(|i| block_positions(&i.routes, &p))
         .collect();
+    let quantised: Vec<Option<QuantisedRows>> =
+        inputs.iter().map(|i| delivered_rows(cfg, i)).collect();
+    let g = fp8::scales_per_row(h);
+    // the rows the FFN ranks see: the source rows, or their dequantised fp8 codes
+    let rows_of = |s: usize| -> &[bf16] {
+        quantised[s]
+            .as_ref()
+            .map_or(inputs[s].x.as_slice(), |q| q.dequant.as_slice())
+    };
     let mut out = Vec::with_capacity(p.ffn_ranks);
     for f in 0..p.ffn_ranks {
         let plan = FfnPlan::build(f, &p, &counts);
-        let mut expanded = vec![bf16::ZERO; plan.total_rows() as usize * h];
+        let total = plan.total_rows() as usize;
+        let mut expanded = vec![bf16::ZERO; total * h];
+        let mut fp8_rx = (cfg.payload == PayloadKind::Fp8E4m3).then(|| Fp8Received {
+            expanded_q: vec![0; total * h],
+            expanded_scales: vec![0.0; total * g],
+            compact_q: Vec::new(),
+            compact_scales: Vec::new(),
+        });
         for (s, inp) in inputs.iter().enumerate() {
             for (i, &e) in inp.routes.idx.iter().enumerate() {
                 if e == MASKED || p.owner(e as usize) != Some(f) {
                     continue;
                 }
-                let row =
-                    plan.block_start(p.local(e as usize), s) + positions[s][i].expect("unmasked");
+                let row = (plan.block_start(p.local(e as usize), s)
+                    + positions[s][i].expect("unmasked")) as usize;
                 let t = i / inp.routes.top_k;
-                expanded[row as usize * h..(row as usize + 1) * h]
-                    .copy_from_slice(&inp.x[t * h..(t + 1) * h]);
+                expanded[row * h..(row + 1) * h].copy_from_slice(&rows_of(s)[t * h..(t + 1) * h]);
+                if let (Some(rx), Some(q)) = (fp8_rx.as_mut(), quantised[s].as_ref()) {
+                    rx.expanded_q[row * h..(row + 1) * h].copy_from_slice(&q.q[t * h..(t + 1) * h]);
+                    rx.expanded_scales[row * g..(row + 1) * g]
+                        .copy_from_slice(&q.scales[t * g..(t + 1) * g]);
+                }
             }
         }
         let mut compact_tokens = Vec::new();
@@ -122,8 +196,14 @@ pub fn dispatch(
             compact_ids.extend(ids);
             compact_weights.extend(ws);
             for &t in slab {
-                compact_tokens.push((s as u32, t));
-                compact_x.extend_from_slice(&inp.x[t as usize * h..(t as usize + 1) * h]);
+                let t = t as usize;
+                compact_tokens.push((s as u32, t as u32));
+                compact_x.extend_from_slice(&rows_of(s)[t * h..(t + 1) * h]);
+                if let (Some(rx), Some(q)) = (fp8_rx.as_mut(), quantised[s].as_ref()) {
+                    rx.compact_q.extend_from_slice(&q.q[t * h..(t + 1) * h]);
+                    rx.compact_scales
+                        .extend_from_slice(&q.scales[t * g..(t + 1) * g]);
+                }
             }
         }
         out.push(FfnReceived {
@@ -133,6 +213,7 @@ pub fn dispatch(
             compact_x,
             compact_ids,
             compact_weights,
+            fp8: fp8_rx,
         });
     }
     Ok(out)
@@ -369,6 +450,133 @@ mod tests {
             sorted.sort();
             assert_eq!(sorted, r.compact_tokens);
         }
+    }
+
+    fn fp8_cfg(topo: &str, hidden: usize) -> ExchangeConfig {
+        let t: Topology = topo.parse().unwrap();
+        let mut cfg = ExchangeConfig::new(t, hidden, 12, 3, 64).unwrap();
+        cfg.payload = PayloadKind::Fp8E4m3;
+        cfg.validate().unwrap();
+        cfg
+    }
+
+    /// fp8 dispatch delivers each travelling token's codes, scales and dequantised row at
+    /// every place the bf16 dispatch delivers its row, and nothing else changes.
+    #[test]
+    fn fp8_dispatch_delivers_codes_scales_and_dequantised_rows() {
+        for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
+            let cfg = fp8_cfg(topo, 384);
+            let mut bf = cfg.clone();
+            bf.payload = PayloadKind::Bf16;
+            let mut inp = inputs(&cfg, &[5, 0, 9, 3][..cfg.topology.attention_count()], 4);
+            // a zero group, a tiny group and a huge one in the last source's first token
+            let last = (0..inp.len())
+                .max_by_key(|&s| inp[s].routes.tokens)
+                .unwrap();
+            let x = &mut inp[last].x;
+            x[..128].iter_mut().for_each(|v| *v = bf16::ZERO);
+            x[128..256]
+                .iter_mut()
+                .for_each(|v| *v = bf16::from_bits(v.to_bits() & 0x807f));
+            x[256..384]
+                .iter_mut()
+                .for_each(|v| *v = bf16::from_f32(v.to_f32() * 1e30));
+            let q = fp8_rx(&cfg, &inp);
+            let b = dispatch(&bf, &inp).unwrap();
+            let quantised: Vec<QuantisedRows> =
+                inp.iter().map(|i| QuantisedRows::of(&i.x, 384)).collect();
+            for (f, (q, b)) in q.iter().zip(&b).enumerate() {
+                assert_eq!(q.plan, b.plan);
+                assert_eq!(q.compact_tokens, b.compact_tokens);
+                assert_eq!(q.compact_ids, b.compact_ids);
+                assert_eq!(q.compact_weights, b.compact_weights);
+                assert!(b.fp8.is_none());
+                let rx = q.fp8.as_ref().expect("fp8 rows");
+                for (i, &(s, t)) in q.compact_tokens.iter().enumerate() {
+                    let (s, t) = (s as usize, t as usize);
+                    let qs = &quantised[s];
+                    assert_eq!(
+                        rx.compact_q[i * 384..(i + 1) * 384],
+                        qs.q[t * 384..(t + 1) * 384]
+                    );
+                    assert_eq!(
+                        rx.compact_scales[i * 3..(i + 1) * 3],
+                        qs.scales[t * 3..(t + 1) * 3]
+                    );
+                    assert_eq!(
+                        q.compact_x[i * 384..(i + 1) * 384],
+                        qs.dequant[t * 384..(t + 1) * 384]
+                    );
+                }
+                // every expanded row is some source token's row: find it through the bf16 one
+                for row in 0..q.plan.total_rows() as usize {
+                    let src = &b.expanded[row * 384..(row + 1) * 384];
+                    let c = (0..b.compact_tokens.len())
+                        .find(|&i| &b.compact_x[i * 384..(i + 1) * 384] == src)
+                        .unwrap_or_else(|| panic!("{topo} rank {f} row {row}"));
+                    assert_eq!(
+                        rx.expanded_q[row * 384..(row + 1) * 384],
+                        rx.compact_q[c * 384..(c + 1) * 384]
+                    );
+                    assert_eq!(
+                        rx.expanded_scales[row * 3..(row + 1) * 3],
+                        rx.compact_scales[c * 3..(c + 1) * 3]
+                    );
+                    assert_eq!(
+                        q.expanded[row * 384..(row + 1) * 384],
+                        q.compact_x[c * 384..(c + 1) * 384]
+                    );
+                }
+            }
+            // the experts see the dequantised rows
+            let scale = |e: usize, rows: &[bf16], _n: usize| {
+                rows.iter()
+                    .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+                    .collect()
+            };
+            let mut deq = inp.clone();
+            for (d, qs) in deq.iter_mut().zip(&quantised) {
+                d.x = qs.dequant.clone();
+            }
+            assert_eq!(
+                exchange(&cfg, &inp, scale).unwrap(),
+                exchange(&bf, &deq, scale).unwrap()
+            );
+        }
+    }
+
+    fn fp8_rx(cfg: &ExchangeConfig, inp: &[SourceInput]) -> Vec<FfnReceived> {
+        dispatch(cfg, inp).unwrap()
+    }
+
+    #[test]
+    fn fp8_rejects_non_finite_rows_that_travel() {
+        let cfg = fp8_cfg("2A:2F", 256);
+        let mut inp = inputs(&cfg, &[4, 6], 5);
+        // token 0 of source 1 masks every slot: its NaN does not travel
+        inp[1].routes.idx[..3].iter_mut().for_each(|e| *e = MASKED);
+        inp[1].x[7] = bf16::NAN;
+        dispatch(&cfg, &inp).unwrap();
+        inp[1].x[3 * 256 + 200] = bf16::NEG_INFINITY;
+        assert_eq!(
+            dispatch(&cfg, &inp).unwrap_err(),
+            RouteError::NonFinitePayload {
+                rank: 1,
+                token: 3,
+                channel: 200,
+                value: f32::NEG_INFINITY
+            }
+        );
+        // bf16 payloads carry them
+        let mut bf = cfg.clone();
+        bf.payload = PayloadKind::Bf16;
+        dispatch(&bf, &inp).unwrap();
+        // a route error comes first
+        inp[1].routes.idx[3 * 3] = 99;
+        assert!(matches!(
+            dispatch(&cfg, &inp).unwrap_err(),
+            RouteError::Wide { rank: 1, .. }
+        ));
     }
 
     #[test]

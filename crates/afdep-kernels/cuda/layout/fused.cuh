@@ -7,6 +7,9 @@
 //   [ hidden bf16 payload | pad to 16 B ][ meta: u32 token, u32 0, i32 local_id[K],
 //     f32 weight[K], u64 expanded_row[K] | pad to 16 B ]
 // local_id is -1 for a slot masked or owned by another FFN rank (weight 0, row ~0).
+// With fp8 payloads (AFDEP_PAYLOAD_FP8) the payload part is the e4m3 codes and the scales:
+//   [ hidden u8 codes | pad to 16 B ][ hidden/128 f32 scales | pad to 16 B ][ meta ... ]
+// (afdep_kernels::ops::fused::slab_payload_bytes; the quantisation is common/fp8.cuh).
 #pragma once
 
 #include "common/types.cuh"
@@ -21,6 +24,18 @@
 #define AFDEP_FUSED_FAULT_COMBINE_WAIT 2u
 
 static __device__ __forceinline__ u64 afdep_align16(u64 v) { return (v + 15) & ~15ull; }
+
+// Payload kinds, a compile-time constant of the dispatch and epilogue kernels
+// (afdep_core::PayloadKind).
+#define AFDEP_PAYLOAD_BF16 0
+#define AFDEP_PAYLOAD_FP8 1
+
+// Bytes of the payload part of a slab row: where the metadata starts.
+template <int PAYLOAD>
+static __device__ __forceinline__ u64 afdep_fused_payload_bytes(u32 hidden) {
+    if (PAYLOAD == AFDEP_PAYLOAD_FP8) return afdep_align16(hidden) + afdep_align16(4ull * (hidden / 128u));
+    return afdep_align16(2ull * hidden);
+}
 
 // Records a fault (the first one wins).
 static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32 peer, u32 round) {

@@ -13,8 +13,15 @@
 //! `{code, peer rank, round, 0}`, codes in [`fault`]) and leave: no trap, no hang. Their grid is
 //! capped by the caller (`blocks`): ranks that share a GPU must leave SMs for each other's
 //! kernels while they wait.
+//!
+//! Payloads: [`dispatch`] and [`copy_epilogue`] move bf16 rows; [`dispatch_fp8`] quantises
+//! each row while it stores it into the slab (e4m3 codes and one f32 scale per 128 channels,
+//! `cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]) and [`copy_epilogue_fp8`] expands
+//! codes and scales into the expanded layout along with the dequantised bf16 rows. The payload
+//! kind is a compile-time constant of the kernels (one entry per kind); the slab row layout of
+//! each is [`slab_payload_bytes`] + the metadata.
 
-use afdep_core::bf16;
+use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::{as_u32, need};
@@ -44,8 +51,25 @@ pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
     (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
-/// Loads every fused kernel (payload-first, count-first ([`super::fused_cf`]) and the device
-/// round ([`super::fused_round`])) for `top_k` now (module compiled or read from the cache, and each
+/// Bytes of the payload part of a slab row (where its metadata starts): `hidden` bf16, or
+/// `hidden` e4m3 codes and `hidden / 128` f32 scales, each part rounded up to 16
+/// (`afdep_fused_payload_bytes` in `layout/fused.cuh`).
+pub const fn slab_payload_bytes(payload: PayloadKind, hidden: usize) -> usize {
+    match payload {
+        PayloadKind::Bf16 => (2 * hidden).div_ceil(16) * 16,
+        PayloadKind::Fp8E4m3 => {
+            hidden.div_ceil(16) * 16 + (4 * (hidden / afdep_core::fp8::GROUP)).div_ceil(16) * 16
+        }
+    }
+}
+
+/// Bytes of one slab row for a payload kind: the payload part and the metadata.
+pub const fn slab_row_bytes_for(payload: PayloadKind, hidden: usize, k: usize) -> usize {
+    slab_payload_bytes(payload, hidden) + (4 * meta_words(k)).div_ceil(16) * 16
+}
+
+/// Loads every fused kernel (payload-first with bf16 and fp8 payloads, count-first
+/// ([`super::fused_cf`]) and the device round ([`super::fused_round`])) for `top_k` now (module compiled or read from the cache, and each
 /// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
 /// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
 /// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
@@ -59,6 +83,8 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
         KernelId::FusedCopyEpilogue,
         KernelId::FusedCombineStore,
         KernelId::FusedCombine,
+        KernelId::FusedDispatchFp8,
+        KernelId::FusedCopyEpilogueFp8,
     ]
     .into_iter()
     .chain(super::fused_cf::KERNELS)
@@ -148,6 +174,72 @@ pub fn dispatch(
     geo: &SlabGeometry,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    dispatch_payload(
+        ctx,
+        PayloadKind::Bf16,
+        x,
+        tokens,
+        send,
+        top_k,
+        peers,
+        me,
+        geo,
+        blocks,
+    )
+}
+
+/// Payload-first dispatch of fp8 payloads (`afdep_fused_dispatch_fp8`): [`dispatch`], but each
+/// row is quantised while it is stored (codes, then `hidden / 128` scales, then the metadata;
+/// [`slab_row_bytes_for`]). `hidden` must be a multiple of 128 and every row that is sent
+/// finite (the engine checks it on the host: `RouteError::NonFinitePayload`).
+#[allow(clippy::too_many_arguments)]
+pub fn dispatch_fp8(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    send: &SendList<'_>,
+    top_k: usize,
+    peers: u64,
+    me: usize,
+    geo: &SlabGeometry,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    dispatch_payload(
+        ctx,
+        PayloadKind::Fp8E4m3,
+        x,
+        tokens,
+        send,
+        top_k,
+        peers,
+        me,
+        geo,
+        blocks,
+    )
+}
+
+fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
+    if hidden % afdep_core::fp8::GROUP != 0 {
+        return Err(KernelError::Shape(format!(
+            "fp8 payloads need hidden a multiple of 128, not {hidden}"
+        )));
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dispatch_payload(
+    ctx: &GpuContext,
+    payload: PayloadKind,
+    x: &CudaSlice<bf16>,
+    tokens: usize,
+    send: &SendList<'_>,
+    top_k: usize,
+    peers: u64,
+    me: usize,
+    geo: &SlabGeometry,
+    blocks: u32,
+) -> Result<(), KernelError> {
     if send.rows == 0 {
         return Ok(());
     }
@@ -158,16 +250,24 @@ pub fn dispatch(
     need("dst_rank", send.dst_rank, send.rows)?;
     need("slab_row", send.slab_row, send.rows)?;
     need("meta", send.meta, send.rows * mw)?;
-    if geo.row_bytes < slab_row_bytes(hidden, top_k) as u64 {
+    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
         return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes cannot hold hidden {hidden} and top-k {top_k}",
+            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
+             {top_k}",
             geo.row_bytes
         )));
     }
+    let id = match payload {
+        PayloadKind::Bf16 => KernelId::FusedDispatch,
+        PayloadKind::Fp8E4m3 => {
+            check_fp8_hidden(hidden)?;
+            KernelId::FusedDispatchFp8
+        }
+    };
     let rows = send.rows as u64;
     let mw = as_u32("meta words", mw)?;
     let me = as_u32("rank", me)?;
-    let f = ctx.function(KernelId::FusedDispatch, 0, 0)?;
+    let f = ctx.function(id, 0, 0)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
         .arg(send.token)
@@ -182,14 +282,16 @@ pub fn dispatch(
         .arg(&geo.cap)
         .arg(&geo.row_bytes)
         .arg(&geo.hidden);
-    // SAFETY: afdep_fused_dispatch(const u16* x, const u32* token, const u32* dst_rank, const
-    // u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers, u64 slab_off,
-    // u32 me, u32 cap, u64 row_bytes, u32 hidden): warp r < rows reads x[token[r]] (the caller's
-    // tokens are < `tokens`, x holds tokens × hidden, checked) and meta[r] (checked), and writes
-    // row_bytes bytes (enough for payload and metadata, checked) at slab row (me, slab_row[r]) of
-    // the workspace peers[dst_rank[r]]; the caller guarantees the peer table is live, that
-    // dst_rank < world, slab_row < cap, and that every workspace holds the slabs of every rank.
-    unsafe { b.launch(blocks_for(rows, blocks)) }.map_err(launch_err(KernelId::FusedDispatch))?;
+    // SAFETY: afdep_fused_dispatch{,_fp8}(const u16* x, const u32* token, const u32* dst_rank,
+    // const u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers, u64
+    // slab_off, u32 me, u32 cap, u64 row_bytes, u32 hidden): warp r < rows reads x[token[r]]
+    // (the caller's tokens are < `tokens`, x holds tokens × hidden, checked; fp8: hidden a
+    // multiple of 128, checked, so 16-byte reads stay in the row of a cudaMalloc'd buffer) and
+    // meta[r] (checked), and writes at most row_bytes bytes (enough for this payload and the
+    // metadata, checked) at slab row (me, slab_row[r]) of the workspace peers[dst_rank[r]]; the
+    // caller guarantees the peer table is live, that dst_rank < world, slab_row < cap, and that
+    // every workspace holds the slabs of every rank.
+    unsafe { b.launch(blocks_for(rows, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }
 
@@ -294,6 +396,91 @@ pub fn copy_epilogue(
     // caller's plan; expanded holds expanded_rows × hidden, checked); err is a live u32[4].
     unsafe { b.launch(blocks_for(src.total, blocks)) }
         .map_err(launch_err(KernelId::FusedCopyEpilogue))?;
+    Ok(())
+}
+
+/// The outputs of [`copy_epilogue_fp8`]: `rows × hidden` codes, `rows × hidden / 128` scales
+/// and `rows × hidden` dequantised bf16 values of the expanded layout.
+#[derive(Debug)]
+pub struct Fp8Expanded<'a> {
+    /// e4m3 codes.
+    pub q: &'a mut CudaSlice<u8>,
+    /// f32 scales, one per 128 channels.
+    pub scales: &'a mut CudaSlice<f32>,
+    /// Dequantised rows (`bf16(f32(q) · scale)`).
+    pub dequant: &'a mut CudaSlice<bf16>,
+}
+
+/// The copy epilogue of fp8 payloads (`afdep_fused_copy_epilogue_fp8`): [`copy_epilogue`]'s
+/// wait, then every slab row's codes, scales and dequantised values to the expanded rows its
+/// metadata names (`out` holds `expanded_rows` of each). A timeout records
+/// [`fault::DISPATCH_WAIT`] in `err`.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_epilogue_fp8(
+    ctx: &GpuContext,
+    ws: u64,
+    src: &EpilogueSources<'_>,
+    flag_off: u64,
+    geo: &SlabGeometry,
+    top_k: usize,
+    round: u32,
+    timeout_ns: u64,
+    err: u64,
+    out: Fp8Expanded<'_>,
+    expanded_rows: usize,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if src.sources == 0 {
+        return Ok(());
+    }
+    let hidden = geo.hidden as usize;
+    check_fp8_hidden(hidden)?;
+    need("source ranks", src.rank, src.sources)?;
+    need("slab starts", src.slab_starts, src.sources + 1)?;
+    need("expanded codes", out.q, expanded_rows * hidden)?;
+    need(
+        "expanded scales",
+        out.scales,
+        expanded_rows * (hidden / afdep_core::fp8::GROUP),
+    )?;
+    need("expanded rows", out.dequant, expanded_rows * hidden)?;
+    if geo.row_bytes < slab_row_bytes_for(PayloadKind::Fp8E4m3, hidden, top_k) as u64 {
+        return Err(KernelError::Shape(format!(
+            "slab rows of {} bytes cannot hold fp8 payloads of hidden {hidden} and top-k {top_k}",
+            geo.row_bytes
+        )));
+    }
+    let k = as_u32("top_k", top_k)?;
+    let ns = as_u32("sources", src.sources)?;
+    let f = ctx.function(KernelId::FusedCopyEpilogueFp8, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(src.rank)
+        .arg(src.slab_starts)
+        .arg(&ns)
+        .arg(&flag_off)
+        .arg(&geo.slab_off)
+        .arg(&geo.cap)
+        .arg(&geo.row_bytes)
+        .arg(&geo.hidden)
+        .arg(&round)
+        .arg(&timeout_ns)
+        .arg(&err)
+        .arg(out.q)
+        .arg(out.scales)
+        .arg(out.dequant);
+    // SAFETY: afdep_fused_copy_epilogue_fp8(const u8* ws, const u32* src_rank, const u64*
+    // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
+    // u32 round, u64 timeout_ns, u32* err, u8* expanded_q, float* expanded_scales, u16*
+    // expanded) with K compiled in: thread 0 of each block reads the sources' flags of this
+    // rank's live workspace; after they are raised, warp c < slab_starts[sources] reads slab row
+    // (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the fp8
+    // payload and metadata, checked) and writes the expanded rows its metadata names (<
+    // expanded_rows, the caller's plan) of the three outputs, which hold expanded_rows rows each
+    // (checked; cudaMalloc'd, so the 16-byte stores of rows of a multiple of 128 channels are
+    // aligned); err is a live u32[4].
+    unsafe { b.launch(blocks_for(src.total, blocks)) }
+        .map_err(launch_err(KernelId::FusedCopyEpilogueFp8))?;
     Ok(())
 }
 
@@ -461,5 +648,21 @@ mod tests {
         );
         assert_eq!(slab_row_bytes(24, 3), 48 + 64);
         assert_eq!(slab_row_bytes(8, 1), 16 + 32);
+        assert_eq!(define("AFDEP_PAYLOAD_BF16"), "0");
+        assert_eq!(define("AFDEP_PAYLOAD_FP8"), "1");
+        for (h, k) in [(24, 3), (2048, 8), (7168, 8)] {
+            assert_eq!(
+                slab_row_bytes_for(PayloadKind::Bf16, h, k),
+                slab_row_bytes(h, k)
+            );
+        }
+        // hidden 384: 384 codes, 3 scales (12 bytes, padded to 16), K = 3 metadata (56 → 64)
+        assert_eq!(slab_payload_bytes(PayloadKind::Fp8E4m3, 384), 384 + 16);
+        assert_eq!(
+            slab_row_bytes_for(PayloadKind::Fp8E4m3, 384, 3),
+            384 + 16 + 64
+        );
+        // hidden 7168: 7168 + 224 bytes against 14336 for bf16
+        assert_eq!(slab_payload_bytes(PayloadKind::Fp8E4m3, 7168), 7168 + 224);
     }
 }

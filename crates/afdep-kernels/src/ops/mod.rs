@@ -4,6 +4,7 @@
 //! ([`KernelError::Shape`]), launches on the context's stream, and returns without waiting:
 //! results are read with the stream's copies, which order after the launches.
 
+pub mod fp8;
 pub mod fused;
 pub mod fused_cf;
 pub mod fused_round;

@@ -536,6 +536,8 @@ impl FusedEngine {
             compact_x,
             compact_ids,
             compact_weights,
+            // count-first carries bf16 payloads only (checked above)
+            fp8: None,
         })
     }
 }
