@@ -469,7 +469,8 @@ fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
         Mode::Graph(DispatchArm::CountFirstSource),
     ];
     for topo in ["3A:1F", "1A:3F", "EP4"] {
-        let mut c = cfg(topo, 64, 8, 2);
+        // 12 experts: a multiple of 1, 3 and 4 FFN ranks
+        let mut c = cfg(topo, 64, 12, 2);
         c.capacity = 40;
         c.validate().unwrap();
         let p = params(&c, 32, 7);
