@@ -21,6 +21,10 @@
 # Environment: ARMS (default every arm; arms the engine lacks give `unsupported` rows),
 # REPEATS (3), ROUNDS (timed rounds per token count and process, 20), WARMUP (3),
 # TOKENS (1,8,32,128,512,1024,2048), RATIOS ("3A:1F 2A:2F 1A:3F EP4"), HIDDEN (2048),
+# LAUNCH (empty: the ranks of a child are threads of one process; N: N processes per child,
+# one per rank, through `afdep launch`: the multi-GPU run, e.g.
+#   LAUNCH=4 ENGINE="--backend cuda --transport nvlink --one-gpu-per-rank" RATIOS="3A:1F 2A:2F 1A:3F EP4"
+# and NCCL on the same rounds: LAUNCH=4 ARMS=payload-first ENGINE="--backend cpu --transport nccl"),
 # ENGINE ("--backend cuda --transport nvlink --device 0": the fused engine, every rank on GPU 0;
 # `ENGINE="--backend cpu --transport loopback" HIDDEN=16 TOKENS=1,8 ROUNDS=2` is a dry run of
 # this script on a machine without a GPU).
@@ -51,7 +55,11 @@ export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$out/kernel-cache}
   echo "kernel digest: $("$afdep" kernels --digest)"
   echo "commit: $(cat "$bundle/commit.txt" 2>/dev/null || echo unknown)"
   echo "arms: $arms; repeats $repeats; rounds $rounds (+$warmup warm-up) per token count and process"
-  echo "engine: $engine (ranks: threads of one process; with --device 0 all on GPU 0: single-GPU rank emulation)"
+  if [ -n "${LAUNCH:-}" ]; then
+    echo "engine: $engine (ranks: $LAUNCH processes per child through afdep launch)"
+  else
+    echo "engine: $engine (ranks: threads of one process; with --device 0 all on GPU 0: single-GPU rank emulation)"
+  fi
 } | tee "$out/env.txt"
 
 : > "$out/rows.jsonl"
@@ -61,7 +69,7 @@ for ratio in $ratios; do
   [ "$ratio" = "1A:3F" ] && experts=96
   tag=${ratio//:/}
   echo "== $ratio ($experts experts), $(( $(date +%s) - start )) s so far" | tee -a "$out/env.txt"
-  "$afdep" exchange-arms --arms "$arms" --repeats "$repeats" \
+  "$afdep" exchange-arms ${LAUNCH:+--launch "$LAUNCH"} --arms "$arms" --repeats "$repeats" \
     --json-out "$out/rows.jsonl" --table "$out/arms-$tag.md" -- \
     $engine \
     --topology "$ratio" --hidden "$hidden" --experts "$experts" --top-k 8 --capacity 2048 \

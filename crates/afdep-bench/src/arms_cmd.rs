@@ -2,7 +2,8 @@
 //! rotated-order comparison of dispatch arms that the reference record uses (brief section 5).
 //!
 //! Repeat r (0-based) runs every arm once, each in its own child process (`afdep exchange
-//! <flags> --arm A`, this same binary), in the order of `--arms` rotated left by r: with arms
+//! <flags> --arm A`, this same binary; with `--launch N`, N processes, one per rank, through
+//! `afdep launch`), in the order of `--arms` rotated left by r: with arms
 //! `P,C,S`, repeat 0 runs `P C S`, repeat 1 `C S P`, repeat 2 `S P C`. So every arm runs in
 //! every position, and a drift of the machine over time (clocks, temperature, other load) falls
 //! on every arm alike. Each child reports one row per token count (its median over its timed
@@ -55,6 +56,11 @@ pub struct ArmsArgs {
     /// Also write the summary table to this markdown file.
     #[arg(long)]
     pub table: Option<PathBuf>,
+    /// Runs every child as N processes, one per rank (`afdep launch -n N -- afdep exchange
+    /// --multi-process <flags> --arm A`: the multi-GPU run, one process per GPU); the child's
+    /// rows are rank 0's. Without it, a child is one process with its ranks as threads.
+    #[arg(long, value_name = "N")]
+    pub launch: Option<usize>,
     /// The flags of every child `afdep exchange` (after `--`), without `--arm`.
     #[arg(last = true)]
     pub exchange: Vec<String>,
@@ -284,6 +290,9 @@ pub fn run(a: ArmsArgs) -> Result<()> {
             bail!("exchange-arms sets or refuses {f} for its children; leave it out after `--`");
         }
     }
+    if a.launch == Some(0) {
+        bail!("--launch needs at least one process");
+    }
     let exe = std::env::current_exe().context("finding this program to run its arms")?;
     let mut json_out = match &a.json_out {
         Some(p) => Some(
@@ -315,14 +324,25 @@ pub fn run(a: ArmsArgs) -> Result<()> {
                 position + 1,
                 ord.len()
             );
-            let out = Command::new(&exe)
-                .arg("exchange")
+            let mut cmd = Command::new(&exe);
+            if let Some(n) = a.launch {
+                cmd.args(["launch", "-n", &n.to_string(), "--"])
+                    .arg(&exe)
+                    .args(["exchange", "--multi-process"]);
+            } else {
+                cmd.arg("exchange");
+            }
+            let out = cmd
                 .args(&a.exchange)
                 .args(["--arm", arm.name()])
                 .output()
                 .with_context(|| format!("starting {} exchange", exe.display()))?;
             let stderr = String::from_utf8_lossy(&out.stderr);
-            if out.status.code() == Some(EXIT_UNSUPPORTED) {
+            // under `launch` the child's status is the launcher's; the ranks' reason is in
+            // their stderr
+            let unsupported_child = out.status.code() == Some(EXIT_UNSUPPORTED)
+                || (a.launch.is_some() && stderr.contains("unsupported: "));
+            if unsupported_child {
                 let why = reason(&stderr);
                 eprintln!("exchange-arms: {arm}: {why}");
                 unsupported.insert(arm, why);

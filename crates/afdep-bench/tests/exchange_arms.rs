@@ -49,12 +49,15 @@ fn ok(args: &[&str]) -> (Vec<serde_json::Value>, String) {
 
 /// The runner over `transport`: payload-first runs in a child process per repeat, in rotated
 /// order with count-first; count-first is reported `unsupported` by the staged engine.
-fn arms_over(transport: &str) {
+fn arms_over(transport: &str, launch: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("rows.jsonl");
     let table = dir.path().join("table.md");
-    let mut args = vec![
-        "exchange-arms",
+    let mut args = vec!["exchange-arms"];
+    if let Some(n) = launch {
+        args.extend(["--launch", n]);
+    }
+    args.extend([
         "--arms",
         "payload-first,count-first",
         "--repeats",
@@ -72,9 +75,14 @@ fn arms_over(transport: &str) {
         "2A:1F",
         "--tokens",
         "3,5",
-    ];
+    ]);
     args.extend(SMALL);
     let (rows, stderr) = ok(&args);
+    let ranks_as = if launch.is_some() {
+        "processes"
+    } else {
+        "threads"
+    };
     assert!(!stderr.contains("panicked"), "{stderr}");
     let repeats: Vec<&serde_json::Value> = rows.iter().filter(|r| r["kind"] == "repeat").collect();
     // 3 repeats × 2 token counts of payload-first; count-first never produced a row
@@ -85,6 +93,7 @@ fn arms_over(transport: &str) {
         assert_eq!(r["status"], "ok", "{r}");
         assert_eq!(r["engine"], "staged");
         assert_eq!(r["timing"], "host");
+        assert_eq!(r["ranks_as"], ranks_as, "{r}");
         let repeat = r["repeat"].as_u64().unwrap();
         // rotated orders: repeat 0 and 2 start with payload-first, repeat 1 with count-first
         let want = if repeat == 1 {
@@ -140,12 +149,18 @@ fn arms_over(transport: &str) {
 
 #[test]
 fn arms_runner_over_loopback() {
-    arms_over("loopback");
+    arms_over("loopback", None);
 }
 
 #[test]
 fn arms_runner_over_tcp() {
-    arms_over("tcp");
+    arms_over("tcp", None);
+}
+
+#[test]
+fn arms_runner_with_one_process_per_rank() {
+    // 2A:1F: three processes per child through `afdep launch`
+    arms_over("tcp", Some("3"));
 }
 
 #[test]
