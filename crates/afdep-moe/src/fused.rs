@@ -138,7 +138,7 @@ use crate::error::ExchangeError;
 use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_tokens};
 
 mod count_first;
-mod device_round;
+pub mod device_round;
 pub use count_first::DispatchArm;
 pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
 

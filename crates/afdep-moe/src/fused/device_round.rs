@@ -77,7 +77,7 @@ use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::Transport;
 use std::time::Instant;
 
-use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
+use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, DispatchArm, ERROR_WORD, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::staged::{PhaseTimes, RoundOutput};
 
@@ -175,11 +175,9 @@ pub(super) struct DeviceRound {
 /// replay it with [`FusedEngine::replay`].
 pub struct FusedGraph {
     graph: CudaGraph,
-    arm: DispatchArmOf,
+    arm: DispatchArm,
     engine: u64,
 }
-
-type DispatchArmOf = super::DispatchArm;
 
 // SAFETY: the graph and its executable are driver handles that any thread may use with the
 // context bound (replay binds it); the driver does not allow concurrent use of one executable,
@@ -197,7 +195,7 @@ impl std::fmt::Debug for FusedGraph {
 
 impl FusedGraph {
     /// The arm the graph runs.
-    pub fn arm(&self) -> super::DispatchArm {
+    pub fn arm(&self) -> DispatchArm {
         self.arm
     }
 
@@ -338,7 +336,7 @@ impl FusedEngine {
     /// Collective.
     pub fn device_round(
         &mut self,
-        arm: super::DispatchArm,
+        arm: DispatchArm,
         input: Option<&SourceInput>,
     ) -> Result<RoundOutput, ExchangeError> {
         self.guarded(|eng| {
@@ -351,7 +349,7 @@ impl FusedEngine {
 
     /// Captures one device round of `arm` into a CUDA graph on this rank's stream ([module
     /// docs](self)). Collective (barriers before and after); no round may be in flight.
-    pub fn capture(&mut self, arm: super::DispatchArm) -> Result<FusedGraph, ExchangeError> {
+    pub fn capture(&mut self, arm: DispatchArm) -> Result<FusedGraph, ExchangeError> {
         let rank = self.rank();
         if let Some(why) = &self.closed {
             return Err(ExchangeError::Closed {
@@ -433,7 +431,7 @@ impl FusedEngine {
         r
     }
 
-    fn check_device(&self, _arm: super::DispatchArm) -> Result<(), ExchangeError> {
+    fn check_device(&self, _arm: DispatchArm) -> Result<(), ExchangeError> {
         let rank = self.rank();
         if self.device.is_none() {
             return Err(ExchangeError::Input {
@@ -459,7 +457,7 @@ impl FusedEngine {
     /// that every rank rejects the round (over capacity) instead of waiting for it.
     fn load_input(
         &mut self,
-        arm: super::DispatchArm,
+        arm: DispatchArm,
         input: Option<&SourceInput>,
     ) -> Result<Option<ExchangeError>, ExchangeError> {
         self.check_device(arm)?;
@@ -551,7 +549,7 @@ impl FusedEngine {
             if cfg.topology.ffn_index(rank).is_some() {
                 let a = self.geo.cf;
                 self.poison_ws(a.expanded, a.exp_rows * 2 * h as u64)?;
-                if arm == super::DispatchArm::CountFirstSource {
+                if arm == DispatchArm::CountFirstSource {
                     // the source arm's slab rows hold metadata only, stored after this rank's
                     // offsets of the round, so poisoning them here races with nothing
                     let slab = self.geo.slab;
@@ -568,8 +566,8 @@ impl FusedEngine {
 
     /// The launches of one device round on this rank's stream ([module docs](self)): no host
     /// value that changes from round to round, no allocation, no synchronisation.
-    fn launch_device_round(&mut self, arm: super::DispatchArm) -> Result<(), ExchangeError> {
-        use super::DispatchArm as A;
+    fn launch_device_round(&mut self, arm: DispatchArm) -> Result<(), ExchangeError> {
+        use DispatchArm as A;
         let rank = self.rank();
         let cfg = &self.cfg;
         let topo = cfg.topology;
@@ -871,7 +869,7 @@ impl FusedEngine {
     /// After a device round's launches: waits, checks faults and the verdict, reads the results.
     fn finish_device_round(
         &mut self,
-        arm: super::DispatchArm,
+        arm: DispatchArm,
         input: Option<&SourceInput>,
         local: Option<ExchangeError>,
         t0: Instant,
