@@ -1022,3 +1022,51 @@ fn swiglu_gemms(
     )?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use afdep_core::ExchangeConfig;
+    use afdep_kernels::ops::fused_round::STATUS_BYTES;
+
+    /// The status area follows the count-first areas, 256-byte aligned, and ends the
+    /// workspace; the control block lies between the error word and the slabs.
+    #[test]
+    fn the_status_area_and_the_control_block_fit_the_workspace() {
+        for (topo, hidden, experts, k, cap) in [
+            ("3A:1F", 2048usize, 128usize, 8usize, 2048usize),
+            ("1A:3F", 20, 9, 2, 3),
+            ("EP4", 7168, 24, 4, 256),
+        ] {
+            let c = ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, k, cap).unwrap();
+            let g = super::super::geometry(&c);
+            assert_eq!(g.status % 256, 0);
+            assert!(g.status >= g.cf.expanded + g.cf.exp_rows * 2 * hidden as u64);
+            assert_eq!(g.bytes, g.status + STATUS_BYTES);
+            assert_eq!(FusedEngine::workspace_bytes(&c) as u64, g.bytes);
+        }
+        assert!(super::super::ERROR_WORD + 16 <= CONTROL);
+        assert!(CONTROL + 4 * CTL_WORDS as u64 <= super::super::SLABS);
+    }
+
+    /// The scale expert's host twin: one f32 product, one bf16 rounding (round to nearest
+    /// even), expert e scaled by e + 1.
+    #[test]
+    fn the_scale_expert_on_the_host() {
+        let ex = DeviceExperts::index_scale(4);
+        let f = ex.host();
+        let rows: Vec<bf16> = [1.0f32, -0.5, 3.25, 1.0 + 1.0 / 128.0]
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let y = f(2, &rows, 1);
+        let want: Vec<bf16> = rows
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * 3.0))
+            .collect();
+        assert_eq!(y, want);
+        // (1 + 2^-7) · 3 = 3 + 1.5 · 2^-6: halfway between the bf16 neighbours 3.015625 (odd)
+        // and 3.03125 (even): to even
+        assert_eq!(y[3].to_f32(), 3.03125);
+    }
+}
