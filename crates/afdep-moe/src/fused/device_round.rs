@@ -1045,8 +1045,10 @@ mod tests {
             assert_eq!(g.bytes, g.status + STATUS_BYTES);
             assert_eq!(FusedEngine::workspace_bytes(&c) as u64, g.bytes);
         }
-        assert!(super::super::ERROR_WORD + 16 <= CONTROL);
-        assert!(CONTROL + 4 * CTL_WORDS as u64 <= super::super::SLABS);
+        const {
+            assert!(super::super::ERROR_WORD + 16 <= CONTROL);
+            assert!(CONTROL + 4 * CTL_WORDS as u64 <= super::super::SLABS);
+        }
     }
 
     /// The scale expert's host twin: one f32 product, one bf16 rounding (round to nearest
