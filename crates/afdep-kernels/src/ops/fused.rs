@@ -116,10 +116,12 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// Warps per block of every kernel here.
+/// Warps per block of every fused kernel (here, `fused_cf`, `fused_round`).
 const WARPS: u64 = (BLOCK / 32) as u64;
 
-fn blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+/// The grid of a kernel with one warp per item: enough blocks for `rows` warps, at least one,
+/// at most `cap` (the caller's SM budget), `BLOCK` threads each. Shared by every fused launcher.
+pub(super) fn blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
     let b = rows.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
     cudarc::driver::LaunchConfig {
         grid_dim: (b, 1, 1),

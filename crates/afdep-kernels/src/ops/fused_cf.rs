@@ -39,17 +39,7 @@ pub const KERNELS: [KernelId; 6] = [
     KernelId::CfStreamEpilogue,
 ];
 
-/// Warps per block.
-const WARPS: u64 = (BLOCK / 32) as u64;
-
-fn grid(warps: u64, cap: u32) -> cudarc::driver::LaunchConfig {
-    let b = warps.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
-    cudarc::driver::LaunchConfig {
-        grid_dim: (b, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use super::fused::blocks_for as grid;
 
 /// Byte offsets of the count-first areas, the same in every workspace (`layout/fused.cuh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -25,7 +25,7 @@ use cudarc::driver::{CudaSlice, PushKernelArg};
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
-use crate::sources::{BLOCK, KernelId};
+use crate::sources::KernelId;
 
 /// Words of the control block (`AFDEP_CTL_WORDS`).
 pub const CTL_WORDS: usize = 16;
@@ -65,17 +65,7 @@ pub const KERNELS: [KernelId; 5] = [
     KernelId::RoundSlots,
 ];
 
-/// Warps per block.
-const WARPS: u64 = (BLOCK / 32) as u64;
-
-fn grid(warps: u64, cap: u32) -> cudarc::driver::LaunchConfig {
-    let b = warps.div_ceil(WARPS).clamp(1, u64::from(cap.max(1))) as u32;
-    cudarc::driver::LaunchConfig {
-        grid_dim: (b, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use super::fused::blocks_for as grid;
 
 /// Where one rank's round control lives: its workspace base, the control block and status area
 /// offsets (the same in every workspace).
