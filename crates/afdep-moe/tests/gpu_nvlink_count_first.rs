@@ -23,17 +23,10 @@ use std::time::{Duration, Instant};
 use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, StagedEngine};
-use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// One test at a time (see gpu_nvlink_engines.rs: waiting kernels share the GPU).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// `n` in-process ranks on device 0 with room for `cfg`'s fused workspace, or `None` after
 /// printing `SKIP: <reason>`.
@@ -43,17 +36,7 @@ fn nvlink(n: usize, cfg: &ExchangeConfig, timeout: Duration) -> Option<Vec<Nvlin
         workspace_bytes: FusedEngine::workspace_bytes(cfg),
         timeout,
     };
-    match NvlinkIpc::group_on_device(n, 0, opts) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    nvlink_group(n, opts)
 }
 
 /// A fused engine that runs round i with `arms[i % arms.len()]` (`None`: the knob's rule) and

@@ -17,18 +17,10 @@ use afdep_core::ExchangeConfig;
 use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
-use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// One test at a time: the fused engine's kernels spin on the GPU while they wait for their
-/// peers, and another test's module loads or frees could synchronise the shared context.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// `n` in-process NvlinkIpc ranks on device 0, or `None` after printing `SKIP: <reason>`.
 fn nvlink(n: usize) -> Option<Vec<NvlinkIpc>> {
@@ -37,17 +29,7 @@ fn nvlink(n: usize) -> Option<Vec<NvlinkIpc>> {
         workspace_bytes: 4 << 20,
         timeout: TIMEOUT,
     };
-    match NvlinkIpc::group_on_device(n, 0, opts) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    nvlink_group(n, opts)
 }
 
 fn staged(
@@ -239,16 +221,8 @@ fn fused_rejects_a_too_small_workspace_on_every_rank() {
         workspace_bytes: FusedEngine::workspace_bytes(&c) - 1,
         timeout: TIMEOUT,
     };
-    let g = match NvlinkIpc::group_on_device(4, 0, opts) {
-        Ok(g) => g,
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(g) = nvlink_group(4, opts) else {
+        return;
     };
     let errs = run_group(g, &vec![c.clone(); 4], &[], None, &fused).unwrap_err();
     for (rank, e) in errs.iter().enumerate() {

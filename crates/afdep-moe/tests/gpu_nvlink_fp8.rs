@@ -18,17 +18,10 @@ use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, RouteError, bf16};
 use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
-use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// One test at a time (see gpu_nvlink_engines).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// `n` in-process NvlinkIpc ranks on device 0 with `bytes` of staging and workspace each, or
 /// `None` after printing `SKIP: <reason>`.
@@ -38,17 +31,7 @@ fn nvlink(n: usize, bytes: usize) -> Option<Vec<NvlinkIpc>> {
         workspace_bytes: bytes,
         timeout: TIMEOUT,
     };
-    match NvlinkIpc::group_on_device(n, 0, opts) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    nvlink_group(n, opts)
 }
 
 fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {

@@ -26,17 +26,10 @@ use afdep_core::route::{RouteRules, validate};
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
 };
-use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// One test at a time (waiting kernels of several groups must not share the GPU).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
     let opts = NvlinkOptions {
@@ -44,17 +37,7 @@ fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
         workspace_bytes: FusedEngine::workspace_bytes(cfg),
         timeout: TIMEOUT,
     };
-    match NvlinkIpc::group_on_device(n, 0, opts) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    nvlink_group(n, opts)
 }
 
 /// How one run of a round goes.

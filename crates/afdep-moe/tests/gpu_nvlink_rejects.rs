@@ -15,17 +15,10 @@ use std::time::Duration;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ConfigError, ExchangeConfig, PayloadKind, RouteError};
 use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine};
-use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
+use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// One test at a time (the fused kernels spin on the shared GPU while they wait for peers).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// `n` in-process ranks on device 0 with a workspace for `cfg`, or `None` after `SKIP`.
 fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
@@ -34,17 +27,7 @@ fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
         workspace_bytes: FusedEngine::workspace_bytes(cfg),
         timeout: TIMEOUT,
     };
-    match NvlinkIpc::group_on_device(n, 0, opts) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    nvlink_group(n, opts)
 }
 
 /// A fused engine forced to one arm.
@@ -252,16 +235,8 @@ fn a_rank_whose_config_differs_fails_set_up_on_every_rank() {
             workspace_bytes: bytes,
             timeout: TIMEOUT,
         };
-        let g = match NvlinkIpc::group_on_device(4, 0, opts) {
-            Ok(g) => g,
-            Err(TransportError::Unavailable { why, .. }) => {
-                if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                    panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-                }
-                println!("SKIP: {why}");
-                return;
-            }
-            Err(e) => panic!("{e}"),
+        let Some(g) = nvlink_group(4, opts) else {
+            return;
         };
         let make = |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| FusedEngine::new(cfg, t);
         let errs = run_group(g, &cfgs, &[], None, &make).unwrap_err();

@@ -11,8 +11,35 @@ use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
 use afdep_moe::{ExchangeError, ExpertFn, RoundOutput};
+use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
 use rand::Rng;
 use rand::seq::SliceRandom;
+
+/// One test at a time within a test binary: the fused engine's waiting kernels spin on the
+/// shared GPU while they wait for their peers, so two groups must not run at once, and another
+/// test's module loads or frees could synchronise the context.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds the test lock (a panicked test's lock is taken over).
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `n` in-process NvlinkIpc ranks on device 0 with `opts`, or `None` after printing
+/// `SKIP: <reason>` when there is no usable GPU (a panic instead with `AFDEP_REQUIRE_GPU`).
+pub fn nvlink_group(n: usize, opts: NvlinkOptions) -> Option<Vec<NvlinkIpc>> {
+    match NvlinkIpc::group_on_device(n, 0, opts) {
+        Ok(g) => Some(g),
+        Err(TransportError::Unavailable { why, .. }) => {
+            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
+            }
+            println!("SKIP: {why}");
+            None
+        }
+        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
+    }
+}
 
 /// What one rank gets from one round.
 pub type RankResult = Result<RoundOutput, ExchangeError>;
