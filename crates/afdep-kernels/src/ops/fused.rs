@@ -623,10 +623,12 @@ pub fn combine(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn define(name: &str) -> String {
+    /// The value of `#define name` in `layout/fused.cuh` (the header tests of every fused
+    /// launcher module compare their constants with it).
+    pub(in crate::ops) fn define(name: &str) -> String {
         let text = include_str!("../../cuda/layout/fused.cuh");
         let line = text
             .lines()

@@ -440,14 +440,7 @@ pub fn stream_epilogue(
 mod tests {
     use super::*;
 
-    fn define(name: &str) -> String {
-        let text = include_str!("../../cuda/layout/fused.cuh");
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
-        line[format!("#define {name} ").len()..].trim().to_string()
-    }
+    use crate::ops::fused::tests::define;
 
     #[test]
     fn fault_codes_match_the_header_and_differ_from_payload_first() {
