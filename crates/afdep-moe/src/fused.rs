@@ -603,7 +603,6 @@ impl FusedEngine {
             }
         }
         drop(send);
-        let fp8_dev = fp8_bufs;
 
         // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
         let mut received = None;
@@ -617,7 +616,7 @@ impl FusedEngine {
         } else if let Some((f, _, expanded, _)) = expand {
             let plan = plans[f].clone();
             let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &expanded)?;
-            let mut fp8_rx = match &fp8_dev {
+            let mut fp8_rx = match &fp8_bufs {
                 None => None,
                 Some((q, sc)) => Some(Fp8Received {
                     expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
