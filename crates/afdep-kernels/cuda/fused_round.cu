@@ -5,9 +5,12 @@
 // afdep_round_begin (every rank, first): increments the round in the control block
 // (layout/fused.cuh), validates this source's routes of the round (the token count from the
 // control block; afdep_core::route::validate's rules, the first offending slot), publishes the
-// verdict word to every rank's status area and waits (bounded) for every rank's word of this
-// round; the verdict (go, or the lowest rejecting rank's route word) goes into the control
-// block, and every later kernel of the round skips when it is not go. afdep_round_bump is the
+// verdict word, its token count and its arm request to every rank's status area and waits
+// (bounded) for every rank's record of this round; the verdict (go, or the lowest rejecting
+// rank's route word, or arms differ) and the arm of the round (every rank's the same: the
+// requested one, or for AFDEP_ARM_AUTO the rule over the largest source's token count) go into
+// the control block and its arm gates, and every later kernel of the round skips when its
+// control block (or gate) is not go. afdep_round_bump is the
 // host-planned round's counterpart (routes validated on the host): round + 1, verdict go, the
 // token count.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
@@ -31,13 +34,15 @@
 // One block. ws: this rank's (`me`) workspace (control block at ctl_off, status area at
 // status_off); peers: the peer table of `world` ranks. src_index: this rank's attention index
 // (AFDEP_NO_SOURCE for an FFN-only rank), whose routes idx / w hold up to `cap` tokens.
-// experts / owned: the route rules. A status wait runs at most timeout_ns, then records
-// AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the verdict to faulted.
+// experts / owned: the route rules. bucket: the rule's count-first threshold (~0: never).
+// gates: this rank's arm gates (u32[AFDEP_ARM_GATES][AFDEP_CTL_WORDS]). A status wait runs at
+// most timeout_ns, then records AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the
+// verdict to faulted.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_begin(u8* ws, const u64* __restrict__ peers, u32 world, u32 me, u32 src_index,
                       const i32* __restrict__ idx, const float* __restrict__ w, u64 cap,
                       u64 experts, u64 owned, u64 ctl_off, u64 status_off, u64 timeout_ns,
-                      u32* err) {
+                      u32* err, u64 bucket, u32* __restrict__ gates) {
     __shared__ unsigned long long best;  // smallest offence key (~0: none)
     __shared__ u32 round;
     u32* ctl = (u32*)(ws + ctl_off);
@@ -82,20 +87,25 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
             word[5] = o.extra;
         }
     }
+    const u32 request = ctl[AFDEP_CTL_ARM_REQUEST];
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
     for (u32 q = 0; q < world; q++) {
         u32* rec = (u32*)((u8*)peers[q] + status_off) + mine;
 #pragma unroll
         for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) rec[i] = word[i];
-        rec[AFDEP_ROUTE_ERROR_WORDS] = 0;
+        rec[AFDEP_STATUS_TOKENS] = afdep_sat_u32(tokens);
+        rec[AFDEP_STATUS_REQUEST] = request;
     }
     __threadfence_system();
     for (u32 q = 0; q < world; q++)
         afdep_st_release_sys((u32*)((u8*)peers[q] + status_off) + mine + AFDEP_STATUS_WORDS - 1,
                              round);
-    // every rank's word of this round (all of them, also after a rejection: a rank publishes
-    // round r + 1 only after reading every word of round r, which keeps the parity slots safe)
+    // every rank's record of this round (all of them, also after a rejection: a rank publishes
+    // round r + 1 only after reading every record of round r, which keeps the parity slots safe)
     u32 verdict = AFDEP_CTL_GO;
+    u64 most = 0;                             // the largest source's token count
+    u32 first = AFDEP_ARM_AUTO, odd = world;  // rank 0's request, the first rank that differs
+    u32 odd_request = 0;
     for (u32 q = 0; q < world; q++) {
         const volatile u32* rec =
             (const volatile u32*)(ws + status_off) + ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS;
@@ -109,7 +119,35 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
             for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) ctl[AFDEP_CTL_ROUTE + i] = rec[i];
         }
+        const u32 t = rec[AFDEP_STATUS_TOKENS], r = rec[AFDEP_STATUS_REQUEST];
+        most = t > most ? t : most;
+        if (q == 0) {
+            first = r;
+        } else if (r != first && odd == world) {
+            odd = q;
+            odd_request = r;
+        }
     }
+    // the same records on every rank, so the same arm and verdict
+    const u32 arm = first < AFDEP_ARM_AUTO ? first
+                    : most >= bucket       ? AFDEP_ARM_COUNT_FIRST
+                                           : AFDEP_ARM_PAYLOAD_FIRST;
+    if (verdict == AFDEP_CTL_GO && odd != world) {
+        verdict = AFDEP_CTL_ARMS_DIFFER;
+        ctl[AFDEP_CTL_ROUTE] = odd;
+        ctl[AFDEP_CTL_ROUTE + 1] = first;
+        ctl[AFDEP_CTL_ROUTE + 2] = odd_request;
+    }
+    // the gates, read by the round's later kernels on this stream (after this kernel)
+    for (u32 m = 1; m < AFDEP_ARM_GATES; m++) {
+        u32* g = gates + (u64)m * AFDEP_CTL_WORDS;
+        g[AFDEP_CTL_ROUND] = round;
+        g[AFDEP_CTL_TOKENS] = ctl[AFDEP_CTL_TOKENS];
+        g[AFDEP_CTL_VERDICT] = verdict != AFDEP_CTL_GO ? verdict
+                               : ((m >> arm) & 1u)     ? AFDEP_CTL_GO
+                                                       : AFDEP_CTL_ARM_OFF;
+    }
+    ctl[AFDEP_CTL_ARM] = arm;
     ctl[AFDEP_CTL_VERDICT] = verdict;
     ctl[AFDEP_CTL_ROUND] = round;
 }

@@ -5,6 +5,8 @@ use afdep_kernels::KernelError;
 use afdep_transport::TransportError;
 use thiserror::Error;
 
+use crate::fused::RoundArm;
+
 /// Why an exchange round or its set-up failed. A [`ExchangeError::Route`] is reported by every
 /// rank of the round (the error of the lowest-numbered rejecting attention rank) and leaves the
 /// engine usable for the next round.
@@ -48,6 +50,24 @@ pub enum ExchangeError {
         rank: usize,
         /// The earlier error.
         why: String,
+    },
+    /// Ranks asked for different dispatch arms in one device round of the fused engine (the arm
+    /// given to `device_round` / `capture`, or, under [`RoundArm::Auto`], the arm of
+    /// `set_arm`, must be the same on every rank): every rank skipped the round and reports
+    /// this; the engine stays usable.
+    #[error(
+        "rank {rank}: round skipped: ranks asked for different dispatch arms: rank 0 for \
+         {first}, rank {peer} for {other}"
+    )]
+    ArmsDiffer {
+        /// The rank returning the error.
+        rank: usize,
+        /// Rank 0's request.
+        first: RoundArm,
+        /// The lowest rank whose request differs from rank 0's.
+        peer: usize,
+        /// That rank's request.
+        other: RoundArm,
     },
     /// This rank was called with input that does not fit its role.
     #[error("rank {rank}: {what}")]

@@ -42,13 +42,15 @@
 //! 0      dispatch flags  u32[world]  (indexed by source rank)
 //! 256    combine flags   u32[world]  (indexed by FFN rank)
 //! 512    error word      u32[4]      {code, peer, round, 0}
-//! 768    control block   u32[16]     {round, verdict, route word[6], tokens, ...}
+//! 768    control block   u32[16]     {round, verdict, route word[6], tokens, arm request,
+//!                                     arm, ...}
 //! 1024   slabs           world × capacity rows of slab_row_bytes_for(payload, hidden, K)
 //!                        (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
 //!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
-//! status device rounds'  u32[2][64][8] by (round parity, rank): verdict words (after cf)
+//! status device rounds'  u32[2][64][16] by (round parity, rank): verdict word, tokens, arm
+//!                        request, round (after cf)
 //! ```
 //!
 //! Every fused kernel that raises or waits for a flag reads the round number (and a source's
@@ -115,7 +117,8 @@
 //! verdict shared among ranks through the workspace (a rejection is the same typed
 //! [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
 //! device experts ([`DeviceExperts`]), device-side return and slot lists, over capacity-sized
-//! buffers, eagerly or replayed from a CUDA graph: `fused/device_round.rs`.
+//! buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with the arm
+//! chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -140,7 +143,7 @@ use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_t
 mod count_first;
 pub mod device_round;
 pub use count_first::DispatchArm;
-pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
+pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph, RoundArm};
 
 /// Byte offset of the dispatch flags in every workspace.
 pub const DISPATCH_FLAGS: u64 = 0;

@@ -30,6 +30,7 @@ pub mod timing;
 pub use error::ExchangeError;
 pub use fused::{
     DeviceExperts, DevicePhaseTimes, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph,
+    RoundArm,
 };
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use staged::{ExpertFn, RoundOutput, StagedEngine};

@@ -106,22 +106,50 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 //   ctl[0]  round     incremented once per round on the device (afdep_round_begin or
 //                     afdep_round_bump), never by the host
 //   ctl[1]  verdict   AFDEP_CTL_GO, AFDEP_CTL_REJECTED (some source's route was rejected: every
-//                     rank skips the data phases), AFDEP_CTL_FAULTED (a status wait ran out)
+//                     rank skips the data phases), AFDEP_CTL_FAULTED (a status wait ran out),
+//                     AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms: skipped too)
 //   ctl[2]  route     u32[6]: the route error word (layout/route_error.cuh) of the lowest
 //                     rejecting rank when rejected
 //   ctl[8]  tokens    this source's token count of the round (written by the host before the
 //                     round; a graph's replays read the value of the moment)
+//   ctl[9]  request   the dispatch arm this rank asks for (written by the host before the round,
+//                     like tokens): AFDEP_ARM_* or AFDEP_ARM_AUTO (the token-bucket rule)
+//   ctl[10] arm       the arm the round takes (afdep_round_begin: the same on every rank)
+// With verdict AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms; every rank skips the
+// round), ctl[2..5) hold {the lowest rank whose request differs from rank 0's, rank 0's
+// request, that rank's request} instead of a route word.
 #define AFDEP_CTL_ROUND 0
 #define AFDEP_CTL_VERDICT 1
 #define AFDEP_CTL_ROUTE 2
 #define AFDEP_CTL_TOKENS 8
+#define AFDEP_CTL_ARM_REQUEST 9
+#define AFDEP_CTL_ARM 10
 #define AFDEP_CTL_WORDS 16
 #define AFDEP_CTL_GO 0u
 #define AFDEP_CTL_REJECTED 1u
 #define AFDEP_CTL_FAULTED 2u
-// The status area (afdep_round_begin): u32[2][64][8] by (round parity, rank): the route error
-// word (6 words), 0, then the round (the flag, release).
-#define AFDEP_STATUS_WORDS 8
+#define AFDEP_CTL_ARMS_DIFFER 3u
+// Only in an arm gate (below): the round runs another arm.
+#define AFDEP_CTL_ARM_OFF 4u
+// The dispatch arms (afdep_moe::DispatchArm) and the request for the rule: count-first
+// (streaming) when the largest source's token count of the round reaches the bucket,
+// payload-first below it.
+#define AFDEP_ARM_PAYLOAD_FIRST 0u
+#define AFDEP_ARM_COUNT_FIRST 1u
+#define AFDEP_ARM_SOURCE 2u
+#define AFDEP_ARM_AUTO 3u
+// The arm gates of a device round (afdep_round_begin): u32[8][AFDEP_CTL_WORDS], a copy of the
+// control block's round, verdict and tokens per set of arms m (bit a: arm a, 1 <= m < 8), whose
+// verdict is AFDEP_CTL_ARM_OFF when the round's arm is not in m. A kernel launched with gate m
+// as its control block runs only for the arms of m (afdep_ctl_skip): one graph holds every
+// arm's kernels, and those of the arms not taken return at once.
+#define AFDEP_ARM_GATES 8
+// The status area (afdep_round_begin): u32[2][64][16] by (round parity, rank): the route error
+// word (6 words), this rank's token count, its arm request, 0 ..., then the round (the flag,
+// release) in the last word.
+#define AFDEP_STATUS_WORDS 16
+#define AFDEP_STATUS_TOKENS 6
+#define AFDEP_STATUS_REQUEST 7
 // A status wait ran out (peer = the rank whose status never came).
 #define AFDEP_FUSED_FAULT_STATUS_WAIT 32u
 
@@ -129,7 +157,8 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {
     return *(const volatile u32*)(ctl + AFDEP_CTL_ROUND);
 }
-// Whether this round's data phases are skipped (a rejected route somewhere, or a fault).
+// Whether this round's data phases are skipped (a rejected route somewhere, a fault, ranks that
+// asked for different arms; in an arm gate also: the round takes an arm outside the gate's).
 static __device__ __forceinline__ bool afdep_ctl_skip(const u32* ctl) {
     return *(const volatile u32*)(ctl + AFDEP_CTL_VERDICT) != AFDEP_CTL_GO;
 }

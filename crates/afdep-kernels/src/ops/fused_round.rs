@@ -13,11 +13,22 @@
 //! by the capacity).
 //!
 //! **The status area** (`u32[2][64][`[`STATUS_WORDS`]`]` in every workspace, by round parity
-//! and rank): [`begin`] stores this rank's verdict word (the route error word of its first
-//! offending slot, zero for none or for an FFN-only rank) into every rank's area and raises its
-//! round there; then it waits (bounded) for every rank's word of the round. A rank publishes
-//! round r + 1 only after it read every rank's word of round r, so the two parity slots are
-//! never overwritten before every rank read them.
+//! and rank): [`begin`] stores this rank's record (its verdict word: the route error word of
+//! its first offending slot, zero for none or for an FFN-only rank; its token count; its arm
+//! request) into every rank's area and raises its round there; then it waits (bounded) for
+//! every rank's record of the round. A rank publishes round r + 1 only after it read every
+//! rank's record of round r, so the two parity slots are never overwritten before every rank
+//! read them.
+//!
+//! **The arm** ([`arm`]): every rank reads the same records, so every rank derives the same
+//! arm of the round: rank 0's request, or, for [`arm::AUTO`], the token-bucket rule over the
+//! largest source's token count; ranks whose requests differ all skip the round
+//! ([`verdict::ARMS_DIFFER`]). [`begin`] writes it into the control block ([`CTL_ARM`]) and
+//! into the **arm gates** ([`ARM_GATES`]): per set of arms, a copy of the control block's
+//! round, verdict and token count whose verdict is go only when the round's arm is in the set.
+//! A kernel launched with a gate as its control block returns at once in a round of another
+//! arm, so one captured graph can hold every arm's kernels and still run one arm per round,
+//! chosen on the device (`afdep_moe::fused::device_round`).
 
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -37,8 +48,19 @@ pub const CTL_VERDICT: usize = 1;
 pub const CTL_ROUTE: usize = 2;
 /// Index of this source's token count of the round (written by the host before the round).
 pub const CTL_TOKENS: usize = 8;
-/// Words of one rank's record in the status area.
-pub const STATUS_WORDS: usize = 8;
+/// Index of the arm this rank asks for ([`arm`]; written by the host before the round, right
+/// after the token count).
+pub const CTL_ARM_REQUEST: usize = 9;
+/// Index of the arm the round takes ([`arm`], written by [`begin`]: the same on every rank).
+pub const CTL_ARM: usize = 10;
+/// Words of one rank's record in the status area: the route error word, the rank's token
+/// count, its arm request, then (last word) the round.
+pub const STATUS_WORDS: usize = 16;
+/// Arm gates of a rank ([`begin`]): gate `m` (`1 <= m < ARM_GATES`) is a control block of
+/// `CTL_WORDS` words whose verdict is go only when the round's arm is in the set `m` (bit `a`:
+/// arm code `a`); a kernel launched with [`gate_address`]`(gates, m)` as its control block runs
+/// only for those arms.
+pub const ARM_GATES: usize = 8;
 /// Bytes of the status area (two parities of 64 ranks).
 pub const STATUS_BYTES: u64 = (2 * 64 * STATUS_WORDS * 4) as u64;
 
@@ -50,6 +72,33 @@ pub mod verdict {
     pub const REJECTED: u32 = 1;
     /// A status wait ran out (the error word names the late rank).
     pub const FAULTED: u32 = 2;
+    /// Ranks asked for different arms: every rank skips the round; the control block's words
+    /// from [`super::CTL_ROUTE`] hold the lowest rank whose request differs from rank 0's, rank
+    /// 0's request and that rank's request.
+    pub const ARMS_DIFFER: u32 = 3;
+    /// Only in an arm gate: the round takes an arm outside the gate's set.
+    pub const ARM_OFF: u32 = 4;
+}
+
+/// The arm codes of the control block (`AFDEP_ARM_*`): the dispatch arms, and the request for
+/// the rule (count-first when the largest source's token count of the round reaches the
+/// bucket, payload-first below it).
+pub mod arm {
+    /// Payload-first.
+    pub const PAYLOAD_FIRST: u32 = 0;
+    /// Count-first, the streaming epilogue.
+    pub const COUNT_FIRST: u32 = 1;
+    /// Count-first, the source arm.
+    pub const SOURCE: u32 = 2;
+    /// A request only: the arm by the rule.
+    pub const AUTO: u32 = 3;
+}
+
+/// The device address of gate `mask` (a set of arm codes, bit `a` for arm `a`) of the arm gates
+/// at `gates` ([`ARM_GATES`]).
+pub fn gate_address(gates: u64, mask: u32) -> u64 {
+    debug_assert!((1..ARM_GATES as u32).contains(&mask), "gate {mask}");
+    gates + u64::from(mask) * (CTL_WORDS * 4) as u64
 }
 
 /// A status wait of [`begin`] ran out (peer = the rank whose word never came); the fault code
@@ -95,15 +144,22 @@ pub struct DeviceRules {
     pub owned: u64,
     /// Most tokens of a source.
     pub capacity: u64,
+    /// The arm rule's bucket: an [`arm::AUTO`] round takes count-first when its largest
+    /// source's token count is at least this (`u64::MAX`: never), payload-first otherwise.
+    pub bucket: u64,
 }
 
 /// The start of a device round (`afdep_round_begin`, one block) on rank `me` of `world`:
 /// round + 1 in the control block; when `source` holds this rank's attention index and its
 /// route tables (`idx`, `weight`: at least `rules.capacity × top_k` entries), validation of the
-/// control block's token count of routes; the verdict word stored into every rank's status
-/// area through `peers`, then a bounded wait (`timeout_ns`) for every rank's word, and the
-/// verdict (the lowest rejecting rank's word) in the control block. A timeout records
-/// [`FAULT_STATUS_WAIT`] in `err`.
+/// control block's token count of routes; the verdict word, the token count and the arm
+/// request ([`CTL_ARM_REQUEST`]) stored into every rank's status area through `peers`, then a
+/// bounded wait (`timeout_ns`) for every rank's record. Then, from the records (the same on
+/// every rank): the verdict (the lowest rejecting rank's word, else [`verdict::ARMS_DIFFER`]
+/// when the requests differ) and the arm ([`CTL_ARM`]: rank 0's request, or for
+/// [`arm::AUTO`] count-first when the largest token count is at least `rules.bucket`) in the
+/// control block, and the arm gates at `gates` ([`ARM_GATES`] × [`CTL_WORDS`] u32). A timeout
+/// records [`FAULT_STATUS_WAIT`] in `err`.
 #[allow(clippy::too_many_arguments)]
 pub fn begin(
     ctx: &GpuContext,
@@ -116,7 +172,9 @@ pub fn begin(
     top_k: usize,
     timeout_ns: u64,
     err: u64,
+    gates: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
+    need("arm gates", gates, ARM_GATES * CTL_WORDS)?;
     let k = as_u32("top_k", top_k)?;
     let world32 = as_u32("world", world)?;
     if world > 64 {
@@ -135,7 +193,9 @@ pub fn begin(
             (as_u32("attention index", s)?, idx, w)
         }
         None => {
-            return begin_ffn(ctx, rc, peers, world32, me, rules, &f, timeout_ns, err);
+            return begin_ffn(
+                ctx, rc, peers, world32, me, rules, &f, timeout_ns, err, gates,
+            );
         }
     };
     let mut b = ctx.stream().launch_builder(&f);
@@ -152,14 +212,17 @@ pub fn begin(
         .arg(&rc.ctl_off)
         .arg(&rc.status_off)
         .arg(&timeout_ns)
-        .arg(&err);
+        .arg(&err)
+        .arg(&rules.bucket)
+        .arg(gates);
     // SAFETY: afdep_round_begin(u8* ws, const u64* peers, u32 world, u32 me, u32 src_index,
     // const i32* idx, const float* w, u64 cap, u64 experts, u64 owned, u64 ctl_off, u64
-    // status_off, u64 timeout_ns, u32* err), one block: reads and writes the control block of
-    // this rank's live workspace, reads at most min(tokens, cap) × K routes (the tables hold
-    // cap × K, checked; a larger token count is rejected without reading), writes one status
-    // record into each of the `world` (<= 64, checked) workspaces of the live peer table and
-    // reads this rank's status area; err is a live u32[4].
+    // status_off, u64 timeout_ns, u32* err, u64 bucket, u32* gates), one block: reads and
+    // writes the control block of this rank's live workspace, reads at most min(tokens, cap) ×
+    // K routes (the tables hold cap × K, checked; a larger token count is rejected without
+    // reading), writes one status record into each of the `world` (<= 64, checked) workspaces
+    // of the live peer table and reads this rank's status area; err is a live u32[4]; writes
+    // gates 1..ARM_GATES of `gates` (ARM_GATES × CTL_WORDS, checked).
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
     Ok(())
 }
@@ -175,6 +238,7 @@ fn begin_ffn(
     f: &cudarc::driver::CudaFunction,
     timeout_ns: u64,
     err: u64,
+    gates: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
     let none = u32::MAX;
     let null = 0u64;
@@ -192,7 +256,9 @@ fn begin_ffn(
         .arg(&rc.ctl_off)
         .arg(&rc.status_off)
         .arg(&timeout_ns)
-        .arg(&err);
+        .arg(&err)
+        .arg(&rules.bucket)
+        .arg(gates);
     // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route (the
     // null tables are never dereferenced) and publishes an all-zero word.
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
@@ -391,6 +457,32 @@ mod tests {
             format!("{}u", verdict::FAULTED)
         );
         assert_eq!(define("AFDEP_STATUS_WORDS"), STATUS_WORDS.to_string());
+        assert_eq!(define("AFDEP_STATUS_TOKENS"), "6");
+        assert_eq!(define("AFDEP_STATUS_REQUEST"), "7");
+        assert_eq!(define("AFDEP_CTL_ARM_REQUEST"), CTL_ARM_REQUEST.to_string());
+        assert_eq!(define("AFDEP_CTL_ARM"), CTL_ARM.to_string());
+        assert_eq!(define("AFDEP_ARM_GATES"), ARM_GATES.to_string());
+        assert_eq!(
+            define("AFDEP_CTL_ARMS_DIFFER"),
+            format!("{}u", verdict::ARMS_DIFFER)
+        );
+        assert_eq!(
+            define("AFDEP_CTL_ARM_OFF"),
+            format!("{}u", verdict::ARM_OFF)
+        );
+        for (name, code) in [
+            ("AFDEP_ARM_PAYLOAD_FIRST", arm::PAYLOAD_FIRST),
+            ("AFDEP_ARM_COUNT_FIRST", arm::COUNT_FIRST),
+            ("AFDEP_ARM_SOURCE", arm::SOURCE),
+            ("AFDEP_ARM_AUTO", arm::AUTO),
+        ] {
+            assert_eq!(define(name), format!("{code}u"), "{name}");
+        }
+        // the token count and the request are written together, by one copy
+        const { assert!(CTL_ARM_REQUEST == CTL_TOKENS + 1 && CTL_ARM < CTL_WORDS) };
+        // a gate holds a control block's round, verdict and tokens; every set of the 3 arms has one
+        const { assert!(ARM_GATES == 1 << 3) };
+        assert_eq!(gate_address(1000, 6), 1000 + 6 * 64);
         assert_eq!(
             define("AFDEP_FUSED_FAULT_STATUS_WAIT"),
             format!("{FAULT_STATUS_WAIT}u")

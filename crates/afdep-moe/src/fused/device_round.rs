@@ -9,12 +9,14 @@
 //!
 //! 1. every rank, `afdep_round_begin`: round + 1 in the control block; a source validates its
 //!    routes (`afdep_core::route::validate`'s rules on the device, over the control block's
-//!    token count); every rank publishes its verdict word to every rank's status area and
-//!    reads all of them (bounded). A rejection anywhere makes every rank skip the data phases
-//!    (every later kernel of the round returns at once), and every rank returns
-//!    [`ExchangeError::Route`] with the lowest rejecting rank's error: the same error as the
-//!    host-planned round's. The round number still advanced on every rank, so the next round
-//!    works.
+//!    token count); every rank publishes its verdict word, its token count and its arm request
+//!    to every rank's status area and reads all of them (bounded). A rejection anywhere makes
+//!    every rank skip the data phases (every later kernel of the round returns at once), and
+//!    every rank returns [`ExchangeError::Route`] with the lowest rejecting rank's error: the
+//!    same error as the host-planned round's. The round number still advanced on every rank,
+//!    so the next round works. From the same records every rank derives the same arm of the
+//!    round ([One graph for every arm](self#one-graph-for-every-arm)); ranks that asked for
+//!    different arms all skip the round with [`ExchangeError::ArmsDiffer`].
 //! 2. the count-first counts, plan and offsets on the device (`fused/count_first.rs`) and
 //!    the rows: [`DispatchArm::CountFirst`] (streaming epilogue), [`DispatchArm::CountFirstSource`]
 //!    (the source arm), or [`DispatchArm::PayloadFirst`]: every row with its metadata into the
@@ -39,14 +41,45 @@
 //! a CUDA graph (collective: a barrier before and after). Every launch argument is fixed: the
 //! buffers, the workspace offsets, the grids (worst case, from the capacity); the round number
 //! and the token count are read from the control block, which the graph's first kernel
-//! increments. [`FusedEngine::replay`] refills the input buffers and the token count, poisons
-//! the outputs (unless [`FusedEngine::set_poison`] turned that off), launches the graph and
-//! reads the results. The engine's GPU context runs with cudarc's per-buffer event tracking off
+//! increments. [`FusedEngine::replay`] refills the input buffers, the token count and the arm
+//! request, poisons the outputs (unless [`FusedEngine::set_poison`] turned that off), launches
+//! the graph and reads the results. The engine's GPU context runs with cudarc's per-buffer event tracking off
 //! (set in [`FusedEngine::new`], before any buffer exists; everything runs on the one stream),
 //! so a capture holds kernel and copy nodes only; the capture is thread-local, nothing in it
 //! synchronises, and every kernel is loaded at set-up. A graph belongs to the engine that
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
+//!
+//! # One graph for every arm
+//!
+//! [`RoundArm::Auto`] (`eng.capture(RoundArm::Auto)`, or an eager
+//! `eng.device_round(RoundArm::Auto, input)`) launches every arm's kernels in one round: the
+//! payload-first, streaming and source-arm row stores, the count-first plan before the rows
+//! and the payload-first plan after them, the dispatch flags of payload-first and the source
+//! arm, their waits, and the epilogue of payload-first and streaming. The arm is chosen on the
+//! device, the same on every rank: each rank's host writes its arm request next to its token
+//! count in the control block before the round (the arm forced by [`FusedEngine::set_arm`] at
+//! that time, else "auto"), `afdep_round_begin` shares requests and token counts through the
+//! status records, and every rank takes rank 0's request, or for "auto" the rule: count-first
+//! (streaming) when the largest source's token count of the round reaches
+//! `knobs.min_token_bucket`, payload-first below it ([`DispatchArm::select`]; payload-first
+//! always when the configuration's rule never picks count-first). It writes the arm into the
+//! control block (`CTL_ARM`, read back after the round: [`FusedEngine::last_arm`]) and into
+//! the **arm gates**, one control-block copy per set of arms whose verdict is go only when the
+//! round's arm is in the set; a kernel of some arms only is launched with its set's gate
+//! instead of the control block, and, like every fused kernel, returns at once when its
+//! verdict is not go. A kernel that runs in every arm gets the control block itself. Filtered
+//! to the kernels that do not return at once, an auto round is the launch sequence of the fixed
+//! round of the arm taken (in the same stream order), so its results are bit-identical to it
+//! and its ordering arguments are that round's. The gates are written by the round's first
+//! kernel and read only by later kernels of the same rank's stream (ordered by the kernel
+//! boundary); the requests and token counts travel in the status records, whose round word is
+//! stored with release after them and read with acquire (system scope) before them.
+//!
+//! The cost over a fixed-arm graph: no host synchronisation and no host decision (the request
+//! is written by the same copy as the token count), one more status record word pair, and the
+//! launches of the arms not taken, each a kernel that reads one word and returns (at most three
+//! per round on a source-only or an FFN-only rank, six on a rank that is both).
 //!
 //! # Experts
 //!
@@ -61,8 +94,7 @@
 //!
 //! # Not here
 //!
-//! fp8 payloads run host-planned payload-first rounds only; the arm is chosen by the caller
-//! (one graph per arm), not on the device.
+//! fp8 payloads run host-planned payload-first rounds only.
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
@@ -70,7 +102,8 @@ use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
 use afdep_kernels::ops::fused as fk;
 use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
 use afdep_kernels::ops::fused_round::{
-    self as fr, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules, PlanView, RoundControl,
+    self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
+    PlanView, RoundControl,
 };
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -128,6 +161,90 @@ pub struct DeviceRoundOptions {
     pub keep_received: bool,
 }
 
+/// The dispatch arm of a device round or a captured graph ([`FusedEngine::device_round`],
+/// [`FusedEngine::capture`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RoundArm {
+    /// This arm, on every rank (every rank must pass the same; ranks that differ all get
+    /// [`ExchangeError::ArmsDiffer`] and skip the round). [`FusedEngine::set_arm`] plays no
+    /// part.
+    Fixed(DispatchArm),
+    /// The arm chosen on the device each round, the same on every rank: the arm forced by
+    /// [`FusedEngine::set_arm`] at the time of the round (every rank must force the same one),
+    /// else the token-bucket rule ([`DispatchArm::select`] over the largest source's token count
+    /// of the round). The round holds every arm's kernels; those of the arms not taken return at
+    /// once. [`FusedEngine::last_arm`] gives the arm a round took.
+    Auto,
+}
+
+impl From<DispatchArm> for RoundArm {
+    fn from(a: DispatchArm) -> RoundArm {
+        RoundArm::Fixed(a)
+    }
+}
+
+impl std::fmt::Display for RoundArm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RoundArm::Fixed(a) => a.fmt(f),
+            RoundArm::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+/// The control block's code of an arm (`AFDEP_ARM_*`).
+fn arm_code(a: DispatchArm) -> u32 {
+    match a {
+        DispatchArm::PayloadFirst => fr::arm::PAYLOAD_FIRST,
+        DispatchArm::CountFirst => fr::arm::COUNT_FIRST,
+        DispatchArm::CountFirstSource => fr::arm::SOURCE,
+    }
+}
+
+/// The arm of a control-block code; `None` for [`fr::arm::AUTO`] and unknown codes.
+fn arm_of_code(c: u32) -> Option<DispatchArm> {
+    DispatchArm::ALL.into_iter().find(|&a| arm_code(a) == c)
+}
+
+/// A request code as a [`RoundArm`] (for errors).
+fn request_of_code(c: u32) -> RoundArm {
+    arm_of_code(c).map_or(RoundArm::Auto, RoundArm::Fixed)
+}
+
+/// The bucket of the arm rule of `cfg` for the device ([`DeviceRules::bucket`]): the smallest
+/// largest-source token count for which [`super::count_first::rule`] picks count-first, or
+/// `u64::MAX` when it never does (the rule is a threshold on that count).
+fn rule_bucket(cfg: &afdep_core::ExchangeConfig) -> u64 {
+    match super::count_first::rule(cfg, &[u64::MAX]) {
+        DispatchArm::PayloadFirst => u64::MAX,
+        _ => cfg.knobs.min_token_bucket as u64,
+    }
+}
+
+/// An arm's bit in a set of arms (bit `a` for control-block code `a`).
+fn arm_bit(a: DispatchArm) -> u32 {
+    1 << arm_code(a)
+}
+
+/// The sets of arms of a round's kernels.
+const PF: u32 = 1 << fr::arm::PAYLOAD_FIRST;
+const CF: u32 = 1 << fr::arm::COUNT_FIRST;
+const SRC: u32 = 1 << fr::arm::SOURCE;
+const ALL_ARMS: u32 = PF | CF | SRC;
+
+/// The control block a kernel of the arms `arms` is launched with in a round that may take the
+/// arms `round` (one arm: a fixed round; every arm: [`RoundArm::Auto`]): none (not launched)
+/// when the sets are disjoint, the control block `ctl` when the kernel runs in every arm the
+/// round may take, else the gate (at `gates`) of the arms it has in common with the round, so
+/// that it returns at once when the round takes another arm.
+fn arm_gate(ctl: u64, gates: u64, round: u32, arms: u32) -> Option<u64> {
+    match arms & round {
+        0 => None,
+        m if m == round => Some(ctl),
+        m => Some(fr::gate_address(gates, m)),
+    }
+}
+
 /// The capacity-sized device buffers of a source's device rounds.
 #[derive(Debug)]
 struct SourceBufs {
@@ -167,6 +284,8 @@ struct SwigluBufs {
 pub(super) struct DeviceRound {
     id: u64,
     keep_received: bool,
+    /// The arm gates (`fr::ARM_GATES` control blocks, written by `afdep_round_begin`).
+    gates: CudaSlice<u32>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
 }
@@ -175,7 +294,7 @@ pub(super) struct DeviceRound {
 /// replay it with [`FusedEngine::replay`].
 pub struct FusedGraph {
     graph: CudaGraph,
-    arm: DispatchArm,
+    arm: RoundArm,
     engine: u64,
 }
 
@@ -194,8 +313,9 @@ impl std::fmt::Debug for FusedGraph {
 }
 
 impl FusedGraph {
-    /// The arm the graph runs.
-    pub fn arm(&self) -> DispatchArm {
+    /// The arm the graph was captured for ([`RoundArm::Auto`]: every arm's kernels, one arm
+    /// chosen on the device per replay; [`FusedEngine::last_arm`] after a replay).
+    pub fn arm(&self) -> RoundArm {
         self.arm
     }
 
@@ -313,12 +433,14 @@ impl FusedEngine {
             }
             None => None,
         };
+        let gates = zeros(&self.gpu, ARM_GATES * CTL_WORDS)?;
         self.gpu.synchronize()?;
         // kernels loaded (the GEMM's at its warm-up) on every rank before any round
         self.transport.barrier()?;
         self.device = Some(DeviceRound {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             keep_received: opts.keep_received,
+            gates,
             src,
             ffn,
         });
@@ -332,13 +454,14 @@ impl FusedEngine {
     }
 
     /// Runs one device round eagerly (the launches a graph captures, [module docs](self)).
-    /// Attention ranks pass `Some(input)`; every rank of the group passes the same `arm`.
-    /// Collective.
+    /// Attention ranks pass `Some(input)`; every rank of the group passes the same `arm`: a
+    /// [`DispatchArm`] (forced) or [`RoundArm::Auto`] (chosen on the device). Collective.
     pub fn device_round(
         &mut self,
-        arm: DispatchArm,
+        arm: impl Into<RoundArm>,
         input: Option<&SourceInput>,
     ) -> Result<RoundOutput, ExchangeError> {
+        let arm = arm.into();
         self.guarded(|eng| {
             let t0 = Instant::now();
             let local = eng.load_input(arm, input)?;
@@ -347,9 +470,12 @@ impl FusedEngine {
         })
     }
 
-    /// Captures one device round of `arm` into a CUDA graph on this rank's stream ([module
-    /// docs](self)). Collective (barriers before and after); no round may be in flight.
-    pub fn capture(&mut self, arm: DispatchArm) -> Result<FusedGraph, ExchangeError> {
+    /// Captures one device round into a CUDA graph on this rank's stream ([module
+    /// docs](self)): of one arm (a [`DispatchArm`]), or of every arm with the arm chosen on the
+    /// device at each replay ([`RoundArm::Auto`], [module docs](self#one-graph-for-every-arm)).
+    /// Collective (barriers before and after); no round may be in flight.
+    pub fn capture(&mut self, arm: impl Into<RoundArm>) -> Result<FusedGraph, ExchangeError> {
+        let arm = arm.into();
         let rank = self.rank();
         if let Some(why) = &self.closed {
             return Err(ExchangeError::Closed {
@@ -423,7 +549,12 @@ impl FusedEngine {
         }
         let r = f(self);
         if let Err(e) = &r {
-            let keeps = matches!(e, ExchangeError::Route { .. } | ExchangeError::Input { .. });
+            let keeps = matches!(
+                e,
+                ExchangeError::Route { .. }
+                    | ExchangeError::ArmsDiffer { .. }
+                    | ExchangeError::Input { .. }
+            );
             if !keeps && self.closed.is_none() {
                 self.closed = Some(e.to_string());
             }
@@ -431,7 +562,7 @@ impl FusedEngine {
         r
     }
 
-    fn check_device(&self, _arm: DispatchArm) -> Result<(), ExchangeError> {
+    fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
         let rank = self.rank();
         if self.device.is_none() {
             return Err(ExchangeError::Input {
@@ -451,13 +582,15 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// Copies a source's input into the device buffers and its token count into the control
-    /// block, and poisons the outputs. A source whose input does not fit its shape gets its
-    /// error back after the round (`Some`), and its token count is set above the capacity, so
-    /// that every rank rejects the round (over capacity) instead of waiting for it.
+    /// Copies a source's input into the device buffers and its token count and arm request
+    /// (the fixed arm, or under [`RoundArm::Auto`] the arm of [`FusedEngine::set_arm`], else the
+    /// rule) into the control block, and poisons the outputs. A source whose input does not fit
+    /// its shape gets its error back after the round (`Some`), and its token count is set above
+    /// the capacity, so that every rank rejects the round (over capacity) instead of waiting
+    /// for it.
     fn load_input(
         &mut self,
-        arm: DispatchArm,
+        arm: RoundArm,
         input: Option<&SourceInput>,
     ) -> Result<Option<ExchangeError>, ExchangeError> {
         self.check_device(arm)?;
@@ -522,15 +655,20 @@ impl FusedEngine {
             }
             (false, None) => 0,
         };
-        let word = [tokens];
+        let request = match arm {
+            RoundArm::Fixed(a) => arm_code(a),
+            RoundArm::Auto => self.arm.map_or(fr::arm::AUTO, arm_code),
+        };
+        // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1)
+        let words = [tokens, request];
         bind(&self.gpu)?;
-        // SAFETY: the control block's token word lies in this rank's workspace (the geometry
-        // fits it, checked at set-up); `word` outlives the copy, which is waited for below
-        // (the synchronisation also makes the pageable copies above complete).
+        // SAFETY: the control block's token and request words lie in this rank's workspace (the
+        // geometry fits it, checked at set-up); `words` outlives the copy, which is waited for
+        // below (the synchronisation also makes the pageable copies above complete).
         unsafe {
             cures::memcpy_htod_async(
                 self.ws + CONTROL + 4 * CTL_TOKENS as u64,
-                &word,
+                &words,
                 self.gpu.stream().cu_stream(),
             )
         }
@@ -549,9 +687,13 @@ impl FusedEngine {
             if cfg.topology.ffn_index(rank).is_some() {
                 let a = self.geo.cf;
                 self.poison_ws(a.expanded, a.exp_rows * 2 * h as u64)?;
-                if arm == DispatchArm::CountFirstSource {
-                    // the source arm's slab rows hold metadata only, stored after this rank's
-                    // offsets of the round, so poisoning them here races with nothing
+                if matches!(
+                    arm,
+                    RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
+                ) {
+                    // the source arm's slab rows hold metadata only (the other arms rewrite
+                    // them whole); every store into them follows this rank's status record of
+                    // the round (afdep_round_begin), so poisoning them here races with nothing
                     let slab = self.geo.slab;
                     let first = cfg.topology.attention_ranks().start as u64;
                     let n = cfg.topology.attention_count() as u64;
@@ -565,8 +707,11 @@ impl FusedEngine {
     }
 
     /// The launches of one device round on this rank's stream ([module docs](self)): no host
-    /// value that changes from round to round, no allocation, no synchronisation.
-    fn launch_device_round(&mut self, arm: DispatchArm) -> Result<(), ExchangeError> {
+    /// value that changes from round to round, no allocation, no synchronisation. A kernel
+    /// that belongs to some arms only is launched when the round may take one of them, with the
+    /// control block when the round takes no other arm, else with the gate of its arms among
+    /// the round's ([`arm_gate`]).
+    fn launch_device_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
         use DispatchArm as A;
         let rank = self.rank();
         let cfg = &self.cfg;
@@ -595,7 +740,18 @@ impl FusedEngine {
             experts: cfg.experts as u64,
             owned: p.owned() as u64,
             capacity: cap as u64,
+            bucket: rule_bucket(cfg),
         };
+        let round_arms = match arm {
+            RoundArm::Fixed(a) => arm_bit(a),
+            RoundArm::Auto => ALL_ARMS,
+        };
+        let gates = {
+            use afdep_kernels::cudarc::driver::DevicePtr;
+            d.gates.device_ptr(gpu.stream()).0
+        };
+        // the control block of a kernel of the arms `arms` (None: not launched in this round)
+        let gate = |arms: u32| arm_gate(ctl, gates, round_arms, arms);
 
         // 1. round, validation, verdict (every rank)
         let source = match (src_index, d.src.as_ref()) {
@@ -603,7 +759,17 @@ impl FusedEngine {
             _ => None,
         };
         fr::begin(
-            gpu, &rc, peers, world, rank, source, &rules, k, timeout_ns, err,
+            gpu,
+            &rc,
+            peers,
+            world,
+            rank,
+            source,
+            &rules,
+            k,
+            timeout_ns,
+            err,
+            &mut d.gates,
         )?;
 
         // 2. source: counts on the device, published
@@ -634,7 +800,7 @@ impl FusedEngine {
             )?;
         }
         // 3. FFN (count-first): plan and offsets before the rows
-        if ffn_index.is_some() && arm != A::PayloadFirst {
+        if let (Some(_), Some(c)) = (ffn_index, gate(CF | SRC)) {
             cf::plan(
                 gpu,
                 ws,
@@ -644,86 +810,91 @@ impl FusedEngine {
                 epr,
                 &a,
                 rank,
-                ctl,
+                c,
                 timeout_ns,
                 err,
             )?;
         }
-        // 4. source: the rows
+        // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
         if let (Some(src), Some(b)) = (&cf_src, d.src.as_ref()) {
-            let mode = match arm {
-                A::CountFirstSource => CfMode::Source,
-                A::CountFirst => CfMode::Stream {
-                    gate: knobs.payload_gate,
-                },
-                A::PayloadFirst => CfMode::Stream { gate: false },
-            };
-            cf::dispatch(
-                gpu,
-                &b.x,
-                src,
-                k,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                peers,
-                ws,
-                &slab,
-                &a,
-                rank,
-                mode,
-                ctl,
-                timeout_ns,
-                err,
-                knobs.transport_sms,
-            )?;
-            if arm != A::CountFirst {
-                fk::signal(gpu, peers, &self.ffn_ranks, nf, DISPATCH_FLAGS, rank, ctl)?;
+            for row_arm in DispatchArm::ALL {
+                let Some(c) = gate(arm_bit(row_arm)) else {
+                    continue;
+                };
+                let mode = match row_arm {
+                    A::CountFirstSource => CfMode::Source,
+                    A::CountFirst => CfMode::Stream {
+                        gate: knobs.payload_gate,
+                    },
+                    A::PayloadFirst => CfMode::Stream { gate: false },
+                };
+                cf::dispatch(
+                    gpu,
+                    &b.x,
+                    src,
+                    k,
+                    &self.ffn_ranks,
+                    nf,
+                    epr,
+                    peers,
+                    ws,
+                    &slab,
+                    &a,
+                    rank,
+                    mode,
+                    c,
+                    timeout_ns,
+                    err,
+                    knobs.transport_sms,
+                )?;
+            }
+            if let Some(c) = gate(PF | SRC) {
+                fk::signal(gpu, peers, &self.ffn_ranks, nf, DISPATCH_FLAGS, rank, c)?;
             }
         }
-        // 5. FFN: the epilogue
+        // 5. FFN: the epilogue (payload-first: every source's flag, then the plan; the source
+        // arm: every source's flag; streaming and payload-first: the epilogue)
         if ffn_index.is_some() {
-            match arm {
-                A::PayloadFirst => {
-                    cf::wait(
-                        gpu,
-                        ws,
-                        &self.src_ranks,
-                        ns,
-                        DISPATCH_FLAGS,
-                        ctl,
-                        timeout_ns,
-                        err,
-                        fk::fault::DISPATCH_WAIT,
-                    )?;
-                    cf::plan(
-                        gpu,
-                        ws,
-                        peers,
-                        &self.src_ranks,
-                        ns,
-                        epr,
-                        &a,
-                        rank,
-                        ctl,
-                        timeout_ns,
-                        err,
-                    )?;
-                }
-                A::CountFirstSource => cf::wait(
+            if let Some(c) = gate(PF) {
+                cf::wait(
                     gpu,
                     ws,
                     &self.src_ranks,
                     ns,
                     DISPATCH_FLAGS,
-                    ctl,
+                    c,
+                    timeout_ns,
+                    err,
+                    fk::fault::DISPATCH_WAIT,
+                )?;
+                cf::plan(
+                    gpu,
+                    ws,
+                    peers,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    &a,
+                    rank,
+                    c,
+                    timeout_ns,
+                    err,
+                )?;
+            }
+            if let Some(c) = gate(SRC) {
+                cf::wait(
+                    gpu,
+                    ws,
+                    &self.src_ranks,
+                    ns,
+                    DISPATCH_FLAGS,
+                    c,
                     timeout_ns,
                     err,
                     cf::fault::SOURCE_WAIT,
-                )?,
-                A::CountFirst => {}
+                )?;
             }
-            if arm != A::CountFirstSource {
+            if let Some(c) = gate(PF | CF) {
                 cf::stream_epilogue(
                     gpu,
                     ws,
@@ -735,7 +906,7 @@ impl FusedEngine {
                     &a,
                     knobs.warps_per_unit,
                     knobs.min_rows_per_unit,
-                    ctl,
+                    c,
                     timeout_ns,
                     err,
                     knobs.epilogue_sm_cap,
@@ -869,23 +1040,42 @@ impl FusedEngine {
     /// After a device round's launches: waits, checks faults and the verdict, reads the results.
     fn finish_device_round(
         &mut self,
-        arm: DispatchArm,
+        arm: RoundArm,
         input: Option<&SourceInput>,
         local: Option<ExchangeError>,
         t0: Instant,
     ) -> Result<RoundOutput, ExchangeError> {
         let rank = self.rank();
         self.round += 1;
-        self.last_arm = arm;
+        if let RoundArm::Fixed(a) = arm {
+            self.last_arm = a;
+        }
         self.check_fault()?;
         // the GEMM's bounded TMA waits record their faults in the context's fault word
         self.gpu.take_fault()?;
         let ctl: Vec<u32> = bytemuck::pod_collect_to_vec(&self.read_ws(CONTROL, 4 * CTL_WORDS)?);
+        // the arm the device took (every rank the same, also in a rejected round)
+        let taken = arm_of_code(ctl[CTL_ARM]).ok_or_else(|| ExchangeError::Input {
+            rank,
+            what: format!(
+                "device round arm code {} without a recorded fault",
+                ctl[CTL_ARM]
+            ),
+        })?;
+        self.last_arm = taken;
         if let Some(e) = local {
             return Err(e);
         }
         match ctl[CTL_VERDICT] {
             fr::verdict::GO => {}
+            fr::verdict::ARMS_DIFFER => {
+                return Err(ExchangeError::ArmsDiffer {
+                    rank,
+                    first: request_of_code(ctl[CTL_ROUTE + 1]),
+                    peer: ctl[CTL_ROUTE] as usize,
+                    other: request_of_code(ctl[CTL_ROUTE + 2]),
+                });
+            }
             fr::verdict::REJECTED => {
                 let word: [u32; afdep_core::error::ROUTE_ERROR_WORDS] = ctl
                     [CTL_ROUTE..CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS]
@@ -935,7 +1125,7 @@ impl FusedEngine {
                     let at = (r - first) * slab.cap as usize * rb;
                     Ok(snap[at..at + n * rb].to_vec())
                 };
-                Some(self.read_received(f, arm, &read_slab)?)
+                Some(self.read_received(f, taken, &read_slab)?)
             }
             _ => None,
         };
@@ -1048,6 +1238,64 @@ mod tests {
         const {
             assert!(super::super::ERROR_WORD + 16 <= CONTROL);
             assert!(CONTROL + 4 * CTL_WORDS as u64 <= super::super::SLABS);
+        }
+    }
+
+    /// A fixed round launches exactly its arm's kernels, each with the control block; an auto
+    /// round launches every arm's, each with the control block when it runs in every arm, else
+    /// with the gate of its own arms.
+    #[test]
+    fn arm_gates_select_the_launches_and_their_control_blocks() {
+        let (ctl, gates) = (0x1000u64, 0x8000u64);
+        let g = |m: u32| fr::gate_address(gates, m);
+        for a in DispatchArm::ALL {
+            let round = arm_bit(a);
+            for arms in 1..8u32 {
+                let want = (arms & round != 0).then_some(ctl);
+                assert_eq!(arm_gate(ctl, gates, round, arms), want, "{a} {arms:03b}");
+            }
+        }
+        assert_eq!(arm_gate(ctl, gates, ALL_ARMS, ALL_ARMS), Some(ctl));
+        assert_eq!(arm_gate(ctl, gates, ALL_ARMS, PF), Some(g(1)));
+        assert_eq!(arm_gate(ctl, gates, ALL_ARMS, CF | SRC), Some(g(6)));
+        assert_eq!(arm_gate(ctl, gates, ALL_ARMS, PF | CF), Some(g(3)));
+        assert_eq!(arm_gate(ctl, gates, ALL_ARMS, PF | SRC), Some(g(5)));
+        for a in DispatchArm::ALL {
+            assert_eq!(arm_of_code(arm_code(a)), Some(a));
+            assert_eq!(request_of_code(arm_code(a)), RoundArm::Fixed(a));
+        }
+        assert_eq!(arm_of_code(fr::arm::AUTO), None);
+        assert_eq!(request_of_code(fr::arm::AUTO), RoundArm::Auto);
+        assert_eq!(
+            RoundArm::from(DispatchArm::CountFirst).to_string(),
+            "count_first"
+        );
+        assert_eq!(RoundArm::Auto.to_string(), "auto");
+    }
+
+    /// The device's bucket is the host rule's threshold: payload-first below it, count-first
+    /// from it on, for every largest-source token count around it (and never count-first when
+    /// the rule never picks it).
+    #[test]
+    fn the_device_bucket_is_the_host_rule() {
+        for bucket in [0usize, 1, 7, 2048] {
+            for payload in [PayloadKind::Bf16, PayloadKind::Fp8E4m3] {
+                let mut c = ExchangeConfig::new("2A:2F".parse().unwrap(), 256, 8, 2, 4096).unwrap();
+                c.knobs.min_token_bucket = bucket;
+                c.payload = payload;
+                let b = rule_bucket(&c);
+                for max in [0u64, 1, 6, 7, 8, 2047, 2048, 2049, 4096] {
+                    for others in [0u64, max / 2] {
+                        let host = super::super::count_first::rule(&c, &[others, max, 0]);
+                        let device = if max >= b {
+                            DispatchArm::CountFirst
+                        } else {
+                            DispatchArm::PayloadFirst
+                        };
+                        assert_eq!(device, host, "bucket {bucket} {payload} max {max}");
+                    }
+                }
+            }
         }
     }
 
