@@ -8,6 +8,20 @@
 //!   `--transport nvlink`) over NVLink-IPC only. Its rows time each phase on the device (CUDA
 //!   events on every rank's stream, [`afdep_moe::DevicePhaseTimes`]).
 //!
+//! # Graph mode
+//!
+//! `--graph` (with `--backend cuda`) times CUDA-graph replays instead of eager rounds, as the
+//! reference record did: every rank prepares the fused engine's device rounds (device experts:
+//! `identity` as a scale of 1, bit-exact against the oracle; `swiglu` as the grouped GEMM,
+//! checked within the bf16 tolerance), captures one device round of `--arm` once
+//! (`FusedEngine::capture`; `--arm auto` captures every arm into one graph and the device picks
+//! the arm each replay by `--min-token-bucket`), and each round replays it with the token
+//! count's input. The time of a round is the slowest rank's device span from a CUDA event
+//! before the graph launch to one after it (after a barrier of every rank,
+//! `FusedEngine::set_round_timing`); `round_us` is its median. Graph rows have `mode: graph`
+//! and no per-phase times (`dispatch_us`, `combine_us` null): those come from eager rounds
+//! only. `--multi-process` works the same way (each process captures its rank's graph).
+//!
 //! # Where the ranks run
 //!
 //! By default every rank is a thread of this process (`loopback`; `nvlink` as an in-process
@@ -24,7 +38,8 @@
 //!
 //! `--config FILE` reads the exchange configuration and the transport from a TOML or JSON file
 //! ([`crate::exchange_config`]); flags given on the command line override it. `--arm` picks the
-//! dispatch arm of the engine; an arm the engine does not have is an [`Unsupported`] error
+//! dispatch arm of the engine (`auto`: the token-bucket rule per round); an arm the engine does
+//! not have is an [`Unsupported`] error
 //! (exit status [`EXIT_UNSUPPORTED`]), which `afdep exchange-arms` reports as an `unsupported`
 //! row.
 //!
@@ -49,7 +64,10 @@ use afdep_core::oracle::params::random_tokens;
 use afdep_core::route::{Routes, route};
 use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind, Topology, bf16};
-use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, RoundOutput, StagedEngine};
+use afdep_moe::{
+    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, ExpertFn, FusedEngine,
+    FusedGraph, RoundArm, RoundOutput, StagedEngine,
+};
 use afdep_transport::{
     AnyTransport, Bootstrap, RendezvousEnv, Transport, TransportConfig, TransportError,
     TransportKind, TransportOptions,
@@ -105,6 +123,10 @@ pub enum ArmArg {
     CountFirst,
     /// Count-first, source arm: rows stored straight to their expanded positions (`CF_src`).
     CountFirstSource,
+    /// The arm of the token-bucket rule, round by round (`--min-token-bucket`: count-first
+    /// when the largest source's token count reaches it, payload-first below): eager rounds
+    /// choose it on the host; with `--graph`, one graph holds every arm and the device chooses.
+    Auto,
 }
 
 impl ArmArg {
@@ -114,6 +136,7 @@ impl ArmArg {
             ArmArg::PayloadFirst => "payload-first",
             ArmArg::CountFirst => "count-first",
             ArmArg::CountFirstSource => "count-first-source",
+            ArmArg::Auto => "auto",
         }
     }
 }
@@ -152,6 +175,7 @@ impl EngineKind {
                 ArmArg::PayloadFirst,
                 ArmArg::CountFirst,
                 ArmArg::CountFirstSource,
+                ArmArg::Auto,
             ],
         }
     }
@@ -164,15 +188,26 @@ impl EngineKind {
     }
 }
 
-/// Tells the fused engine which arm to run (every round, on every rank); only arms in
-/// [`EngineKind::arms`] reach it.
+/// The fused engine's arm of `arm` (`None`: the rule).
+fn dispatch_arm(arm: ArmArg) -> Option<DispatchArm> {
+    match arm {
+        ArmArg::PayloadFirst => Some(DispatchArm::PayloadFirst),
+        ArmArg::CountFirst => Some(DispatchArm::CountFirst),
+        ArmArg::CountFirstSource => Some(DispatchArm::CountFirstSource),
+        ArmArg::Auto => None,
+    }
+}
+
+/// Tells the fused engine which arm to run (every round, on every rank; `auto`: the rule);
+/// only arms in [`EngineKind::arms`] reach it.
 fn select_arm(eng: &mut FusedEngine, arm: ArmArg) -> Result<()> {
-    eng.set_arm(Some(match arm {
-        ArmArg::PayloadFirst => DispatchArm::PayloadFirst,
-        ArmArg::CountFirst => DispatchArm::CountFirst,
-        ArmArg::CountFirstSource => DispatchArm::CountFirstSource,
-    }));
+    eng.set_arm(dispatch_arm(arm));
     Ok(())
+}
+
+/// The arm of a captured graph for `arm` (`auto`: every arm, chosen on the device).
+fn round_arm(arm: ArmArg) -> RoundArm {
+    dispatch_arm(arm).map_or(RoundArm::Auto, RoundArm::Fixed)
 }
 
 /// The exit status of `afdep exchange` when it was asked for an arm or a payload that its engine
@@ -276,6 +311,16 @@ pub struct ExchangeArgs {
     /// The dispatch arm (an arm the engine does not have fails with exit status 3).
     #[arg(long, value_enum, default_value = "payload-first")]
     pub arm: ArmArg,
+    /// Time CUDA-graph replays instead of eager rounds (`--backend cuda` only): every rank
+    /// captures one device round of the arm once (`auto`: one graph of every arm, the arm
+    /// chosen on the device each replay), then replays it with each token count's input; a
+    /// row's `round_us` is the median over its rounds of the slowest rank's device time of the
+    /// whole replay (CUDA events around the graph launch, after a barrier). Per-phase times come
+    /// from eager rounds only (`dispatch_us` and `combine_us` are null in graph rows). The
+    /// experts run on the device (`identity`: bit-exact; `swiglu`: the grouped GEMM, checked
+    /// within the bf16 tolerance).
+    #[arg(long)]
+    pub graph: bool,
     /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
     #[arg(long)]
     pub topology: Option<Topology>,
@@ -544,27 +589,38 @@ pub struct ExchangeRow {
     pub rejected_rounds: usize,
     /// How `round_us`, `dispatch_us` and `combine_us` were taken: `device` (fused engine: CUDA
     /// events on every rank's stream, each phase aligned by a barrier; per round, the slowest
-    /// rank's dispatch plus the slowest rank's combine) or `host` (staged engine: wall time of
-    /// the whole round, experts included, and of each phase, slowest rank).
+    /// rank's dispatch plus the slowest rank's combine; with `mode` `graph`, the slowest rank's
+    /// whole replay) or `host` (staged engine: wall time of the whole round, experts included,
+    /// and of each phase, slowest rank).
     pub timing: String,
+    /// `eager` (rounds launched kernel by kernel from the host) or `graph` (`--graph`: replays
+    /// of a captured device round; no per-phase times).
+    #[serde(default = "eager")]
+    pub mode: String,
     /// Median time of a round, µs (see `timing`).
     pub round_us: f64,
     /// Median wall time of a whole round on the host (slowest rank), µs.
     pub wall_us: f64,
     /// Median host time of the status + count phase (slowest rank), µs.
     pub counts_us: f64,
-    /// Median dispatch phase (slowest rank), µs.
-    pub dispatch_us: f64,
+    /// Median dispatch phase (slowest rank), µs; `null` in graph mode (per-phase times come from
+    /// eager rounds only).
+    pub dispatch_us: Option<f64>,
     /// Median host time of the experts (slowest rank), µs.
     pub experts_us: f64,
-    /// Median combine phase (slowest rank), µs.
-    pub combine_us: f64,
+    /// Median combine phase (slowest rank), µs; `null` in graph mode.
+    pub combine_us: Option<f64>,
     /// `ok`, `mismatch` (against the oracle), or `unverified`.
     pub status: String,
     /// Digest of the kernel sources.
     pub kernel_digest: String,
     /// The process that printed the row (the arms runner checks its arms ran apart).
     pub pid: u32,
+}
+
+/// The `mode` of rows written before it existed.
+fn eager() -> String {
+    "eager".into()
 }
 
 struct Problem {
@@ -674,10 +730,13 @@ struct RoundTimes {
     experts: f64,
     /// Combine (device with the fused engine, host with the staged one).
     combine: f64,
+    /// The whole round on the device, where the engine times it as one span (graph replays;
+    /// NaN otherwise).
+    round: f64,
 }
 
 impl RoundTimes {
-    const N: usize = 5;
+    const N: usize = 6;
 
     fn to_array(self) -> [f64; Self::N] {
         [
@@ -686,6 +745,7 @@ impl RoundTimes {
             self.dispatch,
             self.experts,
             self.combine,
+            self.round,
         ]
     }
 
@@ -696,6 +756,7 @@ impl RoundTimes {
             dispatch: v[2],
             experts: v[3],
             combine: v[4],
+            round: v[5],
         }
     }
 }
@@ -722,6 +783,10 @@ trait Engine {
     fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError>;
     /// Device (dispatch, combine) times of the last round, µs, where the engine takes them.
     fn device_times(&self) -> Option<(f64, f64)>;
+    /// Device time of the last whole round, µs, where the engine takes it as one span.
+    fn round_time(&self) -> Option<f64> {
+        None
+    }
 }
 
 impl<T: Transport> Engine for StagedEngine<T> {
@@ -897,6 +962,7 @@ fn rank_rounds(
                 dispatch,
                 experts: us(out.times.experts),
                 combine,
+                round: eng.round_time().unwrap_or(f64::NAN),
             });
         }
         run.last = Some(out);
@@ -1008,9 +1074,124 @@ fn fused_engine(cfg: &ExchangeConfig, t: AnyTransport, arm: ArmArg) -> Result<Fu
     Ok(eng)
 }
 
+/// One rank of a `--graph` run: its fused engine with device rounds prepared and round timing
+/// on, and the graph of the run's arm, captured once; each round replays it.
+struct GraphRank {
+    // dropped before the engine whose buffers it uses
+    graph: FusedGraph,
+    eng: FusedEngine,
+}
+
+/// A [`GraphRank`] on this rank's NvlinkIpc transport: device experts from `expert` (the
+/// identity as a scale of 1, exact; or the SwiGLU experts of `params`), the arm selected
+/// (`auto`: the rule, on the device), then the capture (collective).
+fn graph_rank(
+    cfg: &ExchangeConfig,
+    t: AnyTransport,
+    arm: ArmArg,
+    expert: ExpertArg,
+    params: Option<&LayerParams>,
+) -> Result<GraphRank> {
+    let t = t
+        .into_nvlink()
+        .map_err(|t| anyhow::anyhow!("the fused engine needs nvlink, got {}", t.kind()))?;
+    let mut eng = FusedEngine::new(cfg.clone(), t)?;
+    let experts = match (expert, params) {
+        (ExpertArg::Swiglu, Some(p)) => DeviceExperts::SwiGlu(std::sync::Arc::new(p.clone())),
+        (ExpertArg::Swiglu, None) => bail!("--expert swiglu without expert parameters"),
+        (ExpertArg::Identity, _) => DeviceExperts::Scale(vec![1.0; cfg.experts]),
+    };
+    eng.prepare_device(DeviceRoundOptions {
+        experts,
+        keep_received: false,
+    })?;
+    eng.set_round_timing(true)?;
+    select_arm(&mut eng, arm)?;
+    let graph = eng.capture(round_arm(arm))?;
+    Ok(GraphRank { graph, eng })
+}
+
+impl Engine for GraphRank {
+    fn rank(&self) -> usize {
+        self.eng.rank()
+    }
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        _expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        self.eng.replay(&self.graph, input)
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.eng.transport_mut().barrier()
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.eng.transport_mut().all_gather(mine)
+    }
+    fn device_times(&self) -> Option<(f64, f64)> {
+        None
+    }
+    fn round_time(&self) -> Option<f64> {
+        self.eng.last_round_time().map(|d| d.as_secs_f64() * 1e6)
+    }
+}
+
+/// This rank's fused engine of the run: eager rounds ([`fused_engine`]), or with `--graph`
+/// graph replays ([`graph_rank`], device experts from `params`).
+fn fused_rank(
+    a: &ExchangeArgs,
+    cfg: &ExchangeConfig,
+    t: AnyTransport,
+    params: Option<&LayerParams>,
+) -> Result<Box<dyn Engine>> {
+    Ok(match a.graph {
+        true => Box::new(graph_rank(cfg, t, a.arm, a.expert, params)?),
+        false => Box::new(fused_engine(cfg, t, a.arm)?),
+    })
+}
+
+/// Whether a rank's combined rows match the oracle's: bit for bit, except the device SwiGLU
+/// experts of graph mode (the grouped GEMM), which must be within the layer output's bf16
+/// tolerance ([`afdep_moe::accuracy::OUT_TOL`]).
+fn matches_reference(a: &ExchangeArgs, got: &[bf16], want: &[bf16]) -> bool {
+    match (a.graph, a.expert) {
+        (true, ExpertArg::Swiglu) => {
+            got.len() == want.len()
+                && afdep_moe::accuracy::max_rel_err(got, want) <= afdep_moe::accuracy::OUT_TOL
+        }
+        _ => got == want,
+    }
+}
+
+/// The checks of `--graph` against the other flags: a clear error, or an [`Unsupported`] one
+/// (exit status 3) for a payload device rounds do not carry.
+fn check_graph(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
+    if !a.graph {
+        return Ok(());
+    }
+    if a.backend != Backend::Cuda {
+        bail!(
+            "--graph replays CUDA graphs of the fused engine's device rounds: it needs \
+             --backend cuda (with --transport nvlink)"
+        );
+    }
+    if let Some(Fault::Abort { .. }) = a.fault {
+        bail!("--fault abort@..: not with --graph (the experts run on the device)");
+    }
+    if res.cfg.payload != PayloadKind::Bf16 {
+        return Err(Unsupported {
+            engine: "fused (graph)",
+            what: format!("payload {}", res.cfg.payload),
+            have: "bf16 only in device rounds".into(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// A threaded fused run: one in-process NvlinkIpc group and one engine per rank thread for all
-/// the problems (set up once: windows, kernel loads); returns `[problem][rank]`. No engine is
-/// dropped before every rank has finished (see the fused engine's docs).
+/// the problems (set up once: windows, kernel loads, the graph); returns `[problem][rank]`. No
+/// engine is dropped before every rank has finished (see the fused engine's docs).
 fn run_fused_threads(
     a: &ExchangeArgs,
     res: &Resolved,
@@ -1029,10 +1210,18 @@ fn run_fused_threads(
                 sc.spawn(move || -> Result<Vec<RankRun>> {
                     let mut eng = None;
                     let r = (|| {
-                        let e = eng.insert(fused_engine(&res.cfg, t, a.arm)?);
+                        let params = probs.first().and_then(|p| p.params.as_ref());
+                        let e = eng.insert(fused_rank(a, &res.cfg, t, params)?);
                         let mut out = Vec::with_capacity(probs.len());
                         for prob in probs {
-                            out.push(rank_rounds(e, prob, a.expert, a.warmup, a.rounds, a.fault)?);
+                            out.push(rank_rounds(
+                                e.as_mut(),
+                                prob,
+                                a.expert,
+                                a.warmup,
+                                a.rounds,
+                                a.fault,
+                            )?);
                             if rank == 0 {
                                 bar.inc(1);
                             }
@@ -1122,7 +1311,8 @@ fn multi_process_problem(
         None => 1,
         Some(s) => {
             let got = run.last.as_ref().and_then(|o| o.combined.as_ref());
-            if got == Some(&reference_of(prob, a.expert)?[s]) {
+            let want = &reference_of(prob, a.expert)?[s];
+            if got.is_some_and(|g| matches_reference(a, g, want)) {
                 1
             } else {
                 2
@@ -1173,24 +1363,26 @@ fn multi_process_problem(
 /// The markdown table of `rows`.
 pub fn table(rows: &[ExchangeRow]) -> String {
     let mut t = String::from(
-        "| topology | engine | arm | transport | tokens | round µs | dispatch µs | combine µs | \
-         wall µs | timing | status |\n|---|---|---|---|---|---:|---:|---:|---:|---|---|\n",
+        "| topology | engine | arm | mode | transport | tokens | round µs | dispatch µs | combine µs \
+         | wall µs | timing | status |\n|---|---|---|---|---|---|---:|---:|---:|---:|---|---|\n",
     );
     for r in rows {
         let tokens = match r.tokens.iter().min() == r.tokens.iter().max() {
             true => r.tokens.first().map_or("0".into(), |t| t.to_string()),
             false => format!("{:?}", r.tokens),
         };
+        let phase = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} |\n",
             r.topology,
             r.engine,
             r.arm,
+            r.mode,
             r.transport,
             tokens,
             r.round_us,
-            r.dispatch_us,
-            r.combine_us,
+            phase(r.dispatch_us),
+            phase(r.combine_us),
             r.wall_us,
             r.timing,
             r.status
@@ -1208,6 +1400,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     let cfg = res.cfg.clone();
     let kind = res.kind;
     let engine = res.engine;
+    check_graph(&a, &res)?;
     if !engine.arms().contains(&a.arm) {
         return Err(Unsupported {
             engine: engine.name(),
@@ -1231,12 +1424,12 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     }
     if engine == EngineKind::Fused
         && cfg.payload != PayloadKind::Bf16
-        && a.arm != ArmArg::PayloadFirst
+        && !matches!(a.arm, ArmArg::PayloadFirst | ArmArg::Auto)
     {
         return Err(Unsupported {
             engine: engine.name(),
             what: format!("arm {} with payload {}", a.arm, cfg.payload),
-            have: format!("{} only with bf16", names(&engine.arms()[1..])),
+            have: format!("{} only with bf16", names(&engine.arms()[1..3])),
         }
         .into());
     }
@@ -1309,7 +1502,9 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             .with_context(|| format!("rank {}: setting up {kind}", env.rank))?;
         Some(match engine {
             EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
-            EngineKind::Fused => Box::new(fused_engine(&cfg, t, a.arm)?),
+            EngineKind::Fused => {
+                fused_rank(&a, &cfg, t, probs.first().and_then(|p| p.params.as_ref()))?
+            }
         })
     } else {
         None
@@ -1325,10 +1520,11 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             .expect("template"),
     );
     bar.set_message(format!(
-        "{} {}/{kind} {}",
+        "{} {}/{kind} {}{}",
         cfg.topology,
         engine.name(),
-        a.arm
+        a.arm,
+        if a.graph { " (graph)" } else { "" }
     ));
     let mut json_out = match (&a.json_out, me) {
         (Some(p), 0) => Some(
@@ -1365,9 +1561,15 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                             .context("attention ranks combine")
                     })
                     .collect::<Result<_>>()?;
+                let want = reference_of(prob, a.expert)?;
                 let status = if a.no_verify {
                     "unverified"
-                } else if reference_of(prob, a.expert)? == combined {
+                } else if want.len() == combined.len()
+                    && want
+                        .iter()
+                        .zip(&combined)
+                        .all(|(w, g)| matches_reference(&a, g, w))
+                {
                     "ok"
                 } else {
                     "mismatch"
@@ -1383,10 +1585,13 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         };
         if me == 0 {
             let col = |f: fn(&RoundTimes) -> f64| median(per_round.iter().map(f).collect());
-            let round_us = match engine {
-                EngineKind::Fused => col(|t| t.dispatch + t.combine),
-                EngineKind::Staged => col(|t| t.wall),
+            let round_us = match (engine, a.graph) {
+                (EngineKind::Fused, true) => col(|t| t.round),
+                (EngineKind::Fused, false) => col(|t| t.dispatch + t.combine),
+                (EngineKind::Staged, _) => col(|t| t.wall),
             };
+            // graph replays have no phases (per-phase times come from eager rounds)
+            let phase = |f: fn(&RoundTimes) -> f64| (!a.graph).then(|| col(f));
             let row = ExchangeRow {
                 topology: cfg.topology.to_string(),
                 engine: engine.name().into(),
@@ -1417,12 +1622,13 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     EngineKind::Staged => "host",
                 }
                 .into(),
+                mode: if a.graph { "graph" } else { "eager" }.into(),
                 round_us,
                 wall_us: col(|t| t.wall),
                 counts_us: col(|t| t.counts),
-                dispatch_us: col(|t| t.dispatch),
+                dispatch_us: phase(|t| t.dispatch),
                 experts_us: col(|t| t.experts),
-                combine_us: col(|t| t.combine),
+                combine_us: phase(|t| t.combine),
                 status: status.to_string(),
                 kernel_digest: afdep_kernels::source_digest(),
                 pid: std::process::id(),
@@ -1474,4 +1680,84 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
 /// `a, b, c` of the arms' names.
 fn names(arms: &[ArmArg]) -> String {
     arms.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mode: &str, phases: Option<f64>) -> ExchangeRow {
+        ExchangeRow {
+            topology: "3A:1F".into(),
+            engine: "fused".into(),
+            arm: "auto".into(),
+            transport: "nvlink-ipc".into(),
+            ranks_as: "threads".into(),
+            ucx_tls: None,
+            device_buffers: true,
+            hidden: 2048,
+            experts: 128,
+            top_k: 8,
+            capacity: 2048,
+            payload: "bf16".into(),
+            transport_sms: 24,
+            tokens: vec![8, 8, 8],
+            expert: "identity".into(),
+            rounds: 20,
+            warmup: 3,
+            rejected_rounds: 0,
+            timing: "device".into(),
+            mode: mode.into(),
+            round_us: 41.25,
+            wall_us: 900.0,
+            counts_us: 0.0,
+            dispatch_us: phases,
+            experts_us: 0.0,
+            combine_us: phases,
+            status: "ok".into(),
+            kernel_digest: "d".into(),
+            pid: 7,
+        }
+    }
+
+    /// Graph rows have no phase times (null in JSON, `–` in the table) and say their mode;
+    /// rows written before the mode existed read as eager.
+    #[test]
+    fn graph_rows_carry_their_mode_and_no_phases() {
+        let g = row("graph", None);
+        let v: serde_json::Value = serde_json::to_value(&g).unwrap();
+        assert_eq!(v["mode"], "graph");
+        assert!(
+            v["dispatch_us"].is_null() && v["combine_us"].is_null(),
+            "{v}"
+        );
+        let back: ExchangeRow = serde_json::from_value(v).unwrap();
+        assert_eq!(back.dispatch_us, None);
+        let t = table(&[g, row("eager", Some(12.5))]);
+        assert!(
+            t.contains("| 3A:1F | fused | auto | graph | nvlink-ipc | 8 | 41.2 | – | – |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("| eager | nvlink-ipc | 8 | 41.2 | 12.5 | 12.5 |"),
+            "{t}"
+        );
+        let mut old = serde_json::to_value(row("eager", Some(1.0))).unwrap();
+        old.as_object_mut().unwrap().remove("mode");
+        let old: ExchangeRow = serde_json::from_value(old).unwrap();
+        assert_eq!(old.mode, "eager");
+    }
+
+    /// `--arm auto` is the rule in eager rounds (no forced arm) and every arm in one graph.
+    #[test]
+    fn the_auto_arm_is_the_rule() {
+        assert_eq!(dispatch_arm(ArmArg::Auto), None);
+        assert_eq!(round_arm(ArmArg::Auto), RoundArm::Auto);
+        assert_eq!(
+            round_arm(ArmArg::CountFirstSource),
+            RoundArm::Fixed(DispatchArm::CountFirstSource)
+        );
+        assert!(EngineKind::Fused.arms().contains(&ArmArg::Auto));
+        assert!(!EngineKind::Staged.arms().contains(&ArmArg::Auto));
+    }
 }

@@ -5,7 +5,8 @@
 //!                 [shape flags] [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
 //! afdep report moe --rows A.jsonl B.jsonl .. [--md FILE] [--png FILE] [--commit C]
 //! afdep exchange  [--backend auto|cpu|cuda] [--config FILE] [--transport loopback|tcp|nvlink|nccl|ucx]
-//!                 [--arm payload-first|count-first|count-first-source] [--topology 3A:1F] [--tokens N,..] ...
+//!                 [--arm payload-first|count-first|count-first-source|auto] [--graph]
+//!                 [--topology 3A:1F] [--tokens N,..] ...
 //! afdep exchange-arms [--arms A,B,..] [--repeats R] -- <exchange flags>
 //! afdep launch    -n N [--rendezvous ADDR] [--timeout S] [--grace S] -- CMD ARGS..
 //! afdep kernels   --digest

@@ -93,6 +93,8 @@ fn arms_over(transport: &str, launch: Option<&str>) {
         assert_eq!(r["status"], "ok", "{r}");
         assert_eq!(r["engine"], "staged");
         assert_eq!(r["timing"], "host");
+        assert_eq!(r["mode"], "eager");
+        assert!(r["dispatch_us"].is_f64(), "{r}");
         assert_eq!(r["ranks_as"], ranks_as, "{r}");
         let repeat = r["repeat"].as_u64().unwrap();
         // rotated orders: repeat 0 and 2 start with payload-first, repeat 1 with count-first
@@ -208,6 +210,7 @@ fn unsupported_arms_and_payloads_exit_3_and_say_so() {
     for (flag, value, what) in [
         ("--arm", "count-first", "no arm count-first"),
         ("--arm", "count-first-source", "no arm count-first-source"),
+        ("--arm", "auto", "no arm auto"),
     ] {
         let mut args = vec![
             "exchange",
@@ -260,6 +263,57 @@ fn the_staged_engine_moves_fp8_payloads() {
         .collect();
     assert_eq!(rows.len(), 2, "{stdout}");
     assert!(rows.iter().all(|r| r["status"] == "ok"), "{stdout}");
+}
+
+/// `--graph` (CUDA-graph replays of the fused engine's device rounds) without `--backend cuda`
+/// is a clear error before anything runs (exit status 1, not 3), also under the arms runner.
+#[test]
+fn graph_mode_needs_the_cuda_backend() {
+    for extra in [
+        &["--backend", "cpu"][..],
+        &[][..],
+        &["--backend", "auto", "--transport", "nvlink"][..],
+        &["--backend", "cpu", "--arm", "auto"][..],
+    ] {
+        let mut args = vec![
+            "exchange",
+            "--graph",
+            "--topology",
+            "1A:1F",
+            "--tokens",
+            "2",
+        ];
+        args.extend(extra);
+        args.extend(SMALL);
+        let out = afdep(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("--graph") && stderr.contains("needs --backend cuda"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let mut args = vec![
+        "exchange-arms",
+        "--arms",
+        "payload-first,auto",
+        "--repeats",
+        "1",
+        "--",
+        "--graph",
+        "--backend",
+        "cpu",
+        "--topology",
+        "1A:1F",
+        "--tokens",
+        "2",
+    ];
+    args.extend(SMALL);
+    let out = afdep(&args);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("needs --backend cuda"), "{stderr}");
 }
 
 #[test]

@@ -245,6 +245,22 @@ fn arm_gate(ctl: u64, gates: u64, round: u32, arms: u32) -> Option<u64> {
     }
 }
 
+/// The events of round timing: before and after a device round's launches, and the span of
+/// the last round that completed.
+struct RoundTimer {
+    start: afdep_kernels::cudarc::driver::CudaEvent,
+    stop: afdep_kernels::cudarc::driver::CudaEvent,
+    last: Option<std::time::Duration>,
+}
+
+impl std::fmt::Debug for RoundTimer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoundTimer")
+            .field("last", &self.last)
+            .finish()
+    }
+}
+
 /// The capacity-sized device buffers of a source's device rounds.
 #[derive(Debug)]
 struct SourceBufs {
@@ -286,6 +302,8 @@ pub(super) struct DeviceRound {
     keep_received: bool,
     /// The arm gates (`fr::ARM_GATES` control blocks, written by `afdep_round_begin`).
     gates: CudaSlice<u32>,
+    /// Round timing ([`FusedEngine::set_round_timing`]).
+    timer: Option<RoundTimer>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
 }
@@ -441,6 +459,7 @@ impl FusedEngine {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             keep_received: opts.keep_received,
             gates,
+            timer: None,
             src,
             ffn,
         });
@@ -448,9 +467,81 @@ impl FusedEngine {
     }
 
     /// Whether outputs are poisoned before every device round (default on): unwritten rows then
-    /// read as NaN. Latency runs turn it off.
+    /// read as NaN. Latency runs may turn it off (the poisoning happens before a round's timed
+    /// span, [`FusedEngine::set_round_timing`]).
     pub fn set_poison(&mut self, on: bool) {
         self.poison = on;
+    }
+
+    /// Turns timing of device rounds on or off. With timing on, every device round (eager, or a
+    /// graph replay) starts with a control-plane barrier of every rank after its input was
+    /// loaded, then a CUDA event on this rank's stream right before the round's launches (a
+    /// replay: before the graph launch) and one right after them; [`FusedEngine::last_round_time`]
+    /// gives the span of the last round: this rank's whole round on the device, its waits for
+    /// its peers included. Collective in effect (the barrier): every rank must set the same.
+    /// Needs [`FusedEngine::prepare_device`]; creates the events now, outside any round.
+    pub fn set_round_timing(&mut self, on: bool) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        let timer = if on {
+            let ev = || {
+                self.gpu
+                    .cuda()
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(KernelError::driver("creating a round event"))
+            };
+            Some(RoundTimer {
+                start: ev()?,
+                stop: ev()?,
+                last: None,
+            })
+        } else {
+            None
+        };
+        let d = self.device.as_mut().ok_or_else(|| ExchangeError::Input {
+            rank,
+            what: "round timing needs FusedEngine::prepare_device first".into(),
+        })?;
+        d.timer = timer;
+        Ok(())
+    }
+
+    /// The device time of the last device round (eager or replayed) that completed with round
+    /// timing on ([`FusedEngine::set_round_timing`]); `None` when timing is off or the last
+    /// round failed.
+    pub fn last_round_time(&self) -> Option<std::time::Duration> {
+        self.device.as_ref()?.timer.as_ref()?.last
+    }
+
+    /// With round timing on: the barrier and the start event (`start`), or the stop event.
+    fn round_event(&mut self, start: bool) -> Result<(), ExchangeError> {
+        let Some(t) = self.device.as_mut().and_then(|d| d.timer.as_mut()) else {
+            return Ok(());
+        };
+        if start {
+            t.last = None;
+            self.transport.barrier()?;
+        }
+        let t = self.device.as_ref().and_then(|d| d.timer.as_ref());
+        let e = t.map(|t| if start { &t.start } else { &t.stop });
+        if let Some(e) = e {
+            e.record(self.gpu.stream())
+                .map_err(KernelError::driver("recording a round event"))?;
+        }
+        Ok(())
+    }
+
+    /// With round timing on, after a completed round (its stream waited for): the span.
+    fn read_round_time(&mut self) -> Result<(), ExchangeError> {
+        if let Some(t) = self.device.as_mut().and_then(|d| d.timer.as_mut()) {
+            let ms = t
+                .start
+                .elapsed_ms(&t.stop)
+                .map_err(KernelError::driver("reading a round event"))?;
+            t.last = Some(std::time::Duration::from_secs_f64(
+                f64::from(ms.max(0.0)) * 1e-3,
+            ));
+        }
+        Ok(())
     }
 
     /// Runs one device round eagerly (the launches a graph captures, [module docs](self)).
@@ -465,8 +556,12 @@ impl FusedEngine {
         self.guarded(|eng| {
             let t0 = Instant::now();
             let local = eng.load_input(arm, input)?;
+            eng.round_event(true)?;
             eng.launch_device_round(arm)?;
-            eng.finish_device_round(arm, input, local, t0)
+            eng.round_event(false)?;
+            let out = eng.finish_device_round(arm, input, local, t0)?;
+            eng.read_round_time()?;
+            Ok(out)
         })
     }
 
@@ -526,11 +621,15 @@ impl FusedEngine {
             let t0 = Instant::now();
             let local = eng.load_input(graph.arm, input)?;
             bind(&eng.gpu)?;
+            eng.round_event(true)?;
             graph
                 .graph
                 .launch()
                 .map_err(KernelError::driver("launching the round's graph"))?;
-            eng.finish_device_round(graph.arm, input, local, t0)
+            eng.round_event(false)?;
+            let out = eng.finish_device_round(graph.arm, input, local, t0)?;
+            eng.read_round_time()?;
+            Ok(out)
         })
     }
 
