@@ -18,7 +18,11 @@
 # arm runs in its own process, in rotated orders over REPEATS repeats. Experts are the identity
 # on the host (the timed quantity is the dispatch + combine round, device time from CUDA events).
 #
-# Environment: ARMS (default every arm; arms the engine lacks give `unsupported` rows),
+# Environment: GRAPH (1: time CUDA-graph replays of device rounds, `afdep exchange --graph`:
+# each child captures its arm once (ARMS may add `auto`: one graph of every arm, the arm chosen
+# on the device by the token bucket) and times whole replays with CUDA events; the dispatch and
+# combine columns then say `–`, per-phase times come from eager runs only; unset: eager rounds),
+# ARMS (default the three arms; `auto` too; arms the engine lacks give `unsupported` rows),
 # REPEATS (3), ROUNDS (timed rounds per token count and process, 20), WARMUP (3),
 # TOKENS (1,8,32,128,512,1024,2048), RATIOS ("3A:1F 2A:2F 1A:3F EP4"), HIDDEN (2048),
 # LAUNCH (empty: the ranks of a child are threads of one process; N: N processes per child,
@@ -46,6 +50,11 @@ tokens=${TOKENS:-1,8,32,128,512,1024,2048}
 ratios=${RATIOS:-"3A:1F 2A:2F 1A:3F EP4"}
 hidden=${HIDDEN:-2048}
 engine=${ENGINE:-"--backend cuda --transport nvlink --device 0"}
+mode=eager
+if [ "${GRAPH:-0}" = 1 ]; then
+  engine="$engine --graph"
+  mode=graph
+fi
 export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$out/kernel-cache}
 
 {
@@ -55,6 +64,11 @@ export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$out/kernel-cache}
   echo "kernel digest: $("$afdep" kernels --digest)"
   echo "commit: $(cat "$bundle/commit.txt" 2>/dev/null || echo unknown)"
   echo "arms: $arms; repeats $repeats; rounds $rounds (+$warmup warm-up) per token count and process"
+  if [ "$mode" = graph ]; then
+    echo "mode: graph (CUDA-graph replays of device rounds, device identity experts; round = the slowest rank's whole replay; no per-phase times)"
+  else
+    echo "mode: eager (host-launched rounds, host identity experts; round = slowest dispatch + slowest combine)"
+  fi
   if [ -n "${LAUNCH:-}" ]; then
     echo "engine: $engine (ranks: $LAUNCH processes per child through afdep launch)"
   else
@@ -86,8 +100,10 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 arms = sys.argv[2].split(",")
 def med(v):
-    v = sorted(v)
+    v = sorted(x for x in v if x is not None)
     return v[len(v) // 2] if v else None
+def us(v):
+    return "–" if v is None else f"{v:.1f}"
 rep = [r for r in rows if r["kind"] == "repeat"]
 summ = {(r["topology"], tuple(r["tokens"]), r["arm"]): r for r in rows if r["kind"] == "arms"}
 keys = []
@@ -111,6 +127,6 @@ for topo, tokens in keys:
         c = med([r["combine_us"] for r in mine])
         w = med([r["wall_us"] for r in mine])
         ch = "" if arm == "payload-first" or s["change_pct"] is None else f"{s['change_pct']:+.1f} %"
-        print(f"| {topo} | {t} | {arm} | {s['median_us']:.1f} | {d:.1f} | {c:.1f} | {w:.0f} | {ch} |")
+        print(f"| {topo} | {t} | {arm} | {s['median_us']:.1f} | {us(d)} | {us(c)} | {w:.0f} | {ch} |")
 EOF
 cat "$out/table.md"
