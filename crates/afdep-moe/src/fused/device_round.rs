@@ -50,6 +50,11 @@
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
 //!
+//! [`FusedEngine::set_round_timing`] times whole rounds on the device: a barrier of every rank
+//! after the input is loaded, then CUDA events on the rank's stream around the round's launches
+//! (a replay: around the graph launch); [`FusedEngine::last_round_time`] (`afdep exchange
+//! --graph`).
+//!
 //! # One graph for every arm
 //!
 //! [`RoundArm::Auto`] (`eng.capture(RoundArm::Auto)`, or an eager
