@@ -12,7 +12,7 @@
 //! capacity) fail every rank with the lowest rejecting rank's typed error, and the next replay
 //! is exact. Ranks that ask for different arms (an auto graph with different `set_arm`, eager
 //! rounds of different arms) all get `ExchangeError::ArmsDiffer`, and the next round is exact.
-//! Ratios 3A:1F, 2A:2F, 1A:3F, EP4.
+//! Ratios 3A:1F, 2A:2F, 1A:3F, EP4, and EP1 (for `compute-sanitizer --tool racecheck`).
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -262,6 +262,32 @@ fn one_auto_graph_takes_the_rules_arm_every_replay_on_every_ratio() {
             t0.elapsed().as_secs_f64()
         );
     }
+}
+
+/// One rank that is both source and FFN rank (EP1), a few auto replays across the bucket and a
+/// forced arm: every flag is raised and awaited on the same stream, so this test also runs
+/// under `compute-sanitizer --tool racecheck` (which serialises kernels).
+#[test]
+fn auto_graph_on_a_single_rank_ep1() {
+    let _serial = serial();
+    let c = config("EP1");
+    let mut st: Vec<Step> = steps(&c).into_iter().take(4).collect();
+    st.push(Step {
+        inputs: sources(&c, &[5], Some(2), 350),
+        force: Some(DispatchArm::CountFirstSource),
+        reject: None,
+    });
+    let arms: Vec<DispatchArm> = st
+        .iter()
+        .map(|s| host_arm(&c, &s.inputs, s.force))
+        .collect();
+    for a in DispatchArm::ALL {
+        assert!(arms.contains(&a), "EP1 steps miss {a}: {arms:?}");
+    }
+    let Some(got) = run_steps(&c, &st) else {
+        return;
+    };
+    check_steps("EP1", &c, &st, &got);
 }
 
 /// Unmasked routes (every slot a distinct expert) so that a corruption lands where the
