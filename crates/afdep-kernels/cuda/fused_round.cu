@@ -33,11 +33,13 @@
 // (AFDEP_NO_SOURCE for an FFN-only rank), whose routes idx / w hold up to `cap` tokens.
 // experts / owned: the route rules. A status wait runs at most timeout_ns, then records
 // AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the verdict to faulted.
+// payload: null, or (a source with fp8 payloads) the state of afdep_round_check_payload, whose
+// word is this source's verdict word when its routes pass.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_begin(u8* ws, const u64* __restrict__ peers, u32 world, u32 me, u32 src_index,
                       const i32* __restrict__ idx, const float* __restrict__ w, u64 cap,
                       u64 experts, u64 owned, u64 ctl_off, u64 status_off, u64 timeout_ns,
-                      u32* err) {
+                      u32* err, const u32* payload) {
     __shared__ unsigned long long best;  // smallest offence key (~0: none)
     __shared__ u32 round;
     u32* ctl = (u32*)(ws + ctl_off);
@@ -81,6 +83,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
             word[4] = o.value;
             word[5] = o.extra;
         }
+    } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
+        // valid routes: the payload check's word (zero when every travelling row is finite)
+#pragma unroll
+        for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
     }
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
     for (u32 q = 0; q < world; q++) {
@@ -225,4 +231,78 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         slot_row[i] = (u64)ffn_rank[f] * ret_cap + before + slot_pos[i];
         slot_ffn[i] = f;
     }
+}
+
+// The fp8 payload check of a source's round (before afdep_round_begin, same stream; it reads no
+// verdict: the control block still holds the previous round's). x: up to cap tokens × hidden
+// bf16 rows, idx their routes; the token count from the control block (above cap: nothing to
+// check, the round is rejected over capacity). A token travels when one of its K slots is not
+// masked (-1); its first non-finite channel is an offence with key t · hidden + channel. One
+// warp per token (grid-stride), the smallest key by an atomic max on its inverse at
+// state[AFDEP_PAYLOAD_KEY_WORD] (u64, 0: none); the last block to finish writes the route error
+// word (layout/route_error.cuh; afdep_core::fp8::first_non_finite: rank src_index, the token,
+// the channel, the value's f32 bits as half's bf16 to f32 gives them: a NaN quieted) into
+// state[0 .. 6), or zeros, and resets the key and the block count for the next round.
+#define AFDEP_PAYLOAD_STATE_WORDS 16
+#define AFDEP_PAYLOAD_DONE_WORD 6
+#define AFDEP_PAYLOAD_KEY_WORD 8
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_round_check_payload(const u16* __restrict__ x, const i32* __restrict__ idx,
+                              const u32* ctl, u64 cap, u32 hidden, u32 src_index, u32* state) {
+    __shared__ u32 last;
+    unsigned long long* key = (unsigned long long*)(state + AFDEP_PAYLOAD_KEY_WORD);
+    const u64 tokens = afdep_ctl_tokens(ctl);
+    const u32 lane = afdep_lane();
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    const u32 chunks = hidden / 8u;  // 8 bf16 per 16-byte load (hidden a multiple of 128)
+    if (tokens <= cap) {
+        for (u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; t < tokens; t += warps) {
+            bool travels = false;
+#pragma unroll
+            for (int k = 0; k < K; k++) travels = travels || idx[t * K + k] != AFDEP_MASKED;
+            if (!travels) continue;  // the same for every lane of the warp
+            // a lower token already offends: nothing here can win
+            const unsigned long long inv = *(volatile unsigned long long*)key;
+            if (inv != 0ull && ~inv < t * hidden) break;
+            u32 first = 0xffffffffu;
+            for (u32 v = lane; v < chunks && first == 0xffffffffu; v += 32) {
+                const uint4 c = *(const uint4*)(x + t * hidden + 8ull * v);
+                const u32 w4[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const u32 b = (w4[i / 2] >> (16 * (i % 2))) & 0xffffu;
+                    if ((b & 0x7f80u) == 0x7f80u && first == 0xffffffffu) first = 8u * v + i;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+            if (lane == 0 && first != 0xffffffffu) atomicMax(key, ~(t * hidden + first));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // this block's key before its count
+        last = atomicAdd(state + AFDEP_PAYLOAD_DONE_WORD, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();  // every block's key (counted before) before the read below
+    const unsigned long long inv = atomicExch(key, 0ull);
+    u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
+    if (inv != 0ull) {
+        const u64 k = ~inv;
+        const u64 t = k / hidden;
+        const u32 c = (u32)(k % hidden);
+        u32 b = x[t * hidden + c];
+        if ((b & 0x7fffu) > 0x7f80u) b |= 0x40u;  // half's bf16 to f32 quiets a NaN
+        word[0] = AFDEP_ROUTE_NON_FINITE_PAYLOAD;
+        word[1] = src_index;
+        word[2] = afdep_sat_u32(t);
+        word[3] = c;
+        word[4] = b << 16;
+    }
+#pragma unroll
+    for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) state[i] = word[i];
+    state[AFDEP_PAYLOAD_DONE_WORD] = 0u;
 }

@@ -324,6 +324,16 @@ pub enum KernelId {
     /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
     /// dequantised rows).
     FusedCopyEpilogueFp8,
+    /// `afdep_cf_dispatch_fp8`: [`KernelId::CfDispatch`] with fp8 payloads, quantised while
+    /// stored.
+    CfDispatchFp8,
+    /// `afdep_cf_stream_epilogue_fp8`: the streaming epilogue of fp8 payloads (codes, scales
+    /// and dequantised rows).
+    CfStreamEpilogueFp8,
+    /// `afdep_cf_dequant`: the source arm's fp8 expanded rows dequantised on the FFN rank.
+    CfDequant,
+    /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
+    RoundCheckPayload,
     /// `afdep_fp8_encode`: f32 values to e4m3 codes.
     Fp8Encode,
     /// `afdep_fp8_decode`: e4m3 codes to f32 values.
@@ -334,7 +344,7 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 70] = [
+    pub const ALL: [KernelId; 74] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -402,6 +412,10 @@ impl KernelId {
         KernelId::RoundSlots,
         KernelId::FusedDispatchFp8,
         KernelId::FusedCopyEpilogueFp8,
+        KernelId::CfDispatchFp8,
+        KernelId::CfStreamEpilogueFp8,
+        KernelId::CfDequant,
+        KernelId::RoundCheckPayload,
         KernelId::Fp8Encode,
         KernelId::Fp8Decode,
         KernelId::Fp8QuantiseRows,
@@ -457,9 +471,12 @@ impl KernelId {
             | KernelId::CfPublishCounts
             | KernelId::CfPlan
             | KernelId::CfWait => SourceFile::FusedCounts,
-            KernelId::CfDispatch => SourceFile::FusedCfDispatch,
-            KernelId::CfStreamEpilogue => SourceFile::FusedStreamEpilogue,
-            KernelId::RoundBegin
+            KernelId::CfDispatch | KernelId::CfDispatchFp8 => SourceFile::FusedCfDispatch,
+            KernelId::CfStreamEpilogue | KernelId::CfStreamEpilogueFp8 | KernelId::CfDequant => {
+                SourceFile::FusedStreamEpilogue
+            }
+            KernelId::RoundCheckPayload
+            | KernelId::RoundBegin
             | KernelId::RoundBump
             | KernelId::RoundExperts
             | KernelId::RoundReturnStore
@@ -533,6 +550,10 @@ impl KernelId {
             KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
             KernelId::FusedDispatchFp8 => "afdep_fused_dispatch_fp8",
             KernelId::FusedCopyEpilogueFp8 => "afdep_fused_copy_epilogue_fp8",
+            KernelId::CfDispatchFp8 => "afdep_cf_dispatch_fp8",
+            KernelId::CfStreamEpilogueFp8 => "afdep_cf_stream_epilogue_fp8",
+            KernelId::CfDequant => "afdep_cf_dequant",
+            KernelId::RoundCheckPayload => "afdep_round_check_payload",
             KernelId::Fp8Encode => "afdep_fp8_encode",
             KernelId::Fp8Decode => "afdep_fp8_decode",
             KernelId::Fp8QuantiseRows => "afdep_fp8_quantise_rows",

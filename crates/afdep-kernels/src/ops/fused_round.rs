@@ -18,6 +18,13 @@
 //! round there; then it waits (bounded) for every rank's word of the round. A rank publishes
 //! round r + 1 only after it read every rank's word of round r, so the two parity slots are
 //! never overwritten before every rank read them.
+//!
+//! **fp8 payloads**: a row with a NaN or an infinity cannot be quantised, so a device round of
+//! fp8 payloads rejects it like a route ([`afdep_core::RouteError::NonFinitePayload`], checked
+//! after the routes as on the host): a source runs [`check_payload`] just before [`begin`],
+//! which finds its first non-finite value in a travelling row (tokens, then channels,
+//! ascending) and leaves its error word in a [`PAYLOAD_STATE_WORDS`]-word state buffer; [`begin`]
+//! publishes that word as the source's verdict word when its routes pass.
 
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -56,8 +63,14 @@ pub mod verdict {
 /// of the error word (`AFDEP_FUSED_FAULT_STATUS_WAIT`).
 pub const FAULT_STATUS_WAIT: u32 = 32;
 
+/// Words of the state buffer of [`check_payload`] (`AFDEP_PAYLOAD_STATE_WORDS`): the error
+/// word, a block count and the smallest offence's key; all zero before the first round (the
+/// kernel leaves it so after each round, but for the word).
+pub const PAYLOAD_STATE_WORDS: usize = 16;
+
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 5] = [
+pub const KERNELS: [KernelId; 6] = [
+    KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
     KernelId::RoundBump,
     KernelId::RoundExperts,
@@ -103,7 +116,8 @@ pub struct DeviceRules {
 /// control block's token count of routes; the verdict word stored into every rank's status
 /// area through `peers`, then a bounded wait (`timeout_ns`) for every rank's word, and the
 /// verdict (the lowest rejecting rank's word) in the control block. A timeout records
-/// [`FAULT_STATUS_WAIT`] in `err`.
+/// [`FAULT_STATUS_WAIT`] in `err`. `payload`: a source's [`check_payload`] state of the round
+/// (fp8 payloads), whose word is the source's verdict word when its routes pass.
 #[allow(clippy::too_many_arguments)]
 pub fn begin(
     ctx: &GpuContext,
@@ -112,6 +126,7 @@ pub fn begin(
     world: usize,
     me: usize,
     source: Option<(usize, &CudaSlice<i32>, &CudaSlice<f32>)>,
+    payload: Option<&CudaSlice<u32>>,
     rules: &DeviceRules,
     top_k: usize,
     timeout_ns: u64,
@@ -132,12 +147,16 @@ pub fn begin(
             let n = rules.capacity as usize * top_k;
             need("routes", idx, n)?;
             need("weights", w, n)?;
+            if let Some(st) = payload {
+                need("payload check state", st, PAYLOAD_STATE_WORDS)?;
+            }
             (as_u32("attention index", s)?, idx, w)
         }
         None => {
             return begin_ffn(ctx, rc, peers, world32, me, rules, &f, timeout_ns, err);
         }
     };
+    let null = 0u64;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&rc.ws)
         .arg(&peers)
@@ -153,13 +172,18 @@ pub fn begin(
         .arg(&rc.status_off)
         .arg(&timeout_ns)
         .arg(&err);
+    match payload {
+        Some(st) => b.arg(st),
+        None => b.arg(&null),
+    };
     // SAFETY: afdep_round_begin(u8* ws, const u64* peers, u32 world, u32 me, u32 src_index,
     // const i32* idx, const float* w, u64 cap, u64 experts, u64 owned, u64 ctl_off, u64
-    // status_off, u64 timeout_ns, u32* err), one block: reads and writes the control block of
-    // this rank's live workspace, reads at most min(tokens, cap) × K routes (the tables hold
-    // cap × K, checked; a larger token count is rejected without reading), writes one status
-    // record into each of the `world` (<= 64, checked) workspaces of the live peer table and
-    // reads this rank's status area; err is a live u32[4].
+    // status_off, u64 timeout_ns, u32* err, const u32* payload), one block: reads and writes
+    // the control block of this rank's live workspace, reads at most min(tokens, cap) × K
+    // routes (the tables hold cap × K, checked; a larger token count is rejected without
+    // reading) and the first 6 words of the payload state (checked) or none (null), writes one
+    // status record into each of the `world` (<= 64, checked) workspaces of the live peer table
+    // and reads this rank's status area; err is a live u32[4].
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
     Ok(())
 }
@@ -192,10 +216,63 @@ fn begin_ffn(
         .arg(&rc.ctl_off)
         .arg(&rc.status_off)
         .arg(&timeout_ns)
-        .arg(&err);
-    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route (the
-    // null tables are never dereferenced) and publishes an all-zero word.
+        .arg(&err)
+        .arg(&null);
+    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route and no
+    // payload state (the null tables are never dereferenced) and publishes an all-zero word.
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
+    Ok(())
+}
+
+/// A source's fp8 payload check of a device round (`afdep_round_check_payload`), launched just
+/// before [`begin`] on the same stream: over the control block's token count (at `ctl`; none
+/// above `capacity`) of rows `x` (`capacity × hidden` bf16, hidden a multiple of 128) and
+/// routes `idx` (`capacity × top_k`), the first non-finite value of a token with an unmasked
+/// slot (tokens, then channels, ascending) becomes the
+/// [`afdep_core::RouteError::NonFinitePayload`] word (naming attention index `source`) in
+/// `state` ([`PAYLOAD_STATE_WORDS`], zero before the first round), or zeros. It reads no
+/// verdict (the control block still holds the previous round's). At most `blocks` blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn check_payload(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    idx: &CudaSlice<i32>,
+    ctl: u64,
+    capacity: usize,
+    hidden: usize,
+    top_k: usize,
+    source: usize,
+    state: &mut CudaSlice<u32>,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if hidden % afdep_core::fp8::GROUP != 0 {
+        return Err(KernelError::Shape(format!(
+            "fp8 payloads need hidden a multiple of 128, not {hidden}"
+        )));
+    }
+    need("rows", x, capacity * hidden)?;
+    need("routes", idx, capacity * top_k)?;
+    need("payload check state", state, PAYLOAD_STATE_WORDS)?;
+    let k = as_u32("top_k", top_k)?;
+    let h = as_u32("hidden", hidden)?;
+    let src = as_u32("attention index", source)?;
+    let cap = capacity as u64;
+    let f = ctx.function(KernelId::RoundCheckPayload, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(idx)
+        .arg(&ctl)
+        .arg(&cap)
+        .arg(&h)
+        .arg(&src)
+        .arg(state);
+    // SAFETY: afdep_round_check_payload(const u16* x, const i32* idx, const u32* ctl, u64 cap,
+    // u32 hidden, u32 src_index, u32* state) with K compiled in: reads the caller's live
+    // control block; for a token count at most cap, warp t reads idx[t] (cap × K, checked) and
+    // row t of x (cap × hidden, checked; 16-byte loads: hidden a multiple of 128, checked, in a
+    // cudaMalloc'd buffer); atomics on and the last block's stores to the 16-word state
+    // (checked).
+    unsafe { b.launch(grid(cap, blocks)) }.map_err(launch_err(KernelId::RoundCheckPayload))?;
     Ok(())
 }
 
@@ -396,5 +473,29 @@ mod tests {
             format!("{FAULT_STATUS_WAIT}u")
         );
         const { assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS) };
+    }
+
+    /// The payload check's state layout (`fused_round.cu`): the error word first, then the
+    /// block count, then the 8-byte aligned key, within [`PAYLOAD_STATE_WORDS`].
+    #[test]
+    fn payload_state_constants_match_the_kernel() {
+        let text = include_str!("../../cuda/fused_round.cu");
+        let def = |name: &str| -> usize {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not in fused_round.cu"));
+            line[format!("#define {name} ").len()..]
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(def("AFDEP_PAYLOAD_STATE_WORDS"), PAYLOAD_STATE_WORDS);
+        let (done, key) = (
+            def("AFDEP_PAYLOAD_DONE_WORD"),
+            def("AFDEP_PAYLOAD_KEY_WORD"),
+        );
+        assert!(done >= afdep_core::error::ROUTE_ERROR_WORDS);
+        assert!(key > done && key % 2 == 0 && key + 2 <= PAYLOAD_STATE_WORDS);
     }
 }

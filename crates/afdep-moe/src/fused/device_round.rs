@@ -137,6 +137,8 @@ struct SourceBufs {
     out: CudaSlice<bf16>,
     slot_row: CudaSlice<u64>,
     slot_ffn: CudaSlice<u32>,
+    /// fp8 payloads: the state of the payload check (`ops::fused_round::check_payload`).
+    payload: Option<CudaSlice<u32>>,
 }
 
 /// The device buffers of an FFN rank's device rounds.
@@ -287,6 +289,10 @@ impl FusedEngine {
                 out: zeros(&self.gpu, (cap * h).max(1))?,
                 slot_row: zeros(&self.gpu, (cap * k).max(1))?,
                 slot_ffn: zeros(&self.gpu, (cap * k).max(1))?,
+                payload: match cfg.payload {
+                    PayloadKind::Bf16 => None,
+                    PayloadKind::Fp8E4m3 => Some(zeros(&self.gpu, fr::PAYLOAD_STATE_WORDS)?),
+                },
             }),
             None => None,
         };
@@ -432,20 +438,10 @@ impl FusedEngine {
     }
 
     fn check_device(&self, _arm: DispatchArm) -> Result<(), ExchangeError> {
-        let rank = self.rank();
         if self.device.is_none() {
             return Err(ExchangeError::Input {
-                rank,
+                rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
-            });
-        }
-        if self.cfg.payload != PayloadKind::Bf16 {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!(
-                    "device rounds carry bf16 payloads only, the configuration has {}",
-                    self.cfg.payload
-                ),
             });
         }
         Ok(())
@@ -547,8 +543,8 @@ impl FusedEngine {
                 }
             }
             if cfg.topology.ffn_index(rank).is_some() {
-                let a = self.geo.cf;
-                self.poison_ws(a.expanded, a.exp_rows * 2 * h as u64)?;
+                // the whole expanded area (fp8: and its codes and scales)
+                self.poison_expanded(self.geo.cf.exp_rows)?;
                 if arm == DispatchArm::CountFirstSource {
                     // the source arm's slab rows hold metadata only, stored after this rank's
                     // offsets of the round, so poisoning them here races with nothing
@@ -597,13 +593,30 @@ impl FusedEngine {
             capacity: cap as u64,
         };
 
+        // 0. source, fp8: the payload check (its word is the verdict word of valid routes)
+        if let (Some(s), Some(b)) = (src_index, d.src.as_mut()) {
+            if let Some(st) = b.payload.as_mut() {
+                fr::check_payload(
+                    gpu,
+                    &b.x,
+                    &b.idx,
+                    ctl,
+                    cap,
+                    h,
+                    k,
+                    s,
+                    st,
+                    knobs.transport_sms,
+                )?;
+            }
+        }
         // 1. round, validation, verdict (every rank)
-        let source = match (src_index, d.src.as_ref()) {
-            (Some(s), Some(b)) => Some((s, &b.idx, &b.w)),
-            _ => None,
+        let (source, payload) = match (src_index, d.src.as_ref()) {
+            (Some(s), Some(b)) => (Some((s, &b.idx, &b.w)), b.payload.as_ref()),
+            _ => (None, None),
         };
         fr::begin(
-            gpu, &rc, peers, world, rank, source, &rules, k, timeout_ns, err,
+            gpu, &rc, peers, world, rank, source, payload, &rules, k, timeout_ns, err,
         )?;
 
         // 2. source: counts on the device, published
@@ -710,17 +723,22 @@ impl FusedEngine {
                         err,
                     )?;
                 }
-                A::CountFirstSource => cf::wait(
-                    gpu,
-                    ws,
-                    &self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    ctl,
-                    timeout_ns,
-                    err,
-                    cf::fault::SOURCE_WAIT,
-                )?,
+                A::CountFirstSource => {
+                    cf::wait(
+                        gpu,
+                        ws,
+                        &self.src_ranks,
+                        ns,
+                        DISPATCH_FLAGS,
+                        ctl,
+                        timeout_ns,
+                        err,
+                        cf::fault::SOURCE_WAIT,
+                    )?;
+                    if cfg.payload == PayloadKind::Fp8E4m3 {
+                        cf::dequant(gpu, ws, ns, epr, h, &a, ctl, k, knobs.epilogue_sm_cap)?;
+                    }
+                }
                 A::CountFirst => {}
             }
             if arm != A::CountFirstSource {
