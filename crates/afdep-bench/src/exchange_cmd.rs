@@ -1229,17 +1229,6 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         }
         .into());
     }
-    if engine == EngineKind::Fused
-        && cfg.payload != PayloadKind::Bf16
-        && a.arm != ArmArg::PayloadFirst
-    {
-        return Err(Unsupported {
-            engine: engine.name(),
-            what: format!("arm {} with payload {}", a.arm, cfg.payload),
-            have: format!("{} only with bf16", names(&engine.arms()[1..])),
-        }
-        .into());
-    }
     let world = cfg.topology.world_size();
     if a.multi_process && kind == TransportKind::Loopback {
         bail!(
