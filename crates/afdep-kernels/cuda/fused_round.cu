@@ -261,8 +261,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
             for (int k = 0; k < K; k++) travels = travels || idx[t * K + k] != AFDEP_MASKED;
             if (!travels) continue;  // the same for every lane of the warp
-            // a lower token already offends: nothing here can win
-            const unsigned long long inv = *(volatile unsigned long long*)key;
+            // a lower token already offends: nothing here can win (lane 0's read for the warp)
+            unsigned long long inv = 0ull;
+            if (lane == 0) inv = *(volatile unsigned long long*)key;
+            inv = __shfl_sync(0xffffffffu, inv, 0);
             if (inv != 0ull && ~inv < t * hidden) break;
             u32 first = 0xffffffffu;
             for (u32 v = lane; v < chunks && first == 0xffffffffu; v += 32) {

@@ -56,7 +56,9 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
     u16* expanded = (u16*)(ws + exp_off);
     const u32 payload = 2u * hidden;
     for (u64 c = begin + g % wpu; c < end; c += wpu) {
-        if (afdep_fused_faulted(err)) return;
+        // lane 0's look at the error word for the whole warp (the fp8 path's shuffles need
+        // every lane)
+        if (__shfl_sync(0xffffffffu, lane == 0 ? (u32)afdep_fused_faulted(err) : 0u, 0)) return;
         u32 s = 0;
         while (s + 1 < ns && so[s + 1] <= c) s++;
         const u64 i = c - so[s];

@@ -1,7 +1,7 @@
-//! The fused exchange engine (payload-first and count-first dispatch; bf16 payloads, and fp8
-//! in payload-first): GPU-initiated stores into the symmetric workspaces of an [`NvlinkIpc`]
-//! group, one kernel per phase, flags with release / acquire semantics and bounded device
-//! waits.
+//! The fused exchange engine (payload-first and count-first dispatch; bf16 and fp8 payloads in
+//! every arm, host-planned or in device rounds): GPU-initiated stores into the symmetric
+//! workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release / acquire
+//! semantics and bounded device waits.
 //!
 //! One round, on every rank (each calls [`FusedEngine::round`], the same API as
 //! [`StagedEngine`](crate::StagedEngine)):
@@ -47,7 +47,8 @@
 //!                        (by source rank)
 //! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
-//!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
+//!                        expanded area (bf16; fp8: dequantised, then the rows' codes and
+//!                        scales) (`layout/fused.cuh`; 256-byte aligned after ret)
 //! status device rounds'  u32[2][64][8] by (round parity, rank): verdict words (after cf)
 //! ```
 //!
@@ -100,8 +101,11 @@
 //! slab rows), then raises its dispatch flag. Streaming: rows land in the slabs, each with a
 //! row flag holding the round number, and the FFN rank's streaming epilogue expands each row as
 //! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`] is then the plan its device
-//! computed. Stream order, the knobs and the arm rule are documented in `fused/count_first.rs`
-//! and `docs/design.md`.
+//! computed. fp8 payloads are quantised on the device while they are stored (into the slab
+//! rows, or the source arm's final expanded rows' codes and scales, dequantised on the FFN rank
+//! after the dispatch flags); the FFN rank receives what a payload-first fp8 round delivers
+//! ([`FfnReceived::fp8`]). Stream order, fp8, the knobs and the arm rule (the same for every
+//! payload) are documented in `fused/count_first.rs` and `docs/design.md`.
 //!
 //! The host status + counts phase still runs in a count-first round: it validates the routes
 //! (rejection on every rank before anything moves), carries the token counts of the arm rule,
@@ -112,8 +116,9 @@
 //!
 //! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a
 //! whole round with no host work between its kernels: route validation on the device with the
-//! verdict shared among ranks through the workspace (a rejection is the same typed
-//! [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
+//! verdict shared among ranks through the workspace (a rejection, also of a non-finite fp8 row,
+//! is the same typed [`ExchangeError::Route`] on every rank, and the next round works), device
+//! counts and plan,
 //! device experts ([`DeviceExperts`]), device-side return and slot lists, over capacity-sized
 //! buffers, eagerly or replayed from a CUDA graph: `fused/device_round.rs`.
 

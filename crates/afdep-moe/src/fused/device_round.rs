@@ -9,7 +9,10 @@
 //!
 //! 1. every rank, `afdep_round_begin`: round + 1 in the control block; a source validates its
 //!    routes (`afdep_core::route::validate`'s rules on the device, over the control block's
-//!    token count); every rank publishes its verdict word to every rank's status area and
+//!    token count) and, with fp8 payloads, then its rows (`afdep_round_check_payload`, launched
+//!    just before: the first NaN or infinity in a row that travels is
+//!    [`RouteError::NonFinitePayload`], as `afdep_core::oracle::exchange::check_payload` finds
+//!    it on the host); every rank publishes its verdict word to every rank's status area and
 //!    reads all of them (bounded). A rejection anywhere makes every rank skip the data phases
 //!    (every later kernel of the round returns at once), and every rank returns
 //!    [`ExchangeError::Route`] with the lowest rejecting rank's error: the same error as the
@@ -59,10 +62,17 @@
 //! kernels are loaded and warmed up in [`FusedEngine::prepare_device`] (their occupancy and
 //! fault word are set up there, not during a capture).
 //!
+//! # fp8 payloads
+//!
+//! Every arm carries fp8 rows as the host-planned count-first round does (`fused/count_first.rs`,
+//! "fp8 payloads"): each row quantised on the device while it is stored, codes and scales
+//! expanded beside the dequantised bf16 rows, which are what the device experts consume (the
+//! oracle's fp8 exchange: experts on `bf16(f32(q) · scale)`); [`RoundOutput::received`] holds
+//! the codes and scales of both views. Combine is bf16 out, f32 sums.
+//!
 //! # Not here
 //!
-//! fp8 payloads run host-planned payload-first rounds only; the arm is chosen by the caller
-//! (one graph per arm), not on the device.
+//! The arm is chosen by the caller (one graph per arm), not on the device.
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
