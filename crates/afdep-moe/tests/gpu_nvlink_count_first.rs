@@ -2,11 +2,12 @@
 //! arm ([`DispatchArm`]: payload-first, count-first with the streaming epilogue, the source
 //! arm) bit-identical to the oracle (combine, expanded layout, compact view, and the plan the
 //! device computed) and to the staged engine, on 1, 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F,
-//! EP4, 2A:1F, 1A:2F, EP2, EP3, EP1); hidden 2048, 7168 and 8192 with capacities 2048 and 256; transport
-//! SM budgets 7, 23, 24 and every knob at a non-default value; uneven ranks, a zero-token rank,
-//! a hot expert, masked slots; the arm rule of `min_token_bucket` (bf16 and fp8); arms switching from round
-//! to round; repeated seeds with identical output hashes; a rejected route in a count-first
-//! round; ranks that disagree on the arm fail with a typed timeout, no hang.
+//! EP4, 2A:1F, 1A:2F, EP2, EP3, EP1); hidden 2048, 7168 and 8192 with capacities 2048 and 256;
+//! transport SM budgets 7, 23, 24 and every knob at a non-default value; uneven ranks, a
+//! zero-token rank, a hot expert, masked slots; the arm rule of `min_token_bucket` (bf16 and
+//! fp8 payloads); arms switching from round to round; repeated seeds with identical output
+//! hashes; a rejected route in a count-first round; ranks that disagree on the arm fail with a
+//! typed timeout, no hang. (fp8 in every arm: `gpu_nvlink_fp8`.)
 //!
 //! Every engine runs all arms in turn on the same inputs (one group per configuration), so the
 //! round-numbered flags of one arm must never satisfy another arm's waits.

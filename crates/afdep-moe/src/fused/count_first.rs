@@ -56,8 +56,9 @@
 //! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
 //! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
 //! payload-first below it, for bf16 and fp8 payloads alike. The token counts come from the host
-//! status + counts phase, which every rank runs, so every rank picks the same arm. [`FusedEngine::set_arm`] overrides the
-//! rule (every rank must then set the same arm, like the configuration; a rank that does not
+//! status + counts phase, which every rank runs, so every rank picks the same arm.
+//! [`FusedEngine::set_arm`] overrides the rule (every rank must then set the same arm, like the
+//! configuration; a rank that does not
 //! makes the round fail with a [`ExchangeError::DeviceTimeout`]).
 //!
 //! # Knobs
