@@ -24,6 +24,8 @@
 #endif
 #define K AFDEP_TOP_K
 
+static_assert(K <= 32, "one lane per slot (the fp8 epilogue's expanded rows)");
+
 // ws: this rank's workspace; src_rank[s] for s < ns; epr local experts; the plan at plan_off
 // (counts, block starts, expert offsets, slab offsets: layout/fused.cuh); the expanded area at
 // exp_off holds exp_rows rows (fp8: their codes at exp_q_off, scales at exp_sc_off); ctl: the
