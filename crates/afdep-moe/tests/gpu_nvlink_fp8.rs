@@ -243,7 +243,10 @@ fn check_arms_agree(what: &str, per_arm: &[Vec<RankResult>]) {
 /// staged engine and each other; `rounds` run with every arm in turn on one fused group.
 fn arms_and_staged(what: &str, c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) {
     let world = c.topology.world_size();
-    let bytes = FusedEngine::workspace_bytes(c).next_multiple_of(1 << 20);
+    // the fused workspace, and room for the staged engine's all-to-all at capacity
+    let bytes = FusedEngine::workspace_bytes(c)
+        .next_multiple_of(1 << 20)
+        .max(64 << 20);
     let Some(g) = nvlink(world, bytes) else {
         return;
     };
