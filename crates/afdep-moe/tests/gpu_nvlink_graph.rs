@@ -579,7 +579,12 @@ fn fp8_graph_replays_match_the_oracle_and_eager_rounds_for_every_arm() {
             c.knobs.min_rows_per_unit = 5;
         }
         let c = fp8(c);
-        let rounds = with_edge_groups(&c, replay_rounds(&c));
+        let mut rounds = replay_rounds(&c);
+        if hidden >= 2048 {
+            // the large shapes: uneven with a hot expert, none anywhere, the two at capacity
+            rounds = [0, 2, 4, 5].iter().map(|&i| rounds[i].clone()).collect();
+        }
+        let rounds = with_edge_groups(&c, rounds);
         let Some((got, nodes)) = run_modes(&c, &rounds, &modes) else {
             return;
         };
