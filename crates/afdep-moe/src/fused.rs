@@ -717,7 +717,7 @@ impl FusedEngine {
             let view = fk::CompactView {
                 ws: self.ws,
                 slab: geo.slab,
-                meta_off: geo.cf.meta_off,
+                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
                 sources: ns,
                 slab_offsets: base,
                 block_starts: (arm == DispatchArm::CountFirst)

@@ -779,7 +779,7 @@ impl FusedEngine {
             let view = fk::CompactView {
                 ws,
                 slab,
-                meta_off: a.meta_off,
+                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
                 sources: ns,
                 slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
                 block_starts: (arm != A::CountFirstSource).then_some(plan + 8 * eps),
