@@ -26,6 +26,12 @@
 
 static_assert(K <= 32, "one lane per slot");
 
+// Threads per block of both combine kernels: twice the other kernels' (AFDEP_BLOCK), so that a
+// block of the SM budget keeps twice the loads in flight (afdep_kernels::ops::fused::
+// COMBINE_BLOCK; at most 128 registers per thread).
+#define AFDEP_COMBINE_BLOCK 512
+#define AFDEP_COMBINE_WARPS (AFDEP_COMBINE_BLOCK / 32)
+
 // Eight bf16 (one uint4) widened to f32.
 static __device__ __forceinline__ void afdep_bf16x8_to_f32(uint4 v, float* f) {
     const u32 w[4] = {v.x, v.y, v.z, v.w};
@@ -46,7 +52,7 @@ static __device__ __forceinline__ void afdep_bf16x8_to_f32(uint4 v, float* f) {
 // a consistent plan, and the poisoned output shows it). The partial of token t of source s goes
 // to peers[src_rank[s]] + ret_off + (f cap + t) 4 hidden. One warp per compact row, grid-stride;
 // 8 channels per lane, 16-byte loads and stores when hidden is a multiple of 8.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce(const u8* ws, const u32* ctl, const u64* __restrict__ peers,
                                const u32* __restrict__ src_rank, u32 ns,
                                const u64* __restrict__ so, const u64* __restrict__ bs, u32 rel,
@@ -55,10 +61,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                                u32 hidden) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 lane = afdep_lane();
-    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    const u64 warps = (u64)gridDim.x * AFDEP_COMBINE_WARPS;
     const u64 items = so[ns];
     const bool vec = (hidden & 7u) == 0;
-    for (u64 j = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; j < items; j += warps) {
+    for (u64 j = (u64)blockIdx.x * AFDEP_COMBINE_WARPS + threadIdx.x / 32; j < items; j += warps) {
         u32 s = 0;
         while (s + 1 < ns && so[s + 1] <= j) s++;
         const u64 i = j - so[s];
@@ -130,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // idx: the routes (tokens × K, validated: expert e >= 0 is on FFN index e / epr, masked < 0).
 // One warp per token, grid-stride, 8 channels per lane; every block first waits for every flag
 // (thread 0, at most timeout_ns) and a block whose wait runs out records the fault and leaves.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine(const u8* ws, const u32* __restrict__ ffn_rank, u32 ffns, u64 flag_off,
                         u64 ret_off, const i32* __restrict__ idx, u32 epr, u32 cap,
                         const u32* ctl, u32 hidden, u64 timeout_ns, u32* err,
@@ -152,11 +158,11 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     __syncthreads();
     if (!ok) return;
     const u32 lane = afdep_lane();
-    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    const u64 warps = (u64)gridDim.x * AFDEP_COMBINE_WARPS;
     // written by the FFN ranks before their flags (acquired above): coherent loads only
     const float* ret = (const float*)(ws + ret_off);
     const bool vec = (hidden & 7u) == 0;
-    for (u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; t < tokens && t < cap; t += warps) {
+    for (u64 t = (u64)blockIdx.x * AFDEP_COMBINE_WARPS + threadIdx.x / 32; t < tokens && t < cap; t += warps) {
         // the FFN ranks that own a slot of t
         u64 mask = 0;
         if (lane < K) {

@@ -128,6 +128,21 @@ pub(super) fn blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
     }
 }
 
+/// Threads per block of the two combine kernels (`AFDEP_COMBINE_BLOCK` in `fused_combine.cu`):
+/// twice [`BLOCK`], so that each block of the SM budget keeps twice the loads in flight.
+pub const COMBINE_BLOCK: u32 = 512;
+
+/// [`blocks_for`] for the combine kernels' [`COMBINE_BLOCK`]-thread blocks.
+fn combine_blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+    let warps = u64::from(COMBINE_BLOCK / 32);
+    let b = rows.div_ceil(warps).clamp(1, u64::from(cap.max(1))) as u32;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (b, 1, 1),
+        block_dim: (COMBINE_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Where the slabs of one round live, the same on every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlabGeometry {
@@ -570,7 +585,7 @@ pub fn combine_reduce(
     // (y holds y_rows × hidden, checked), and writes hidden f32 at return row (f, t < cap) of
     // workspaces of the live peer table, which hold ffns × cap such rows (the caller's
     // geometry).
-    unsafe { b.launch(blocks_for(view.max_rows, blocks)) }
+    unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }
         .map_err(launch_err(KernelId::FusedCombineReduce))?;
     Ok(())
 }
@@ -656,7 +671,8 @@ pub fn combine(
     // then warp t reads K route ids (the buffer holds routes.tokens × K, checked), the return
     // rows (f < ffns, t < cap) of this workspace, which holds ffns × cap of them (the caller's
     // geometry), and writes out[t] (routes.tokens × hidden, checked); err is a live u32[4].
-    unsafe { b.launch(blocks_for(t, blocks)) }.map_err(launch_err(KernelId::FusedCombine))?;
+    unsafe { b.launch(combine_blocks_for(t, blocks)) }
+        .map_err(launch_err(KernelId::FusedCombine))?;
     Ok(())
 }
 
@@ -691,6 +707,8 @@ pub(super) mod tests {
         assert_eq!(slab_row_bytes(24, 3), 48 + 64);
         assert_eq!(slab_row_bytes(8, 1), 16 + 32);
         assert_eq!(define("AFDEP_PAYLOAD_BF16"), "0");
+        let combine = include_str!("../../cuda/fused_combine.cu");
+        assert!(combine.contains(&format!("#define AFDEP_COMBINE_BLOCK {COMBINE_BLOCK}\n")));
         assert_eq!(define("AFDEP_PAYLOAD_FP8"), "1");
         for (h, k) in [(24, 3), (2048, 8), (7168, 8)] {
             assert_eq!(
