@@ -11,10 +11,9 @@
 // host-planned round's counterpart (routes validated on the host): round + 1, verdict go, the
 // token count.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
-// the expanded rows of the plan. afdep_round_return_store (FFN): every expert output row to its
-// source's return area, the row found on the device from the plan. afdep_round_slots (source):
-// each slot's return row and owner from the routes, the block positions and the counts of
-// afdep_cf_counts. Specialised by AFDEP_TOP_K.
+// the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
+// reads the compact view and the device plan; its source half needs only the routes).
+// Specialised by AFDEP_TOP_K.
 
 #include "common/ptx.cuh"
 #include "common/types.cuh"
@@ -173,63 +172,6 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         const float s = scale[afdep_expert_of_row(p.eo, epr, j)];
         for (u32 c = lane; c < hidden; c += 32)
             y[j * hidden + c] = afdep_f32_to_bf16(__fmul_rn(afdep_bf16_to_f32(x[j * hidden + c]), s));
-    }
-}
-
-// FFN rank `me`: expert output row j < the plan's rows (y: rows × hidden) goes to return row
-// (me, r) of its source's workspace peers[src_rank[s]] (ret_off + (me ret_cap + r) 2 hidden),
-// where row j is the i-th of block (l, s) and r = sum over l' < l of counts[l'][s], plus i: the
-// source's return order (its rows per local expert, experts ascending). One warp per row.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_return_store(const u8* ws, const u32* ctl, const u64* __restrict__ peers,
-                             const u32* __restrict__ src_rank, u32 ns, u32 epr, u64 plan_off,
-                             u64 exp_rows, const u16* __restrict__ y, u64 ret_off, u32 me,
-                             u64 ret_cap, u32 hidden) {
-    if (afdep_ctl_skip(ctl)) return;
-    const Plan p = afdep_plan(ws, plan_off, epr, ns);
-    const u64 total = p.eo[epr] < exp_rows ? p.eo[epr] : exp_rows;
-    const u32 lane = afdep_lane();
-    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
-    const u32 bytes = 2u * hidden;
-    for (u64 j = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; j < total; j += warps) {
-        const u32 l = afdep_expert_of_row(p.eo, epr, j);
-        u32 s = 0;
-        while (s + 1 < ns && p.bs[(u64)l * ns + s + 1] <= j) s++;
-        u64 before = 0;
-        for (u32 m = lane; m < l; m += 32) before += p.cnt[(u64)m * ns + s];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
-        const u64 r = before + (j - p.bs[(u64)l * ns + s]);
-        if (r >= ret_cap) continue;  // never for a consistent plan (poison shows it)
-        u8* dst = (u8*)peers[src_rank[s]] + ret_off + ((u64)me * ret_cap + r) * (u64)bytes;
-        afdep_warp_copy(dst, y + j * hidden, bytes, lane);
-    }
-}
-
-// Source: for slot i < tokens K (tokens from the control block), its return row
-// ffn_rank[f] ret_cap + (rows of this source for FFN rank f's local experts below l) +
-// slot_pos[i], and its owner f, for expert f epr + l; AFDEP_FUSED_NO_ROW for a masked slot.
-// counts: afdep_cf_counts' nf epr rows per owned expert (then distinct tokens per FFN rank).
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_slots(const u32* ctl, const i32* __restrict__ idx,
-                      const u32* __restrict__ slot_pos, const u64* __restrict__ counts,
-                      const u32* __restrict__ ffn_rank, u32 epr, u64 ret_cap,
-                      u64* __restrict__ slot_row, u32* __restrict__ slot_ffn) {
-    if (afdep_ctl_skip(ctl)) return;
-    const u64 n = afdep_ctl_tokens(ctl) * K;
-    const u64 stride = (u64)gridDim.x * AFDEP_BLOCK;
-    for (u64 i = (u64)blockIdx.x * AFDEP_BLOCK + threadIdx.x; i < n; i += stride) {
-        const i32 e = idx[i];
-        if (e < 0) {
-            slot_row[i] = AFDEP_FUSED_NO_ROW;
-            slot_ffn[i] = 0;
-            continue;
-        }
-        const u32 f = (u32)e / epr, l = (u32)e % epr;
-        u64 before = 0;
-        for (u32 m = 0; m < l; m++) before += counts[(u64)f * epr + m];
-        slot_row[i] = (u64)ffn_rank[f] * ret_cap + before + slot_pos[i];
-        slot_ffn[i] = f;
     }
 }
 

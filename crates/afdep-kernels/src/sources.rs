@@ -292,9 +292,10 @@ pub enum KernelId {
     FusedSignal,
     /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
     FusedCopyEpilogue,
-    /// `afdep_fused_combine_store`: expert output rows into the sources' return areas.
-    FusedCombineStore,
-    /// `afdep_fused_combine`: waits for the FFN ranks, sums in the fixed order.
+    /// `afdep_fused_combine_reduce`: an FFN rank's f32 partial sum of each token's slots into
+    /// its source's return area.
+    FusedCombineReduce,
+    /// `afdep_fused_combine`: waits for the FFN ranks, adds their partials in the fixed order.
     FusedCombine,
     /// Count-first: a source's counts, block positions and compact rows from its routes.
     CfCounts,
@@ -314,10 +315,6 @@ pub enum KernelId {
     RoundBump,
     /// Device round: the reproducible device expert (a per-expert scale).
     RoundExperts,
-    /// Device round: expert outputs to the sources' return areas, rows from the device plan.
-    RoundReturnStore,
-    /// Device round: each slot's return row and owner from the device counts.
-    RoundSlots,
     /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
     /// while stored.
     FusedDispatchFp8,
@@ -344,7 +341,7 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 74] = [
+    pub const ALL: [KernelId; 72] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -397,7 +394,7 @@ impl KernelId {
         KernelId::FusedDispatch,
         KernelId::FusedSignal,
         KernelId::FusedCopyEpilogue,
-        KernelId::FusedCombineStore,
+        KernelId::FusedCombineReduce,
         KernelId::FusedCombine,
         KernelId::CfCounts,
         KernelId::CfPublishCounts,
@@ -408,8 +405,6 @@ impl KernelId {
         KernelId::RoundBegin,
         KernelId::RoundBump,
         KernelId::RoundExperts,
-        KernelId::RoundReturnStore,
-        KernelId::RoundSlots,
         KernelId::FusedDispatchFp8,
         KernelId::FusedCopyEpilogueFp8,
         KernelId::CfDispatchFp8,
@@ -466,7 +461,7 @@ impl KernelId {
             KernelId::Fp8Encode | KernelId::Fp8Decode | KernelId::Fp8QuantiseRows => {
                 SourceFile::Fp8
             }
-            KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
+            KernelId::FusedCombineReduce | KernelId::FusedCombine => SourceFile::FusedCombine,
             KernelId::CfCounts
             | KernelId::CfPublishCounts
             | KernelId::CfPlan
@@ -478,9 +473,7 @@ impl KernelId {
             KernelId::RoundCheckPayload
             | KernelId::RoundBegin
             | KernelId::RoundBump
-            | KernelId::RoundExperts
-            | KernelId::RoundReturnStore
-            | KernelId::RoundSlots => SourceFile::FusedRound,
+            | KernelId::RoundExperts => SourceFile::FusedRound,
             _ => SourceFile::Gemm,
         }
     }
@@ -540,7 +533,7 @@ impl KernelId {
             KernelId::FusedDispatch => "afdep_fused_dispatch",
             KernelId::FusedSignal => "afdep_fused_signal",
             KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
-            KernelId::FusedCombineStore => "afdep_fused_combine_store",
+            KernelId::FusedCombineReduce => "afdep_fused_combine_reduce",
             KernelId::FusedCombine => "afdep_fused_combine",
             KernelId::CfCounts => "afdep_cf_counts",
             KernelId::CfPublishCounts => "afdep_cf_publish_counts",
@@ -560,8 +553,6 @@ impl KernelId {
             KernelId::RoundBegin => "afdep_round_begin",
             KernelId::RoundBump => "afdep_round_bump",
             KernelId::RoundExperts => "afdep_round_experts",
-            KernelId::RoundReturnStore => "afdep_round_return_store",
-            KernelId::RoundSlots => "afdep_round_slots",
         }
     }
 

@@ -1,6 +1,7 @@
 //! Launchers of the device round of the fused exchange (`fused_round.cu`): the round control
-//! block, route validation with the verdict shared among ranks, the reproducible device expert,
-//! and the device-side return lists.
+//! block, route validation with the verdict shared among ranks and the reproducible device
+//! expert. (A device round's combine is [`super::fused::combine_reduce`] and
+//! [`super::fused::combine`], which need no host-built list.)
 //!
 //! **The control block** (`layout/fused.cuh`, `u32[`[`CTL_WORDS`]`]` in each rank's own
 //! workspace): the round number, the round's verdict, the route error word of the lowest
@@ -69,13 +70,11 @@ pub const FAULT_STATUS_WAIT: u32 = 32;
 pub const PAYLOAD_STATE_WORDS: usize = 16;
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 6] = [
+pub const KERNELS: [KernelId; 4] = [
     KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
     KernelId::RoundBump,
     KernelId::RoundExperts,
-    KernelId::RoundReturnStore,
-    KernelId::RoundSlots,
 ];
 
 use super::fused::blocks_for as grid;
@@ -342,106 +341,6 @@ pub fn experts(
     // caller's geometry), rows below min(plan rows, exp_rows); scale holds epr and y
     // exp_rows × hidden (checked).
     unsafe { b.launch(grid(pv.exp_rows, blocks)) }.map_err(launch_err(KernelId::RoundExperts))?;
-    Ok(())
-}
-
-/// Expert outputs back to their sources (`afdep_round_return_store`): expanded row j of `y`
-/// (block (l, s) of the plan) to the return row of this FFN rank (`me`) in source
-/// `src_ranks[s]`'s workspace (`ret_off + (me × ret_cap + r) × 2 hidden`, r the row's place in
-/// the source's return order). Nothing when the round is skipped.
-#[allow(clippy::too_many_arguments)]
-pub fn return_store(
-    ctx: &GpuContext,
-    pv: &PlanView,
-    ctl: u64,
-    peers: u64,
-    src_ranks: &CudaSlice<u32>,
-    y: &CudaSlice<bf16>,
-    ret_off: u64,
-    me: usize,
-    ret_cap: u64,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    need("source ranks", src_ranks, pv.sources)?;
-    need("y", y, pv.exp_rows as usize * pv.hidden)?;
-    let e = as_u32("experts per rank", pv.epr)?;
-    let ns = as_u32("sources", pv.sources)?;
-    let h = as_u32("hidden", pv.hidden)?;
-    let me = as_u32("rank", me)?;
-    let f = ctx.function(KernelId::RoundReturnStore, 0, 1)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&pv.ws)
-        .arg(&ctl)
-        .arg(&peers)
-        .arg(src_ranks)
-        .arg(&ns)
-        .arg(&e)
-        .arg(&pv.plan_off)
-        .arg(&pv.exp_rows)
-        .arg(y)
-        .arg(&ret_off)
-        .arg(&me)
-        .arg(&ret_cap)
-        .arg(&h);
-    // SAFETY: afdep_round_return_store(const u8* ws, const u32* ctl, const u64* peers, const
-    // u32* src_rank, u32 ns, u32 epr, u64 plan_off, u64 exp_rows, const u16* y, u64 ret_off,
-    // u32 me, u64 ret_cap, u32 hidden): reads the live control block and plan, y rows below
-    // exp_rows (checked), src_rank (ns, checked); writes 2 hidden bytes per row at return rows
-    // below ret_cap (the kernel skips others) of workspaces of the live peer table, which hold
-    // world × ret_cap return rows (the caller's geometry).
-    unsafe { b.launch(grid(pv.exp_rows, blocks)) }
-        .map_err(launch_err(KernelId::RoundReturnStore))?;
-    Ok(())
-}
-
-/// A source's combine slots from the device (`afdep_round_slots`): for the control block's
-/// token count of routes `idx` (the tables hold `tokens × top_k`), each slot's return row
-/// (`ffn_ranks[f] × ret_cap + ` its place in the return order) and owner f, from the
-/// count-first counts (`counts`: `ffns × epr + ffns`) and block positions (`slot_pos`).
-#[allow(clippy::too_many_arguments)]
-pub fn slots(
-    ctx: &GpuContext,
-    ctl: u64,
-    idx: &CudaSlice<i32>,
-    slot_pos: &CudaSlice<u32>,
-    counts: &CudaSlice<u64>,
-    ffn_ranks: &CudaSlice<u32>,
-    ffns: usize,
-    epr: usize,
-    tokens: usize,
-    top_k: usize,
-    ret_cap: u64,
-    slot_row: &mut CudaSlice<u64>,
-    slot_ffn: &mut CudaSlice<u32>,
-) -> Result<(), KernelError> {
-    let n = tokens * top_k;
-    need("routes", idx, n)?;
-    need("slot positions", slot_pos, n)?;
-    need("counts", counts, ffns * epr + ffns)?;
-    need("ffn ranks", ffn_ranks, ffns)?;
-    need("slot rows", slot_row, n)?;
-    need("slot owners", slot_ffn, n)?;
-    let k = as_u32("top_k", top_k)?;
-    let e = as_u32("experts per rank", epr)?;
-    let f = ctx.function(KernelId::RoundSlots, 0, k)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ctl)
-        .arg(idx)
-        .arg(slot_pos)
-        .arg(counts)
-        .arg(ffn_ranks)
-        .arg(&e)
-        .arg(&ret_cap)
-        .arg(slot_row)
-        .arg(slot_ffn);
-    // SAFETY: afdep_round_slots(const u32* ctl, const i32* idx, const u32* slot_pos, const u64*
-    // counts, const u32* ffn_rank, u32 epr, u64 ret_cap, u64* slot_row, u32* slot_ffn) with K
-    // compiled in: reads the live control block, whose token count the caller keeps at most
-    // `tokens`; thread i < tokens × K reads and writes entry i of the tables (tokens × K,
-    // checked), counts of owned experts (validated ids: below ffns × epr, checked) and
-    // ffn_rank[f] (ffns, checked).
-    unsafe { b.launch(grid((n as u64).div_ceil(32).max(1), u32::MAX)) }
-        .map_err(launch_err(KernelId::RoundSlots))?;
     Ok(())
 }
 

@@ -25,11 +25,13 @@
 //!    block), the source's dispatch flag after its last row, and on the FFN rank, after every
 //!    source's flag, the plan from the published counts and the copy epilogue (the streaming
 //!    epilogue's kernel, whose row flags are all raised by then) into the expanded layout.
-//! 3. FFN rank: the device experts ([`DeviceExperts`]) over the expanded rows, then
-//!    `afdep_round_return_store`: each output row to its source's return area, its row found
-//!    from the device plan (no host return list), then the combine flag.
-//! 4. source: `afdep_round_slots` (each slot's return row from the device counts and block
-//!    positions: no host slot list), then the fixed-order combine.
+//! 3. FFN rank: the device experts ([`DeviceExperts`]) over the expanded rows, then the
+//!    combine's FFN half (`afdep_fused_combine_reduce`): for each compact row (its slab
+//!    metadata, rows found through the device plan's block starts: no host list) the f32
+//!    partial sum of the token's slots on this rank into its source's return area, then the
+//!    combine flag.
+//! 4. source: the combine's source half, which adds the partials of the FFN ranks that own a
+//!    slot of each token (from the routes alone) in the fixed order.
 //!
 //! With [`DeviceRoundOptions::keep_received`], the FFN rank also copies its slabs (the compact
 //! view) into a snapshot buffer before it raises its combine flag (after that flag a source may
@@ -145,8 +147,6 @@ struct SourceBufs {
     idx: CudaSlice<i32>,
     w: CudaSlice<f32>,
     out: CudaSlice<bf16>,
-    slot_row: CudaSlice<u64>,
-    slot_ffn: CudaSlice<u32>,
     /// fp8 payloads: the state of the payload check (`ops::fused_round::check_payload`).
     payload: Option<CudaSlice<u32>>,
 }
@@ -297,8 +297,6 @@ impl FusedEngine {
                 idx: zeros(&self.gpu, (cap * k).max(1))?,
                 w: zeros(&self.gpu, (cap * k).max(1))?,
                 out: zeros(&self.gpu, (cap * h).max(1))?,
-                slot_row: zeros(&self.gpu, (cap * k).max(1))?,
-                slot_ffn: zeros(&self.gpu, (cap * k).max(1))?,
                 payload: match cfg.payload {
                     PayloadKind::Bf16 => None,
                     PayloadKind::Fp8E4m3 => Some(zeros(&self.gpu, fr::PAYLOAD_STATE_WORDS)?),
@@ -803,37 +801,36 @@ impl FusedEngine {
                 None => fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?,
                 Some(sw) => swiglu(gpu, &pv, sw, &mut fb.y)?,
             }
-            fr::return_store(
+            // the compact view's rows hold block positions, except the source arm's (final rows)
+            let plan = ws + a.plan;
+            let eps = (epr * ns) as u64;
+            let view = fk::CompactView {
+                ws,
+                slab,
+                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                sources: ns,
+                slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
+                block_starts: (arm != A::CountFirstSource).then_some(plan + 8 * eps),
+                max_rows: (ns * cap) as u64,
+            };
+            let f = ffn_index.expect("an FFN rank's buffers");
+            fk::combine_reduce(
                 gpu,
-                &pv,
+                &view,
+                &self.src_ranks,
                 ctl,
                 peers,
-                &self.src_ranks,
                 &fb.y,
+                a.exp_rows as usize,
                 self.geo.ret_off,
-                rank,
-                self.geo.ret_cap,
+                f,
+                k,
                 knobs.transport_sms,
             )?;
             fk::signal(gpu, peers, &self.src_ranks, ns, COMBINE_FLAGS, rank, ctl)?;
         }
-        // 7. source: slots, combine
-        if let (Some(b), Some(sc)) = (d.src.as_mut(), scratch) {
-            fr::slots(
-                gpu,
-                ctl,
-                &b.idx,
-                &sc.slot_pos,
-                &sc.counts,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                cap,
-                k,
-                self.geo.ret_cap,
-                &mut b.slot_row,
-                &mut b.slot_ffn,
-            )?;
+        // 7. source: the combine
+        if let Some(b) = d.src.as_mut() {
             fk::combine(
                 gpu,
                 ws,
@@ -841,10 +838,10 @@ impl FusedEngine {
                 nf,
                 COMBINE_FLAGS,
                 self.geo.ret_off,
-                &fk::CombineSlots {
-                    row: &b.slot_row,
-                    ffn: &b.slot_ffn,
-                    weight: &b.w,
+                &fk::CombineRoutes {
+                    idx: &b.idx,
+                    experts_per_rank: epr,
+                    capacity: cap,
                     tokens: cap,
                 },
                 k,
