@@ -1163,9 +1163,8 @@ fn matches_reference(a: &ExchangeArgs, got: &[bf16], want: &[bf16]) -> bool {
     }
 }
 
-/// The checks of `--graph` against the other flags: a clear error, or an [`Unsupported`] one
-/// (exit status 3) for a payload device rounds do not carry.
-fn check_graph(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
+/// The checks of `--graph` against the other flags (a clear error).
+fn check_graph(a: &ExchangeArgs) -> Result<()> {
     if !a.graph {
         return Ok(());
     }
@@ -1177,14 +1176,6 @@ fn check_graph(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
     }
     if let Some(Fault::Abort { .. }) = a.fault {
         bail!("--fault abort@..: not with --graph (the experts run on the device)");
-    }
-    if res.cfg.payload != PayloadKind::Bf16 {
-        return Err(Unsupported {
-            engine: "fused (graph)",
-            what: format!("payload {}", res.cfg.payload),
-            have: "bf16 only in device rounds".into(),
-        }
-        .into());
     }
     Ok(())
 }
@@ -1400,7 +1391,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     let cfg = res.cfg.clone();
     let kind = res.kind;
     let engine = res.engine;
-    check_graph(&a, &res)?;
+    check_graph(&a)?;
     if !engine.arms().contains(&a.arm) {
         return Err(Unsupported {
             engine: engine.name(),
@@ -1419,17 +1410,6 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                 .map(|p| p.to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
-        }
-        .into());
-    }
-    if engine == EngineKind::Fused
-        && cfg.payload != PayloadKind::Bf16
-        && !matches!(a.arm, ArmArg::PayloadFirst | ArmArg::Auto)
-    {
-        return Err(Unsupported {
-            engine: engine.name(),
-            what: format!("arm {} with payload {}", a.arm, cfg.payload),
-            have: format!("{} only with bf16", names(&engine.arms()[1..3])),
         }
         .into());
     }

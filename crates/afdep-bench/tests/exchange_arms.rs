@@ -316,6 +316,49 @@ fn graph_mode_needs_the_cuda_backend() {
     assert!(stderr.contains("needs --backend cuda"), "{stderr}");
 }
 
+/// The CLI has no fp8 rule of its own: fused + fp8 + a count-first arm goes to the engine (which
+/// carries fp8 in every arm). Without a GPU the run stops at the NVLink-IPC transport, never
+/// with `unsupported`; with one, every row is `ok` against the oracle.
+#[test]
+fn fused_fp8_count_first_arms_are_passed_to_the_engine() {
+    for arm in ["count-first", "count-first-source"] {
+        let mut args = vec![
+            "exchange",
+            "--backend",
+            "cuda",
+            "--transport",
+            "nvlink",
+            "--device",
+            "0",
+            "--topology",
+            "1A:1F",
+            "--tokens",
+            "0,5",
+            "--payload",
+            "fp8",
+            "--arm",
+            arm,
+        ];
+        args.extend(SMALL);
+        let i = args.iter().position(|a| *a == "--hidden").unwrap();
+        args[i + 1] = "128";
+        let out = afdep(&args);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_ne!(out.status.code(), Some(3), "{arm}: {stderr}");
+        assert!(!stderr.contains("unsupported"), "{arm}: {stderr}");
+        if out.status.success() {
+            let rows = rows(&stdout);
+            assert_eq!(rows.len(), 2, "{arm}: {stdout}");
+            assert!(rows.iter().all(|r| r["status"] == "ok"), "{arm}: {stdout}");
+        } else {
+            assert!(
+                stderr.contains("unavailable") || stderr.contains("driver"),
+                "{arm}: expected the transport to be unavailable without a GPU: {stderr}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_fused_backend_needs_nvlink() {
     let out = afdep(&[

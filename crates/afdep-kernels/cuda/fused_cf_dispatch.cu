@@ -10,7 +10,16 @@
 // row (payload and metadata, expanded_row[k] the slot's block position) goes into this source's
 // slab, and its row flag is raised to the round (release, system scope) as soon as the row is
 // stored, for the streaming epilogue. Specialised by AFDEP_TOP_K.
+//
+// The payload kind is a template constant (as in fused_dispatch.cu): afdep_cf_dispatch stores
+// bf16 rows, afdep_cf_dispatch_fp8 quantises each row once while it stores it
+// (common/fp8.cuh, bit for bit afdep_core::fp8): streaming, codes and scales into the slab row
+// (the fp8 slab row format of layout/fused.cuh); source arm, the codes to every final expanded
+// row's codes (exp_q_off, hidden u8 per row) and the scales to its scales (exp_sc_off,
+// hidden / 128 f32 per row), which the FFN rank dequantises after the dispatch flags
+// (afdep_cf_dequant).
 
+#include "common/fp8.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
@@ -30,19 +39,19 @@ static_assert(K <= 32, "one lane per slot");
 // afdep_cf_counts. ffn_rank[f] for f < nf: the FFN ranks. ws: this source's (`me`) workspace
 // (its offsets area at offs_off, offset flags at oflag_off). The destination of FFN rank f is
 // workspace peers[ffn_rank[f]]: slab row (me, tok_row) at slab_off + (me cap + row) row_bytes
-// (metadata at meta_off within the row), exp_rows expanded rows at exp_off (a row past them
-// is not stored: never for a consistent plan, and the FFN rank's poison shows it), row flags
-// at rflag_off.
+// (metadata at meta_off within the row), exp_rows expanded rows at exp_off (fp8: their codes
+// at exp_q_off and scales at exp_sc_off; a row past them is not stored: never for a
+// consistent plan, and the FFN rank's poison shows it), row flags at rflag_off.
 // One warp per (token, FFN rank) pair, grid-stride; in a waiting mode every block first waits
 // (thread 0) and a block whose wait runs out records AFDEP_FUSED_FAULT_OFFSETS_WAIT and leaves.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_dispatch(const u16* __restrict__ x, const i32* __restrict__ idx,
-                      const float* __restrict__ w, const u32* ctl, const u32* __restrict__ slot_pos,
-                      const u32* __restrict__ tok_row, const u32* __restrict__ ffn_rank, u32 nf,
-                      u32 epr, const u64* __restrict__ peers, const u8* ws, u64 offs_off,
-                      u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off,
-                      u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32 gate,
-                      u64 timeout_ns, u32* err) {
+template <int PAYLOAD>
+static __device__ __forceinline__ void afdep_cf_dispatch_rows(
+    const u16* __restrict__ x, const i32* __restrict__ idx, const float* __restrict__ w,
+    const u32* ctl, const u32* __restrict__ slot_pos, const u32* __restrict__ tok_row,
+    const u32* __restrict__ ffn_rank, u32 nf, u32 epr, const u64* __restrict__ peers,
+    const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes,
+    u64 meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off,
+    u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u64 tokens = afdep_ctl_tokens(ctl);
@@ -100,14 +109,37 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         }
         const u16* src = x + t * hidden;
         if (mode == AFDEP_CF_SOURCE) {
-            u16* expanded = (u16*)(dst + exp_off);
+            if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
+                // each group quantised once, its codes and scale stored to every expanded row
+                u8* q = dst + exp_q_off;
+                float* sc = (float*)(dst + exp_sc_off);
+                const u32 groups = hidden / AFDEP_FP8_GROUP;
 #pragma unroll 1
-            for (int k = 0; k < K; k++) {
-                const u64 r = __shfl_sync(0xffffffffu, erow, k);
-                if (r < exp_rows) afdep_warp_copy(expanded + r * hidden, src, payload, lane);
+                for (u32 g0 = 0; g0 < groups; g0 += 2) {
+                    const Fp8Step st = afdep_fp8_quantise_step(src, groups, g0, lane);
+#pragma unroll 1
+                    for (int k = 0; k < K; k++) {
+                        const u64 r = __shfl_sync(0xffffffffu, erow, k);
+                        if (!st.live || r >= exp_rows) continue;
+                        *(uint2*)(q + r * hidden + st.c) = st.codes;
+                        if ((lane & 15u) == 0) sc[r * groups + st.g] = st.scale;
+                    }
+                }
+            } else {
+                u16* expanded = (u16*)(dst + exp_off);
+#pragma unroll 1
+                for (int k = 0; k < K; k++) {
+                    const u64 r = __shfl_sync(0xffffffffu, erow, k);
+                    if (r < exp_rows) afdep_warp_copy(expanded + r * hidden, src, payload, lane);
+                }
             }
         } else {
-            afdep_warp_copy(slab, src, payload, lane);
+            if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
+                afdep_fp8_quantise_row_warp(slab, (float*)(slab + afdep_align16(hidden)), src,
+                                            hidden, lane);
+            } else {
+                afdep_warp_copy(slab, src, payload, lane);
+            }
             __syncwarp();
             if (lane == 0) {
                 __threadfence_system();
@@ -115,4 +147,28 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
             }
         }
     }
+}
+
+#define AFDEP_CF_DISPATCH_PARAMS                                                                  \
+    const u16 *__restrict__ x, const i32 *__restrict__ idx, const float *__restrict__ w,         \
+        const u32 *ctl, const u32 *__restrict__ slot_pos, const u32 *__restrict__ tok_row,       \
+        const u32 *__restrict__ ffn_rank, u32 nf, u32 epr, const u64 *__restrict__ peers,        \
+        const u8 *ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes,         \
+        u64 meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off,   \
+        u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32 *err
+#define AFDEP_CF_DISPATCH_ARGS                                                                    \
+    x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, offs_off, oflag_off,        \
+        slab_off, cap, row_bytes, meta_off, exp_off, exp_q_off, exp_sc_off, exp_rows, rflag_off,  \
+        hidden, me, mode, gate, timeout_ns, err
+
+// bf16 rows (exp_q_off and exp_sc_off unused).
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_dispatch(AFDEP_CF_DISPATCH_PARAMS) {
+    afdep_cf_dispatch_rows<AFDEP_PAYLOAD_BF16>(AFDEP_CF_DISPATCH_ARGS);
+}
+
+// fp8 rows: hidden a multiple of 128, x and the destinations 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_dispatch_fp8(AFDEP_CF_DISPATCH_PARAMS) {
+    afdep_cf_dispatch_rows<AFDEP_PAYLOAD_FP8>(AFDEP_CF_DISPATCH_ARGS);
 }

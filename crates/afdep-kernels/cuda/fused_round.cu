@@ -10,14 +10,12 @@
 // rank's route word, or arms differ) and the arm of the round (every rank's the same: the
 // requested one, or for AFDEP_ARM_AUTO the rule over the largest source's token count) go into
 // the control block and its arm gates, and every later kernel of the round skips when its
-// control block (or gate) is not go. afdep_round_bump is the
-// host-planned round's counterpart (routes validated on the host): round + 1, verdict go, the
-// token count.
+// control block (or gate) is not go. afdep_round_bump is the host-planned round's counterpart
+// (routes validated on the host): round + 1, verdict go, the token count.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
-// the expanded rows of the plan. afdep_round_return_store (FFN): every expert output row to its
-// source's return area, the row found on the device from the plan. afdep_round_slots (source):
-// each slot's return row and owner from the routes, the block positions and the counts of
-// afdep_cf_counts. Specialised by AFDEP_TOP_K.
+// the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
+// reads the compact view and the device plan; its source half needs only the routes).
+// Specialised by AFDEP_TOP_K.
 
 #include "common/ptx.cuh"
 #include "common/types.cuh"
@@ -34,15 +32,16 @@
 // One block. ws: this rank's (`me`) workspace (control block at ctl_off, status area at
 // status_off); peers: the peer table of `world` ranks. src_index: this rank's attention index
 // (AFDEP_NO_SOURCE for an FFN-only rank), whose routes idx / w hold up to `cap` tokens.
-// experts / owned: the route rules. bucket: the rule's count-first threshold (~0: never).
-// gates: this rank's arm gates (u32[AFDEP_ARM_GATES][AFDEP_CTL_WORDS]). A status wait runs at
-// most timeout_ns, then records AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the
-// verdict to faulted.
+// experts / owned: the route rules. A status wait runs at most timeout_ns, then records
+// AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the verdict to faulted.
+// payload: null, or (a source with fp8 payloads) the state of afdep_round_check_payload, whose
+// word is this source's verdict word when its routes pass. bucket: the arm rule's count-first
+// threshold (~0: never). gates: this rank's arm gates (u32[AFDEP_ARM_GATES][AFDEP_CTL_WORDS]).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_begin(u8* ws, const u64* __restrict__ peers, u32 world, u32 me, u32 src_index,
                       const i32* __restrict__ idx, const float* __restrict__ w, u64 cap,
                       u64 experts, u64 owned, u64 ctl_off, u64 status_off, u64 timeout_ns,
-                      u32* err, u64 bucket, u32* __restrict__ gates) {
+                      u32* err, const u32* payload, u64 bucket, u32* __restrict__ gates) {
     __shared__ unsigned long long best;  // smallest offence key (~0: none)
     __shared__ u32 round;
     u32* ctl = (u32*)(ws + ctl_off);
@@ -86,6 +85,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
             word[4] = o.value;
             word[5] = o.extra;
         }
+    } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
+        // valid routes: the payload check's word (zero when every travelling row is finite)
+#pragma unroll
+        for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
     }
     const u32 request = ctl[AFDEP_CTL_ARM_REQUEST];
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
@@ -208,59 +211,78 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     }
 }
 
-// FFN rank `me`: expert output row j < the plan's rows (y: rows × hidden) goes to return row
-// (me, r) of its source's workspace peers[src_rank[s]] (ret_off + (me ret_cap + r) 2 hidden),
-// where row j is the i-th of block (l, s) and r = sum over l' < l of counts[l'][s], plus i: the
-// source's return order (its rows per local expert, experts ascending). One warp per row.
+// The fp8 payload check of a source's round (before afdep_round_begin, same stream; it reads no
+// verdict: the control block still holds the previous round's). x: up to cap tokens × hidden
+// bf16 rows, idx their routes; the token count from the control block (above cap: nothing to
+// check, the round is rejected over capacity). A token travels when one of its K slots is not
+// masked (-1); its first non-finite channel is an offence with key t · hidden + channel. One
+// warp per token (grid-stride), the smallest key by an atomic max on its inverse at
+// state[AFDEP_PAYLOAD_KEY_WORD] (u64, 0: none); the last block to finish writes the route error
+// word (layout/route_error.cuh; afdep_core::fp8::first_non_finite: rank src_index, the token,
+// the channel, the value's f32 bits as half's bf16 to f32 gives them: a NaN quieted) into
+// state[0 .. 6), or zeros, and resets the key and the block count for the next round.
+#define AFDEP_PAYLOAD_STATE_WORDS 16
+#define AFDEP_PAYLOAD_DONE_WORD 6
+#define AFDEP_PAYLOAD_KEY_WORD 8
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_return_store(const u8* ws, const u32* ctl, const u64* __restrict__ peers,
-                             const u32* __restrict__ src_rank, u32 ns, u32 epr, u64 plan_off,
-                             u64 exp_rows, const u16* __restrict__ y, u64 ret_off, u32 me,
-                             u64 ret_cap, u32 hidden) {
-    if (afdep_ctl_skip(ctl)) return;
-    const Plan p = afdep_plan(ws, plan_off, epr, ns);
-    const u64 total = p.eo[epr] < exp_rows ? p.eo[epr] : exp_rows;
+    afdep_round_check_payload(const u16* __restrict__ x, const i32* __restrict__ idx,
+                              const u32* ctl, u64 cap, u32 hidden, u32 src_index, u32* state) {
+    __shared__ u32 last;
+    unsigned long long* key = (unsigned long long*)(state + AFDEP_PAYLOAD_KEY_WORD);
+    const u64 tokens = afdep_ctl_tokens(ctl);
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
-    const u32 bytes = 2u * hidden;
-    for (u64 j = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; j < total; j += warps) {
-        const u32 l = afdep_expert_of_row(p.eo, epr, j);
-        u32 s = 0;
-        while (s + 1 < ns && p.bs[(u64)l * ns + s + 1] <= j) s++;
-        u64 before = 0;
-        for (u32 m = lane; m < l; m += 32) before += p.cnt[(u64)m * ns + s];
+    const u32 chunks = hidden / 8u;  // 8 bf16 per 16-byte load (hidden a multiple of 128)
+    if (tokens <= cap) {
+        for (u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; t < tokens; t += warps) {
+            bool travels = false;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
-        const u64 r = before + (j - p.bs[(u64)l * ns + s]);
-        if (r >= ret_cap) continue;  // never for a consistent plan (poison shows it)
-        u8* dst = (u8*)peers[src_rank[s]] + ret_off + ((u64)me * ret_cap + r) * (u64)bytes;
-        afdep_warp_copy(dst, y + j * hidden, bytes, lane);
-    }
-}
-
-// Source: for slot i < tokens K (tokens from the control block), its return row
-// ffn_rank[f] ret_cap + (rows of this source for FFN rank f's local experts below l) +
-// slot_pos[i], and its owner f, for expert f epr + l; AFDEP_FUSED_NO_ROW for a masked slot.
-// counts: afdep_cf_counts' nf epr rows per owned expert (then distinct tokens per FFN rank).
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_slots(const u32* ctl, const i32* __restrict__ idx,
-                      const u32* __restrict__ slot_pos, const u64* __restrict__ counts,
-                      const u32* __restrict__ ffn_rank, u32 epr, u64 ret_cap,
-                      u64* __restrict__ slot_row, u32* __restrict__ slot_ffn) {
-    if (afdep_ctl_skip(ctl)) return;
-    const u64 n = afdep_ctl_tokens(ctl) * K;
-    const u64 stride = (u64)gridDim.x * AFDEP_BLOCK;
-    for (u64 i = (u64)blockIdx.x * AFDEP_BLOCK + threadIdx.x; i < n; i += stride) {
-        const i32 e = idx[i];
-        if (e < 0) {
-            slot_row[i] = AFDEP_FUSED_NO_ROW;
-            slot_ffn[i] = 0;
-            continue;
+            for (int k = 0; k < K; k++) travels = travels || idx[t * K + k] != AFDEP_MASKED;
+            if (!travels) continue;  // the same for every lane of the warp
+            // a lower token already offends: nothing here can win (lane 0's read for the warp)
+            unsigned long long inv = 0ull;
+            if (lane == 0) inv = *(volatile unsigned long long*)key;
+            inv = __shfl_sync(0xffffffffu, inv, 0);
+            if (inv != 0ull && ~inv < t * hidden) break;
+            u32 first = 0xffffffffu;
+            for (u32 v = lane; v < chunks && first == 0xffffffffu; v += 32) {
+                const uint4 c = *(const uint4*)(x + t * hidden + 8ull * v);
+                const u32 w4[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const u32 b = (w4[i / 2] >> (16 * (i % 2))) & 0xffffu;
+                    if ((b & 0x7f80u) == 0x7f80u && first == 0xffffffffu) first = 8u * v + i;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+            if (lane == 0 && first != 0xffffffffu) atomicMax(key, ~(t * hidden + first));
         }
-        const u32 f = (u32)e / epr, l = (u32)e % epr;
-        u64 before = 0;
-        for (u32 m = 0; m < l; m++) before += counts[(u64)f * epr + m];
-        slot_row[i] = (u64)ffn_rank[f] * ret_cap + before + slot_pos[i];
-        slot_ffn[i] = f;
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // this block's key before its count
+        last = atomicAdd(state + AFDEP_PAYLOAD_DONE_WORD, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();  // every block's key (counted before) before the read below
+    const unsigned long long inv = atomicExch(key, 0ull);
+    u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
+    if (inv != 0ull) {
+        const u64 k = ~inv;
+        const u64 t = k / hidden;
+        const u32 c = (u32)(k % hidden);
+        u32 b = x[t * hidden + c];
+        if ((b & 0x7fffu) > 0x7f80u) b |= 0x40u;  // half's bf16 to f32 quiets a NaN
+        word[0] = AFDEP_ROUTE_NON_FINITE_PAYLOAD;
+        word[1] = src_index;
+        word[2] = afdep_sat_u32(t);
+        word[3] = c;
+        word[4] = b << 16;
+    }
+#pragma unroll
+    for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) state[i] = word[i];
+    state[AFDEP_PAYLOAD_DONE_WORD] = 0u;
 }

@@ -5,7 +5,16 @@
 // slot's block position). Rows are dealt to work units: a unit is `warps_per_unit` warps
 // (capped by the grid's warps), units take contiguous runs of max(min_rows, ceil(rows /
 // units)) compact rows, the warps of a unit take its rows in turn. Specialised by AFDEP_TOP_K.
+//
+// The payload kind is a template constant: afdep_cf_stream_epilogue expands bf16 rows;
+// afdep_cf_stream_epilogue_fp8 reads the slab row's codes and scales (layout/fused.cuh) and
+// writes them to the expanded row's codes (exp_q_off) and scales (exp_sc_off) and their
+// dequantised bf16 values (common/fp8.cuh) to the expanded row (exp_off), as the payload-first
+// copy epilogue of fp8 does. afdep_cf_dequant is the source arm's counterpart on the FFN rank:
+// after every source's dispatch flag, the codes and scales the sources stored into the expanded
+// rows are dequantised into the bf16 expanded rows.
 
+#include "common/fp8.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
@@ -15,17 +24,20 @@
 #endif
 #define K AFDEP_TOP_K
 
+static_assert(K <= 32, "one lane per slot (the fp8 epilogue's expanded rows)");
+
 // ws: this rank's workspace; src_rank[s] for s < ns; epr local experts; the plan at plan_off
 // (counts, block starts, expert offsets, slab offsets: layout/fused.cuh); the expanded area at
-// exp_off holds exp_rows rows; ctl: the control block (the round; nothing when skipped). A row
-// flag wait runs
-// at most timeout_ns, then records AFDEP_FUSED_FAULT_ROW_WAIT naming the source; every warp
-// leaves at its next row once the error word holds a fault.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_stream_epilogue(u8* ws, const u32* __restrict__ src_rank, u32 ns, u32 epr,
-                             u64 plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes,
-                             u64 meta_off, u64 exp_off, u64 exp_rows, u32 hidden, u32 warps_per_unit,
-                             u32 min_rows, const u32* ctl, u64 timeout_ns, u32* err) {
+// exp_off holds exp_rows rows (fp8: their codes at exp_q_off, scales at exp_sc_off); ctl: the
+// control block (the round; nothing when skipped). A row flag wait runs at most timeout_ns,
+// then records AFDEP_FUSED_FAULT_ROW_WAIT naming the source; every warp leaves at its next row
+// once the error word holds a fault.
+template <int PAYLOAD>
+static __device__ __forceinline__ void afdep_cf_stream_rows(
+    u8* ws, const u32* __restrict__ src_rank, u32 ns, u32 epr, u64 plan_off, u64 rflag_off,
+    u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off, u64 exp_q_off,
+    u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, const u32* ctl,
+    u64 timeout_ns, u32* err) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u64 n = (u64)epr * ns;
@@ -46,7 +58,9 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     u16* expanded = (u16*)(ws + exp_off);
     const u32 payload = 2u * hidden;
     for (u64 c = begin + g % wpu; c < end; c += wpu) {
-        if (afdep_fused_faulted(err)) return;
+        // lane 0's look at the error word for the whole warp (the fp8 path's shuffles need
+        // every lane)
+        if (__shfl_sync(0xffffffffu, lane == 0 ? (u32)afdep_fused_faulted(err) : 0u, 0)) return;
         u32 s = 0;
         while (s + 1 < ns && so[s + 1] <= c) s++;
         const u64 i = c - so[s];
@@ -66,13 +80,107 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         const u32* meta = (const u32*)(row + meta_off);
         const i32* ids = (const i32*)(meta + 2);
         const u64* pos = (const u64*)(meta + 2 + 2 * K);
+        if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
+            // the row's expanded rows (lane k < K: slot k's, AFDEP_FUSED_NO_ROW for none), then
+            // 16 codes per lane and step, dequantised once and stored to each of them
+            u64 d = AFDEP_FUSED_NO_ROW;
+            if (lane < K) {
+                const i32 l = ids[lane];
+                if (l >= 0 && (u32)l < epr) {
+                    const u64 r = bs[(u64)l * ns + s] + pos[lane];
+                    if (r < exp_rows) d = r;  // never past them for a consistent plan
+                }
+            }
+            const float* scales = (const float*)(row + afdep_align16(hidden));
+            u8* q = ws + exp_q_off;
+            float* sc = (float*)(ws + exp_sc_off);
+            const u32 groups = hidden / AFDEP_FP8_GROUP;
+            const u32 chunks = hidden / 16u;
 #pragma unroll 1
-        for (int k = 0; k < K; k++) {
-            const i32 l = ids[k];
-            if (l < 0 || (u32)l >= epr) continue;
-            const u64 d = bs[(u64)l * ns + s] + pos[k];
-            if (d >= exp_rows) continue;  // never for a consistent plan; poison shows it
-            afdep_warp_copy(expanded + d * hidden, row, payload, lane);
+            for (u32 v0 = 0; v0 < chunks; v0 += 32) {  // the same trip count on every lane
+                const u32 v = v0 + lane;
+                const bool live = v < chunks;
+                uint4 codes = make_uint4(0u, 0u, 0u, 0u), lo = codes, hi = codes;
+                if (live) {
+                    codes = *(const uint4*)(row + 16ull * v);
+                    afdep_fp8_dequant16(codes, scales[v / 8u], &lo, &hi);
+                }
+#pragma unroll 1
+                for (int k = 0; k < K; k++) {
+                    const u64 r = __shfl_sync(0xffffffffu, d, k);
+                    if (!live || r == AFDEP_FUSED_NO_ROW) continue;
+                    *(uint4*)(q + r * hidden + 16ull * v) = codes;
+                    uint4* b = (uint4*)(expanded + r * hidden + 16ull * v);
+                    b[0] = lo;
+                    b[1] = hi;
+                }
+            }
+#pragma unroll 1
+            for (int k = 0; k < K; k++) {
+                const u64 r = __shfl_sync(0xffffffffu, d, k);
+                if (r == AFDEP_FUSED_NO_ROW) continue;
+                for (u32 gi = lane; gi < groups; gi += 32) sc[r * groups + gi] = scales[gi];
+            }
+        } else {
+#pragma unroll 1
+            for (int k = 0; k < K; k++) {
+                const i32 l = ids[k];
+                if (l < 0 || (u32)l >= epr) continue;
+                const u64 d = bs[(u64)l * ns + s] + pos[k];
+                if (d >= exp_rows) continue;  // never for a consistent plan; poison shows it
+                afdep_warp_copy(expanded + d * hidden, row, payload, lane);
+            }
+        }
+    }
+}
+
+#define AFDEP_CF_STREAM_PARAMS                                                                    \
+    u8 *ws, const u32 *__restrict__ src_rank, u32 ns, u32 epr, u64 plan_off, u64 rflag_off,      \
+        u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off, u64 exp_q_off,          \
+        u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows,              \
+        const u32 *ctl, u64 timeout_ns, u32 *err
+#define AFDEP_CF_STREAM_ARGS                                                                      \
+    ws, src_rank, ns, epr, plan_off, rflag_off, slab_off, cap, row_bytes, meta_off, exp_off,     \
+        exp_q_off, exp_sc_off, exp_rows, hidden, warps_per_unit, min_rows, ctl, timeout_ns, err
+
+// bf16 rows (exp_q_off and exp_sc_off unused).
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_stream_epilogue(AFDEP_CF_STREAM_PARAMS) {
+    afdep_cf_stream_rows<AFDEP_PAYLOAD_BF16>(AFDEP_CF_STREAM_ARGS);
+}
+
+// fp8 rows: hidden a multiple of 128; the areas 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_stream_epilogue_fp8(AFDEP_CF_STREAM_PARAMS) {
+    afdep_cf_stream_rows<AFDEP_PAYLOAD_FP8>(AFDEP_CF_STREAM_ARGS);
+}
+
+// The source arm's dequantisation (fp8), FFN side, after every source's dispatch flag (same
+// stream): for every expanded row j below min(the plan's rows, exp_rows), the bf16 row at
+// exp_off gets bf16(f32(code) · scale) of its codes (exp_q_off) and scales (exp_sc_off). One
+// warp per row, 16 codes per lane and step; nothing when the round is skipped.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_cf_dequant(u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64 exp_off,
+                     u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden) {
+    if (afdep_ctl_skip(ctl)) return;
+    const u64 n = (u64)epr * ns;
+    const u64* eo = (const u64*)(ws + plan_off) + 2 * n;
+    const u64 total = eo[epr] < exp_rows ? eo[epr] : exp_rows;
+    const u8* q = ws + exp_q_off;
+    const float* sc = (const float*)(ws + exp_sc_off);
+    u16* expanded = (u16*)(ws + exp_off);
+    const u32 groups = hidden / AFDEP_FP8_GROUP;
+    const u32 lane = afdep_lane();
+    const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
+    for (u64 j = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; j < total; j += warps) {
+#pragma unroll 1
+        for (u32 v = lane; v < hidden / 16u; v += 32) {
+            uint4 lo, hi;
+            afdep_fp8_dequant16(*(const uint4*)(q + j * hidden + 16ull * v),
+                                sc[j * groups + v / 8u], &lo, &hi);
+            uint4* b = (uint4*)(expanded + j * hidden + 16ull * v);
+            b[0] = lo;
+            b[1] = hi;
         }
     }
 }

@@ -292,9 +292,10 @@ pub enum KernelId {
     FusedSignal,
     /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
     FusedCopyEpilogue,
-    /// `afdep_fused_combine_store`: expert output rows into the sources' return areas.
-    FusedCombineStore,
-    /// `afdep_fused_combine`: waits for the FFN ranks, sums in the fixed order.
+    /// `afdep_fused_combine_reduce`: an FFN rank's f32 partial sum of each token's slots into
+    /// its source's return area.
+    FusedCombineReduce,
+    /// `afdep_fused_combine`: waits for the FFN ranks, adds their partials in the fixed order.
     FusedCombine,
     /// Count-first: a source's counts, block positions and compact rows from its routes.
     CfCounts,
@@ -314,16 +315,22 @@ pub enum KernelId {
     RoundBump,
     /// Device round: the reproducible device expert (a per-expert scale).
     RoundExperts,
-    /// Device round: expert outputs to the sources' return areas, rows from the device plan.
-    RoundReturnStore,
-    /// Device round: each slot's return row and owner from the device counts.
-    RoundSlots,
     /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
     /// while stored.
     FusedDispatchFp8,
     /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
     /// dequantised rows).
     FusedCopyEpilogueFp8,
+    /// `afdep_cf_dispatch_fp8`: [`KernelId::CfDispatch`] with fp8 payloads, quantised while
+    /// stored.
+    CfDispatchFp8,
+    /// `afdep_cf_stream_epilogue_fp8`: the streaming epilogue of fp8 payloads (codes, scales
+    /// and dequantised rows).
+    CfStreamEpilogueFp8,
+    /// `afdep_cf_dequant`: the source arm's fp8 expanded rows dequantised on the FFN rank.
+    CfDequant,
+    /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
+    RoundCheckPayload,
     /// `afdep_fp8_encode`: f32 values to e4m3 codes.
     Fp8Encode,
     /// `afdep_fp8_decode`: e4m3 codes to f32 values.
@@ -334,7 +341,7 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 70] = [
+    pub const ALL: [KernelId; 72] = [
         KernelId::RouterLogits,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
@@ -387,7 +394,7 @@ impl KernelId {
         KernelId::FusedDispatch,
         KernelId::FusedSignal,
         KernelId::FusedCopyEpilogue,
-        KernelId::FusedCombineStore,
+        KernelId::FusedCombineReduce,
         KernelId::FusedCombine,
         KernelId::CfCounts,
         KernelId::CfPublishCounts,
@@ -398,10 +405,12 @@ impl KernelId {
         KernelId::RoundBegin,
         KernelId::RoundBump,
         KernelId::RoundExperts,
-        KernelId::RoundReturnStore,
-        KernelId::RoundSlots,
         KernelId::FusedDispatchFp8,
         KernelId::FusedCopyEpilogueFp8,
+        KernelId::CfDispatchFp8,
+        KernelId::CfStreamEpilogueFp8,
+        KernelId::CfDequant,
+        KernelId::RoundCheckPayload,
         KernelId::Fp8Encode,
         KernelId::Fp8Decode,
         KernelId::Fp8QuantiseRows,
@@ -452,18 +461,19 @@ impl KernelId {
             KernelId::Fp8Encode | KernelId::Fp8Decode | KernelId::Fp8QuantiseRows => {
                 SourceFile::Fp8
             }
-            KernelId::FusedCombineStore | KernelId::FusedCombine => SourceFile::FusedCombine,
+            KernelId::FusedCombineReduce | KernelId::FusedCombine => SourceFile::FusedCombine,
             KernelId::CfCounts
             | KernelId::CfPublishCounts
             | KernelId::CfPlan
             | KernelId::CfWait => SourceFile::FusedCounts,
-            KernelId::CfDispatch => SourceFile::FusedCfDispatch,
-            KernelId::CfStreamEpilogue => SourceFile::FusedStreamEpilogue,
-            KernelId::RoundBegin
+            KernelId::CfDispatch | KernelId::CfDispatchFp8 => SourceFile::FusedCfDispatch,
+            KernelId::CfStreamEpilogue | KernelId::CfStreamEpilogueFp8 | KernelId::CfDequant => {
+                SourceFile::FusedStreamEpilogue
+            }
+            KernelId::RoundCheckPayload
+            | KernelId::RoundBegin
             | KernelId::RoundBump
-            | KernelId::RoundExperts
-            | KernelId::RoundReturnStore
-            | KernelId::RoundSlots => SourceFile::FusedRound,
+            | KernelId::RoundExperts => SourceFile::FusedRound,
             _ => SourceFile::Gemm,
         }
     }
@@ -523,7 +533,7 @@ impl KernelId {
             KernelId::FusedDispatch => "afdep_fused_dispatch",
             KernelId::FusedSignal => "afdep_fused_signal",
             KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
-            KernelId::FusedCombineStore => "afdep_fused_combine_store",
+            KernelId::FusedCombineReduce => "afdep_fused_combine_reduce",
             KernelId::FusedCombine => "afdep_fused_combine",
             KernelId::CfCounts => "afdep_cf_counts",
             KernelId::CfPublishCounts => "afdep_cf_publish_counts",
@@ -533,14 +543,16 @@ impl KernelId {
             KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
             KernelId::FusedDispatchFp8 => "afdep_fused_dispatch_fp8",
             KernelId::FusedCopyEpilogueFp8 => "afdep_fused_copy_epilogue_fp8",
+            KernelId::CfDispatchFp8 => "afdep_cf_dispatch_fp8",
+            KernelId::CfStreamEpilogueFp8 => "afdep_cf_stream_epilogue_fp8",
+            KernelId::CfDequant => "afdep_cf_dequant",
+            KernelId::RoundCheckPayload => "afdep_round_check_payload",
             KernelId::Fp8Encode => "afdep_fp8_encode",
             KernelId::Fp8Decode => "afdep_fp8_decode",
             KernelId::Fp8QuantiseRows => "afdep_fp8_quantise_rows",
             KernelId::RoundBegin => "afdep_round_begin",
             KernelId::RoundBump => "afdep_round_bump",
             KernelId::RoundExperts => "afdep_round_experts",
-            KernelId::RoundReturnStore => "afdep_round_return_store",
-            KernelId::RoundSlots => "afdep_round_slots",
         }
     }
 

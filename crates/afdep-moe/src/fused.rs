@@ -1,7 +1,7 @@
-//! The fused exchange engine (payload-first and count-first dispatch; bf16 payloads, and fp8
-//! in payload-first): GPU-initiated stores into the symmetric workspaces of an [`NvlinkIpc`]
-//! group, one kernel per phase, flags with release / acquire semantics and bounded device
-//! waits.
+//! The fused exchange engine (payload-first and count-first dispatch; bf16 and fp8 payloads in
+//! every arm, host-planned or in device rounds): GPU-initiated stores into the symmetric
+//! workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release / acquire
+//! semantics and bounded device waits.
 //!
 //! One round, on every rank (each calls [`FusedEngine::round`], the same API as
 //! [`StagedEngine`](crate::StagedEngine)):
@@ -29,12 +29,17 @@
 //! 4. **experts** (FFN, host in a host-planned round: the expanded rows are read back, the
 //!    [`ExpertFn`] applied per local expert, the outputs uploaded; on the device in a device
 //!    round, below).
-//! 5. **combine** (FFN, `afdep_fused_combine_store`): each expert output row is stored into this
-//!    FFN rank's return area in its source's workspace (per source, local experts in order, the
-//!    staged engine's return order), then the FFN rank's combine flag is raised in every source.
-//!    The source's `afdep_fused_combine` waits (bounded) for every FFN rank's flag and sums in the
-//!    brief's fixed order (FFN ranks ascending, slots ascending, f32, bf16 once): bit-identical
-//!    to the oracle and the staged engine.
+//! 5. **combine**, split at the brief's fixed order. FFN rank f (`afdep_fused_combine_reduce`):
+//!    for every compact row of the round (source s, token t; its slab metadata names the
+//!    token's slots on f, their weights and expanded rows) the partial `P_f[t] = Σ_{k ascending,
+//!    expert on f} w_k · y_k` in f32 (each product and sum rounded), stored as `hidden` f32 into
+//!    row (f, t) of the return area in s's workspace; then f's combine flag is raised in every
+//!    source. The source (`afdep_fused_combine`) waits (bounded) for every FFN rank's flag and
+//!    adds the partials of the FFN ranks that own a slot of the token, ascending, in f32, cast
+//!    to bf16 once: the same operations in the same order as one sum, so bit-identical to the
+//!    oracle and the staged engine. One f32 row per (token, FFN rank) travels back instead of
+//!    one bf16 row per slot: a quarter of the bytes when all 8 slots of a token are on one FFN
+//!    rank (3A:1F), about the same at 2 slots per rank.
 //!
 //! # Workspace (bytes from every rank's workspace base, the same on every rank)
 //!
@@ -46,9 +51,11 @@
 //!                                     arm, ...}
 //! 1024   slabs           world × capacity rows of slab_row_bytes_for(payload, hidden, K)
 //!                        (by source rank)
-//! ret    return areas    world × capacity·K rows of hidden bf16                (by FFN rank)
+//! ret    return areas    ffn_ranks × capacity rows of hidden f32 (by FFN index; token t of
+//!                        the round's partial of FFN index f at row f·capacity + t)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
-//!                        expanded area (`layout/fused.cuh`; 256-byte aligned after ret)
+//!                        expanded area (bf16; fp8: dequantised, then the rows' codes and
+//!                        scales) (`layout/fused.cuh`; 256-byte aligned after ret)
 //! status device rounds'  u32[2][64][16] by (round parity, rank): verdict word, tokens, arm
 //!                        request, round (after cf)
 //! ```
@@ -102,8 +109,11 @@
 //! slab rows), then raises its dispatch flag. Streaming: rows land in the slabs, each with a
 //! row flag holding the round number, and the FFN rank's streaming epilogue expands each row as
 //! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`] is then the plan its device
-//! computed. Stream order, the knobs and the arm rule are documented in `fused/count_first.rs`
-//! and `docs/design.md`.
+//! computed. fp8 payloads are quantised on the device while they are stored (into the slab
+//! rows, or the source arm's final expanded rows' codes and scales, dequantised on the FFN rank
+//! after the dispatch flags); the FFN rank receives what a payload-first fp8 round delivers
+//! ([`FfnReceived::fp8`]). Stream order, fp8, the knobs and the arm rule (the same for every
+//! payload) are documented in `fused/count_first.rs` and `docs/design.md`.
 //!
 //! The host status + counts phase still runs in a count-first round: it validates the routes
 //! (rejection on every rank before anything moves), carries the token counts of the arm rule,
@@ -114,8 +124,9 @@
 //!
 //! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a
 //! whole round with no host work between its kernels: route validation on the device with the
-//! verdict shared among ranks through the workspace (a rejection is the same typed
-//! [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
+//! verdict shared among ranks through the workspace (a rejection, also of a non-finite fp8 row,
+//! is the same typed [`ExchangeError::Route`] on every rank, and the next round works), device
+//! counts and plan,
 //! device experts ([`DeviceExperts`]), device-side return and slot lists, over capacity-sized
 //! buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with the arm
 //! chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
@@ -123,15 +134,13 @@
 use std::time::{Duration, Instant};
 
 use afdep_core::fp8;
-use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs, return_positions};
+use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs};
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{
-    self as fk, CombineSlots, EpilogueSources, Fp8Expanded, ReturnList, SendList, SlabGeometry,
-};
+use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Fp8Expanded, SendList, SlabGeometry};
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::{NvlinkIpc, Transport};
@@ -163,8 +172,8 @@ pub const MAX_WORLD: usize = 64;
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
     slab: SlabGeometry,
+    /// The return areas: `ffn_ranks × capacity` rows of `hidden` f32 (by FFN index).
     ret_off: u64,
-    ret_cap: u64,
     /// The count-first areas (after the return areas).
     cf: afdep_kernels::ops::fused_cf::CfAreas,
     /// The status area of device rounds (after the count-first areas).
@@ -177,8 +186,8 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
     let row_bytes = fk::slab_row_bytes_for(cfg.payload, cfg.hidden, cfg.top_k) as u64;
     let cap = cfg.capacity as u64;
     let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
-    let ret_cap = cap * cfg.top_k as u64;
-    let (cf, cf_end) = count_first::areas(cfg, ret_off + world * ret_cap * 2 * cfg.hidden as u64);
+    let ffns = cfg.placement().ffn_ranks as u64;
+    let (cf, cf_end) = count_first::areas(cfg, ret_off + ffns * cap * 4 * cfg.hidden as u64);
     let status = cf_end.div_ceil(256) * 256;
     let bytes = status + afdep_kernels::ops::fused_round::STATUS_BYTES;
     Geometry {
@@ -189,7 +198,6 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
             hidden: cfg.hidden as u32,
         },
         ret_off,
-        ret_cap,
         cf,
         status,
         bytes,
@@ -247,6 +255,13 @@ fn upload<T: afdep_kernels::cudarc::driver::DeviceRepr + Copy + Default>(
         .stream()
         .clone_htod(v)
         .map_err(KernelError::driver("copying to the device"))?)
+}
+
+/// The device address of `buf` (the engine's buffers live on its one stream: no event to wait
+/// for, tracking is off).
+fn device_address<T>(gpu: &GpuContext, buf: &CudaSlice<T>) -> u64 {
+    let (p, _guard) = afdep_kernels::cudarc::driver::DevicePtr::device_ptr(buf, gpu.stream());
+    p
 }
 
 impl FusedEngine {
@@ -685,63 +700,49 @@ impl FusedEngine {
         let t3 = Instant::now();
         let mut back = None;
         if let Some(f) = ffn_index {
+            // the compact view's row offsets and (streaming: its rows are block positions) the
+            // block starts, from the host plan (the device's, where it made one, is the same)
             let plan = &plans[f];
-            let total = plan.total_rows() as usize;
-            let mut dst_rank = vec![0u32; total];
-            let mut dst_row = vec![0u64; total];
-            for s in 0..ns {
-                let mut prefix = 0u64;
-                for l in 0..p.experts_per_rank {
-                    let a = plan.block_start(l, s);
-                    let n = plan.counts[l * ns + s];
-                    for j in 0..n {
-                        dst_rank[(a + j) as usize] = (topo.attention_ranks().start + s) as u32;
-                        dst_row[(a + j) as usize] = prefix + j;
-                    }
-                    prefix += n;
-                }
-            }
+            let mut numbers = plan.slab_offsets.clone();
+            numbers.extend_from_slice(&plan.block_starts);
             let y = upload(&self.gpu, &y_rows)?;
-            let dr = upload(&self.gpu, &dst_rank)?;
-            let dw = upload(&self.gpu, &dst_row)?;
+            let nums = upload(&self.gpu, &numbers)?;
             self.gpu.synchronize()?;
-            back = Some((y, dr, dw, total));
+            back = Some((y, nums, plan.total_rows() as usize, plan.slab_offsets[ns]));
         }
         let mut sums = None;
-        if let (Some(s), Some(inp)) = (src_index, input) {
+        if let (Some(_), Some(inp)) = (src_index, input) {
             let t = inp.routes.tokens;
-            let pos = return_positions(&inp.routes, &p, &sources[s]);
-            let mut row = vec![fk::NO_ROW; t * k];
-            let mut owner = vec![0u32; t * k];
-            for (i, d) in pos.iter().enumerate() {
-                if let Some(d) = d {
-                    row[i] = topo.ffn_rank(d.ffn) as u64 * geo.ret_cap + d.row;
-                    owner[i] = d.ffn as u32;
-                }
-            }
-            let row_d = upload(&self.gpu, &row)?;
-            let own_d = upload(&self.gpu, &owner)?;
-            let w_d = upload(&self.gpu, &inp.routes.weights)?;
+            let idx = upload(&self.gpu, &inp.routes.idx)?;
             let mut out: CudaSlice<bf16> = zeros(&self.gpu, t * h)?;
             poison(&self.gpu, &mut out)?;
             self.gpu.synchronize()?;
-            sums = Some((t, row_d, own_d, w_d, out));
+            sums = Some((t, idx, out));
         }
         self.phase_start(Phase::Combine)?;
-        if let Some((y, dr, dw, total)) = &back {
-            fk::combine_store(
+        if let (Some((y, nums, rows, compact)), Some(f)) = (&back, ffn_index) {
+            let base = device_address(&self.gpu, nums);
+            let view = fk::CompactView {
+                ws: self.ws,
+                slab: geo.slab,
+                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                sources: ns,
+                slab_offsets: base,
+                block_starts: (arm == DispatchArm::CountFirst)
+                    .then_some(base + 8 * (ns as u64 + 1)),
+                max_rows: *compact,
+            };
+            fk::combine_reduce(
                 &self.gpu,
-                y,
-                &ReturnList {
-                    dst_rank: dr,
-                    dst_row: dw,
-                    rows: *total,
-                },
+                &view,
+                &self.src_ranks,
+                self.ws + CONTROL,
                 self.peers,
+                y,
+                *rows,
                 geo.ret_off,
-                rank,
-                geo.ret_cap,
-                h,
+                f,
+                k,
                 knobs.transport_sms,
             )?;
             fk::signal(
@@ -754,7 +755,7 @@ impl FusedEngine {
                 self.ws + CONTROL,
             )?;
         }
-        if let Some((t, row_d, own_d, w_d, out)) = &mut sums {
+        if let Some((t, idx, out)) = &mut sums {
             fk::combine(
                 &self.gpu,
                 self.ws,
@@ -762,10 +763,10 @@ impl FusedEngine {
                 nf,
                 COMBINE_FLAGS,
                 geo.ret_off,
-                &CombineSlots {
-                    row: row_d,
-                    ffn: own_d,
-                    weight: w_d,
+                &fk::CombineRoutes {
+                    idx,
+                    experts_per_rank: p.experts_per_rank,
+                    capacity: cfg.capacity,
                     tokens: *t,
                 },
                 k,
@@ -779,7 +780,7 @@ impl FusedEngine {
         }
         self.phase_end(Phase::Combine)?;
         let mut combined = None;
-        if let Some((_, _, _, _, out)) = sums {
+        if let Some((_, _, out)) = sums {
             self.check_fault()?;
             combined = Some(afdep_kernels::ops::download(&self.gpu, &out)?);
         } else {

@@ -2,11 +2,12 @@
 //! arm ([`DispatchArm`]: payload-first, count-first with the streaming epilogue, the source
 //! arm) bit-identical to the oracle (combine, expanded layout, compact view, and the plan the
 //! device computed) and to the staged engine, on 1, 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F,
-//! EP4, 2A:1F, 1A:2F, EP2, EP3, EP1); hidden 2048, 7168 and 8192 with capacities 2048 and 256; transport
-//! SM budgets 7, 23, 24 and every knob at a non-default value; uneven ranks, a zero-token rank,
-//! a hot expert, masked slots; the arm rule of `min_token_bucket`; arms switching from round
-//! to round; repeated seeds with identical output hashes; a rejected route in a count-first
-//! round; ranks that disagree on the arm fail with a typed timeout, no hang.
+//! EP4, 2A:1F, 1A:2F, EP2, EP3, EP1); hidden 2048, 7168 and 8192 with capacities 2048 and 256;
+//! transport SM budgets 7, 23, 24 and every knob at a non-default value; uneven ranks, a
+//! zero-token rank, a hot expert, masked slots; the arm rule of `min_token_bucket` (bf16 and
+//! fp8 payloads); arms switching from round to round; repeated seeds with identical output
+//! hashes; a rejected route in a count-first round; ranks that disagree on the arm fail with a
+//! typed timeout, no hang. (fp8 in every arm: `gpu_nvlink_fp8`.)
 //!
 //! Every engine runs all arms in turn on the same inputs (one group per configuration), so the
 //! round-numbered flags of one arm must never satisfy another arm's waits.
@@ -20,8 +21,8 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::time::{Duration, Instant};
 
-use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
+use afdep_core::{ExchangeConfig, PayloadKind};
 use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
@@ -39,24 +40,6 @@ fn nvlink(n: usize, cfg: &ExchangeConfig, timeout: Duration) -> Option<Vec<Nvlin
     nvlink_group(n, opts)
 }
 
-/// A fused engine that runs round i with `arms[i % arms.len()]` (`None`: the knob's rule) and
-/// records the arm each round ran.
-struct Cycling {
-    eng: FusedEngine,
-    arms: Vec<Option<DispatchArm>>,
-    ran: Vec<DispatchArm>,
-}
-
-impl Engine for Cycling {
-    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
-        let arm = self.arms[self.ran.len() % self.arms.len()];
-        self.eng.set_arm(arm);
-        let r = self.eng.round(input, expert);
-        self.ran.push(self.eng.last_arm());
-        r
-    }
-}
-
 /// Runs `rounds`, each once per arm of `arms` in turn (round-major), on one fused group.
 /// Returns `[round][arm][rank]`.
 fn run_arms(
@@ -65,32 +48,8 @@ fn run_arms(
     arms: &[Option<DispatchArm>],
     p: Option<&afdep_core::oracle::LayerParams>,
 ) -> Option<Vec<Vec<Vec<RankResult>>>> {
-    let world = c.topology.world_size();
-    let g = nvlink(world, c, TIMEOUT)?;
-    let expanded: Vec<Vec<SourceInput>> = rounds
-        .iter()
-        .flat_map(|r| std::iter::repeat_n(r.clone(), arms.len()))
-        .collect();
-    let arms_v = arms.to_vec();
-    let make = move |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
-        Ok(Cycling {
-            eng: FusedEngine::new(cfg, t)?,
-            arms: arms_v.clone(),
-            ran: Vec::new(),
-        })
-    };
-    let got = run_group(g, &vec![c.clone(); world], &expanded, p, &make)
-        .unwrap_or_else(|e| panic!("{}: set-up failed: {e:?}", c.topology));
-    let mut out: Vec<Vec<Vec<RankResult>>> = Vec::new();
-    let mut it = got.into_iter();
-    for _ in rounds {
-        out.push(
-            (0..arms.len())
-                .map(|_| it.next().expect("a round"))
-                .collect(),
-        );
-    }
-    Some(out)
+    let g = nvlink(c.topology.world_size(), c, TIMEOUT)?;
+    Some(run_arms_on(g, c, rounds, arms, p))
 }
 
 fn staged_rounds(
@@ -151,12 +110,6 @@ fn check_arms(
         }
     }
 }
-
-const FORCED: [Option<DispatchArm>; 3] = [
-    Some(DispatchArm::PayloadFirst),
-    Some(DispatchArm::CountFirst),
-    Some(DispatchArm::CountFirstSource),
-];
 
 #[test]
 fn every_arm_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_ratio() {
@@ -305,53 +258,68 @@ fn every_arm_under_sm_budgets_and_knobs() {
 }
 
 /// `min_token_bucket`: a round whose largest source has fewer tokens runs payload-first, one
-/// that reaches it runs count-first (streaming); both correct.
+/// that reaches it runs count-first (streaming); both correct. The same rule for bf16 and fp8
+/// payloads.
 #[test]
 fn the_token_bucket_selects_the_arm() {
     let _serial = serial();
-    let mut c = cfg("2A:2F", 64, 8, 2);
-    c.knobs.min_token_bucket = 10;
-    let rounds = vec![
-        sources(&c, &[9, 3], Some(1), 41),
-        sources(&c, &[2, 10], None, 42),
-        sources(&c, &[0, 0], None, 43),
-        sources(&c, &[40, 11], Some(4), 44),
-    ];
-    assert_eq!(DispatchArm::select(&c.knobs, 9), DispatchArm::PayloadFirst);
-    assert_eq!(DispatchArm::select(&c.knobs, 10), DispatchArm::CountFirst);
-    let world = c.topology.world_size();
-    let Some(g) = nvlink(world, &c, TIMEOUT) else {
-        return;
-    };
-    let ran = std::sync::Mutex::new(Vec::new());
-    let make = |rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
-        Ok(Recording {
-            eng: FusedEngine::new(cfg, t)?,
-            rank,
-            ran: &ran,
-        })
-    };
-    let got = run_group(g, &vec![c.clone(); world], &rounds, None, &make).unwrap();
-    for (inp, g) in rounds.iter().zip(&got) {
-        check_round(&c, inp, g, None);
-    }
-    let ran = ran.into_inner().unwrap();
-    for rank in 0..world {
-        let arms: Vec<DispatchArm> = ran
-            .iter()
-            .filter(|(r, _)| *r == rank)
-            .map(|(_, a)| *a)
-            .collect();
-        assert_eq!(
-            arms,
-            [
-                DispatchArm::PayloadFirst,
-                DispatchArm::CountFirst,
-                DispatchArm::PayloadFirst,
-                DispatchArm::CountFirst
-            ],
-            "rank {rank}"
-        );
+    for payload in [PayloadKind::Bf16, PayloadKind::Fp8E4m3] {
+        let mut c = cfg("2A:2F", 128, 8, 2);
+        c.knobs.min_token_bucket = 10;
+        c.payload = payload;
+        c.validate().unwrap();
+        let rounds = vec![
+            sources(&c, &[9, 3], Some(1), 41),
+            sources(&c, &[2, 10], None, 42),
+            sources(&c, &[0, 0], None, 43),
+            sources(&c, &[40, 11], Some(4), 44),
+        ];
+        assert_eq!(DispatchArm::select(&c.knobs, 9), DispatchArm::PayloadFirst);
+        assert_eq!(DispatchArm::select(&c.knobs, 10), DispatchArm::CountFirst);
+        let world = c.topology.world_size();
+        let Some(g) = nvlink(world, &c, TIMEOUT) else {
+            return;
+        };
+        let ran = std::sync::Mutex::new(Vec::new());
+        let make = |rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
+            Ok(Recording {
+                eng: FusedEngine::new(cfg, t)?,
+                rank,
+                ran: &ran,
+            })
+        };
+        let got = run_group(g, &vec![c.clone(); world], &rounds, None, &make).unwrap();
+        for (inp, g) in rounds.iter().zip(&got) {
+            check_round(&c, inp, g, None);
+            for (rank, r) in g.iter().enumerate() {
+                let rx = r.as_ref().unwrap().received.as_ref();
+                assert_eq!(
+                    rx.map(|rx| rx.fp8.is_some()),
+                    c.topology
+                        .ffn_index(rank)
+                        .map(|_| payload == PayloadKind::Fp8E4m3),
+                    "{payload} rank {rank}"
+                );
+            }
+        }
+        let ran = ran.into_inner().unwrap();
+        for rank in 0..world {
+            let arms: Vec<DispatchArm> = ran
+                .iter()
+                .filter(|(r, _)| *r == rank)
+                .map(|(_, a)| *a)
+                .collect();
+            assert_eq!(
+                arms,
+                [
+                    DispatchArm::PayloadFirst,
+                    DispatchArm::CountFirst,
+                    DispatchArm::PayloadFirst,
+                    DispatchArm::CountFirst
+                ],
+                "{payload} rank {rank}"
+            );
+        }
     }
 }
 

@@ -7,6 +7,14 @@
 //! expert, masked slots and rows of zero, subnormal, huge, spiked and tied groups; outputs
 //! poisoned; a non-finite row rejected on every rank with the next round working.
 //!
+//! Count-first with fp8: every arm (payload-first, count-first streaming, the source arm),
+//! switching from round to round on the same engines, on 3A:1F, 2A:2F, 1A:3F and EP4 (uneven
+//! ranks, a zero-token rank, a rank at capacity 256, a hot expert, masked slots, edge-case
+//! groups) at hidden 2048 and 7168, under a small SM budget with non-default knobs, with top-8,
+//! and on one rank (EP1): codes, scales and dequantised rows of both views, the device plan and
+//! the combine bit-identical to the oracle, to the staged engine and across the arms; the
+//! non-finite row rejected in every arm.
+//!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
 
@@ -151,6 +159,9 @@ fn fused_fp8_hidden_7168_and_top_8() {
     }
 }
 
+/// A NaN in a travelling row fails every rank with the typed error, in every arm (the host
+/// status + counts phase rejects it before anything moves), and the next round of each arm is
+/// exact.
 #[test]
 fn fused_fp8_rejects_a_non_finite_row_on_every_rank_and_goes_on() {
     let _serial = serial();
@@ -161,33 +172,41 @@ fn fused_fp8_rejects_a_non_finite_row_on_every_rank_and_goes_on() {
     bad[1].routes.idx[2 * 2] = 1;
     bad[1].x[2 * 2048 + 1500] = bf16::NAN;
     let rounds: Vec<Vec<SourceInput>> = vec![good.clone(), bad, good.clone()];
-    let Some(g) = nvlink(4, 16 << 20) else {
+    let Some(g) = nvlink(4, FusedEngine::workspace_bytes(&c).max(16 << 20)) else {
         return;
     };
-    let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &fused).unwrap();
-    check_round(&c, &good, &got[0], None);
-    for (rank, r) in got[1].iter().enumerate() {
-        match r {
-            Err(ExchangeError::Route { reporter, error }) => {
-                assert_eq!(*reporter, rank);
-                match error {
-                    RouteError::NonFinitePayload {
-                        rank: 1,
-                        token: 2,
-                        channel: 1500,
-                        value,
-                    } if value.is_nan() => {}
-                    other => panic!("rank {rank}: {other}"),
+    let got = run_arms_on(g, &c, &rounds, &FORCED, None);
+    for g in &got[0] {
+        check_round(&c, &good, g, None);
+    }
+    for (arm, g) in FORCED.iter().zip(&got[1]) {
+        for (rank, r) in g.iter().enumerate() {
+            match r {
+                Err(ExchangeError::Route { reporter, error }) => {
+                    assert_eq!(*reporter, rank);
+                    match error {
+                        RouteError::NonFinitePayload {
+                            rank: 1,
+                            token: 2,
+                            channel: 1500,
+                            value,
+                        } if value.is_nan() => {}
+                        other => panic!("{arm:?} rank {rank}: {other}"),
+                    }
+                }
+                other => {
+                    panic!("{arm:?} rank {rank}: expected a non-finite payload, got {other:?}")
                 }
             }
-            other => panic!("rank {rank}: expected a non-finite payload, got {other:?}"),
         }
     }
-    check_round(&c, &good, &got[2], None);
+    for g in &got[2] {
+        check_round(&c, &good, g, None);
+    }
 }
 
-/// One rank that is both source and FFN rank (EP1), fp8 at hidden 2048 with edge groups: every
-/// flag is raised and awaited on the same stream, so this one also runs under
+/// One rank that is both source and FFN rank (EP1), fp8 at hidden 2048 with edge groups, every
+/// arm: every flag is raised and awaited on the same stream, so this one also runs under
 /// compute-sanitizer (memcheck, racecheck).
 #[test]
 fn fused_fp8_single_rank_ep1() {
@@ -197,8 +216,115 @@ fn fused_fp8_single_rank_ep1() {
     let Some(g) = nvlink(1, 16 << 20) else {
         return;
     };
-    let got = run_group(g, std::slice::from_ref(&c), &rounds, None, &fused).unwrap();
-    for (inp, g) in rounds.iter().zip(&got) {
-        check_round(&c, inp, g, None);
+    let got = run_arms_on(g, &c, &rounds, &FORCED, None);
+    for (i, (inp, per_arm)) in rounds.iter().zip(&got).enumerate() {
+        for g in per_arm {
+            check_round(&c, inp, g, None);
+        }
+        check_arms_agree(&format!("EP1 round {i}"), per_arm);
     }
+}
+
+/// Every arm's output equal to the first arm's (bit for bit: combine and received views).
+fn check_arms_agree(what: &str, per_arm: &[Vec<RankResult>]) {
+    for (arm, g) in FORCED.iter().zip(per_arm).skip(1) {
+        for (rank, (a, b)) in g.iter().zip(&per_arm[0]).enumerate() {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            assert!(
+                parts(a) == parts(b),
+                "{what} rank {rank}: {arm:?} differs from {:?}",
+                FORCED[0]
+            );
+        }
+    }
+}
+
+/// Every arm of fp8 rounds against the oracle (every view, bit for bit: check_round), the
+/// staged engine and each other; `rounds` run with every arm in turn on one fused group.
+fn arms_and_staged(what: &str, c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) {
+    let world = c.topology.world_size();
+    // the fused workspace, and room for the staged engine's all-to-all at capacity
+    let bytes = FusedEngine::workspace_bytes(c)
+        .next_multiple_of(1 << 20)
+        .max(64 << 20);
+    let Some(g) = nvlink(world, bytes) else {
+        return;
+    };
+    let got = run_arms_on(g, c, rounds, &FORCED, None);
+    let Some(g) = nvlink(world, bytes) else {
+        return;
+    };
+    let st = run_group(g, &vec![c.clone(); world], rounds, None, &staged)
+        .unwrap_or_else(|e| panic!("{what}: staged set-up failed: {e:?}"));
+    for (i, ((inp, per_arm), st)) in rounds.iter().zip(&got).zip(&st).enumerate() {
+        for (arm, g) in FORCED.iter().zip(per_arm) {
+            check_round(c, inp, g, None);
+            for (rank, (a, b)) in g.iter().zip(st).enumerate() {
+                let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                if let Some(rx) = &a.received {
+                    let f8 = rx.fp8.as_ref().expect("fp8 views");
+                    assert_eq!(f8.expanded_q.len(), rx.expanded.len(), "{what} rank {rank}");
+                    assert_eq!(f8.compact_q.len(), rx.compact_x.len(), "{what} rank {rank}");
+                }
+                assert!(
+                    parts(a) == parts(b),
+                    "{what} round {i} {arm:?} rank {rank}: fused != staged"
+                );
+            }
+        }
+        check_arms_agree(&format!("{what} round {i}"), per_arm);
+    }
+}
+
+/// Rounds of `c` (capacity 256) for the count-first arms: uneven ranks with a zero-token rank
+/// and a hot expert, edge-case groups; then a rank at capacity and others.
+fn cf_rounds(c: &ExchangeConfig, seed: u64) -> Vec<Vec<SourceInput>> {
+    let a = c.topology.attention_count();
+    let mut first = sources(c, &[250, 0, 131, 9][..a], Some(7), seed);
+    for (s, src) in first.iter_mut().enumerate() {
+        fp8_edge_groups(&mut src.x, c.hidden, seed + s as u64);
+    }
+    vec![first, sources(c, &[3, 256, 0, 64][..a], Some(2), seed + 1)]
+}
+
+#[test]
+fn fp8_count_first_arms_match_the_oracle_and_the_staged_engine() {
+    let _serial = serial();
+    for (hidden, topos) in [
+        (2048, &["3A:1F", "2A:2F", "1A:3F", "EP4"][..]),
+        (7168, &["3A:1F", "2A:2F", "1A:3F", "EP4"][..]),
+    ] {
+        for topo in topos {
+            let t0 = std::time::Instant::now();
+            let mut c = fp8_cfg(topo, hidden, 24, 4);
+            c.capacity = 256;
+            c.validate().unwrap();
+            arms_and_staged(&format!("{topo} hidden {hidden}"), &c, &cf_rounds(&c, 21));
+            println!(
+                "fp8 {topo} hidden {hidden} capacity 256, every arm: {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+/// A small SM budget with every count-first knob at a non-default value (payload gate off,
+/// work units of 3 warps and at least 5 rows, one epilogue block), and the record's top-8.
+#[test]
+fn fp8_count_first_arms_under_knobs_and_top_8() {
+    let _serial = serial();
+    let mut c = fp8_cfg("1A:3F", 2048, 24, 6);
+    c.capacity = 256;
+    c.knobs.transport_sms = 7;
+    c.knobs.epilogue_sm_cap = 1;
+    c.knobs.payload_gate = false;
+    c.knobs.warps_per_unit = 3;
+    c.knobs.min_rows_per_unit = 5;
+    c.validate().unwrap();
+    arms_and_staged("1A:3F knobs", &c, &cf_rounds(&c, 31));
+    let mut c = fp8_cfg("3A:1F", 2048, 48, 8);
+    c.capacity = 256;
+    c.knobs.transport_sms = 23;
+    c.validate().unwrap();
+    arms_and_staged("3A:1F top-8", &c, &cf_rounds(&c, 41));
 }

@@ -13,6 +13,16 @@
 //! device rounds: the typed route error on every rank, and the next replay correct. Ratios
 //! 3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, EP2, EP1.
 //!
+//! fp8 payloads (e4m3, one f32 scale per 128 channels, quantised on the device while stored):
+//! graph replays and eager rounds of every arm on 3A:1F, 2A:2F, 1A:3F, EP4 and EP1, and at
+//! hidden 2048 and 7168 with capacity 256, with new routing and token counts on every replay
+//! and edge-case groups: codes, scales and dequantised rows of both views, the device plan and
+//! the combine bit-identical to the oracle's fp8 exchange and across the modes; the SwiGLU
+//! device experts on the dequantised rows; a non-finite value in a travelling row rejected on
+//! the device (`RouteError::NonFinitePayload` of the lowest rejecting rank, after its route
+//! checks, on every rank) in graph replays and eager rounds, a masked token's row not checked,
+//! and the next replay exact.
+//!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
 
@@ -20,9 +30,10 @@ mod exchange_common;
 
 use std::time::{Duration, Instant};
 
-use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::route::{RouteRules, validate};
+use afdep_core::tensor::fp8_edge_groups;
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
 };
@@ -441,7 +452,8 @@ fn repeated_replays_are_identical() {
 /// The SwiGLU expert FFN on the device (grouped GEMM over the expanded layout, groups from the
 /// device plan): every source's combine within the layer output's bf16 tolerance of the oracle
 /// with the oracle's SwiGLU experts, the received views bit-identical, and every mode (eager,
-/// graph replays of each arm) bit-identical to the first.
+/// graph replays of each arm) bit-identical to the first; with bf16 payloads, and with fp8
+/// payloads, whose experts run on the dequantised expanded rows (the oracle's fp8 exchange).
 #[test]
 fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
     let _serial = serial();
@@ -451,10 +463,21 @@ fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
         Mode::Graph(DispatchArm::CountFirst),
         Mode::Graph(DispatchArm::CountFirstSource),
     ];
-    for topo in ["3A:1F", "1A:3F", "EP4"] {
-        // 12 experts: a multiple of 1, 3 and 4 FFN ranks
-        let mut c = cfg(topo, 64, 12, 2);
+    for (topo, payload) in [
+        ("3A:1F", PayloadKind::Bf16),
+        ("1A:3F", PayloadKind::Bf16),
+        ("EP4", PayloadKind::Bf16),
+        ("3A:1F", PayloadKind::Fp8E4m3),
+        ("EP4", PayloadKind::Fp8E4m3),
+    ] {
+        // 12 experts: a multiple of 1, 3 and 4 FFN ranks; fp8 needs whole groups of 128
+        let hidden = match payload {
+            PayloadKind::Bf16 => 64,
+            PayloadKind::Fp8E4m3 => 128,
+        };
+        let mut c = cfg(topo, hidden, 12, 2);
         c.capacity = 40;
+        c.payload = payload;
         c.validate().unwrap();
         let p = params(&c, 32, 7);
         let opts = DeviceRoundOptions {
@@ -502,6 +525,163 @@ fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
                         "{topo} round {i} rank {rank}: {m:?} differs from {:?}",
                         modes[0]
                     );
+                }
+            }
+        }
+    }
+}
+
+fn fp8(mut c: ExchangeConfig) -> ExchangeConfig {
+    c.payload = PayloadKind::Fp8E4m3;
+    c.validate().unwrap();
+    c
+}
+
+/// `rounds` with the groups of every other round's rows turned into fp8 edge cases (zeros,
+/// subnormals, huge groups, spikes, ties).
+fn with_edge_groups(
+    c: &ExchangeConfig,
+    mut rounds: Vec<Vec<SourceInput>>,
+) -> Vec<Vec<SourceInput>> {
+    for (i, r) in rounds.iter_mut().enumerate().filter(|(i, _)| i % 2 == 0) {
+        for (s, src) in r.iter_mut().enumerate() {
+            fp8_edge_groups(&mut src.x, c.hidden, (i * 7 + s) as u64);
+        }
+    }
+    rounds
+}
+
+/// fp8 device rounds, eager and graph replays of every arm, with new routing and token counts
+/// on every replay (the replay rounds: uneven ranks with a hot expert, one token each, none
+/// anywhere, a zero-token rank, ranks at capacity), bit-identical to the oracle's fp8 exchange
+/// and to each other; small shapes on every 4-rank ratio and EP1, then hidden 2048 and 7168 at
+/// capacity 256 with odd SM budgets and knobs.
+#[test]
+fn fp8_graph_replays_match_the_oracle_and_eager_rounds_for_every_arm() {
+    let _serial = serial();
+    let modes = all_modes();
+    for (topo, hidden, k, cap, sms, gate) in [
+        ("3A:1F", 256, 3, 48, 24, true),
+        ("2A:2F", 256, 3, 48, 24, true),
+        ("1A:3F", 384, 3, 48, 24, true),
+        ("EP4", 256, 3, 48, 24, true),
+        ("EP1", 128, 2, 24, 24, true),
+        ("3A:1F", 2048, 6, 256, 7, false),
+        ("EP4", 7168, 4, 256, 23, true),
+    ] {
+        let t0 = Instant::now();
+        let mut c = cfg(topo, hidden, 24, k);
+        c.capacity = cap;
+        c.knobs.transport_sms = sms;
+        c.knobs.payload_gate = gate;
+        if hidden >= 2048 {
+            c.knobs.warps_per_unit = 3;
+            c.knobs.min_rows_per_unit = 5;
+        }
+        let c = fp8(c);
+        let mut rounds = replay_rounds(&c);
+        if hidden >= 2048 {
+            // the large shapes: uneven with a hot expert, none anywhere, the two at capacity
+            rounds = [0, 2, 4, 5].iter().map(|&i| rounds[i].clone()).collect();
+        }
+        let rounds = with_edge_groups(&c, rounds);
+        let Some((got, nodes)) = run_modes(&c, &rounds, &modes) else {
+            return;
+        };
+        let what = format!("fp8 {topo} hidden {hidden}");
+        node_check(&what, &nodes);
+        check_modes(&what, &c, &rounds, &got, &modes);
+        for (i, per_mode) in got.iter().enumerate() {
+            for (m, g) in modes.iter().zip(per_mode) {
+                for (rank, r) in g.iter().enumerate() {
+                    if let Some(rx) = &r.as_ref().unwrap().received {
+                        let f8 = rx.fp8.as_ref().unwrap_or_else(|| {
+                            panic!("{what} round {i} {m:?} rank {rank}: no fp8 views")
+                        });
+                        assert_eq!(f8.compact_q.len(), rx.compact_x.len());
+                    }
+                }
+            }
+        }
+        println!("{what}: {:.2} s", t0.elapsed().as_secs_f64());
+    }
+}
+
+/// A non-finite value in a travelling fp8 row, found on the device in graph replays and eager
+/// rounds of every arm: every rank returns the lowest rejecting rank's error (routes checked
+/// first on each rank, then its rows: tokens, then channels, ascending), exactly the host's
+/// (`oracle::exchange::validate_sources`; compared as error words, so a NaN's bits count); a
+/// masked token's row is not checked; the next round is exact.
+#[test]
+fn fp8_non_finite_rows_are_rejected_on_the_device_and_the_next_round_works() {
+    let _serial = serial();
+    type Corrupt = fn(&mut Vec<SourceInput>);
+    let c = fp8({
+        let mut c = cfg("3A:1F", 256, 12, 3);
+        c.capacity = 16;
+        c
+    });
+    let cases: [(&str, Corrupt); 6] = [
+        ("a NaN", |s| s[1].x[2 * 256 + 200] = bf16::NAN),
+        ("the lowest rank's infinity", |s| {
+            s[2].x[256 + 3] = bf16::NEG_INFINITY;
+            s[0].x[3 * 256 + 255] = bf16::INFINITY;
+        }),
+        ("the earlier token, not the earlier channel", |s| {
+            s[1].x[4 * 256] = bf16::NAN;
+            s[1].x[2 * 256 + 250] = bf16::INFINITY;
+        }),
+        ("a signalling NaN's bits", |s| {
+            s[2].x[6 * 256 + 128] = bf16::from_bits(0xff81);
+        }),
+        ("the route before the row", |s| {
+            s[0].x[0] = bf16::NAN;
+            s[0].routes.idx[4 * 3 + 1] = 12; // wide, at a later token
+        }),
+        ("a masked token's row does not travel", |s| {
+            for j in 0..3 {
+                s[1].routes.idx[3 * 3 + j] = -1;
+            }
+            s[1].x[3 * 256 + 7] = bf16::NAN;
+        }),
+    ];
+    let mut rounds = Vec::new();
+    let mut want = Vec::new();
+    for (i, (what, corrupt)) in cases.iter().enumerate() {
+        let mut bad = fixed_sources(&c, &[5, 9, 7], 170 + i as u64);
+        corrupt(&mut bad);
+        let err = afdep_core::oracle::exchange::validate_sources(&c, &bad).err();
+        let travels = *what != "a masked token's row does not travel";
+        assert_eq!(err.is_some(), travels, "{what}: {err:?}");
+        rounds.push(bad);
+        want.push(err);
+        rounds.push(sources(&c, &[3, 0, 16], Some(4), 180 + i as u64));
+        want.push(None);
+    }
+    let modes = all_modes();
+    let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
+        return;
+    };
+    for (i, ((inp, w), per_mode)) in rounds.iter().zip(&want).zip(&got).enumerate() {
+        for (m, g) in modes.iter().zip(per_mode) {
+            match w {
+                None => check_round(&c, inp, g, None),
+                Some(want) => {
+                    for (rank, r) in g.iter().enumerate() {
+                        match r {
+                            Err(ExchangeError::Route { reporter, error }) => {
+                                assert_eq!(*reporter, rank);
+                                assert_eq!(
+                                    error.to_word(),
+                                    want.to_word(),
+                                    "round {i} {m:?} rank {rank}: {error} instead of {want}"
+                                );
+                            }
+                            other => panic!(
+                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
+                            ),
+                        }
+                    }
                 }
             }
         }

@@ -79,29 +79,49 @@ static __device__ __forceinline__ float afdep_bf16x8_amax(uint4 v) {
     return m;
 }
 
+// One step of the warp row quantiser (below) for one lane: half-warp `lane >> 4` takes group
+// g = g0 + (lane >> 4) of the row x (hidden / 128 = `groups` groups; 16 lanes × 8 channels,
+// the lane's from channel c), its amax reduced over the half-warp. Every lane of the warp must
+// take the same step (the same g0). `live`: the lane's group exists; then `codes` holds the
+// codes of channels c .. c + 8 and `scale` the group's scale.
+struct Fp8Step {
+    uint2 codes;
+    float scale;
+    u32 g;
+    u32 c;
+    bool live;
+};
+
+static __device__ __forceinline__ Fp8Step afdep_fp8_quantise_step(const u16* x, u32 groups,
+                                                                  u32 g0, u32 lane) {
+    Fp8Step st;
+    st.g = g0 + (lane >> 4);
+    st.live = st.g < groups;
+    st.c = st.g * AFDEP_FP8_GROUP + (lane & 15u) * 8u;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (st.live) v = *(const uint4*)(x + st.c);
+    float amax = afdep_bf16x8_amax(v);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    st.scale = afdep_fp8_scale(amax);
+    st.codes = st.live ? afdep_fp8_quantise8(v, st.scale) : make_uint2(0u, 0u);
+    return st;
+}
+
 // Quantises one row of `hidden` bf16 (a multiple of 128; x 16-byte aligned) with one warp:
 // codes to q[0 .. hidden) (8-byte stores), scales to scales[0 .. hidden / 128). Each half-warp
-// takes one group per step (16 lanes × 8 channels), its amax reduced over the half-warp.
+// takes one group per step (afdep_fp8_quantise_step).
 // q and scales may be a peer's memory (the dispatch stores straight into the slab).
 static __device__ __forceinline__ void afdep_fp8_quantise_row_warp(u8* q, float* scales,
                                                                    const u16* x, u32 hidden,
                                                                    u32 lane) {
     const u32 groups = hidden / AFDEP_FP8_GROUP;
-    const u32 half = lane >> 4, sub = lane & 15u;
 #pragma unroll 1
     for (u32 g0 = 0; g0 < groups; g0 += 2) {
-        const u32 g = g0 + half;
-        const bool live = g < groups;
-        const u64 c = (u64)g * AFDEP_FP8_GROUP + sub * 8u;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (live) v = *(const uint4*)(x + c);
-        float amax = afdep_bf16x8_amax(v);
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        if (live) {
-            const float s = afdep_fp8_scale(amax);
-            *(uint2*)(q + c) = afdep_fp8_quantise8(v, s);
-            if (sub == 0) scales[g] = s;
+        const Fp8Step st = afdep_fp8_quantise_step(x, groups, g0, lane);
+        if (st.live) {
+            *(uint2*)(q + st.c) = st.codes;
+            if ((lane & 15u) == 0) scales[st.g] = st.scale;
         }
     }
 }

@@ -81,10 +81,13 @@ static __device__ __forceinline__ void afdep_warp_copy(void* dst, const void* sr
 //               + 1], slab_offsets[ns + 1]: afdep_core::layout::FfnPlan's numbers
 //   row flags   u32[world][cap]        by (source rank, slab row): streaming readiness
 //   expanded    bf16[rows_max][hidden] this FFN rank's expanded layout (rows_max = sources ×
-//               cap × min(K, epr)), 256-byte aligned
-// Count-first slab rows use the payload-first row format; their expanded_row[k] holds the
-// final expanded row (source arm) or the slot's position in its (expert, source) block
-// (streaming: the epilogue adds the block start).
+//               cap × min(K, epr)), 256-byte aligned (fp8: the dequantised rows)
+//   exp codes   fp8 only: u8[rows_max][hidden], then exp scales f32[rows_max][hidden / 128],
+//               each 256-byte aligned (CfAreas::exp_q, exp_scales)
+// Count-first slab rows use the payload-first row format of the payload kind (fp8: codes and
+// scales, then the metadata; the source arm's hold the metadata only); their expanded_row[k]
+// holds the final expanded row (source arm) or the slot's position in its (expert, source)
+// block (streaming: the epilogue adds the block start).
 
 // Fault codes of the count-first waits (from 16, apart from the payload-first ones).
 #define AFDEP_FUSED_FAULT_COUNTS_WAIT 16u

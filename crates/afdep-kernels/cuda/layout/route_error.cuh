@@ -19,7 +19,8 @@
 #define AFDEP_ROUTE_NON_FINITE_WEIGHT 5u
 #define AFDEP_ROUTE_OVER_CAPACITY 6u
 #define AFDEP_ROUTE_MALFORMED 7u
-// A non-finite value in an fp8 payload row (host-checked; word[3] the channel).
+// A non-finite value in an fp8 payload row (checked on the host, and in device rounds by
+// fused_round.cu's afdep_round_check_payload; word[3] the channel).
 #define AFDEP_ROUTE_NON_FINITE_PAYLOAD 8u
 
 // The validation state: the error word, then (at word 6, 8-byte aligned) the 64-bit key of the

@@ -81,7 +81,7 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
         KernelId::FusedDispatch,
         KernelId::FusedSignal,
         KernelId::FusedCopyEpilogue,
-        KernelId::FusedCombineStore,
+        KernelId::FusedCombineReduce,
         KernelId::FusedCombine,
         KernelId::FusedDispatchFp8,
         KernelId::FusedCopyEpilogueFp8,
@@ -92,13 +92,11 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     {
         let kk = if matches!(
             id,
-            KernelId::FusedCombineStore
-                | KernelId::CfPublishCounts
+            KernelId::CfPublishCounts
                 | KernelId::CfPlan
                 | KernelId::CfWait
                 | KernelId::RoundBump
                 | KernelId::RoundExperts
-                | KernelId::RoundReturnStore
         ) {
             1
         } else {
@@ -126,6 +124,21 @@ pub(super) fn blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
     cudarc::driver::LaunchConfig {
         grid_dim: (b, 1, 1),
         block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads per block of the two combine kernels (`AFDEP_COMBINE_BLOCK` in `fused_combine.cu`):
+/// twice [`BLOCK`], so that each block of the SM budget keeps twice the loads in flight.
+pub const COMBINE_BLOCK: u32 = 512;
+
+/// [`blocks_for`] for the combine kernels' [`COMBINE_BLOCK`]-thread blocks.
+fn combine_blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
+    let warps = u64::from(COMBINE_BLOCK / 32);
+    let b = rows.div_ceil(warps).clamp(1, u64::from(cap.max(1))) as u32;
+    cudarc::driver::LaunchConfig {
+        grid_dim: (b, 1, 1),
+        block_dim: (COMBINE_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -486,83 +499,119 @@ pub fn copy_epilogue_fp8(
     Ok(())
 }
 
-/// Where the combine's rows go: expanded row j of this FFN rank (`me`) goes to rank
-/// `dst_rank[j]`, row `dst_row[j]` of this FFN rank's return area there.
-#[derive(Debug)]
-pub struct ReturnList<'a> {
-    /// Destination (source) rank per expanded row.
-    pub dst_rank: &'a CudaSlice<u32>,
-    /// Row in the destination's return area of this FFN rank.
-    pub dst_row: &'a CudaSlice<u64>,
-    /// Expanded rows.
-    pub rows: usize,
+/// What an FFN rank's combine reads of its round: the compact view in its slabs (each row's
+/// metadata names the token, its slots' local experts, weights and expanded rows) and where to
+/// find the plan's numbers on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompactView {
+    /// This rank's workspace base (device address).
+    pub ws: u64,
+    /// The slabs (source rank r, row i at `slab_off + (r cap + i) row_bytes`).
+    pub slab: SlabGeometry,
+    /// Byte offset of the metadata within a slab row ([`slab_payload_bytes`]).
+    pub meta_off: u64,
+    /// Attention ranks of the round, the slabs' sources in order.
+    pub sources: usize,
+    /// Device address of the compact view's row offsets per source, `u64[sources + 1]`
+    /// ([`afdep_core::layout::FfnPlan::slab_offsets`]).
+    pub slab_offsets: u64,
+    /// `Some(device address)` of the plan's block starts (`u64[experts_per_rank × sources]`,
+    /// [`afdep_core::layout::FfnPlan::block_starts`]) when the metadata's expanded rows are the
+    /// slots' positions in their (expert, source) blocks (the streaming arm, device rounds);
+    /// `None` when they are the expanded rows themselves.
+    pub block_starts: Option<u64>,
+    /// Most compact rows of the round (the grid's size; the round's number is on the device).
+    pub max_rows: u64,
 }
 
-/// The combine stores (`afdep_fused_combine_store`): expert output row j of `y` (`rows ×
-/// hidden`) to `ret_off + (me * ret_cap + dst_row[j]) * 2 hidden` of workspace
-/// `peers[dst_rank[j]]`.
+/// The FFN half of the combine (`afdep_fused_combine_reduce`): for every compact row of the
+/// round (source s, token t), the f32 partial sum of the token's slots on this FFN rank (index
+/// `ffn`) over the expert outputs `y` (`y_rows × hidden` bf16, expanded order), slots ascending,
+/// each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t) 4 hidden`
+/// of workspace `peers[src_ranks[s]]`. Nothing when the control block `ctl`'s verdict is not go.
 #[allow(clippy::too_many_arguments)]
-pub fn combine_store(
+pub fn combine_reduce(
     ctx: &GpuContext,
-    y: &CudaSlice<bf16>,
-    ret: &ReturnList<'_>,
+    view: &CompactView,
+    src_ranks: &CudaSlice<u32>,
+    ctl: u64,
     peers: u64,
+    y: &CudaSlice<bf16>,
+    y_rows: usize,
     ret_off: u64,
-    me: usize,
-    ret_cap: u64,
-    hidden: usize,
+    ffn: usize,
+    top_k: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    if ret.rows == 0 {
+    if view.max_rows == 0 || view.sources == 0 {
         return Ok(());
     }
-    need("y", y, ret.rows * hidden)?;
-    need("dst_rank", ret.dst_rank, ret.rows)?;
-    need("dst_row", ret.dst_row, ret.rows)?;
-    let rows = ret.rows as u64;
-    let me = as_u32("rank", me)?;
-    let h = as_u32("hidden", hidden)?;
-    let f = ctx.function(KernelId::FusedCombineStore, 0, 1)?;
+    let h = view.slab.hidden as usize;
+    need("src ranks", src_ranks, view.sources)?;
+    need("y", y, y_rows * h)?;
+    let ns = as_u32("sources", view.sources)?;
+    let k = as_u32("top_k", top_k)?;
+    let ffn = as_u32("ffn index", ffn)?;
+    let y_rows = y_rows as u64;
+    let (rel, bs) = match view.block_starts {
+        Some(a) => (1u32, a),
+        None => (0u32, view.slab_offsets),
+    };
+    let f = ctx.function(KernelId::FusedCombineReduce, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(y)
-        .arg(ret.dst_rank)
-        .arg(ret.dst_row)
-        .arg(&rows)
+    b.arg(&view.ws)
+        .arg(&ctl)
         .arg(&peers)
+        .arg(src_ranks)
+        .arg(&ns)
+        .arg(&view.slab_offsets)
+        .arg(&bs)
+        .arg(&rel)
+        .arg(&view.slab.slab_off)
+        .arg(&view.slab.cap)
+        .arg(&view.slab.row_bytes)
+        .arg(&view.meta_off)
+        .arg(y)
+        .arg(&y_rows)
         .arg(&ret_off)
-        .arg(&me)
-        .arg(&ret_cap)
-        .arg(&h);
-    // SAFETY: afdep_fused_combine_store(const u16* y, const u32* dst_rank, const u64* dst_row,
-    // u64 rows, const u64* peers, u64 ret_off, u32 me, u64 ret_cap, u32 hidden): warp j < rows
-    // reads y[j] (y holds rows × hidden, checked) and writes 2 hidden bytes at return row (me,
-    // dst_row[j]) of workspace peers[dst_rank[j]]; the caller guarantees the ranks are < world,
-    // dst_row < ret_cap and that every workspace holds world × ret_cap return rows.
-    unsafe { b.launch(blocks_for(rows, blocks)) }
-        .map_err(launch_err(KernelId::FusedCombineStore))?;
+        .arg(&ffn)
+        .arg(&view.slab.hidden);
+    // SAFETY: afdep_fused_combine_reduce(const u8* ws, const u32* ctl, const u64* peers, const
+    // u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, u64 slab_off, u32 cap, u64
+    // row_bytes, u64 meta_off, const u16* y, u64 y_rows, u64 ret_off, u32 f, u32 hidden) with K
+    // compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
+    // bs: epr × sources when rel), the metadata of the slab rows they count (the caller's plan
+    // keeps them within each source's cap rows of this rank's workspace), y rows below y_rows
+    // (y holds y_rows × hidden, checked), and writes hidden f32 at return row (f, t < cap) of
+    // workspaces of the live peer table, which hold ffns × cap such rows (the caller's
+    // geometry).
+    unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }
+        .map_err(launch_err(KernelId::FusedCombineReduce))?;
     Ok(())
 }
 
-/// One source's combine inputs: per slot its row in the return area (`ffn_rank * ret_cap +
-/// row`, [`NO_ROW`] when masked), the FFN index of its owner, its weight. The buffers hold
-/// `tokens` tokens; the round's count (at most that) is the control block's.
+/// One source's combine inputs: its routes (`tokens × top_k` expert ids, validated; expert e
+/// is on FFN index `e / experts_per_rank`) and the capacity (the rows per FFN rank of the return
+/// area). The buffers hold `tokens` tokens; the round's count (at most that) is the control
+/// block's.
 #[derive(Debug)]
-pub struct CombineSlots<'a> {
-    /// `tokens × top_k` return rows.
-    pub row: &'a CudaSlice<u64>,
-    /// `tokens × top_k` owner FFN indices.
-    pub ffn: &'a CudaSlice<u32>,
-    /// `tokens × top_k` weights.
-    pub weight: &'a CudaSlice<f32>,
+pub struct CombineRoutes<'a> {
+    /// `tokens × top_k` expert ids (masked slots negative).
+    pub idx: &'a CudaSlice<i32>,
+    /// Experts per FFN rank.
+    pub experts_per_rank: usize,
+    /// The capacity: rows of one FFN rank's part of the return area.
+    pub capacity: usize,
     /// Tokens the buffers hold (the grid's size; the round's count comes from the control
     /// block).
     pub tokens: usize,
 }
 
-/// The combine (`afdep_fused_combine`): waits for every FFN rank's combine flag (`>= ` the
-/// round of the control block `ctl`, which also gives the token count; nothing when skipped), at
-/// `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then writes `out`
-/// (`tokens × hidden` bf16) in the fixed order (FFN ranks ascending, slots ascending, f32). A
+/// The source half of the combine (`afdep_fused_combine`): waits for every FFN rank's combine
+/// flag (`>=` the round of the control block `ctl`, which also gives the token count; nothing
+/// when skipped), at `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then
+/// writes `out` (`tokens × hidden` bf16): the f32 partials of the FFN ranks that own a slot of
+/// the token (return area at `ret_off`, by FFN index), ascending, summed in f32, cast once. A
 /// timeout records [`fault::COMBINE_WAIT`] in `err`. `ffn_ranks` (ascending) holds `ffns`
 /// ranks.
 #[allow(clippy::too_many_arguments)]
@@ -573,7 +622,7 @@ pub fn combine(
     ffns: usize,
     flag_off: u64,
     ret_off: u64,
-    slots: &CombineSlots<'_>,
+    routes: &CombineRoutes<'_>,
     top_k: usize,
     hidden: usize,
     ctl: u64,
@@ -582,19 +631,23 @@ pub fn combine(
     out: &mut CudaSlice<bf16>,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    if slots.tokens == 0 {
+    if routes.tokens == 0 {
         return Ok(());
     }
-    let n = slots.tokens * top_k;
+    if ffns > 64 {
+        return Err(KernelError::Unsupported(format!(
+            "{ffns} FFN ranks: the combine supports at most 64"
+        )));
+    }
     need("ffn ranks", ffn_ranks, ffns)?;
-    need("slot rows", slots.row, n)?;
-    need("slot owners", slots.ffn, n)?;
-    need("slot weights", slots.weight, n)?;
-    need("out", out, slots.tokens * hidden)?;
+    need("routes", routes.idx, routes.tokens * top_k)?;
+    need("out", out, routes.tokens * hidden)?;
     let k = as_u32("top_k", top_k)?;
     let nf = as_u32("ffns", ffns)?;
     let h = as_u32("hidden", hidden)?;
-    let t = slots.tokens as u64;
+    let epr = as_u32("experts per rank", routes.experts_per_rank.max(1))?;
+    let cap = as_u32("capacity", routes.capacity)?;
+    let t = routes.tokens as u64;
     let f = ctx.function(KernelId::FusedCombine, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ws)
@@ -602,23 +655,24 @@ pub fn combine(
         .arg(&nf)
         .arg(&flag_off)
         .arg(&ret_off)
-        .arg(slots.row)
-        .arg(slots.ffn)
-        .arg(slots.weight)
+        .arg(routes.idx)
+        .arg(&epr)
+        .arg(&cap)
         .arg(&ctl)
         .arg(&h)
         .arg(&timeout_ns)
         .arg(&err)
         .arg(out);
     // SAFETY: afdep_fused_combine(const u8* ws, const u32* ffn_rank, u32 ffns, u64 flag_off,
-    // u64 ret_off, const u64* slot_row, const u32* slot_ffn, const float* w, const u32* ctl,
-    // u32 hidden, u64 timeout_ns, u32* err, u16* out) with K compiled in: reads the caller's
-    // live control block, whose token count the caller keeps at most `slots.tokens`; thread 0
-    // of each block reads the FFN ranks' flags of this rank's live workspace; then warp t <
-    // tokens reads K slots (the tables hold slots.tokens × K, checked), the return rows they
-    // name (within the return area, the caller's plan) and writes out[t] (slots.tokens ×
-    // hidden, checked); err is a live u32[4].
-    unsafe { b.launch(blocks_for(t, blocks)) }.map_err(launch_err(KernelId::FusedCombine))?;
+    // u64 ret_off, const i32* idx, u32 epr, u32 cap, const u32* ctl, u32 hidden, u64
+    // timeout_ns, u32* err, u16* out) with K compiled in: reads the caller's live control
+    // block, whose token count the caller keeps at most `routes.tokens` (the kernel also stops
+    // at cap); thread 0 of each block reads the FFN ranks' flags of this rank's live workspace;
+    // then warp t reads K route ids (the buffer holds routes.tokens × K, checked), the return
+    // rows (f < ffns, t < cap) of this workspace, which holds ffns × cap of them (the caller's
+    // geometry), and writes out[t] (routes.tokens × hidden, checked); err is a live u32[4].
+    unsafe { b.launch(combine_blocks_for(t, blocks)) }
+        .map_err(launch_err(KernelId::FusedCombine))?;
     Ok(())
 }
 
@@ -653,6 +707,8 @@ pub(super) mod tests {
         assert_eq!(slab_row_bytes(24, 3), 48 + 64);
         assert_eq!(slab_row_bytes(8, 1), 16 + 32);
         assert_eq!(define("AFDEP_PAYLOAD_BF16"), "0");
+        let combine = include_str!("../../cuda/fused_combine.cu");
+        assert!(combine.contains(&format!("#define AFDEP_COMBINE_BLOCK {COMBINE_BLOCK}\n")));
         assert_eq!(define("AFDEP_PAYLOAD_FP8"), "1");
         for (h, k) in [(24, 3), (2048, 8), (7168, 8)] {
             assert_eq!(

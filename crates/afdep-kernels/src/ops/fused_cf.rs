@@ -6,8 +6,17 @@
 //! are the same in every workspace ([`CfAreas`]). Every wait is bounded by `timeout_ns`
 //! (`%globaltimer`); a wait that runs out records a fault in the error word (`u32[4]`:
 //! `{code, peer rank, round, 0}`, codes in [`fault`]) and the kernel leaves.
+//!
+//! Payloads ([`CfAreas::payload`]): bf16 rows, or fp8 e4m3 rows (one f32 scale per 128
+//! channels, `cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]). With fp8, [`dispatch`]
+//! quantises each row once while it stores it: streaming, codes and scales into the slab row
+//! (the payload-first fp8 row format); source arm, codes and scales into the final expanded
+//! rows' code and scale areas ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]), which [`dequant`]
+//! turns into the bf16 expanded rows on the FFN rank. [`stream_epilogue`] expands codes,
+//! scales and the dequantised bf16 rows. The payload kind is a compile-time constant of the
+//! kernels (one entry per kind).
 
-use afdep_core::bf16;
+use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::fused::SlabGeometry;
@@ -30,13 +39,16 @@ pub mod fault {
 }
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 6] = [
+pub const KERNELS: [KernelId; 9] = [
     KernelId::CfCounts,
     KernelId::CfPublishCounts,
     KernelId::CfPlan,
     KernelId::CfWait,
     KernelId::CfDispatch,
     KernelId::CfStreamEpilogue,
+    KernelId::CfDispatchFp8,
+    KernelId::CfStreamEpilogueFp8,
+    KernelId::CfDequant,
 ];
 
 use super::fused::blocks_for as grid;
@@ -56,12 +68,19 @@ pub struct CfAreas {
     pub plan: u64,
     /// Row flags, `u32[world][cap]` by (source rank, slab row).
     pub row_flags: u64,
-    /// The expanded area, `exp_rows × hidden` bf16.
+    /// The expanded area, `exp_rows × hidden` bf16 (fp8: the dequantised rows).
     pub expanded: u64,
+    /// fp8: the expanded rows' codes, `exp_rows × hidden` u8 (unused with bf16).
+    pub exp_q: u64,
+    /// fp8: the expanded rows' scales, `exp_rows × hidden / 128` f32 (unused with bf16).
+    pub exp_scales: u64,
     /// Rows of the expanded area.
     pub exp_rows: u64,
-    /// Byte offset of a slab row's metadata within the row (the payload, rounded up to 16).
+    /// Byte offset of a slab row's metadata within the row (the payload part,
+    /// [`super::fused::slab_payload_bytes`]).
     pub meta_off: u64,
+    /// The payload kind of the slab rows and the expanded area.
+    pub payload: PayloadKind,
 }
 
 /// The routes and device scratch of one source's round.
@@ -309,14 +328,7 @@ pub fn dispatch(
     need("slot positions", src.slot_pos, n)?;
     need("token rows", src.tok_row, src.tokens * ffns)?;
     need("ffn ranks", ffn_ranks, ffns)?;
-    if areas.meta_off < (2 * hidden) as u64
-        || slab.row_bytes < areas.meta_off + 4 * super::fused::meta_words(top_k) as u64
-    {
-        return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes (metadata at {}) cannot hold hidden {hidden} and top-k {top_k}",
-            slab.row_bytes, areas.meta_off
-        )));
-    }
+    check_rows(slab, areas, top_k)?;
     let k = as_u32("top_k", top_k)?;
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
@@ -325,7 +337,11 @@ pub fn dispatch(
         CfMode::Source => (0u32, 0u32),
         CfMode::Stream { gate } => (1, u32::from(gate)),
     };
-    let f = ctx.function(KernelId::CfDispatch, 0, k)?;
+    let id = match areas.payload {
+        PayloadKind::Bf16 => KernelId::CfDispatch,
+        PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
+    };
+    let f = ctx.function(id, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
         .arg(src.idx)
@@ -345,6 +361,8 @@ pub fn dispatch(
         .arg(&slab.row_bytes)
         .arg(&areas.meta_off)
         .arg(&areas.expanded)
+        .arg(&areas.exp_q)
+        .arg(&areas.exp_scales)
         .arg(&areas.exp_rows)
         .arg(&areas.row_flags)
         .arg(&slab.hidden)
@@ -353,19 +371,21 @@ pub fn dispatch(
         .arg(&gate)
         .arg(&timeout_ns)
         .arg(&err);
-    // SAFETY: afdep_cf_dispatch(const u16* x, const i32* idx, const float* w, const u32* ctl (the
-    // caller's live control block, its token count at most src.tokens), const
+    // SAFETY: afdep_cf_dispatch{,_fp8}(const u16* x, const i32* idx, const float* w, const u32*
+    // ctl (the caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
     // const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64
-    // meta_off, u64 exp_off, u64 exp_rows, u64 rflag_off, u32 hidden, u32 me, u32 mode, u32
-    // gate, u64 timeout_ns, u32* err) with K compiled in: reads the route tables
-    // (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked), this rank's
-    // offsets and flags; writes, in workspace peers[ffn_rank[f]], slab row (me, tok_row) (<
-    // cap: the caller's counts; row_bytes holds payload and metadata, checked), expanded rows
+    // meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off, u32
+    // hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled in: reads
+    // the route tables (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked;
+    // fp8: hidden a multiple of 128, checked, so the 16-byte reads stay in the row of a
+    // cudaMalloc'd buffer), this rank's offsets and flags; writes, in workspace
+    // peers[ffn_rank[f]], slab row (me, tok_row) (< cap: the caller's counts; row_bytes holds
+    // this payload and the metadata, checked), expanded rows (fp8: their codes and scales)
     // below exp_rows (the kernel skips others) and row flags; the caller guarantees a live peer
-    // table, ranks below world and areas that fit every workspace; err is a live u32[4].
-    unsafe { b.launch(grid((src.tokens * ffns) as u64, blocks)) }
-        .map_err(launch_err(KernelId::CfDispatch))?;
+    // table, ranks below world and areas that fit every workspace (fp8: 16-byte aligned);
+    // err is a live u32[4].
+    unsafe { b.launch(grid((src.tokens * ffns) as u64, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }
 
@@ -396,10 +416,15 @@ pub fn stream_epilogue(
         return Ok(());
     }
     need("source ranks", src_ranks, sources)?;
+    check_rows(slab, areas, top_k)?;
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let f = ctx.function(KernelId::CfStreamEpilogue, 0, k)?;
+    let id = match areas.payload {
+        PayloadKind::Bf16 => KernelId::CfStreamEpilogue,
+        PayloadKind::Fp8E4m3 => KernelId::CfStreamEpilogueFp8,
+    };
+    let f = ctx.function(id, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ws)
         .arg(src_ranks)
@@ -412,6 +437,8 @@ pub fn stream_epilogue(
         .arg(&slab.row_bytes)
         .arg(&areas.meta_off)
         .arg(&areas.expanded)
+        .arg(&areas.exp_q)
+        .arg(&areas.exp_scales)
         .arg(&areas.exp_rows)
         .arg(&slab.hidden)
         .arg(&warps_per_unit)
@@ -424,15 +451,103 @@ pub fn stream_epilogue(
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: afdep_cf_stream_epilogue(u8* ws, const u32* src_rank, u32 ns, u32 epr, u64
-    // plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off,
-    // u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, const u32* ctl (the caller's
-    // live control block), u64 timeout_ns,
-    // u32* err) with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream
-    // order), the row flags and slab rows of src_rank[s] (ns entries, checked; rows below the
-    // plan's slab counts, < cap) in this rank's live workspace, and writes expanded rows below
-    // exp_rows (the kernel skips others); err is a live u32[4].
-    unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::CfStreamEpilogue))?;
+    // SAFETY: afdep_cf_stream_epilogue{,_fp8}(u8* ws, const u32* src_rank, u32 ns, u32 epr,
+    // u64 plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64
+    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32
+    // min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
+    // with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream order), the
+    // row flags and slab rows of src_rank[s] (ns entries, checked; rows below the plan's slab
+    // counts, < cap; row_bytes holds this payload and the metadata, checked) in this rank's
+    // live workspace, and writes expanded rows (fp8: their codes and scales too, 16-byte
+    // aligned areas, hidden a multiple of 128, checked) below exp_rows (the kernel skips
+    // others); err is a live u32[4].
+    unsafe { b.launch(cfg) }.map_err(launch_err(id))?;
+    Ok(())
+}
+
+/// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace `ws`,
+/// after the wait for every source's dispatch flag on the same stream): every expanded row of
+/// the plan `pv` (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
+/// sources stored ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]). Nothing when the round of the
+/// control block at `ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
+#[allow(clippy::too_many_arguments)]
+pub fn dequant(
+    ctx: &GpuContext,
+    ws: u64,
+    sources: usize,
+    epr: usize,
+    hidden: usize,
+    areas: &CfAreas,
+    ctl: u64,
+    top_k: usize,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if areas.payload != PayloadKind::Fp8E4m3 {
+        return Err(KernelError::Shape(format!(
+            "dequantising expanded rows of {} payloads",
+            areas.payload
+        )));
+    }
+    check_fp8(hidden, areas)?;
+    let k = as_u32("top_k", top_k)?;
+    let ns = as_u32("sources", sources)?;
+    let e = as_u32("experts per rank", epr)?;
+    let h = as_u32("hidden", hidden)?;
+    let f = ctx.function(KernelId::CfDequant, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&ws)
+        .arg(&ctl)
+        .arg(&areas.plan)
+        .arg(&e)
+        .arg(&ns)
+        .arg(&areas.expanded)
+        .arg(&areas.exp_q)
+        .arg(&areas.exp_scales)
+        .arg(&areas.exp_rows)
+        .arg(&h);
+    // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64
+    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden) (in the K-specialised
+    // module, K unused): reads the caller's live control block and this rank's plan (written
+    // by its afdep_cf_plan, stream order), then, for rows below min(plan rows, exp_rows), the
+    // codes and scales and writes the bf16 rows of this rank's live workspace, whose areas the
+    // caller's geometry sizes for exp_rows rows (16-byte aligned, hidden a multiple of 128,
+    // checked).
+    unsafe { b.launch(grid(areas.exp_rows, blocks)) }.map_err(launch_err(KernelId::CfDequant))?;
+    Ok(())
+}
+
+/// Slab rows that hold the payload of `areas` and the metadata of top-k `top_k`.
+fn check_rows(slab: &SlabGeometry, areas: &CfAreas, top_k: usize) -> Result<(), KernelError> {
+    let hidden = slab.hidden as usize;
+    let payload = super::fused::slab_payload_bytes(areas.payload, hidden) as u64;
+    if areas.meta_off < payload
+        || slab.row_bytes < areas.meta_off + 4 * super::fused::meta_words(top_k) as u64
+    {
+        return Err(KernelError::Shape(format!(
+            "slab rows of {} bytes (metadata at {}) cannot hold {} payloads of hidden {hidden} \
+             and top-k {top_k}",
+            slab.row_bytes, areas.meta_off, areas.payload
+        )));
+    }
+    if areas.payload == PayloadKind::Fp8E4m3 {
+        check_fp8(hidden, areas)?;
+    }
+    Ok(())
+}
+
+/// fp8 areas: hidden a multiple of 128, the code and scale areas 16-byte aligned.
+fn check_fp8(hidden: usize, areas: &CfAreas) -> Result<(), KernelError> {
+    if hidden % afdep_core::fp8::GROUP != 0
+        || areas.exp_q % 16 != 0
+        || areas.exp_scales % 16 != 0
+        || areas.expanded % 16 != 0
+    {
+        return Err(KernelError::Shape(format!(
+            "fp8 count-first areas need hidden a multiple of 128 (not {hidden}) and 16-byte \
+             aligned expanded areas (codes at {}, scales at {})",
+            areas.exp_q, areas.exp_scales
+        )));
+    }
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! Launchers of the device round of the fused exchange (`fused_round.cu`): the round control
-//! block, route validation with the verdict shared among ranks, the reproducible device expert,
-//! and the device-side return lists.
+//! block, route validation with the verdict shared among ranks and the reproducible device
+//! expert. (A device round's combine is [`super::fused::combine_reduce`] and
+//! [`super::fused::combine`], which need no host-built list.)
 //!
 //! **The control block** (`layout/fused.cuh`, `u32[`[`CTL_WORDS`]`]` in each rank's own
 //! workspace): the round number, the round's verdict, the route error word of the lowest
@@ -29,6 +30,13 @@
 //! A kernel launched with a gate as its control block returns at once in a round of another
 //! arm, so one captured graph can hold every arm's kernels and still run one arm per round,
 //! chosen on the device (`afdep_moe::fused::device_round`).
+//!
+//! **fp8 payloads**: a row with a NaN or an infinity cannot be quantised, so a device round of
+//! fp8 payloads rejects it like a route ([`afdep_core::RouteError::NonFinitePayload`], checked
+//! after the routes as on the host): a source runs [`check_payload`] just before [`begin`],
+//! which finds its first non-finite value in a travelling row (tokens, then channels,
+//! ascending) and leaves its error word in a [`PAYLOAD_STATE_WORDS`]-word state buffer; [`begin`]
+//! publishes that word as the source's verdict word when its routes pass.
 
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -105,13 +113,17 @@ pub fn gate_address(gates: u64, mask: u32) -> u64 {
 /// of the error word (`AFDEP_FUSED_FAULT_STATUS_WAIT`).
 pub const FAULT_STATUS_WAIT: u32 = 32;
 
+/// Words of the state buffer of [`check_payload`] (`AFDEP_PAYLOAD_STATE_WORDS`): the error
+/// word, a block count and the smallest offence's key; all zero before the first round (the
+/// kernel leaves it so after each round, but for the word).
+pub const PAYLOAD_STATE_WORDS: usize = 16;
+
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 5] = [
+pub const KERNELS: [KernelId; 4] = [
+    KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
     KernelId::RoundBump,
     KernelId::RoundExperts,
-    KernelId::RoundReturnStore,
-    KernelId::RoundSlots,
 ];
 
 use super::fused::blocks_for as grid;
@@ -159,7 +171,8 @@ pub struct DeviceRules {
 /// when the requests differ) and the arm ([`CTL_ARM`]: rank 0's request, or for
 /// [`arm::AUTO`] count-first when the largest token count is at least `rules.bucket`) in the
 /// control block, and the arm gates at `gates` ([`ARM_GATES`] × [`CTL_WORDS`] u32). A timeout
-/// records [`FAULT_STATUS_WAIT`] in `err`.
+/// records [`FAULT_STATUS_WAIT`] in `err`. `payload`: a source's [`check_payload`] state of the
+/// round (fp8 payloads), whose word is the source's verdict word when its routes pass.
 #[allow(clippy::too_many_arguments)]
 pub fn begin(
     ctx: &GpuContext,
@@ -168,6 +181,7 @@ pub fn begin(
     world: usize,
     me: usize,
     source: Option<(usize, &CudaSlice<i32>, &CudaSlice<f32>)>,
+    payload: Option<&CudaSlice<u32>>,
     rules: &DeviceRules,
     top_k: usize,
     timeout_ns: u64,
@@ -190,6 +204,9 @@ pub fn begin(
             let n = rules.capacity as usize * top_k;
             need("routes", idx, n)?;
             need("weights", w, n)?;
+            if let Some(st) = payload {
+                need("payload check state", st, PAYLOAD_STATE_WORDS)?;
+            }
             (as_u32("attention index", s)?, idx, w)
         }
         None => {
@@ -198,6 +215,7 @@ pub fn begin(
             );
         }
     };
+    let null = 0u64;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&rc.ws)
         .arg(&peers)
@@ -212,17 +230,21 @@ pub fn begin(
         .arg(&rc.ctl_off)
         .arg(&rc.status_off)
         .arg(&timeout_ns)
-        .arg(&err)
-        .arg(&rules.bucket)
-        .arg(gates);
+        .arg(&err);
+    match payload {
+        Some(st) => b.arg(st),
+        None => b.arg(&null),
+    };
+    b.arg(&rules.bucket).arg(gates);
     // SAFETY: afdep_round_begin(u8* ws, const u64* peers, u32 world, u32 me, u32 src_index,
     // const i32* idx, const float* w, u64 cap, u64 experts, u64 owned, u64 ctl_off, u64
-    // status_off, u64 timeout_ns, u32* err, u64 bucket, u32* gates), one block: reads and
-    // writes the control block of this rank's live workspace, reads at most min(tokens, cap) ×
-    // K routes (the tables hold cap × K, checked; a larger token count is rejected without
-    // reading), writes one status record into each of the `world` (<= 64, checked) workspaces
-    // of the live peer table and reads this rank's status area; err is a live u32[4]; writes
-    // gates 1..ARM_GATES of `gates` (ARM_GATES × CTL_WORDS, checked).
+    // status_off, u64 timeout_ns, u32* err, const u32* payload, u64 bucket, u32* gates), one
+    // block: reads and writes the control block of this rank's live workspace, reads at most
+    // min(tokens, cap) × K routes (the tables hold cap × K, checked; a larger token count is
+    // rejected without reading) and the first 6 words of the payload state (checked) or none
+    // (null), writes one status record into each of the `world` (<= 64, checked) workspaces of
+    // the live peer table and reads this rank's status area; err is a live u32[4]; writes gates
+    // 1..ARM_GATES of `gates` (ARM_GATES × CTL_WORDS, checked).
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
     Ok(())
 }
@@ -257,11 +279,64 @@ fn begin_ffn(
         .arg(&rc.status_off)
         .arg(&timeout_ns)
         .arg(&err)
+        .arg(&null)
         .arg(&rules.bucket)
         .arg(gates);
-    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route (the
-    // null tables are never dereferenced) and publishes an all-zero word.
+    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route and no
+    // payload state (the null tables are never dereferenced) and publishes an all-zero word.
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
+    Ok(())
+}
+
+/// A source's fp8 payload check of a device round (`afdep_round_check_payload`), launched just
+/// before [`begin`] on the same stream: over the control block's token count (at `ctl`; none
+/// above `capacity`) of rows `x` (`capacity × hidden` bf16, hidden a multiple of 128) and
+/// routes `idx` (`capacity × top_k`), the first non-finite value of a token with an unmasked
+/// slot (tokens, then channels, ascending) becomes the
+/// [`afdep_core::RouteError::NonFinitePayload`] word (naming attention index `source`) in
+/// `state` ([`PAYLOAD_STATE_WORDS`], zero before the first round), or zeros. It reads no
+/// verdict (the control block still holds the previous round's). At most `blocks` blocks.
+#[allow(clippy::too_many_arguments)]
+pub fn check_payload(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    idx: &CudaSlice<i32>,
+    ctl: u64,
+    capacity: usize,
+    hidden: usize,
+    top_k: usize,
+    source: usize,
+    state: &mut CudaSlice<u32>,
+    blocks: u32,
+) -> Result<(), KernelError> {
+    if hidden % afdep_core::fp8::GROUP != 0 {
+        return Err(KernelError::Shape(format!(
+            "fp8 payloads need hidden a multiple of 128, not {hidden}"
+        )));
+    }
+    need("rows", x, capacity * hidden)?;
+    need("routes", idx, capacity * top_k)?;
+    need("payload check state", state, PAYLOAD_STATE_WORDS)?;
+    let k = as_u32("top_k", top_k)?;
+    let h = as_u32("hidden", hidden)?;
+    let src = as_u32("attention index", source)?;
+    let cap = capacity as u64;
+    let f = ctx.function(KernelId::RoundCheckPayload, 0, k)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(idx)
+        .arg(&ctl)
+        .arg(&cap)
+        .arg(&h)
+        .arg(&src)
+        .arg(state);
+    // SAFETY: afdep_round_check_payload(const u16* x, const i32* idx, const u32* ctl, u64 cap,
+    // u32 hidden, u32 src_index, u32* state) with K compiled in: reads the caller's live
+    // control block; for a token count at most cap, warp t reads idx[t] (cap × K, checked) and
+    // row t of x (cap × hidden, checked; 16-byte loads: hidden a multiple of 128, checked, in a
+    // cudaMalloc'd buffer); atomics on and the last block's stores to the 16-word state
+    // (checked).
+    unsafe { b.launch(grid(cap, blocks)) }.map_err(launch_err(KernelId::RoundCheckPayload))?;
     Ok(())
 }
 
@@ -334,106 +409,6 @@ pub fn experts(
     Ok(())
 }
 
-/// Expert outputs back to their sources (`afdep_round_return_store`): expanded row j of `y`
-/// (block (l, s) of the plan) to the return row of this FFN rank (`me`) in source
-/// `src_ranks[s]`'s workspace (`ret_off + (me × ret_cap + r) × 2 hidden`, r the row's place in
-/// the source's return order). Nothing when the round is skipped.
-#[allow(clippy::too_many_arguments)]
-pub fn return_store(
-    ctx: &GpuContext,
-    pv: &PlanView,
-    ctl: u64,
-    peers: u64,
-    src_ranks: &CudaSlice<u32>,
-    y: &CudaSlice<bf16>,
-    ret_off: u64,
-    me: usize,
-    ret_cap: u64,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    need("source ranks", src_ranks, pv.sources)?;
-    need("y", y, pv.exp_rows as usize * pv.hidden)?;
-    let e = as_u32("experts per rank", pv.epr)?;
-    let ns = as_u32("sources", pv.sources)?;
-    let h = as_u32("hidden", pv.hidden)?;
-    let me = as_u32("rank", me)?;
-    let f = ctx.function(KernelId::RoundReturnStore, 0, 1)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&pv.ws)
-        .arg(&ctl)
-        .arg(&peers)
-        .arg(src_ranks)
-        .arg(&ns)
-        .arg(&e)
-        .arg(&pv.plan_off)
-        .arg(&pv.exp_rows)
-        .arg(y)
-        .arg(&ret_off)
-        .arg(&me)
-        .arg(&ret_cap)
-        .arg(&h);
-    // SAFETY: afdep_round_return_store(const u8* ws, const u32* ctl, const u64* peers, const
-    // u32* src_rank, u32 ns, u32 epr, u64 plan_off, u64 exp_rows, const u16* y, u64 ret_off,
-    // u32 me, u64 ret_cap, u32 hidden): reads the live control block and plan, y rows below
-    // exp_rows (checked), src_rank (ns, checked); writes 2 hidden bytes per row at return rows
-    // below ret_cap (the kernel skips others) of workspaces of the live peer table, which hold
-    // world × ret_cap return rows (the caller's geometry).
-    unsafe { b.launch(grid(pv.exp_rows, blocks)) }
-        .map_err(launch_err(KernelId::RoundReturnStore))?;
-    Ok(())
-}
-
-/// A source's combine slots from the device (`afdep_round_slots`): for the control block's
-/// token count of routes `idx` (the tables hold `tokens × top_k`), each slot's return row
-/// (`ffn_ranks[f] × ret_cap + ` its place in the return order) and owner f, from the
-/// count-first counts (`counts`: `ffns × epr + ffns`) and block positions (`slot_pos`).
-#[allow(clippy::too_many_arguments)]
-pub fn slots(
-    ctx: &GpuContext,
-    ctl: u64,
-    idx: &CudaSlice<i32>,
-    slot_pos: &CudaSlice<u32>,
-    counts: &CudaSlice<u64>,
-    ffn_ranks: &CudaSlice<u32>,
-    ffns: usize,
-    epr: usize,
-    tokens: usize,
-    top_k: usize,
-    ret_cap: u64,
-    slot_row: &mut CudaSlice<u64>,
-    slot_ffn: &mut CudaSlice<u32>,
-) -> Result<(), KernelError> {
-    let n = tokens * top_k;
-    need("routes", idx, n)?;
-    need("slot positions", slot_pos, n)?;
-    need("counts", counts, ffns * epr + ffns)?;
-    need("ffn ranks", ffn_ranks, ffns)?;
-    need("slot rows", slot_row, n)?;
-    need("slot owners", slot_ffn, n)?;
-    let k = as_u32("top_k", top_k)?;
-    let e = as_u32("experts per rank", epr)?;
-    let f = ctx.function(KernelId::RoundSlots, 0, k)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ctl)
-        .arg(idx)
-        .arg(slot_pos)
-        .arg(counts)
-        .arg(ffn_ranks)
-        .arg(&e)
-        .arg(&ret_cap)
-        .arg(slot_row)
-        .arg(slot_ffn);
-    // SAFETY: afdep_round_slots(const u32* ctl, const i32* idx, const u32* slot_pos, const u64*
-    // counts, const u32* ffn_rank, u32 epr, u64 ret_cap, u64* slot_row, u32* slot_ffn) with K
-    // compiled in: reads the live control block, whose token count the caller keeps at most
-    // `tokens`; thread i < tokens × K reads and writes entry i of the tables (tokens × K,
-    // checked), counts of owned experts (validated ids: below ffns × epr, checked) and
-    // ffn_rank[f] (ffns, checked).
-    unsafe { b.launch(grid((n as u64).div_ceil(32).max(1), u32::MAX)) }
-        .map_err(launch_err(KernelId::RoundSlots))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,5 +463,29 @@ mod tests {
             format!("{FAULT_STATUS_WAIT}u")
         );
         const { assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS) };
+    }
+
+    /// The payload check's state layout (`fused_round.cu`): the error word first, then the
+    /// block count, then the 8-byte aligned key, within [`PAYLOAD_STATE_WORDS`].
+    #[test]
+    fn payload_state_constants_match_the_kernel() {
+        let text = include_str!("../../cuda/fused_round.cu");
+        let def = |name: &str| -> usize {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("{name} not in fused_round.cu"));
+            line[format!("#define {name} ").len()..]
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(def("AFDEP_PAYLOAD_STATE_WORDS"), PAYLOAD_STATE_WORDS);
+        let (done, key) = (
+            def("AFDEP_PAYLOAD_DONE_WORD"),
+            def("AFDEP_PAYLOAD_KEY_WORD"),
+        );
+        assert!(done >= afdep_core::error::ROUTE_ERROR_WORDS);
+        assert!(key > done && key % 2 == 0 && key + 2 <= PAYLOAD_STATE_WORDS);
     }
 }

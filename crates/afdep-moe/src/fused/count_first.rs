@@ -28,15 +28,37 @@
 //! expanded rows and the compact view (the slab rows; in the source arm the slabs hold only the
 //! metadata and each compact row's payload is read from its first expanded row).
 //!
+//! # fp8 payloads
+//!
+//! With [`PayloadKind::Fp8E4m3`] every row is quantised on the device while it is stored (e4m3
+//! codes and one f32 scale per 128 channels, bit for bit the host encoder of
+//! [`afdep_core::fp8`]; each row once, however many expanded rows it lands in):
+//!
+//! - streaming: the slab row holds the codes and scales (the payload-first fp8 row format,
+//!   `[codes | pad 16][scales | pad 16][metadata]`), and the streaming epilogue writes each of
+//!   the row's expanded rows as codes, scales and the dequantised bf16 values
+//!   (`bf16(f32(q) · scale)`);
+//! - source arm: the source stores the codes and scales straight into the final expanded rows'
+//!   code and scale areas (the slab row holds the metadata only), and the FFN rank, after every
+//!   source's dispatch flag, dequantises the expanded rows (`afdep_cf_dequant`).
+//!
+//! The expanded area holds the dequantised bf16 rows (what the experts consume, as in the
+//! oracle's fp8 exchange); its codes and scales follow it in the workspace ([`areas`]). The
+//! FFN rank's [`FfnReceived`] is then the payload-first fp8 round's: the expanded layout
+//! dequantised, [`FfnReceived::fp8`] with the codes and scales of the expanded layout and of
+//! the compact view (streaming: the slab rows' codes and scales, dequantised on the host for
+//! `compact_x`; source arm: those of each token's first expanded row). A non-finite value in a
+//! travelling row is rejected by the host status + counts phase before anything moves
+//! ([`afdep_core::RouteError::NonFinitePayload`]). Combine is bf16 out, f32 sums, as for bf16.
+//!
 //! # Arm selection
 //!
 //! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
 //! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
-//! payload-first below it; always payload-first for payloads other than bf16 (count-first
-//! carries bf16 rows only in this version, and a forced count-first arm with another payload
-//! is an [`ExchangeError::Input`]). The token counts come from the host status + counts phase, which
-//! every rank runs, so every rank picks the same arm. [`FusedEngine::set_arm`] overrides the
-//! rule (every rank must then set the same arm, like the configuration; a rank that does not
+//! payload-first below it, for bf16 and fp8 payloads alike. The token counts come from the host
+//! status + counts phase, which every rank runs, so every rank picks the same arm.
+//! [`FusedEngine::set_arm`] overrides the rule (every rank must then set the same arm, like the
+//! configuration; a rank that does not
 //! makes the round fail with a [`ExchangeError::DeviceTimeout`]).
 //!
 //! # Knobs
@@ -56,8 +78,8 @@
 //! combine; the dispatch itself uses only the device's counts and offsets.
 
 use afdep_core::layout::FfnPlan;
-use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
-use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, bf16};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
+use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
 use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
@@ -152,6 +174,18 @@ pub(super) fn areas(cfg: &ExchangeConfig, start: u64) -> (CfAreas, u64) {
     let row_flags = align256(plan + (2 * epr * ns + epr + ns + 2) * 8);
     let expanded = align256(row_flags + world * cap * 4);
     let exp_rows = ns * cap * (cfg.top_k as u64).min(epr);
+    let mut end = expanded + exp_rows * 2 * h;
+    // fp8: the expanded rows' codes and scales after the (dequantised) bf16 rows; bf16 configs
+    // have neither (both offsets at the end, zero bytes)
+    let (exp_q, exp_scales) = match cfg.payload {
+        PayloadKind::Bf16 => (end, end),
+        PayloadKind::Fp8E4m3 => {
+            let q = align256(end);
+            let sc = align256(q + exp_rows * h);
+            end = sc + exp_rows * 4 * fp8::scales_per_row(cfg.hidden) as u64;
+            (q, sc)
+        }
+    };
     let a = CfAreas {
         count_flags: base,
         offset_flags: base + 256,
@@ -160,10 +194,13 @@ pub(super) fn areas(cfg: &ExchangeConfig, start: u64) -> (CfAreas, u64) {
         plan,
         row_flags,
         expanded,
+        exp_q,
+        exp_scales,
         exp_rows,
-        meta_off: (2 * h).div_ceil(16) * 16,
+        meta_off: fk::slab_payload_bytes(cfg.payload, cfg.hidden) as u64,
+        payload: cfg.payload,
     };
-    (a, expanded + exp_rows * 2 * h)
+    (a, end)
 }
 
 /// The phase a count-first fault code names.
@@ -179,12 +216,8 @@ pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
 }
 
 /// The arm rule of a round of `cfg` whose sources have `tokens` tokens each:
-/// [`DispatchArm::select`] on the largest, and payload-first for payloads other than bf16
-/// (count-first carries bf16 rows only in this version).
+/// [`DispatchArm::select`] on the largest (for every payload kind).
 pub(super) fn rule(cfg: &ExchangeConfig, tokens: &[u64]) -> DispatchArm {
-    if cfg.payload != PayloadKind::Bf16 {
-        return DispatchArm::PayloadFirst;
-    }
     let max = tokens.iter().copied().max().unwrap_or(0);
     DispatchArm::select(&cfg.knobs, usize::try_from(max).unwrap_or(usize::MAX))
 }
@@ -232,6 +265,19 @@ impl FusedEngine {
         Ok(())
     }
 
+    /// Poisons the first `rows` rows of the count-first expanded area (fp8: and of its codes and
+    /// scales; NaN rows, codes 0xff, NaN scales).
+    pub(super) fn poison_expanded(&self, rows: u64) -> Result<(), ExchangeError> {
+        let a = self.geo.cf;
+        let h = self.cfg.hidden as u64;
+        self.poison_ws(a.expanded, rows * 2 * h)?;
+        if a.payload == PayloadKind::Fp8E4m3 {
+            self.poison_ws(a.exp_q, rows * h)?;
+            self.poison_ws(a.exp_scales, rows * 4 * (h / fp8::GROUP as u64))?;
+        }
+        Ok(())
+    }
+
     /// The count-first dispatch of one round (the [module docs](self)); FFN ranks get what
     /// they received. `host_plans`: the host's plans of the round (only the poisoned extent
     /// comes from them).
@@ -255,23 +301,13 @@ impl FusedEngine {
         let ctl = self.ws + super::CONTROL;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
-        if cfg.payload != PayloadKind::Bf16 {
+        let need = fk::slab_row_bytes_for(cfg.payload, h, k) as u64;
+        if slab.row_bytes < need {
             return Err(ExchangeError::Input {
                 rank,
                 what: format!(
-                    "count-first carries bf16 payloads only, the configuration has {} \
-                     (use payload-first)",
-                    cfg.payload
-                ),
-            });
-        }
-        if slab.row_bytes < fk::slab_row_bytes(h, k) as u64 {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!(
-                    "count-first needs bf16 slab rows of {} bytes, the workspace has {}",
-                    fk::slab_row_bytes(h, k),
-                    slab.row_bytes
+                    "count-first needs {} slab rows of {need} bytes, the workspace has {}",
+                    cfg.payload, slab.row_bytes
                 ),
             });
         }
@@ -287,7 +323,7 @@ impl FusedEngine {
         }
         if let Some(f) = ffn_index {
             let total = host_plans[f].total_rows().min(a.exp_rows);
-            self.poison_ws(a.expanded, total * 2 * h as u64)?;
+            self.poison_expanded(total)?;
             if arm == DispatchArm::CountFirstSource {
                 for (s, r) in topo.attention_ranks().enumerate() {
                     let n = (host_plans[f].slab_offsets[s + 1] - host_plans[f].slab_offsets[s])
@@ -396,7 +432,8 @@ impl FusedEngine {
             }
         }
 
-        // 4. FFN rank: the streaming epilogue, or the wait for the source arm's rows
+        // 4. FFN rank: the streaming epilogue, or the wait for the source arm's rows (fp8: then
+        // their dequantisation)
         if ffn_index.is_some() {
             if arm == DispatchArm::CountFirstSource {
                 cf::wait(
@@ -410,6 +447,19 @@ impl FusedEngine {
                     err,
                     cf::fault::SOURCE_WAIT,
                 )?;
+                if cfg.payload == PayloadKind::Fp8E4m3 {
+                    cf::dequant(
+                        &self.gpu,
+                        self.ws,
+                        ns,
+                        epr,
+                        h,
+                        &a,
+                        ctl,
+                        k,
+                        knobs.epilogue_sm_cap,
+                    )?;
+                }
             } else {
                 cf::stream_epilogue(
                     &self.gpu,
@@ -489,6 +539,19 @@ impl FusedEngine {
         }
         let expanded: Vec<bf16> =
             bytemuck::pod_collect_to_vec(&self.read_ws(a.expanded, total as usize * 2 * h)?);
+        // fp8: the expanded rows' codes and scales as delivered
+        let g = fp8::scales_per_row(h);
+        let mut fp8_rx = match a.payload {
+            PayloadKind::Bf16 => None,
+            PayloadKind::Fp8E4m3 => Some(Fp8Received {
+                expanded_q: self.read_ws(a.exp_q, total as usize * h)?,
+                expanded_scales: bytemuck::pod_collect_to_vec(
+                    &self.read_ws(a.exp_scales, total as usize * 4 * g)?,
+                ),
+                compact_q: Vec::new(),
+                compact_scales: Vec::new(),
+            }),
+        };
         let mw = fk::meta_words(k);
         let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -516,13 +579,38 @@ impl FusedEngine {
                             u64::from(m[2 + 2 * k + 2 * j])
                                 | (u64::from(m[3 + 2 * k + 2 * j]) << 32)
                         })
-                        .filter(|&d| d < total);
+                        .filter(|&d| d < total)
+                        .map(|d| d as usize);
                     match first {
-                        Some(d) => compact_x
-                            .extend_from_slice(&expanded[d as usize * h..(d as usize + 1) * h]),
+                        Some(d) => {
+                            compact_x.extend_from_slice(&expanded[d * h..(d + 1) * h]);
+                            if let Some(rx) = fp8_rx.as_mut() {
+                                let q = rx.expanded_q[d * h..(d + 1) * h].to_vec();
+                                let sc = rx.expanded_scales[d * g..(d + 1) * g].to_vec();
+                                rx.compact_q.extend(q);
+                                rx.compact_scales.extend(sc);
+                            }
+                        }
                         // a row without a valid slot: poison, which the check sees
-                        None => compact_x.extend(std::iter::repeat_n(bf16::from_bits(0xFFFF), h)),
+                        None => {
+                            compact_x.extend(std::iter::repeat_n(bf16::from_bits(0xFFFF), h));
+                            if let Some(rx) = fp8_rx.as_mut() {
+                                rx.compact_q.extend(std::iter::repeat_n(0xFFu8, h));
+                                rx.compact_scales.extend(std::iter::repeat_n(f32::NAN, g));
+                            }
+                        }
                     }
+                } else if let Some(rx) = fp8_rx.as_mut() {
+                    // the slab row's codes and scales (the fp8 slab row format), dequantised
+                    // on the host (the same bits as the device's, afdep_core::fp8)
+                    let q = &row[..h];
+                    let at = h.div_ceil(16) * 16;
+                    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+                    let mut deq = vec![bf16::ZERO; h];
+                    fp8::dequantise_row(q, &sc, &mut deq);
+                    compact_x.extend(deq);
+                    rx.compact_q.extend_from_slice(q);
+                    rx.compact_scales.extend(sc);
                 } else {
                     compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
                 }
@@ -536,8 +624,7 @@ impl FusedEngine {
             compact_x,
             compact_ids,
             compact_weights,
-            // count-first carries bf16 payloads only (checked above)
-            fp8: None,
+            fp8: fp8_rx,
         })
     }
 }
@@ -559,15 +646,16 @@ mod tests {
     }
 
     #[test]
-    fn the_rule_takes_the_largest_source_and_keeps_fp8_payload_first() {
+    fn the_rule_takes_the_largest_source_for_every_payload() {
         let mut c = ExchangeConfig::new("3A:1F".parse().unwrap(), 256, 8, 2, 64).unwrap();
         c.knobs.min_token_bucket = 10;
-        assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst);
-        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirst);
-        assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst);
-        c.payload = PayloadKind::Fp8E4m3;
-        c.validate().unwrap();
-        assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::PayloadFirst);
+        for payload in [PayloadKind::Bf16, PayloadKind::Fp8E4m3] {
+            c.payload = payload;
+            c.validate().unwrap();
+            assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst, "{payload}");
+            assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirst, "{payload}");
+            assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst, "{payload}");
+        }
     }
 
     /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
@@ -599,6 +687,70 @@ mod tests {
             assert_eq!(a.meta_off, (2 * hidden as u64).div_ceil(16) * 16);
             assert!(
                 a.meta_off + 4 * fk::meta_words(k) as u64 <= fk::slab_row_bytes(hidden, k) as u64
+            );
+            // bf16: no code or scale areas
+            assert_eq!((a.exp_q, a.exp_scales), (end, end));
+            assert_eq!(a.payload, PayloadKind::Bf16);
+        }
+    }
+
+    /// fp8 configurations: the same areas up to the bf16 (dequantised) expanded rows, then the
+    /// codes (`hidden` bytes per row) and the scales (`hidden / 128` f32 per row), 256-byte
+    /// aligned and disjoint; the metadata after the fp8 payload part of a slab row.
+    #[test]
+    fn fp8_areas_add_codes_and_scales_after_the_expanded_rows() {
+        for (topo, hidden, experts, k, cap) in [
+            ("3A:1F", 2048usize, 128usize, 8usize, 2048usize),
+            ("1A:3F", 384, 9, 2, 3),
+            ("EP4", 7168, 24, 4, 256),
+            ("2A:2F", 128, 2, 2, 1),
+        ] {
+            let bf = ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, k, cap).unwrap();
+            let mut c = bf.clone();
+            c.payload = PayloadKind::Fp8E4m3;
+            c.validate().unwrap();
+            let start = 1000;
+            let (b, bend) = areas(&bf, start);
+            let (a, end) = areas(&c, start);
+            let rows = a.exp_rows;
+            let h = hidden as u64;
+            assert_eq!(
+                (
+                    a.count_flags,
+                    a.counts,
+                    a.offsets,
+                    a.plan,
+                    a.row_flags,
+                    a.expanded
+                ),
+                (
+                    b.count_flags,
+                    b.counts,
+                    b.offsets,
+                    b.plan,
+                    b.row_flags,
+                    b.expanded
+                )
+            );
+            assert_eq!(rows, b.exp_rows);
+            assert_eq!(a.payload, PayloadKind::Fp8E4m3);
+            assert_eq!(a.exp_q % 256, 0);
+            assert_eq!(a.exp_scales % 256, 0);
+            assert!(a.exp_q >= a.expanded + rows * 2 * h);
+            assert!(a.exp_scales >= a.exp_q + rows * h);
+            assert_eq!(end, a.exp_scales + rows * 4 * (h / 128));
+            assert!(end > bend);
+            assert_eq!(
+                a.meta_off,
+                fk::slab_payload_bytes(PayloadKind::Fp8E4m3, hidden) as u64
+            );
+            assert_eq!(
+                a.meta_off,
+                h.div_ceil(16) * 16 + (4 * (h / 128)).div_ceil(16) * 16
+            );
+            assert!(
+                a.meta_off + 4 * fk::meta_words(k) as u64
+                    <= fk::slab_row_bytes_for(PayloadKind::Fp8E4m3, hidden, k) as u64
             );
         }
     }

@@ -9,13 +9,16 @@
 //!
 //! 1. every rank, `afdep_round_begin`: round + 1 in the control block; a source validates its
 //!    routes (`afdep_core::route::validate`'s rules on the device, over the control block's
-//!    token count); every rank publishes its verdict word, its token count and its arm request
-//!    to every rank's status area and reads all of them (bounded). A rejection anywhere makes
-//!    every rank skip the data phases (every later kernel of the round returns at once), and
-//!    every rank returns [`ExchangeError::Route`] with the lowest rejecting rank's error: the
-//!    same error as the host-planned round's. The round number still advanced on every rank,
-//!    so the next round works. From the same records every rank derives the same arm of the
-//!    round ([One graph for every arm](self#one-graph-for-every-arm)); ranks that asked for
+//!    token count) and, with fp8 payloads, then its rows (`afdep_round_check_payload`, launched
+//!    just before: the first NaN or infinity in a row that travels is
+//!    [`RouteError::NonFinitePayload`], as `afdep_core::oracle::exchange::check_payload` finds
+//!    it on the host); every rank publishes its verdict word, its token count and its arm
+//!    request to every rank's status area and reads all of them (bounded). A rejection anywhere
+//!    makes every rank skip the data phases (every later kernel of the round returns at once),
+//!    and every rank returns [`ExchangeError::Route`] with the lowest rejecting rank's error:
+//!    the same error as the host-planned round's. The round number still advanced on every
+//!    rank, so the next round works. From the same records every rank derives the same arm of
+//!    the round ([One graph for every arm](self#one-graph-for-every-arm)); ranks that asked for
 //!    different arms all skip the round with [`ExchangeError::ArmsDiffer`].
 //! 2. the count-first counts, plan and offsets on the device (`fused/count_first.rs`) and
 //!    the rows: [`DispatchArm::CountFirst`] (streaming epilogue), [`DispatchArm::CountFirstSource`]
@@ -24,11 +27,13 @@
 //!    block), the source's dispatch flag after its last row, and on the FFN rank, after every
 //!    source's flag, the plan from the published counts and the copy epilogue (the streaming
 //!    epilogue's kernel, whose row flags are all raised by then) into the expanded layout.
-//! 3. FFN rank: the device experts ([`DeviceExperts`]) over the expanded rows, then
-//!    `afdep_round_return_store`: each output row to its source's return area, its row found
-//!    from the device plan (no host return list), then the combine flag.
-//! 4. source: `afdep_round_slots` (each slot's return row from the device counts and block
-//!    positions: no host slot list), then the fixed-order combine.
+//! 3. FFN rank: the device experts ([`DeviceExperts`]) over the expanded rows, then the
+//!    combine's FFN half (`afdep_fused_combine_reduce`): for each compact row (its slab
+//!    metadata, rows found through the device plan's block starts: no host list) the f32
+//!    partial sum of the token's slots on this rank into its source's return area, then the
+//!    combine flag.
+//! 4. source: the combine's source half, which adds the partials of the FFN ranks that own a
+//!    slot of each token (from the routes alone) in the fixed order.
 //!
 //! With [`DeviceRoundOptions::keep_received`], the FFN rank also copies its slabs (the compact
 //! view) into a snapshot buffer before it raises its combine flag (after that flag a source may
@@ -61,7 +66,9 @@
 //! `eng.device_round(RoundArm::Auto, input)`) launches every arm's kernels in one round: the
 //! payload-first, streaming and source-arm row stores, the count-first plan before the rows
 //! and the payload-first plan after them, the dispatch flags of payload-first and the source
-//! arm, their waits, and the epilogue of payload-first and streaming. The arm is chosen on the
+//! arm, their waits (and the source arm's fp8 dequantisation), the epilogue of payload-first
+//! and streaming, and the combine's FFN half in its two kinds (compact rows holding block
+//! positions, or the source arm's final rows). The arm is chosen on the
 //! device, the same on every rank: each rank's host writes its arm request next to its token
 //! count in the control block before the round (the arm forced by [`FusedEngine::set_arm`] at
 //! that time, else "auto"), `afdep_round_begin` shares requests and token counts through the
@@ -83,8 +90,9 @@
 //!
 //! The cost over a fixed-arm graph: no host synchronisation and no host decision (the request
 //! is written by the same copy as the token count), one more status record word pair, and the
-//! launches of the arms not taken, each a kernel that reads one word and returns (at most three
-//! per round on a source-only or an FFN-only rank, six on a rank that is both).
+//! launches of the arms not taken, each a kernel that reads one word and returns (per round at
+//! most three on a source-only rank, four on an FFN-only rank (five with fp8), seven on a rank
+//! that is both (eight)).
 //!
 //! # Experts
 //!
@@ -97,9 +105,13 @@
 //! kernels are loaded and warmed up in [`FusedEngine::prepare_device`] (their occupancy and
 //! fault word are set up there, not during a capture).
 //!
-//! # Not here
+//! # fp8 payloads
 //!
-//! fp8 payloads run host-planned payload-first rounds only.
+//! Every arm carries fp8 rows as the host-planned count-first round does (`fused/count_first.rs`,
+//! "fp8 payloads"): each row quantised on the device while it is stored, codes and scales
+//! expanded beside the dequantised bf16 rows, which are what the device experts consume (the
+//! oracle's fp8 exchange: experts on `bf16(f32(q) · scale)`); [`RoundOutput::received`] holds
+//! the codes and scales of both views. Combine is bf16 out, f32 sums.
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
@@ -273,8 +285,8 @@ struct SourceBufs {
     idx: CudaSlice<i32>,
     w: CudaSlice<f32>,
     out: CudaSlice<bf16>,
-    slot_row: CudaSlice<u64>,
-    slot_ffn: CudaSlice<u32>,
+    /// fp8 payloads: the state of the payload check (`ops::fused_round::check_payload`).
+    payload: Option<CudaSlice<u32>>,
 }
 
 /// The device buffers of an FFN rank's device rounds.
@@ -428,8 +440,10 @@ impl FusedEngine {
                 idx: zeros(&self.gpu, (cap * k).max(1))?,
                 w: zeros(&self.gpu, (cap * k).max(1))?,
                 out: zeros(&self.gpu, (cap * h).max(1))?,
-                slot_row: zeros(&self.gpu, (cap * k).max(1))?,
-                slot_ffn: zeros(&self.gpu, (cap * k).max(1))?,
+                payload: match cfg.payload {
+                    PayloadKind::Bf16 => None,
+                    PayloadKind::Fp8E4m3 => Some(zeros(&self.gpu, fr::PAYLOAD_STATE_WORDS)?),
+                },
             }),
             None => None,
         };
@@ -667,20 +681,10 @@ impl FusedEngine {
     }
 
     fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
-        let rank = self.rank();
         if self.device.is_none() {
             return Err(ExchangeError::Input {
-                rank,
+                rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
-            });
-        }
-        if self.cfg.payload != PayloadKind::Bf16 {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!(
-                    "device rounds carry bf16 payloads only, the configuration has {}",
-                    self.cfg.payload
-                ),
             });
         }
         Ok(())
@@ -789,8 +793,8 @@ impl FusedEngine {
                 }
             }
             if cfg.topology.ffn_index(rank).is_some() {
-                let a = self.geo.cf;
-                self.poison_ws(a.expanded, a.exp_rows * 2 * h as u64)?;
+                // the whole expanded area (fp8: and its codes and scales)
+                self.poison_expanded(self.geo.cf.exp_rows)?;
                 if matches!(
                     arm,
                     RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
@@ -857,10 +861,27 @@ impl FusedEngine {
         // the control block of a kernel of the arms `arms` (None: not launched in this round)
         let gate = |arms: u32| arm_gate(ctl, gates, round_arms, arms);
 
+        // 0. source, fp8: the payload check (its word is the verdict word of valid routes)
+        if let (Some(s), Some(b)) = (src_index, d.src.as_mut()) {
+            if let Some(st) = b.payload.as_mut() {
+                fr::check_payload(
+                    gpu,
+                    &b.x,
+                    &b.idx,
+                    ctl,
+                    cap,
+                    h,
+                    k,
+                    s,
+                    st,
+                    knobs.transport_sms,
+                )?;
+            }
+        }
         // 1. round, validation, verdict (every rank)
-        let source = match (src_index, d.src.as_ref()) {
-            (Some(s), Some(b)) => Some((s, &b.idx, &b.w)),
-            _ => None,
+        let (source, payload) = match (src_index, d.src.as_ref()) {
+            (Some(s), Some(b)) => (Some((s, &b.idx, &b.w)), b.payload.as_ref()),
+            _ => (None, None),
         };
         fr::begin(
             gpu,
@@ -869,6 +890,7 @@ impl FusedEngine {
             world,
             rank,
             source,
+            payload,
             &rules,
             k,
             timeout_ns,
@@ -997,6 +1019,9 @@ impl FusedEngine {
                     err,
                     cf::fault::SOURCE_WAIT,
                 )?;
+                if cfg.payload == PayloadKind::Fp8E4m3 {
+                    cf::dequant(gpu, ws, ns, epr, h, &a, c, k, knobs.epilogue_sm_cap)?;
+                }
             }
             if let Some(c) = gate(PF | CF) {
                 cf::stream_epilogue(
@@ -1050,37 +1075,42 @@ impl FusedEngine {
                 None => fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?,
                 Some(sw) => swiglu(gpu, &pv, sw, &mut fb.y)?,
             }
-            fr::return_store(
-                gpu,
-                &pv,
-                ctl,
-                peers,
-                &self.src_ranks,
-                &fb.y,
-                self.geo.ret_off,
-                rank,
-                self.geo.ret_cap,
-                knobs.transport_sms,
-            )?;
+            // the compact view's rows hold block positions, except the source arm's (final
+            // rows): one launch per kind, each gated to its arms
+            let plan = ws + a.plan;
+            let eps = (epr * ns) as u64;
+            let f = ffn_index.expect("an FFN rank's buffers");
+            for (arms, block_starts) in [(PF | CF, Some(plan + 8 * eps)), (SRC, None)] {
+                let Some(c) = gate(arms) else {
+                    continue;
+                };
+                let view = fk::CompactView {
+                    ws,
+                    slab,
+                    meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                    sources: ns,
+                    slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
+                    block_starts,
+                    max_rows: (ns * cap) as u64,
+                };
+                fk::combine_reduce(
+                    gpu,
+                    &view,
+                    &self.src_ranks,
+                    c,
+                    peers,
+                    &fb.y,
+                    a.exp_rows as usize,
+                    self.geo.ret_off,
+                    f,
+                    k,
+                    knobs.transport_sms,
+                )?;
+            }
             fk::signal(gpu, peers, &self.src_ranks, ns, COMBINE_FLAGS, rank, ctl)?;
         }
-        // 7. source: slots, combine
-        if let (Some(b), Some(sc)) = (d.src.as_mut(), scratch) {
-            fr::slots(
-                gpu,
-                ctl,
-                &b.idx,
-                &sc.slot_pos,
-                &sc.counts,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                cap,
-                k,
-                self.geo.ret_cap,
-                &mut b.slot_row,
-                &mut b.slot_ffn,
-            )?;
+        // 7. source: the combine
+        if let Some(b) = d.src.as_mut() {
             fk::combine(
                 gpu,
                 ws,
@@ -1088,10 +1118,10 @@ impl FusedEngine {
                 nf,
                 COMBINE_FLAGS,
                 self.geo.ret_off,
-                &fk::CombineSlots {
-                    row: &b.slot_row,
-                    ffn: &b.slot_ffn,
-                    weight: &b.w,
+                &fk::CombineRoutes {
+                    idx: &b.idx,
+                    experts_per_rank: epr,
+                    capacity: cap,
                     tokens: cap,
                 },
                 k,

@@ -10,7 +10,7 @@ use afdep_core::oracle::layer;
 use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
-use afdep_moe::{ExchangeError, ExpertFn, RoundOutput};
+use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, RoundOutput};
 use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -60,6 +60,68 @@ impl Engine for afdep_moe::FusedEngine {
     fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
         afdep_moe::FusedEngine::round(self, input, expert)
     }
+}
+
+/// A fused engine that runs round i with `arms[i % arms.len()]` (`None`: the knob's rule) and
+/// records the arm each round ran.
+pub struct Cycling {
+    pub eng: FusedEngine,
+    pub arms: Vec<Option<DispatchArm>>,
+    pub ran: Vec<DispatchArm>,
+}
+
+impl Engine for Cycling {
+    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
+        let arm = self.arms[self.ran.len() % self.arms.len()];
+        self.eng.set_arm(arm);
+        let r = self.eng.round(input, expert);
+        self.ran.push(self.eng.last_arm());
+        r
+    }
+}
+
+/// The three arms, forced.
+pub const FORCED: [Option<DispatchArm>; 3] = [
+    Some(DispatchArm::PayloadFirst),
+    Some(DispatchArm::CountFirst),
+    Some(DispatchArm::CountFirstSource),
+];
+
+/// Runs `rounds`, each once per arm of `arms` in turn (round-major), on one fused group `g`
+/// ([`Cycling`] engines: the arms switch from round to round on the same engines). Returns
+/// `[round][arm][rank]`.
+pub fn run_arms_on(
+    g: Vec<NvlinkIpc>,
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    arms: &[Option<DispatchArm>],
+    p: Option<&LayerParams>,
+) -> Vec<Vec<Vec<RankResult>>> {
+    let world = c.topology.world_size();
+    let expanded: Vec<Vec<SourceInput>> = rounds
+        .iter()
+        .flat_map(|r| std::iter::repeat_n(r.clone(), arms.len()))
+        .collect();
+    let arms_v = arms.to_vec();
+    let make = move |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
+        Ok(Cycling {
+            eng: FusedEngine::new(cfg, t)?,
+            arms: arms_v.clone(),
+            ran: Vec::new(),
+        })
+    };
+    let got = run_group(g, &vec![c.clone(); world], &expanded, p, &make)
+        .unwrap_or_else(|e| panic!("{}: set-up failed: {e:?}", c.topology));
+    let mut out: Vec<Vec<Vec<RankResult>>> = Vec::new();
+    let mut it = got.into_iter();
+    for _ in rounds {
+        out.push(
+            (0..arms.len())
+                .map(|_| it.next().expect("a round"))
+                .collect(),
+        );
+    }
+    out
 }
 
 /// The expert function of the tests: the layer's SwiGLU experts, or a cheap scaling.
