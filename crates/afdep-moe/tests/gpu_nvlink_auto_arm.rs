@@ -12,7 +12,8 @@
 //! capacity) fail every rank with the lowest rejecting rank's typed error, and the next replay
 //! is exact. Ranks that ask for different arms (an auto graph with different `set_arm`, eager
 //! rounds of different arms) all get `ExchangeError::ArmsDiffer`, and the next round is exact.
-//! Ratios 3A:1F, 2A:2F, 1A:3F, EP4, and EP1 (for `compute-sanitizer --tool racecheck`).
+//! Ratios 3A:1F, 2A:2F, 1A:3F, EP4 (bf16; 3A:1F and EP4 also with fp8 payloads), and EP1 (for
+//! `compute-sanitizer --tool racecheck`).
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -21,9 +22,9 @@ mod exchange_common;
 
 use std::time::{Duration, Instant};
 
-use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::route::{RouteRules, validate};
+use afdep_core::{ExchangeConfig, PayloadKind};
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
     RoundArm,
@@ -45,8 +46,18 @@ fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
 }
 
 fn config(topo: &str) -> ExchangeConfig {
-    let mut c = cfg(topo, 40, 12, 3);
+    config_with(topo, PayloadKind::Bf16)
+}
+
+/// `config` with `payload` (fp8: hidden 128, one whole scale group).
+fn config_with(topo: &str, payload: PayloadKind) -> ExchangeConfig {
+    let hidden = match payload {
+        PayloadKind::Bf16 => 40,
+        PayloadKind::Fp8E4m3 => 128,
+    };
+    let mut c = cfg(topo, hidden, 12, 3);
     c.capacity = 48;
+    c.payload = payload;
     c.knobs.min_token_bucket = BUCKET;
     c.validate().unwrap();
     c
@@ -227,11 +238,19 @@ fn check_steps(what: &str, c: &ExchangeConfig, steps: &[Step], got: &[Vec<StepRu
 #[test]
 fn one_auto_graph_takes_the_rules_arm_every_replay_on_every_ratio() {
     let _serial = serial();
-    let topos = ["3A:1F", "2A:2F", "1A:3F", "EP4"];
+    use PayloadKind::{Bf16, Fp8E4m3};
+    let topos = [
+        ("3A:1F", Bf16),
+        ("2A:2F", Bf16),
+        ("1A:3F", Bf16),
+        ("EP4", Bf16),
+        ("3A:1F", Fp8E4m3),
+        ("EP4", Fp8E4m3),
+    ];
     // first, on the host: the inputs cross the bucket both ways under the rule on every ratio
     // (a check of the test's input, also without a GPU)
-    for topo in topos {
-        let c = config(topo);
+    for (topo, payload) in topos {
+        let c = config_with(topo, payload);
         let arms: Vec<DispatchArm> = steps(&c)
             .iter()
             .filter(|s| s.force.is_none())
@@ -248,16 +267,17 @@ fn one_auto_graph_takes_the_rules_arm_every_replay_on_every_ratio() {
             "{topo}: the rounds do not cross the bucket both ways: {arms:?}"
         );
     }
-    for topo in topos {
+    for (topo, payload) in topos {
         let t0 = Instant::now();
-        let c = config(topo);
+        let c = config_with(topo, payload);
         let st = steps(&c);
         let Some(got) = run_steps(&c, &st) else {
             return;
         };
-        check_steps(topo, &c, &st, &got);
+        let what = format!("{topo} {payload}");
+        check_steps(&what, &c, &st, &got);
         println!(
-            "{topo}: {} steps, {:.2} s",
+            "{what}: {} steps, {:.2} s",
             st.len(),
             t0.elapsed().as_secs_f64()
         );
