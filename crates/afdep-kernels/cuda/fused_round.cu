@@ -29,6 +29,14 @@
 
 #define AFDEP_NO_SOURCE 0xffffffffu
 
+// a status record: the route error word, then the token count and the request, then the flag
+static_assert(AFDEP_STATUS_TOKENS >= AFDEP_ROUTE_ERROR_WORDS &&
+                  AFDEP_STATUS_REQUEST > AFDEP_STATUS_TOKENS &&
+                  AFDEP_STATUS_REQUEST < AFDEP_STATUS_WORDS - 1,
+              "status record layout");
+// a gate holds a control block's round, verdict and tokens; one gate per set of the three arms
+static_assert(AFDEP_ARM_GATES == 1 << 3 && AFDEP_ARM_AUTO == 3, "arm gates");
+
 // One block. ws: this rank's (`me`) workspace (control block at ctl_off, status area at
 // status_off); peers: the peer table of `world` ranks. src_index: this rank's attention index
 // (AFDEP_NO_SOURCE for an FFN-only rank), whose routes idx / w hold up to `cap` tokens.
