@@ -87,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
         for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
     }
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
     for (u32 q = 0; q < world; q++) {
         u32* rec = (u32*)((u8*)peers[q] + status_off) + mine;
