@@ -258,7 +258,7 @@ impl GpuContext {
 
     /// The function of `kernel` specialised for `experts` and `top_k` (values the kernel's
     /// file is not specialised by are ignored). With the feature `fault-injection` and a fault
-    /// set ([`GpuContext::set_fault`]), from the module built with the fault's points of the
+    /// set (`GpuContext::set_fault`), from the module built with the fault's points of the
     /// kernel's file (the production module when the file holds none).
     pub fn function(
         &self,
@@ -318,6 +318,9 @@ impl GpuContext {
             .filter(|(s, _)| s.fault_mask() != 0)
             .map(|(s, m)| (*s, m.clone()))
             .collect();
+        self.ctx
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
         let mut total = 0u64;
         for (spec, m) in modules {
             let g = m

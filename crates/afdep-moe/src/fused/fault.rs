@@ -20,11 +20,14 @@ use crate::error::ExchangeError;
 
 impl FusedEngine {
     /// Injects `fault` into this rank's fused kernels from the next round on (`None`: the
-    /// production kernels again): selects it on the rank's GPU context, loads every fused
-    /// kernel of the fault-built modules now (compiled at their first use; no kernel may load
-    /// lazily during a round, see [`FusedEngine::new`]), then waits for every rank (a barrier).
+    /// production kernels again). Waits for every rank (a barrier: no kernel of the group is in
+    /// flight after it, since every round ends with its stream), selects the fault on the
+    /// rank's GPU context, loads every fused kernel of the fault-built modules now (compiled at
+    /// their first use; a module load may synchronise the device, so none may happen while a
+    /// peer's kernel waits, see [`FusedEngine::new`]), then waits for every rank again.
     /// Collective: every rank calls it with the same fault, between rounds.
     pub fn set_fault(&mut self, fault: Option<Fault>) -> Result<(), ExchangeError> {
+        self.transport.barrier()?;
         self.gpu.set_fault(fault);
         fk::preload(&self.gpu, self.cfg.top_k)?;
         self.transport.barrier()?;
