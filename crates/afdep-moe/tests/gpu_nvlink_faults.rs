@@ -218,8 +218,8 @@ struct FaultRuns {
 type PerMode = Vec<Vec<RankResult>>;
 
 /// One group: every rank makes its engine (device rounds prepared), then for each fault in
-/// turn sets it (collective), runs every round in every mode, and reads its hits after a
-/// barrier; then, unless some rank saw an error, turns faults off and runs the first round once
+/// turn sets it (collective), runs every round in every mode (mode by mode, so that consecutive
+/// runs never carry the same data), and reads its hits after a barrier; then, unless some rank saw an error, turns faults off and runs the first round once
 /// more in every mode (`after`, `[mode][rank]`). `None` after printing `SKIP` without a GPU.
 fn run_group_faults(
     c: &ExchangeConfig,
@@ -270,10 +270,19 @@ fn run_group_faults(
                         eng.set_fault(Some(fault)).expect("set_fault");
                         let before = eng.fault_hits().expect("fault hits");
                         let t0 = Instant::now();
-                        let got: Vec<Vec<RankResult>> = inputs
+                        // mode by mode, every round in turn: no run follows one of the same
+                        // data, so data a skipped wait reads stale never equals the right data
+                        let mut by_mode: Vec<Vec<RankResult>> = modes
                             .iter()
-                            .map(|inp| modes.iter().map(|&m| run(&mut eng, m, inp)).collect())
+                            .map(|&m| inputs.iter().map(|inp| run(&mut eng, m, inp)).collect())
                             .collect();
+                        let mut got: Vec<Vec<RankResult>> =
+                            inputs.iter().map(|_| Vec::new()).collect();
+                        for per_round in by_mode.iter_mut() {
+                            for (i, r) in per_round.drain(..).enumerate() {
+                                got[i].push(r);
+                            }
+                        }
                         let took = t0.elapsed();
                         saw_error |= got.iter().flatten().any(|r| r.is_err());
                         // every rank's rounds are done (no kernel waits any more) before the read
