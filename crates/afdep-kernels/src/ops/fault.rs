@@ -315,6 +315,66 @@ mod tests {
         }
     }
 
+    /// The statement after `line` (the lines up to its closing brace when it opens a block, or
+    /// the line itself).
+    fn statement_after(lines: &[&str], at: usize) -> String {
+        let first = lines[at + 1];
+        let mut depth = 0i32;
+        let mut out = String::new();
+        for l in &lines[at + 1..] {
+            out.push_str(l);
+            out.push('\n');
+            depth += l.matches('{').count() as i32 - l.matches('}').count() as i32;
+            if depth <= 0 && (l.trim_end().ends_with('}') || !first.trim_end().ends_with('{')) {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Every skip point prefixes a bounded wait (`afdep_wait_ge`) and nothing else that stores:
+    /// the statement it skips holds the wait, and its only stores are the wait's own
+    /// bookkeeping (the block's `ok` flag and the fault record of a wait that ran out).
+    #[test]
+    fn every_skip_point_skips_only_a_wait() {
+        let mut seen = 0;
+        for file in SourceFile::ALL {
+            let lines: Vec<&str> = file.text().lines().collect();
+            for (i, l) in lines.iter().enumerate() {
+                if !l.trim_start().starts_with("AFDEP_FAULT_SKIP(") {
+                    continue;
+                }
+                seen += 1;
+                let st = statement_after(&lines, i);
+                assert!(
+                    st.contains("afdep_wait_ge("),
+                    "{}:{}: the statement after the skip point holds no wait:\n{st}",
+                    file.name(),
+                    i + 1
+                );
+                for s in st.lines() {
+                    let t = s.trim();
+                    // control lines and local declarations do not store to memory
+                    let local = [
+                        "for (", "if (", "while (", "const ", "u32 ", "u64 ", "bool ",
+                    ]
+                    .iter()
+                    .any(|p| t.starts_with(p));
+                    let stores = t.contains(" = ") && !local;
+                    assert!(
+                        !stores || t.starts_with("ok = "),
+                        "{}:{}: the skipped statement stores more than its wait's flag: {t}",
+                        file.name(),
+                        i + 1
+                    );
+                }
+            }
+        }
+        // one per skip point and kernel: cf_dispatch, the stream epilogue, both copy epilogues,
+        // cf_wait, the combine
+        assert_eq!(seen, 6);
+    }
+
     #[test]
     fn faults_and_their_outcomes() {
         let pass: Vec<Fault> = Fault::ALL.into_iter().filter(|f| f.must_pass()).collect();
