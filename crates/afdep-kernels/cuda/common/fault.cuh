@@ -37,8 +37,8 @@
 // Every flag signal released 10 us after its fence: afdep_fused_signal (dispatch flags of
 // payload-first and the source arm, combine flags).
 #define AFDEP_FAULT_LATE_SIGNAL 0x20u
-// Every 5th return row's store delayed 20 us (the combine flag follows):
-// afdep_fused_combine_store, afdep_round_return_store.
+// Every 5th compact row's partial sum stored into its source's return area 20 us late (the
+// combine flag follows): afdep_fused_combine_reduce.
 #define AFDEP_FAULT_LATE_RETURN_ROWS 0x40u
 // A device round's status words published 20 us late: afdep_round_begin.
 #define AFDEP_FAULT_LATE_STATUS 0x80u

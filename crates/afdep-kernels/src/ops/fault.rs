@@ -23,7 +23,8 @@
 //!
 //! A skipping fault only removes a wait: every read and write after it stays within bounds the
 //! kernel checks anyway (the copy epilogue's `exp_rows`, the streaming epilogue's and the source
-//! arm's `exp_rows`, the combine's return rows from its own slot lists), so a skipped wait gives
+//! arm's `exp_rows`, the combine's return rows of its own tokens below the capacity), so a
+//! skipped wait gives
 //! wrong data, never an access out of bounds, and no skipped wait leaves another kernel spinning
 //! past the transport's timeout (the flags it skipped are still raised, and only grow).
 
@@ -49,8 +50,8 @@ pub mod point {
     /// Every flag signal released 10 µs after its fence: `afdep_fused_signal` (dispatch flags of
     /// payload-first and the source arm, combine flags).
     pub const LATE_SIGNAL: u32 = 0x20;
-    /// Every 5th return row's store delayed 20 µs (the combine flag follows):
-    /// `afdep_fused_combine_store`, `afdep_round_return_store`.
+    /// Every 5th compact row's partial sum stored into its source's return area 20 µs late (the
+    /// combine flag follows): `afdep_fused_combine_reduce`.
     pub const LATE_RETURN_ROWS: u32 = 0x40;
     /// A device round's status words published 20 µs late: `afdep_round_begin`.
     pub const LATE_STATUS: u32 = 0x80;
@@ -94,7 +95,7 @@ pub fn points_in(file: SourceFile) -> u32 {
         }
         SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | SKIP_OFFSET_WAIT,
         SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT,
-        SourceFile::FusedRound => LATE_RETURN_ROWS | LATE_STATUS,
+        SourceFile::FusedRound => LATE_STATUS,
         _ => 0,
     }
 }
@@ -122,8 +123,8 @@ pub enum Fault {
     /// Deferred dispatch and combine flags: every `afdep_fused_signal` releases its flags 10 µs
     /// after its fence.
     LateSignals,
-    /// Late return rows: every 5th expert output row's store into its source's return area is
-    /// delayed 20 µs (the combine flag follows).
+    /// Late return rows: every 5th compact row's partial sum (the FFN rank's share of a token's
+    /// combine) is stored into its source's return area 20 µs late (the combine flag follows).
     LateReturnRows,
     /// Late status: a device round's verdict words are published 20 µs late.
     LateStatus,
@@ -134,7 +135,7 @@ pub enum Fault {
     /// N3, corrected as its N3b): it stores rows at stale offsets.
     SkipOffsetWait,
     /// The combine skips its wait for the combine flags, with [`Fault::LateReturnRows`]: it
-    /// sums return rows before they land.
+    /// adds the FFN ranks' partial sums before they land.
     SkipCombineWait,
     /// The FFN rank skips its wait for the dispatch flags (payload-first copy epilogue, the
     /// source arm's wait), with [`Fault::LateRows`]: it expands slabs (or reads the expanded
