@@ -8,8 +8,9 @@
 //!   late offset flags P4, late prefix sums P4b, deferred dispatch and combine flags, late return
 //!   rows, late device-round status): every round of every mode (host-planned rounds of the
 //!   three arms, device rounds of the three arms) bit-identical to the oracle (combine, expanded
-//!   layout, compact view, the device plan), the fault's points fired (its hit counter), and a
-//!   round after the fault is turned off exact too.
+//!   layout, compact view, the device plan; fp8 codes and scales too), the fault's points fired
+//!   (its hit counter), and a round after the fault is turned off exact too; bf16 on both
+//!   ratios, and fp8 payloads on 3A:1F.
 //! - The skipped waits (N2: the streaming epilogue skips its row waits, with late rows; N3: the
 //!   source arm skips its offsets wait, with late prefix sums; the combine skips its flag wait,
 //!   with late return rows; the FFN rank skips its dispatch flag wait, with late rows): run in
@@ -25,7 +26,7 @@ mod exchange_common;
 use std::time::{Duration, Instant};
 
 use afdep_core::oracle::exchange::{self as reference, FfnReceived, SourceInput};
-use afdep_core::{ExchangeConfig, bf16};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, Fault, FusedEngine,
 };
@@ -84,14 +85,15 @@ fn exposed_modes(fault: Fault) -> Vec<Mode> {
 }
 
 /// The configuration of a ratio: 3A:1F with the knobs' defaults (payload gate on), 2A:2F with
-/// the payload gate off (streaming rows then race the offsets too).
-fn config(topo: &str) -> ExchangeConfig {
+/// the payload gate off (streaming rows then race the offsets too); bf16 or fp8 payloads.
+fn config(topo: &str, payload: PayloadKind) -> ExchangeConfig {
     let mut c =
         ExchangeConfig::new(topo.parse().unwrap(), HIDDEN, EXPERTS, TOP_K, CAPACITY).unwrap();
     if topo == "2A:2F" {
         c.knobs.payload_gate = false;
-        c.validate().unwrap();
     }
+    c.payload = payload;
+    c.validate().unwrap();
     c
 }
 
@@ -200,6 +202,22 @@ fn compare<'a>(
             };
             let (n, i) = row_diff(&tokens(&rx.compact_tokens), &tokens(&w.compact_tokens), 1);
             rows += note(n, format!("rank {rank} (FFN {f}): compact token {i:?}"));
+            // fp8: the codes and scales of both views
+            match (&rx.fp8, &w.fp8) {
+                (None, None) => {}
+                (Some(g), Some(w8)) => {
+                    let groups = h / afdep_core::fp8::GROUP;
+                    let (n, i) = row_diff(&g.expanded_q, &w8.expanded_q, h);
+                    rows += note(n, format!("rank {rank} (FFN {f}): expanded codes {i:?}"));
+                    let (n, i) = row_diff(&g.expanded_scales, &w8.expanded_scales, groups);
+                    rows += note(n, format!("rank {rank} (FFN {f}): expanded scales {i:?}"));
+                    let (n, i) = row_diff(&g.compact_q, &w8.compact_q, h);
+                    rows += note(n, format!("rank {rank} (FFN {f}): compact codes {i:?}"));
+                    let (n, i) = row_diff(&g.compact_scales, &w8.compact_scales, groups);
+                    rows += note(n, format!("rank {rank} (FFN {f}): compact scales {i:?}"));
+                }
+                _ => rows += note(1, format!("rank {rank} (FFN {f}): fp8 views missing")),
+            }
         }
     }
     Ok((rows, first))
@@ -353,9 +371,10 @@ fn run_group_faults(
 }
 
 /// The delays on one ratio: every run exact, every fault fired, the round after them exact.
-fn delays_pass(topo: &str) {
+fn delays_pass(topo: &str, payload: PayloadKind) {
     let _serial = serial();
-    let c = config(topo);
+    let c = config(topo, payload);
+    let topo = format!("{topo} {payload}");
     let inputs = rounds(&c, 3);
     let faults: Vec<Fault> = Fault::ALL.into_iter().filter(|f| f.must_pass()).collect();
     let Some((runs, after)) = run_group_faults(&c, &faults, &ALL_MODES, &inputs) else {
@@ -411,7 +430,7 @@ fn skip_is_caught(fault: Fault) {
     let _serial = serial();
     let modes = exposed_modes(fault);
     for topo in ["3A:1F", "2A:2F"] {
-        let c = config(topo);
+        let c = config(topo, PayloadKind::Bf16);
         let inputs = rounds(&c, 4);
         let Some((runs, after)) = run_group_faults(&c, &[fault], &modes, &inputs) else {
             return;
@@ -481,12 +500,18 @@ fn skip_is_caught(fault: Fault) {
 
 #[test]
 fn delays_leave_every_round_bit_identical_3a1f() {
-    delays_pass("3A:1F");
+    delays_pass("3A:1F", PayloadKind::Bf16);
 }
 
 #[test]
 fn delays_leave_every_round_bit_identical_2a2f() {
-    delays_pass("2A:2F");
+    delays_pass("2A:2F", PayloadKind::Bf16);
+}
+
+/// fp8 payloads (quantised while stored: the same fault-built modules, their fp8 kernels).
+#[test]
+fn delays_leave_every_round_bit_identical_3a1f_fp8() {
+    delays_pass("3A:1F", PayloadKind::Fp8E4m3);
 }
 
 #[test]
