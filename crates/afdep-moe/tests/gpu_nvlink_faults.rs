@@ -237,8 +237,9 @@ type PerMode = Vec<Vec<RankResult>>;
 
 /// One group: every rank makes its engine (device rounds prepared), then for each fault in
 /// turn sets it (collective), runs every round in every mode (mode by mode, so that consecutive
-/// runs never carry the same data), and reads its hits after a barrier; then, unless some rank saw an error, turns faults off and runs the first round once
-/// more in every mode (`after`, `[mode][rank]`). `None` after printing `SKIP` without a GPU.
+/// runs never carry the same data), and reads its hits after a barrier; then, unless some rank
+/// saw an error, turns faults off and runs the first round once more in every mode (`after`,
+/// `[mode][rank]`). `None` after printing `SKIP` without a GPU.
 fn run_group_faults(
     c: &ExchangeConfig,
     faults: &[Fault],
