@@ -87,7 +87,6 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
         for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
     }
-    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
     for (u32 q = 0; q < world; q++) {
         u32* rec = (u32*)((u8*)peers[q] + status_off) + mine;
@@ -96,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         rec[AFDEP_ROUTE_ERROR_WORDS] = 0;
     }
     __threadfence_system();
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
     for (u32 q = 0; q < world; q++)
         afdep_st_release_sys((u32*)((u8*)peers[q] + status_off) + mine + AFDEP_STATUS_WORDS - 1,
                              round);

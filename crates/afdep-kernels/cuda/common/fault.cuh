@@ -40,7 +40,8 @@
 // Every 5th compact row's partial sum stored into its source's return area 20 us late (the
 // combine flag follows): afdep_fused_combine_reduce.
 #define AFDEP_FAULT_LATE_RETURN_ROWS 0x40u
-// A device round's status words published 20 us late: afdep_round_begin.
+// A device round's status flags released 20 us after its status words were stored and
+// fenced: afdep_round_begin.
 #define AFDEP_FAULT_LATE_STATUS 0x80u
 // The streaming epilogue skips its row flag waits: afdep_cf_stream_epilogue. The record's N2.
 #define AFDEP_FAULT_SKIP_ROW_WAIT 0x100u

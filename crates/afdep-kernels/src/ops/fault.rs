@@ -53,7 +53,8 @@ pub mod point {
     /// Every 5th compact row's partial sum stored into its source's return area 20 µs late (the
     /// combine flag follows): `afdep_fused_combine_reduce`.
     pub const LATE_RETURN_ROWS: u32 = 0x40;
-    /// A device round's status words published 20 µs late: `afdep_round_begin`.
+    /// A device round's status flags released 20 µs after its status words:
+    /// `afdep_round_begin`.
     pub const LATE_STATUS: u32 = 0x80;
     /// The streaming epilogue skips its row flag waits: `afdep_cf_stream_epilogue`.
     pub const SKIP_ROW_WAIT: u32 = 0x100;
@@ -126,7 +127,8 @@ pub enum Fault {
     /// Late return rows: every 5th compact row's partial sum (the FFN rank's share of a token's
     /// combine) is stored into its source's return area 20 µs late (the combine flag follows).
     LateReturnRows,
-    /// Late status: a device round's verdict words are published 20 µs late.
+    /// Late status: a device round's status flags (its verdict words' readiness) are released
+    /// 20 µs after the words.
     LateStatus,
     /// The streaming epilogue skips its row waits, with [`Fault::LateRows`] (the record's N2):
     /// it expands rows before they land.
