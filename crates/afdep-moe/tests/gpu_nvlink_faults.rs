@@ -10,7 +10,9 @@
 //!   three arms, device rounds of the three arms) bit-identical to the oracle (combine, expanded
 //!   layout, compact view, the device plan; fp8 codes and scales too), the fault's points fired
 //!   (its hit counter), and a round after the fault is turned off exact too; bf16 on both
-//!   ratios, and fp8 payloads on 3A:1F.
+//!   ratios, and fp8 payloads on 3A:1F. A control without a fault runs first on the same
+//!   engines (host-planned and device rounds mixed on one engine), and every fault's outcome
+//!   is printed before the test fails.
 //! - The skipped waits (N2: the streaming epilogue skips its row waits, with late rows; N3: the
 //!   source arm skips its offsets wait, with late prefix sums; the combine skips its flag wait,
 //!   with late return rows; the FFN rank skips its dispatch flag wait, with late rows): run in
@@ -223,10 +225,10 @@ fn compare<'a>(
     Ok((rows, first))
 }
 
-/// One fault's runs on one group: `[round][mode][rank]`, the hits of its points (every rank),
-/// how long its rounds took.
+/// One fault's runs on one group (`None`: the control, no fault): `[round][mode][rank]`, the
+/// hits of its points (every rank), how long its rounds took.
 struct FaultRuns {
-    fault: Fault,
+    fault: Option<Fault>,
     got: Vec<PerMode>,
     hits: u64,
     took: Duration,
@@ -236,13 +238,13 @@ struct FaultRuns {
 type PerMode = Vec<Vec<RankResult>>;
 
 /// One group: every rank makes its engine (device rounds prepared), then for each fault in
-/// turn sets it (collective), runs every round in every mode (mode by mode, so that consecutive
+/// turn (`None`: no fault) sets it (collective), runs every round in every mode (mode by mode, so that consecutive
 /// runs never carry the same data), and reads its hits after a barrier; then, unless some rank
 /// saw an error, turns faults off and runs the first round once more in every mode (`after`,
 /// `[mode][rank]`). `None` after printing `SKIP` without a GPU.
 fn run_group_faults(
     c: &ExchangeConfig,
-    faults: &[Fault],
+    faults: &[Option<Fault>],
     modes: &[Mode],
     inputs: &[Vec<SourceInput>],
 ) -> Option<(Vec<FaultRuns>, Option<PerMode>)> {
@@ -286,7 +288,7 @@ fn run_group_faults(
                     let mut out = Vec::new();
                     let mut saw_error = false;
                     for &fault in faults {
-                        eng.set_fault(Some(fault)).expect("set_fault");
+                        eng.set_fault(fault).expect("set_fault");
                         let before = eng.fault_hits().expect("fault hits");
                         let t0 = Instant::now();
                         // mode by mode, every round in turn: no run follows one of the same
@@ -377,43 +379,55 @@ fn delays_pass(topo: &str, payload: PayloadKind) {
     let c = config(topo, payload);
     let topo = format!("{topo} {payload}");
     let inputs = rounds(&c, 3);
-    let faults: Vec<Fault> = Fault::ALL.into_iter().filter(|f| f.must_pass()).collect();
+    // the control first: the same rounds without a fault (a failure there is not a fault's)
+    let faults: Vec<Option<Fault>> = std::iter::once(None)
+        .chain(Fault::ALL.into_iter().filter(|f| f.must_pass()).map(Some))
+        .collect();
     let Some((runs, after)) = run_group_faults(&c, &faults, &ALL_MODES, &inputs) else {
         return;
     };
     let want: Vec<Want> = inputs.iter().map(|i| oracle(&c, i)).collect();
+    // every fault's outcome is printed before the test fails, so that one run names them all
+    let mut failures = Vec::new();
     for fr in &runs {
+        let name = fr
+            .fault
+            .map_or("none (control)".to_string(), |f| f.to_string());
+        let mut bad = Vec::new();
         for (i, per_mode) in fr.got.iter().enumerate() {
             for (m, got) in ALL_MODES.iter().zip(per_mode) {
                 match compare(&c, &want[i], got) {
                     Ok((0, _)) => {}
-                    Ok((n, first)) => panic!(
-                        "{topo} fault {}: round {i} {m}: {n} rows differ from the oracle \
-                         (first: {})",
-                        fr.fault,
+                    Ok((n, first)) => bad.push(format!(
+                        "round {i} {m}: {n} rows differ from the oracle (first: {})",
                         first.unwrap_or_default()
-                    ),
-                    Err((rank, e)) => {
-                        panic!("{topo} fault {}: round {i} {m}: rank {rank}: {e}", fr.fault)
-                    }
+                    )),
+                    Err((rank, e)) => bad.push(format!("round {i} {m}: rank {rank}: {e}")),
                 }
             }
         }
         println!(
-            "{topo} fault {}: {} rounds × {} modes bit-identical to the oracle, {} point firings, \
-             {:.2} s",
-            fr.fault,
+            "{topo} fault {name}: {} of {} runs ({} rounds × {} modes) bit-identical to the \
+             oracle, {} point firings, {:.2} s{}",
+            inputs.len() * ALL_MODES.len() - bad.len(),
+            inputs.len() * ALL_MODES.len(),
             inputs.len(),
             ALL_MODES.len(),
             fr.hits,
-            fr.took.as_secs_f64()
+            fr.took.as_secs_f64(),
+            bad.first()
+                .map(|b| format!("; first failure: {b}"))
+                .unwrap_or_default()
         );
-        assert!(
-            fr.hits > 0,
-            "{topo} fault {}: its points never fired (was the fault-built module used?)",
-            fr.fault
-        );
+        if let Some(b) = bad.first() {
+            failures.push(format!("{name}: {} runs differ, first {b}", bad.len()));
+        }
+        // a fault's points fired (its module was used); no fault, no firing
+        if (fr.hits > 0) != fr.fault.is_some() {
+            failures.push(format!("{name}: {} point firings", fr.hits));
+        }
     }
+    assert!(failures.is_empty(), "{topo}: {}", failures.join("; "));
     let after = after.expect("no rank saw an error, so the rounds after the faults ran");
     for (m, got) in ALL_MODES.iter().zip(&after) {
         let r = compare(&c, &want[0], got);
@@ -433,7 +447,7 @@ fn skip_is_caught(fault: Fault) {
     for topo in ["3A:1F", "2A:2F"] {
         let c = config(topo, PayloadKind::Bf16);
         let inputs = rounds(&c, 4);
-        let Some((runs, after)) = run_group_faults(&c, &[fault], &modes, &inputs) else {
+        let Some((runs, after)) = run_group_faults(&c, &[Some(fault)], &modes, &inputs) else {
             return;
         };
         let want: Vec<Want> = inputs.iter().map(|i| oracle(&c, i)).collect();
