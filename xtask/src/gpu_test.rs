@@ -30,12 +30,14 @@ pub struct GpuTestArgs {
 
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
-/// Cargo features of the GPU builds: the NCCL transport (loaded at run time, so it builds
-/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, and UCX with
+/// Cargo features of the GPU test builds: the NCCL transport (loaded at run time, so it builds
+/// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, UCX with
 /// device buffers (`gpu_ucx_device`, `afdep exchange --transport ucx --device-buffers`; builds
-/// the bundled UCX).
-const GPU_FEATURES: &str =
-    "afdep-moe/nccl,afdep-moe/ucx,afdep-moe/cuda,afdep-bench/nccl,afdep-bench/ucx";
+/// the bundled UCX), and fault injection into the fused kernels (`gpu_nvlink_faults`; off in
+/// every round unless a test sets a fault, and not in the bundle's `bin/afdep`, which is built
+/// on its own).
+const GPU_FEATURES: &str = "afdep-moe/nccl,afdep-moe/ucx,afdep-moe/cuda,afdep-moe/fault-injection,\
+     afdep-bench/nccl,afdep-bench/ucx";
 
 fn build_tests(release: bool) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));

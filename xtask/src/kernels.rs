@@ -7,8 +7,10 @@
 //! `target/cuda-wheels` when missing; `--cuda-dir` uses a CUDA installation instead.
 //!
 //! The compilation itself is afdep-kernels' own JIT path: this runs
-//! `cargo run -p afdep-kernels --example compile_all` with the library and include paths set,
-//! so CI checks exactly what the runtime does. It fails on any compile error, any spill and any kernel with a stack frame or local memory.
+//! `cargo run -p afdep-kernels --features fault-injection --example compile_all` with the
+//! library and include paths set, so CI checks exactly what the runtime does (the feature adds
+//! the fault-injection variants of the fused modules, `afdep_kernels::ops::fault`, to the
+//! production ones; the production modules are the same either way). It fails on any compile error, any spill and any kernel with a stack frame or local memory.
 //!
 //! `--sass` then checks the machine code (see [`crate::sass`]): the run fills a fresh kernel
 //! cache (`target/sass/kernel-cache`), every cubin in it is disassembled with nvdisasm, and every
@@ -318,6 +320,8 @@ pub fn run(a: KernelsArgs) -> Result<()> {
             "--quiet",
             "-p",
             "afdep-kernels",
+            "--features",
+            "fault-injection",
             "--example",
             "compile_all",
             "--",

@@ -56,6 +56,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     const u32 round = afdep_ctl_round(ctl);
     const u64 tokens = afdep_ctl_tokens(ctl);
     const bool wait = mode == AFDEP_CF_SOURCE || gate != 0u;
+    AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_OFFSET_WAIT)
     if (wait) {
         __shared__ u32 ok;
         if (threadIdx.x == 0) {
@@ -108,6 +109,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
             meta[1] = 0u;
         }
         const u16* src = x + t * hidden;
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_ROWS, t % 5 == 2, 20000);
         if (mode == AFDEP_CF_SOURCE) {
             if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
                 // each group quantised once, its codes and scale stored to every expanded row
@@ -143,6 +145,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
             __syncwarp();
             if (lane == 0) {
                 __threadfence_system();
+                AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_ROW_FLAGS, row % 7 == 3, 10000);
                 afdep_st_release_sys((u32*)(dst + rflag_off + 4ull * ((u64)me * cap + row)), round);
             }
         }

@@ -93,6 +93,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
             rows[k] = __shfl_sync(0xffffffffu, row, k);
             w[k] = __shfl_sync(0xffffffffu, wt, k);
         }
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_RETURN_ROWS, j % 5 == 2, 20000);
         float* dst = (float*)((u8*)peers[src_rank[s]] + ret_off + ((u64)f * cap + t) * 4ull * hidden);
         if (vec) {
             for (u32 c0 = lane * 8; c0 < hidden; c0 += 32 * 8) {
@@ -147,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     const u64 tokens = afdep_ctl_tokens(ctl);
     if (threadIdx.x == 0) {
         ok = 1;
+        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_COMBINE_WAIT)
         for (u32 f = 0; f < ffns && ok; f++) {
             const u32* flag = (const u32*)(ws + flag_off + 4ull * ffn_rank[f]);
             if (!afdep_wait_ge(flag, round, timeout_ns)) {

@@ -91,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     if (f >= nf) return;
     u8* base = (u8*)peers[ffn_rank[f]];
     u64* dst = (u64*)(base + counts_off) + (u64)me * (epr + 1);
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_COUNTS, threadIdx.x == 0, 30000);
     for (u32 l = threadIdx.x; l <= epr; l += AFDEP_BLOCK)
         dst[l] = l < epr ? counts[(u64)f * epr + l] : counts[(u64)nf * epr + f];
     __syncthreads();
@@ -129,6 +130,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     __syncthreads();
     if (!ok) return;
     const u64 n = (u64)epr * ns;
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_PREFIX, tid == 0, 20000);
     u64* cnt = (u64*)(ws + plan_off);
     u64* bs = cnt + n;
     u64* eo = bs + n;
@@ -179,6 +181,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     __syncthreads();
     if (tid == 0) {
         __threadfence_system();
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_OFFSET_FLAGS, true, 20000);
         for (u32 s = 0; s < ns; s++)
             afdep_st_release_sys((u32*)((u8*)peers[src_rank[s]] + oflag_off + 4ull * me), round);
     }
@@ -195,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     if (afdep_fused_faulted(err)) return;  // an earlier wait of this round already ran out
+    AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
     for (u32 i = 0; i < n; i++) {
         const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);
         if (!afdep_wait_ge(flag, round, timeout_ns)) {

@@ -24,6 +24,7 @@ static __device__ __forceinline__ void afdep_fused_dispatch_rows(
     for (u64 r = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; r < rows; r += warps) {
         u8* row = (u8*)peers[dst_rank[r]] + slab_off + ((u64)me * cap + slab_row[r]) * row_bytes;
         const u16* src_row = x + (u64)token[r] * hidden;
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_ROWS, r % 5 == 2, 20000);
         if (PAYLOAD == AFDEP_PAYLOAD_FP8) {
             afdep_fp8_quantise_row_warp(row, (float*)(row + afdep_align16(hidden)), src_row,
                                         hidden, lane);
@@ -70,5 +71,6 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     const u32 value = afdep_ctl_round(ctl);
     const u32 i = blockIdx.x * AFDEP_BLOCK + threadIdx.x;
     __threadfence_system();
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, i < n, 10000);
     if (i < n) afdep_st_release_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), value);
 }

@@ -1,7 +1,8 @@
 // Payload-first copy epilogue, FFN side: waits (bounded) for every source's dispatch flag of
 // this round, then expands the slabs into the expanded layout: for every compact row (sources
-// in order, slab rows in order) and every slot k whose expanded_row is not AFDEP_FUSED_NO_ROW,
-// the payload goes to expanded[expanded_row]. Specialised by AFDEP_TOP_K (the metadata).
+// in order, slab rows in order) and every slot k whose expanded_row is a row of the expanded
+// buffer (not AFDEP_FUSED_NO_ROW), the payload goes to expanded[expanded_row]. Specialised by
+// AFDEP_TOP_K (the metadata).
 
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
@@ -16,6 +17,8 @@
 // ws: this rank's workspace. src_rank[s] / slab_rows[s] for s < sources: the sources' ranks and
 // how many rows each stored (slab_starts[s] their exclusive prefix, slab_starts[sources] the
 // total). flag_off: the dispatch flags (u32 per source rank). err: the error word u32[4].
+// expanded holds exp_rows rows: a slot naming a row past them (never for a consistent plan once
+// the flags are raised; the poison shows it) is not copied.
 // One warp per compact row, grid-stride; every block first waits for every flag (thread 0 of
 // the block, at most timeout_ns), and a block whose wait runs out records the fault and leaves.
 // Keep the grid small: the sources' kernels must find SMs to run on while this one waits.
@@ -23,10 +26,12 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_copy_epilogue(const u8* ws, const u32* __restrict__ src_rank,
                               const u64* __restrict__ slab_starts, u32 sources, u64 flag_off,
                               u64 slab_off, u32 cap, u64 row_bytes, u32 hidden, u32 round,
-                              u64 timeout_ns, u32* err, u16* __restrict__ expanded) {
+                              u64 timeout_ns, u32* err, u16* __restrict__ expanded,
+                              u64 exp_rows) {
     __shared__ u32 ok;
     if (threadIdx.x == 0) {
         ok = 1;
+        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
         for (u32 s = 0; s < sources && ok; s++) {
             const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
             if (!afdep_wait_ge(flag, round, timeout_ns)) {
@@ -52,16 +57,16 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll 1
         for (int k = 0; k < K; k++) {
             const u64 d = dst[k];
-            if (d != AFDEP_FUSED_NO_ROW) afdep_warp_copy(expanded + d * hidden, row, payload, lane);
+            if (d < exp_rows) afdep_warp_copy(expanded + d * hidden, row, payload, lane);
         }
     }
 }
 
 // The copy epilogue of fp8 payloads (the payload kind a compile-time constant, as in the
 // dispatch): the same wait, then for every compact row and every slot k whose expanded_row d is
-// not AFDEP_FUSED_NO_ROW, the row's codes go to expanded_q[d] (hidden u8), its scales to
-// expanded_scales[d] (hidden / 128 f32) and its dequantised values (common/fp8.cuh) to
-// expanded[d] (hidden bf16, what bf16 experts consume). hidden is a multiple of 128; the
+// below exp_rows (AFDEP_FUSED_NO_ROW is not), the row's codes go to expanded_q[d] (hidden u8),
+// its scales to expanded_scales[d] (hidden / 128 f32) and its dequantised values
+// (common/fp8.cuh) to expanded[d] (hidden bf16, what bf16 experts consume). hidden is a multiple of 128; the
 // outputs are 16-byte aligned. Each lane takes 16 codes per step (one group has 8 steps).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_copy_epilogue_fp8(const u8* ws, const u32* __restrict__ src_rank,
@@ -69,10 +74,11 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                                   u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
                                   u32 round, u64 timeout_ns, u32* err, u8* __restrict__ expanded_q,
                                   float* __restrict__ expanded_scales,
-                                  u16* __restrict__ expanded) {
+                                  u16* __restrict__ expanded, u64 exp_rows) {
     __shared__ u32 ok;
     if (threadIdx.x == 0) {
         ok = 1;
+        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
         for (u32 s = 0; s < sources && ok; s++) {
             const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
             if (!afdep_wait_ge(flag, round, timeout_ns)) {
@@ -104,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll 1
             for (int k = 0; k < K; k++) {
                 const u64 d = dst[k];
-                if (d == AFDEP_FUSED_NO_ROW) continue;
+                if (d >= exp_rows) continue;
                 *(uint4*)(expanded_q + d * hidden + 16ull * v) = codes;
                 uint4* b = (uint4*)(expanded + d * hidden + 16ull * v);
                 b[0] = lo;
@@ -114,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll 1
         for (int k = 0; k < K; k++) {
             const u64 d = dst[k];
-            if (d == AFDEP_FUSED_NO_ROW) continue;
+            if (d >= exp_rows) continue;
             for (u32 g = lane; g < groups; g += 32) expanded_scales[d * groups + g] = scales[g];
         }
     }

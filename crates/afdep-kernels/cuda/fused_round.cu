@@ -108,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         rec[AFDEP_STATUS_REQUEST] = request;
     }
     __threadfence_system();
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
     for (u32 q = 0; q < world; q++)
         afdep_st_release_sys((u32*)((u8*)peers[q] + status_off) + mine + AFDEP_STATUS_WORDS - 1,
                              round);

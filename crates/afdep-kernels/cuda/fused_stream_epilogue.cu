@@ -66,6 +66,7 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
         const u64 i = c - so[s];
         const u64 slot = (u64)src_rank[s] * cap + i;
         u32 ok = 1;
+        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_ROW_WAIT)
         if (lane == 0) {
             const u32* flag = (const u32*)(ws + rflag_off + 4ull * slot);
             if (!afdep_wait_ge(flag, round, timeout_ns)) {

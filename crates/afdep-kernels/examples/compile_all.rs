@@ -4,8 +4,11 @@
 //! this with the CUDA 13.0 wheels on the library and include paths.
 //!
 //! Usage: `compile_all [--arch sm_90a] [--jobs N] [--experts 64,96 --top-k 1,8]` (the lists
-//! replace the runtime's specialisations, e.g. to check the supported limits). The JIT settings come from the
-//! environment (`AFDEP_CUDA_INCLUDE`, `AFDEP_KERNEL_CACHE`, `AFDEP_NVRTC_OPTIONS`).
+//! replace the runtime's specialisations, e.g. to check the supported limits). Built with the
+//! feature `fault-injection` (as `cargo xtask kernels` does), it also compiles every fault's
+//! modules (`afdep_kernels::ops::fault`) at the smallest and the largest top-k. The JIT
+//! settings come from the environment (`AFDEP_CUDA_INCLUDE`, `AFDEP_KERNEL_CACHE`,
+//! `AFDEP_NVRTC_OPTIONS`).
 
 use std::process::ExitCode;
 use std::sync::Mutex;
@@ -86,6 +89,21 @@ fn main() -> ExitCode {
             for &k in &top_k {
                 let m = ModuleSpec::new(file, e, k);
                 // Cross products of custom lists hold unsupported pairs (top-k above experts).
+                if m.check().is_ok() && !variants.contains(&m) {
+                    variants.push(m);
+                }
+            }
+        }
+    }
+    // With fault injection built in: every fault's modules (the fused files that hold one of
+    // its points) at the smallest and the largest top-k (the fused engine loads some fused
+    // kernels at top-k 1, the others at the configuration's), so that every point compiles too.
+    #[cfg(feature = "fault-injection")]
+    for fault in afdep_kernels::ops::fault::Fault::ALL {
+        let ks = [top_k.iter().min(), top_k.iter().max()];
+        for k in ks.into_iter().flatten() {
+            for file in fault.files() {
+                let m = ModuleSpec::new(file, experts[0], *k).with_fault(Some(fault));
                 if m.check().is_ok() && !variants.contains(&m) {
                     variants.push(m);
                 }

@@ -27,6 +27,9 @@ pub struct GpuContext {
     persistent: Mutex<HashMap<(KernelId, u32), u32>>,
     /// The fault word (`u32[4]`, see [`fault`]) and its device address, made at first use.
     fault: std::sync::OnceLock<(CudaSlice<u32>, u64)>,
+    /// The injected fault of the fused kernels ([`GpuContext::set_fault`]).
+    #[cfg(feature = "fault-injection")]
+    injected: Mutex<Option<crate::ops::fault::Fault>>,
 }
 
 /// Codes of the context's fault word: `{code, block, step, 0}`, written by a kernel whose
@@ -140,6 +143,8 @@ impl GpuContext {
             sm_count,
             persistent: Mutex::new(HashMap::new()),
             fault: std::sync::OnceLock::new(),
+            #[cfg(feature = "fault-injection")]
+            injected: Mutex::new(None),
         })
     }
 
@@ -252,7 +257,9 @@ impl GpuContext {
     }
 
     /// The function of `kernel` specialised for `experts` and `top_k` (values the kernel's
-    /// file is not specialised by are ignored).
+    /// file is not specialised by are ignored). With the feature `fault-injection` and a fault
+    /// set (`GpuContext::set_fault`), from the module built with the fault's points of the
+    /// kernel's file (the production module when the file holds none).
     pub fn function(
         &self,
         kernel: KernelId,
@@ -260,6 +267,8 @@ impl GpuContext {
         top_k: u32,
     ) -> Result<CudaFunction, KernelError> {
         let spec = ModuleSpec::of(kernel, experts, top_k);
+        #[cfg(feature = "fault-injection")]
+        let spec = spec.with_fault(self.fault());
         if let Some(f) = self
             .functions
             .lock()
@@ -277,6 +286,64 @@ impl GpuContext {
             .unwrap_or_else(|p| p.into_inner())
             .insert((spec, kernel), f.clone());
         Ok(f)
+    }
+
+    /// Selects the fault injected into the fused kernels from now on (`None`: none), see
+    /// [`crate::ops::fault`]: later [`GpuContext::function`] calls hand out the kernels of the
+    /// fault-built modules, compiled and loaded at their first use. Functions already handed
+    /// out (and CUDA graphs captured with them) keep the kernels they had. Tests only.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_fault(&self, fault: Option<crate::ops::fault::Fault>) {
+        tracing::warn!(fault = ?fault, ordinal = self.ordinal(), "fault injection into the fused kernels");
+        *self.injected.lock().unwrap_or_else(|p| p.into_inner()) = fault;
+    }
+
+    /// The fault injected into the fused kernels ([`GpuContext::set_fault`]).
+    #[cfg(feature = "fault-injection")]
+    pub fn fault(&self) -> Option<crate::ops::fault::Fault> {
+        *self.injected.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How often the fault points of every fault-built module this context loaded fired so far
+    /// (each module's `afdep_fault_hits`, summed). Copies on the context's stream and waits for
+    /// it: call it between rounds, when no kernel of another rank on the device waits for this
+    /// one.
+    #[cfg(feature = "fault-injection")]
+    pub fn fault_hits(&self) -> Result<u64, KernelError> {
+        let modules: Vec<(ModuleSpec, Arc<CudaModule>)> = self
+            .modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(s, _)| s.fault_mask() != 0)
+            .map(|(s, m)| (*s, m.clone()))
+            .collect();
+        self.ctx
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
+        let mut total = 0u64;
+        for (spec, m) in modules {
+            let g = m
+                .get_global("afdep_fault_hits", &self.stream)
+                .map_err(KernelError::driver(format!(
+                    "finding the fault hits of {spec}"
+                )))?;
+            if g.len() != 8 {
+                return Err(KernelError::Unsupported(format!(
+                    "{spec}: afdep_fault_hits has {} bytes, not 8",
+                    g.len()
+                )));
+            }
+            let mut b = [0u8; 8];
+            self.stream
+                .memcpy_dtoh(&g, &mut b)
+                .map_err(KernelError::driver(format!(
+                    "reading the fault hits of {spec}"
+                )))?;
+            self.synchronize()?;
+            total += u64::from_le_bytes(b);
+        }
+        Ok(total)
     }
 
     /// The device's multiprocessor count (read once, when the context was made).

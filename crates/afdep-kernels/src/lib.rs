@@ -8,7 +8,8 @@
 //! - [`resources`]: registers, shared memory and spills from the ptxas report;
 //! - [`context`]: [`GpuContext`], one device and stream with its lazily loaded modules;
 //! - [`ops`]: one typed launcher per kernel: the router, route validation, the dispatch
-//!   layout, permute and un-permute.
+//!   layout, permute and un-permute; with the cargo feature `fault-injection` (tests only),
+//!   `ops::fault`: faults injected into the fused exchange kernels (`GpuContext::set_fault`).
 //!
 //! Every kernel reproduces `afdep_core`'s semantics: route validation and the layout bit for
 //! bit, the un-permute's weighted sum bit for bit, the router within the tolerance documented

@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 
 /// The embedded headers: `(include name, text)`, sorted by name.
 pub const HEADERS: &[(&str, &str)] = &[
+    ("common/fault.cuh", include_str!("../cuda/common/fault.cuh")),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
@@ -584,6 +585,9 @@ pub struct ModuleSpec {
     pub experts: Option<u32>,
     /// `AFDEP_TOP_K`, for files that use it.
     pub top_k: Option<u32>,
+    /// `AFDEP_FAULT`: the fault-injection points compiled in (`cuda/common/fault.cuh`), 0 for
+    /// every production module. Only `with_fault` (feature `fault-injection`) sets it.
+    fault: u32,
 }
 
 impl ModuleSpec {
@@ -593,7 +597,25 @@ impl ModuleSpec {
             file,
             experts: file.uses_experts().then_some(experts),
             top_k: file.uses_top_k().then_some(top_k),
+            fault: 0,
         }
+    }
+
+    /// The module built with `fault`'s points of this file compiled in (`-DAFDEP_FAULT`, also in
+    /// the label and so in the cache key), or the production module when the fault has no
+    /// point in this file or `fault` is `None` ([`crate::ops::fault`]).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_fault(self, fault: Option<crate::ops::fault::Fault>) -> ModuleSpec {
+        ModuleSpec {
+            fault: fault.map_or(0, |f| f.mask_in(self.file)),
+            ..self
+        }
+    }
+
+    /// The fault-injection points compiled into the module (`AFDEP_FAULT`; 0: a production
+    /// module).
+    pub fn fault_mask(&self) -> u32 {
+        self.fault
     }
 
     /// The module that holds `kernel` for `experts` and `top_k`.
@@ -615,7 +637,8 @@ impl ModuleSpec {
         }
     }
 
-    /// The `-D` defines of the module (always `AFDEP_BLOCK`, the layout chunk for the layout).
+    /// The `-D` defines of the module (always `AFDEP_BLOCK`, the layout chunk for the layout,
+    /// `AFDEP_FAULT` for a fault-built module).
     pub fn defines(&self) -> Vec<(&'static str, u32)> {
         let mut d = vec![("AFDEP_BLOCK", BLOCK)];
         if let Some(e) = self.experts {
@@ -627,10 +650,13 @@ impl ModuleSpec {
         if self.file == SourceFile::Layout {
             d.push(("AFDEP_LAYOUT_CHUNK", LAYOUT_CHUNK));
         }
+        if self.fault != 0 {
+            d.push(("AFDEP_FAULT", self.fault));
+        }
         d
     }
 
-    /// A short label, e.g. `router E=64 K=8`.
+    /// A short label, e.g. `router E=64 K=8` (` fault=0x…` appended for a fault-built module).
     pub fn label(&self) -> String {
         let mut s = self.file.name().trim_end_matches(".cu").to_string();
         if let Some(e) = self.experts {
@@ -638,6 +664,9 @@ impl ModuleSpec {
         }
         if let Some(k) = self.top_k {
             s.push_str(&format!(" K={k}"));
+        }
+        if self.fault != 0 {
+            s.push_str(&format!(" fault={:#x}", self.fault));
         }
         s
     }

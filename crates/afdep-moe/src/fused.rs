@@ -151,6 +151,8 @@ use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_t
 
 mod count_first;
 pub mod device_round;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub use count_first::DispatchArm;
 pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph, RoundArm};
 

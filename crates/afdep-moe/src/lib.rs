@@ -27,6 +27,9 @@ pub mod reference;
 pub mod staged;
 pub mod timing;
 
+/// The faults of [`FusedEngine::set_fault`] (feature `fault-injection`, tests only).
+#[cfg(feature = "fault-injection")]
+pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
 pub use fused::{
     DeviceExperts, DevicePhaseTimes, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph,

@@ -12,6 +12,7 @@
 // (afdep_kernels::ops::fused::slab_payload_bytes; the quantisation is common/fp8.cuh).
 #pragma once
 
+#include "common/fault.cuh"
 #include "common/types.cuh"
 
 // u32 words of the metadata of a row for top-k K: 2 + K + K + 2K.

@@ -362,8 +362,8 @@ pub struct EpilogueSources<'a> {
 /// The copy epilogue (`afdep_fused_copy_epilogue`): waits for every source's dispatch flag
 /// (`>= round`, at `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then copies
 /// every slab row's payload to the expanded rows its metadata names (`expanded` holds
-/// `expanded_rows × hidden`; the caller's metadata names rows below that). A timeout records
-/// [`fault::DISPATCH_WAIT`] in `err`.
+/// `expanded_rows × hidden`; the caller's metadata names rows below that, and a row past them
+/// is not written). A timeout records [`fault::DISPATCH_WAIT`] in `err`.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_epilogue(
     ctx: &GpuContext,
@@ -387,6 +387,7 @@ pub fn copy_epilogue(
     need("expanded", expanded, expanded_rows * geo.hidden as usize)?;
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", src.sources)?;
+    let rows = expanded_rows as u64;
     let f = ctx.function(KernelId::FusedCopyEpilogue, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ws)
@@ -401,14 +402,16 @@ pub fn copy_epilogue(
         .arg(&round)
         .arg(&timeout_ns)
         .arg(&err)
-        .arg(expanded);
+        .arg(expanded)
+        .arg(&rows);
     // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
     // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
-    // u32 round, u64 timeout_ns, u32* err, u16* expanded) with K compiled in: thread 0 of each
-    // block reads the sources' flags of this rank's live workspace; after they are raised, warp c
-    // < slab_starts[sources] reads slab row (src_rank[s], c - slab_starts[s]) (< cap, the
-    // caller's counts) and writes the expanded rows its metadata names (< expanded_rows, the
-    // caller's plan; expanded holds expanded_rows × hidden, checked); err is a live u32[4].
+    // u32 round, u64 timeout_ns, u32* err, u16* expanded, u64 exp_rows) with K compiled in:
+    // thread 0 of each block reads the sources' flags of this rank's live workspace; after they
+    // are raised, warp c < slab_starts[sources] reads slab row (src_rank[s], c - slab_starts[s])
+    // (< cap, the caller's counts) and writes the expanded rows its metadata names that are
+    // below exp_rows = expanded_rows (the kernel skips any other; expanded holds expanded_rows ×
+    // hidden, checked); err is a live u32[4].
     unsafe { b.launch(blocks_for(src.total, blocks)) }
         .map_err(launch_err(KernelId::FusedCopyEpilogue))?;
     Ok(())
@@ -428,8 +431,8 @@ pub struct Fp8Expanded<'a> {
 
 /// The copy epilogue of fp8 payloads (`afdep_fused_copy_epilogue_fp8`): [`copy_epilogue`]'s
 /// wait, then every slab row's codes, scales and dequantised values to the expanded rows its
-/// metadata names (`out` holds `expanded_rows` of each). A timeout records
-/// [`fault::DISPATCH_WAIT`] in `err`.
+/// metadata names (`out` holds `expanded_rows` of each; a row past them is not written). A
+/// timeout records [`fault::DISPATCH_WAIT`] in `err`.
 #[allow(clippy::too_many_arguments)]
 pub fn copy_epilogue_fp8(
     ctx: &GpuContext,
@@ -467,6 +470,7 @@ pub fn copy_epilogue_fp8(
     }
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", src.sources)?;
+    let rows = expanded_rows as u64;
     let f = ctx.function(KernelId::FusedCopyEpilogueFp8, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ws)
@@ -483,17 +487,18 @@ pub fn copy_epilogue_fp8(
         .arg(&err)
         .arg(out.q)
         .arg(out.scales)
-        .arg(out.dequant);
+        .arg(out.dequant)
+        .arg(&rows);
     // SAFETY: afdep_fused_copy_epilogue_fp8(const u8* ws, const u32* src_rank, const u64*
     // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
     // u32 round, u64 timeout_ns, u32* err, u8* expanded_q, float* expanded_scales, u16*
-    // expanded) with K compiled in: thread 0 of each block reads the sources' flags of this
-    // rank's live workspace; after they are raised, warp c < slab_starts[sources] reads slab row
-    // (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the fp8
-    // payload and metadata, checked) and writes the expanded rows its metadata names (<
-    // expanded_rows, the caller's plan) of the three outputs, which hold expanded_rows rows each
-    // (checked; cudaMalloc'd, so the 16-byte stores of rows of a multiple of 128 channels are
-    // aligned); err is a live u32[4].
+    // expanded, u64 exp_rows) with K compiled in: thread 0 of each block reads the sources' flags
+    // of this rank's live workspace; after they are raised, warp c < slab_starts[sources] reads
+    // slab row (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the
+    // fp8 payload and metadata, checked) and writes the expanded rows its metadata names that
+    // are below exp_rows = expanded_rows (the kernel skips any other) of the three outputs, which
+    // hold expanded_rows rows each (checked; cudaMalloc'd, so the 16-byte stores of rows of a
+    // multiple of 128 channels are aligned); err is a live u32[4].
     unsafe { b.launch(blocks_for(src.total, blocks)) }
         .map_err(launch_err(KernelId::FusedCopyEpilogueFp8))?;
     Ok(())
