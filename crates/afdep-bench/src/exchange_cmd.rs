@@ -12,7 +12,8 @@
 //!
 //! `--graph` (with `--backend cuda`) times CUDA-graph replays instead of eager rounds, as the
 //! reference record did: every rank prepares the fused engine's device rounds (device experts:
-//! `identity` as a scale of 1, bit-exact against the oracle; `swiglu` as the grouped GEMM,
+//! `identity` runs no expert kernel (`DeviceExperts::Identity`: the combine reads the expanded
+//! rows), bit-exact against the oracle; `swiglu` as the grouped GEMM,
 //! checked within the bf16 tolerance), captures one device round of `--arm` once
 //! (`FusedEngine::capture`; `--arm auto` captures every arm into one graph and the device picks
 //! the arm each replay by `--min-token-bucket`), and each round replays it with the token
@@ -1083,7 +1084,7 @@ struct GraphRank {
 }
 
 /// A [`GraphRank`] on this rank's NvlinkIpc transport: device experts from `expert` (the
-/// identity as a scale of 1, exact; or the SwiGLU experts of `params`), the arm selected
+/// identity with no expert kernel, exact; or the SwiGLU experts of `params`), the arm selected
 /// (`auto`: the rule, on the device), then the capture (collective).
 fn graph_rank(
     cfg: &ExchangeConfig,
@@ -1099,7 +1100,7 @@ fn graph_rank(
     let experts = match (expert, params) {
         (ExpertArg::Swiglu, Some(p)) => DeviceExperts::SwiGlu(std::sync::Arc::new(p.clone())),
         (ExpertArg::Swiglu, None) => bail!("--expert swiglu without expert parameters"),
-        (ExpertArg::Identity, _) => DeviceExperts::Scale(vec![1.0; cfg.experts]),
+        (ExpertArg::Identity, _) => DeviceExperts::Identity,
     };
     eng.prepare_device(DeviceRoundOptions {
         experts,

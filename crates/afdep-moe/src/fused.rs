@@ -740,7 +740,7 @@ impl FusedEngine {
                 &self.src_ranks,
                 self.ws + CONTROL,
                 self.peers,
-                y,
+                device_address(&self.gpu, y),
                 *rows,
                 geo.ret_off,
                 f,

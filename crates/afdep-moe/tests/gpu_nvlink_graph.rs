@@ -565,7 +565,7 @@ fn fp8_graph_replays_match_the_oracle_and_eager_rounds_for_every_arm() {
         ("2A:2F", 256, 3, 48, 24, true),
         ("1A:3F", 384, 3, 48, 24, true),
         ("EP4", 256, 3, 48, 24, true),
-        ("EP1", 128, 2, 24, 24, true),
+        ("EP1", 128, 2, 48, 24, true),
         ("3A:1F", 2048, 6, 256, 7, false),
         ("EP4", 7168, 4, 256, 23, true),
     ] {
@@ -685,5 +685,62 @@ fn fp8_non_finite_rows_are_rejected_on_the_device_and_the_next_round_works() {
                 }
             }
         }
+    }
+}
+
+/// [`DeviceExperts::Identity`] (no expert kernel: the combine reads the expanded rows
+/// themselves): eager device rounds and graph replays of every arm on every 4-rank ratio, with
+/// new routing and token counts each round, bf16 (hidden 36: the combine's element path, and
+/// 72: its 16-byte path) and fp8, bit-identical to the oracle's exchange with the identity
+/// expert and to each other.
+#[test]
+fn identity_experts_read_the_expanded_rows() {
+    let _serial = serial();
+    let modes = all_modes();
+    for (topo, payload, hidden) in [
+        ("3A:1F", PayloadKind::Bf16, 36),
+        ("2A:2F", PayloadKind::Bf16, 72),
+        ("1A:3F", PayloadKind::Bf16, 36),
+        ("EP4", PayloadKind::Bf16, 72),
+        ("3A:1F", PayloadKind::Fp8E4m3, 256),
+        ("EP4", PayloadKind::Fp8E4m3, 128),
+    ] {
+        let mut c = cfg(topo, hidden, 12, 3);
+        c.capacity = 48;
+        c.payload = payload;
+        c.validate().unwrap();
+        let opts = DeviceRoundOptions {
+            experts: DeviceExperts::Identity,
+            keep_received: false,
+        };
+        let rounds = replay_rounds(&c);
+        let Some((got, _)) = run_modes_with(&c, &rounds, &modes, &opts) else {
+            return;
+        };
+        let identity = |_e: usize, rows: &[bf16], _n: usize| rows.to_vec();
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        for (i, (inp, per_mode)) in rounds.iter().zip(&got).enumerate() {
+            let want = afdep_core::oracle::exchange::exchange(&c, inp, identity).unwrap();
+            for (m, g) in modes.iter().zip(per_mode) {
+                for (rank, r) in g.iter().enumerate() {
+                    let r = r
+                        .as_ref()
+                        .unwrap_or_else(|e| panic!("{topo} round {i} {m:?} rank {rank}: {e}"));
+                    if let Some(s) = c.topology.attention_index(rank) {
+                        let got = r.combined.as_ref().expect("a source's output");
+                        let (g, w) = (bits(got), bits(&want[s]));
+                        let bad = g.iter().zip(&w).position(|(a, b)| a != b);
+                        assert!(
+                            g.len() == w.len() && bad.is_none(),
+                            "{topo} {payload:?} hidden {hidden} round {i} {m:?} source {s}: \
+                             {} values against {}, first difference at {bad:?}",
+                            g.len(),
+                            w.len()
+                        );
+                    }
+                }
+            }
+        }
+        println!("identity experts {topo} {payload:?} hidden {hidden}: ok");
     }
 }

@@ -531,7 +531,8 @@ pub struct CompactView {
 
 /// The FFN half of the combine (`afdep_fused_combine_reduce`): for every compact row of the
 /// round (source s, token t), the f32 partial sum of the token's slots on this FFN rank (index
-/// `ffn`) over the expert outputs `y` (`y_rows × hidden` bf16, expanded order), slots ascending,
+/// `ffn`) over the expert outputs at device address `y` (`y_rows × hidden` bf16, expanded order:
+/// a buffer of the caller's or the expanded area of its workspace), slots ascending,
 /// each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t) 4 hidden`
 /// of workspace `peers[src_ranks[s]]`. Nothing when the control block `ctl`'s verdict is not go.
 #[allow(clippy::too_many_arguments)]
@@ -541,7 +542,7 @@ pub fn combine_reduce(
     src_ranks: &CudaSlice<u32>,
     ctl: u64,
     peers: u64,
-    y: &CudaSlice<bf16>,
+    y: u64,
     y_rows: usize,
     ret_off: u64,
     ffn: usize,
@@ -551,9 +552,12 @@ pub fn combine_reduce(
     if view.max_rows == 0 || view.sources == 0 {
         return Ok(());
     }
-    let h = view.slab.hidden as usize;
     need("src ranks", src_ranks, view.sources)?;
-    need("y", y, y_rows * h)?;
+    if y_rows > 0 && y == 0 {
+        return Err(KernelError::Shape(format!(
+            "{y_rows} expert output rows at a null address"
+        )));
+    }
     let ns = as_u32("sources", view.sources)?;
     let k = as_u32("top_k", top_k)?;
     let ffn = as_u32("ffn index", ffn)?;
@@ -576,7 +580,7 @@ pub fn combine_reduce(
         .arg(&view.slab.cap)
         .arg(&view.slab.row_bytes)
         .arg(&view.meta_off)
-        .arg(y)
+        .arg(&y)
         .arg(&y_rows)
         .arg(&ret_off)
         .arg(&ffn)
@@ -587,7 +591,8 @@ pub fn combine_reduce(
     // compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
     // bs: epr × sources when rel), the metadata of the slab rows they count (the caller's plan
     // keeps them within each source's cap rows of this rank's workspace), y rows below y_rows
-    // (y holds y_rows × hidden, checked), and writes hidden f32 at return row (f, t < cap) of
+    // (the caller's y holds y_rows × hidden: a live buffer or its workspace's expanded area),
+    // and writes hidden f32 at return row (f, t < cap) of
     // workspaces of the live peer table, which hold ffns × cap such rows (the caller's
     // geometry).
     unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }

@@ -103,7 +103,8 @@
 //! expert offsets and the expanded rows are copied on the device into the GEMM's buffers, the
 //! groups are the local experts; within the bf16 tolerances of [`crate::accuracy`]. The GEMM
 //! kernels are loaded and warmed up in [`FusedEngine::prepare_device`] (their occupancy and
-//! fault word are set up there, not during a capture).
+//! fault word are set up there, not during a capture). Or [`DeviceExperts::Identity`]: no
+//! expert kernel, the combine's FFN half reads the expanded area itself (the latency runs').
 //!
 //! # fp8 payloads
 //!
@@ -143,6 +144,11 @@ pub enum DeviceExperts {
     /// x·W3)`, `y = bf16(h·W2)`; within bf16 tolerances of the oracle's `expert_rows`
     /// ([`crate::accuracy`]), not bit-identical. Hidden size and width must be multiples of 8.
     SwiGlu(std::sync::Arc<afdep_core::oracle::LayerParams>),
+    /// Every expert returns its rows unchanged. No expert kernel runs: the combine reads the
+    /// expanded rows themselves, so a round is the exchange alone (the latency runs' expert;
+    /// `afdep exchange --expert identity --graph`). Bit-identical to the oracle with
+    /// [`DeviceExperts::host`].
+    Identity,
 }
 
 impl DeviceExperts {
@@ -164,6 +170,7 @@ impl DeviceExperts {
             }
             DeviceExperts::SwiGlu(p) => afdep_core::oracle::layer::expert_rows(p, e, rows, n)
                 .unwrap_or_else(|_| vec![bf16::from_bits(0xFFFF); rows.len()]),
+            DeviceExperts::Identity => rows.to_vec(),
         }
     }
 }
@@ -293,7 +300,11 @@ struct SourceBufs {
 #[derive(Debug)]
 struct FfnBufs {
     scale: CudaSlice<f32>,
+    /// The expert outputs (one element with [`DeviceExperts::Identity`]: the combine reads the
+    /// expanded area).
     y: CudaSlice<bf16>,
+    /// [`DeviceExperts::Identity`].
+    identity: bool,
     snapshot: Option<CudaSlice<u8>>,
     swiglu: Option<SwigluBufs>,
 }
@@ -408,6 +419,7 @@ impl FusedEngine {
         let ones = vec![1.0f32; cfg.experts];
         let scales: &[f32] = match &opts.experts {
             DeviceExperts::Scale(s) => s,
+            DeviceExperts::Identity => &ones,
             DeviceExperts::SwiGlu(lp) => {
                 let sh = &lp.shape;
                 if sh.d_model != h || sh.experts != cfg.experts || h % 8 != 0 || sh.width % 8 != 0 {
@@ -455,11 +467,18 @@ impl FusedEngine {
                     * cfg.topology.attention_count() as u64;
                 let swiglu = match &opts.experts {
                     DeviceExperts::SwiGlu(lp) => Some(self.swiglu_bufs(lp, f)?),
-                    DeviceExperts::Scale(_) => None,
+                    DeviceExperts::Scale(_) | DeviceExperts::Identity => None,
+                };
+                let identity = matches!(opts.experts, DeviceExperts::Identity);
+                let y_len = if identity {
+                    1
+                } else {
+                    (self.geo.cf.exp_rows as usize * h).max(1)
                 };
                 Some(FfnBufs {
                     scale: upload(&self.gpu, local)?,
-                    y: zeros(&self.gpu, (self.geo.cf.exp_rows as usize * h).max(1))?,
+                    y: zeros(&self.gpu, y_len)?,
+                    identity,
                     snapshot: if opts.keep_received {
                         Some(zeros(&self.gpu, (snap as usize).max(1))?)
                     } else {
@@ -1071,10 +1090,18 @@ impl FusedEngine {
                 exp_rows: a.exp_rows,
                 hidden: h,
             };
-            match fb.swiglu.as_mut() {
-                None => fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?,
-                Some(sw) => swiglu(gpu, &pv, sw, &mut fb.y)?,
+            match (fb.identity, fb.swiglu.as_mut()) {
+                (true, _) => {}
+                (false, None) => {
+                    fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?
+                }
+                (false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
             }
+            let y = if fb.identity {
+                ws + a.expanded
+            } else {
+                super::device_address(gpu, &fb.y)
+            };
             // the compact view's rows hold block positions, except the source arm's (final
             // rows): one launch per kind, each gated to its arms
             let plan = ws + a.plan;
@@ -1099,7 +1126,7 @@ impl FusedEngine {
                     &self.src_ranks,
                     c,
                     peers,
-                    &fb.y,
+                    y,
                     a.exp_rows as usize,
                     self.geo.ret_off,
                     f,
