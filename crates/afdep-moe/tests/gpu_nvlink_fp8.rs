@@ -10,7 +10,7 @@
 //! Count-first with fp8: every arm (payload-first, count-first streaming, the source arm),
 //! switching from round to round on the same engines, on 3A:1F, 2A:2F, 1A:3F and EP4 (uneven
 //! ranks, a zero-token rank, a rank at capacity 256, a hot expert, masked slots, edge-case
-//! groups) at hidden 2048 and 7168, under a small SM budget with non-default knobs, with top-8,
+//! groups) at hidden 2048 and 7168 (and 8192 at 3A:1F), under a small SM budget with non-default knobs, with top-8,
 //! and on one rank (EP1): codes, scales and dequantised rows of both views, the device plan and
 //! the combine bit-identical to the oracle, to the staged engine and across the arms; the
 //! non-finite row rejected in every arm.
@@ -293,6 +293,7 @@ fn fp8_count_first_arms_match_the_oracle_and_the_staged_engine() {
     for (hidden, topos) in [
         (2048, &["3A:1F", "2A:2F", "1A:3F", "EP4"][..]),
         (7168, &["3A:1F", "2A:2F", "1A:3F", "EP4"][..]),
+        (8192, &["3A:1F"][..]),
     ] {
         for topo in topos {
             let t0 = std::time::Instant::now();

@@ -1,6 +1,6 @@
 //! Device rounds of the fused engine over NvlinkIpc in-process ranks on one GPU: no host work
 //! between the kernels (device validation and verdict, device counts and plan, device expert,
-//! device-side return and slot lists), eager and captured in a CUDA graph.
+//! the combine from the compact view and the routes), eager and captured in a CUDA graph.
 //!
 //! Every rank prepares its device buffers (capacity-sized), captures one graph per arm
 //! (payload-first, count-first streaming, the source arm), then runs every round in every
@@ -11,7 +11,8 @@
 //! token anywhere, a rank at capacity, a hot expert, masked slots). The four rejected route
 //! classes (dummy, duplicate, negative, wide) and over-capacity, in graph replays and eager
 //! device rounds: the typed route error on every rank, and the next replay correct. Ratios
-//! 3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, EP2, EP1.
+//! 3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, EP2, EP1; hidden 2048, 7168 and 8192 at capacity 256 with
+//! odd SM budgets and non-default knobs; identity experts (no expert kernel) on every ratio.
 //!
 //! fp8 payloads (e4m3, one f32 scale per 128 channels, quantised on the device while stored):
 //! graph replays and eager rounds of every arm on 3A:1F, 2A:2F, 1A:3F, EP4 and EP1, and at
@@ -269,7 +270,8 @@ fn device_rounds_on_a_single_rank_ep1() {
     check_modes("EP1", &c, &rounds, &got, &modes);
 }
 
-/// Hidden 2048 and 7168 with capacity 256 (rounds at capacity), odd SM budgets and knobs.
+/// Hidden 2048, 7168 and 8192 with capacity 256 (rounds at capacity), odd SM budgets and
+/// knobs.
 #[test]
 fn graph_replays_at_large_hidden_with_knobs() {
     let _serial = serial();
@@ -279,6 +281,7 @@ fn graph_replays_at_large_hidden_with_knobs() {
         ("1A:3F", 2048, 8, 23, false),
         ("EP4", 7168, 4, 24, true),
         ("2A:2F", 7168, 4, 7, false),
+        ("1A:3F", 8192, 8, 23, true),
     ] {
         let t0 = Instant::now();
         let mut c = cfg(topo, hidden, 24, k);
