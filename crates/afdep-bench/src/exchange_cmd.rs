@@ -630,6 +630,20 @@ struct Problem {
     params: Option<LayerParams>,
 }
 
+/// The expert parameters a fused rank is built with: the first problem's. A `--graph` run
+/// captures its device experts once, so there every problem must carry the same parameters
+/// (or none); eager rounds take each problem's own experts.
+fn rank_params(probs: &[Problem], graph: bool) -> Result<Option<&LayerParams>> {
+    let first = probs.first().and_then(|p| p.params.as_ref());
+    if graph && probs.iter().any(|p| p.params.as_ref() != first) {
+        bail!(
+            "--graph captures the device experts once: every --input must carry the same \
+             SwiGLU parameters (w1, w3, w2), or none"
+        );
+    }
+    Ok(first)
+}
+
 fn generate(a: &ExchangeArgs, cfg: &ExchangeConfig, tokens: usize) -> Result<Vec<SourceInput>> {
     let shape = LayerShape {
         d_model: cfg.hidden,
@@ -1202,7 +1216,7 @@ fn run_fused_threads(
                 sc.spawn(move || -> Result<Vec<RankRun>> {
                     let mut eng = None;
                     let r = (|| {
-                        let params = probs.first().and_then(|p| p.params.as_ref());
+                        let params = rank_params(probs, a.graph)?;
                         let e = eng.insert(fused_rank(a, &res.cfg, t, params)?);
                         let mut out = Vec::with_capacity(probs.len());
                         for prob in probs {
@@ -1483,9 +1497,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             .with_context(|| format!("rank {}: setting up {kind}", env.rank))?;
         Some(match engine {
             EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
-            EngineKind::Fused => {
-                fused_rank(&a, &cfg, t, probs.first().and_then(|p| p.params.as_ref()))?
-            }
+            EngineKind::Fused => fused_rank(&a, &cfg, t, rank_params(&probs, a.graph)?)?,
         })
     } else {
         None

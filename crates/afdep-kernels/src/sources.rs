@@ -71,8 +71,8 @@ pub enum SourceFile {
     FusedDispatch,
     /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
     FusedEpilogue,
-    /// `fused_combine.cu`: the combine stores and the fixed-order combine (specialised by
-    /// top-k).
+    /// `fused_combine.cu`: the combine's two halves, the FFN ranks' partial sums and the sources'
+    /// fixed-order sum (specialised by top-k).
     FusedCombine,
     /// `fused_counts.cu`: count-first counts on the device, their publication, the FFN rank's
     /// plan and offsets, a bounded flag wait (specialised by top-k).
@@ -83,7 +83,7 @@ pub enum SourceFile {
     /// `fused_stream_epilogue.cu`: the count-first streaming epilogue (specialised by top-k).
     FusedStreamEpilogue,
     /// `fused_round.cu`: the device round: round control, device route validation with the
-    /// verdict shared among ranks, the device expert, device-side return lists (specialised by
+    /// verdict shared among ranks, the fp8 payload check, the device expert (specialised by
     /// top-k).
     FusedRound,
     /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device

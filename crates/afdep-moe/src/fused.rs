@@ -86,9 +86,9 @@
 //! drop the engines only once every rank has finished its last round (freeing device memory may
 //! wait for the whole device; the tests join every rank's thread first).
 //!
-//! Each phase's host preparation (send lists, return lists, their uploads, the poisoned output
-//! buffers) is done before the phase's first kernel, so that the phase's kernels run back to
-//! back on the rank's stream.
+//! Each phase's host preparation (send lists, the combine's plan numbers, their uploads, the
+//! poisoned output buffers) is done before the phase's first kernel, so that the phase's kernels
+//! run back to back on the rank's stream.
 //!
 //! # Phase timing
 //!
@@ -122,14 +122,13 @@
 //!
 //! # Device rounds and CUDA graphs
 //!
-//! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a
-//! whole round with no host work between its kernels: route validation on the device with the
-//! verdict shared among ranks through the workspace (a rejection, also of a non-finite fp8 row,
-//! is the same typed [`ExchangeError::Route`] on every rank, and the next round works), device
-//! counts and plan,
-//! device experts ([`DeviceExperts`]), device-side return and slot lists, over capacity-sized
-//! buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with the arm
-//! chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
+//! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a whole
+//! round with no host work between its kernels: route validation on the device with the verdict
+//! shared among ranks through the workspace (a rejection, also of a non-finite fp8 row, is the same
+//! typed [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
+//! device experts ([`DeviceExperts`]), the combine from the compact view and the routes, over
+//! capacity-sized buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with
+//! the arm chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -297,6 +296,15 @@ impl FusedEngine {
                      (FusedEngine::workspace_bytes)",
                     geo.bytes
                 ),
+            });
+        }
+        // the combine's and the experts' 16-byte accesses need an aligned workspace (NvlinkIpc
+        // places it 256-byte aligned; checked in case another path built the transport)
+        let base = transport.workspace_peers()[rank];
+        if base % 256 != 0 {
+            return Err(ExchangeError::Input {
+                rank,
+                what: format!("the NvlinkIpc workspace base {base:#x} is not 256-byte aligned"),
             });
         }
         let gpu = GpuContext::new(transport.device())?;
@@ -697,8 +705,8 @@ impl FusedEngine {
             times.dispatch = t1.elapsed();
         }
 
-        // 5. combine: host preparation (return lists, uploads, the poisoned output), then the
-        // stores back (FFN ranks) and the sums (sources)
+        // 5. combine: host preparation (the plan numbers, the routes, the poisoned output), then
+        // the partial sums (FFN ranks) and the sums of the partials (sources)
         let t3 = Instant::now();
         let mut back = None;
         if let Some(f) = ffn_index {
@@ -860,17 +868,17 @@ enum Phase {
 /// Device time of the two exchange phases of one round on one rank, from CUDA events on the
 /// rank's stream ([`FusedEngine::set_phase_timing`]).
 ///
-/// With timing on, each phase starts with a control-plane barrier of every rank, after the
-/// rank's host preparation of the phase (send lists, return lists and their uploads, the
-/// poisoned output buffers), and the first event is recorded right after it; the second
-/// follows the phase's last kernel. So a span holds only this rank's kernels of the phase and
-/// their waits for peers that started the phase at the same barrier, not the host work of
+/// With timing on, each phase starts with a control-plane barrier of every rank, after the rank's
+/// host preparation of the phase (send lists, the combine's plan numbers and routes and their
+/// uploads, the poisoned output buffers), and the first event is recorded right after it; the
+/// second follows the phase's last kernel. So a span holds only this rank's kernels of the phase
+/// and their waits for peers that started the phase at the same barrier, not the host work of
 /// another rank (an FFN rank's host experts, a source's send lists):
 ///
 /// - **dispatch**: a source's dispatch and signal kernels; an FFN rank's copy epilogue, which
 ///   waits for every source's flag and then expands; both on a rank that is both (EP).
-/// - **combine**: an FFN rank's return stores and signal; a source's combine, which waits for
-///   every FFN rank's flag and then sums; both on a rank that is both.
+/// - **combine**: an FFN rank's partial sums into the sources' return areas and signal; a source's
+///   combine, which waits for every FFN rank's flag and then sums; both on a rank that is both.
 ///
 /// The latency of a phase is the largest span over the ranks; a round's is the sum of its two
 /// phases' latencies. The barrier's own skew between ranks (the time one rank's kernels wait

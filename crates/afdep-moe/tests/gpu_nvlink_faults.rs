@@ -493,6 +493,7 @@ fn skip_is_caught(fault: Fault) {
                 None => "a typed error closed the engines",
             }
         );
+        // the fault-built modules ran (the points counted); the skip's effect is `caught` below
         assert!(fr.hits > 0, "{topo} fault {fault}: its points never fired");
         assert!(
             caught > 0,

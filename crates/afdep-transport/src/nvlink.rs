@@ -25,8 +25,11 @@
 //! exported for IPC), laid out as
 //!
 //! ```text
-//! [ flags: u32 × world, padded to 256 B ][ staging: NvlinkOptions::staging_bytes ][ workspace: NvlinkOptions::workspace_bytes ]
+//! [ flags: u32 × world, padded to 256 B ][ staging: NvlinkOptions::staging_bytes, padded to 256 B ][ workspace: NvlinkOptions::workspace_bytes ]
 //! ```
+//!
+//! (`cuMemAlloc` returns 256-byte aligned windows, so every workspace base is 256-byte aligned
+//! whatever the staging size: the fused kernels' 16-byte accesses rely on it.)
 //!
 //! - the **flags** and the **staging** area belong to [`Transport::all_to_all_v`];
 //! - the **workspace** belongs to the fused kernels of the exchange engine: it is never touched
@@ -419,8 +422,14 @@ impl fmt::Debug for NvlinkIpc {
     }
 }
 
+/// Byte offset of the workspace in every window: after the flags and the staging area, rounded
+/// up to 256 so that the workspace base is 256-byte aligned.
+fn workspace_offset(world: usize, opts: &NvlinkOptions) -> usize {
+    (flag_bytes(world) + opts.staging_bytes).div_ceil(256) * 256
+}
+
 fn window_bytes(world: usize, opts: &NvlinkOptions) -> usize {
-    flag_bytes(world) + opts.staging_bytes + opts.workspace_bytes
+    workspace_offset(world, opts) + opts.workspace_bytes
 }
 
 fn rank_stream(
@@ -609,7 +618,7 @@ impl NvlinkIpc {
         windows: Windows,
     ) -> Result<NvlinkIpc, TransportError> {
         const OP: &str = "init.table";
-        let ws_off = (flag_bytes(world) + opts.staging_bytes) as u64;
+        let ws_off = workspace_offset(world, &opts) as u64;
         let workspace: Vec<u64> = peers.iter().map(|&p| p + ws_off).collect();
         let table = DeviceMem::zeroed(rank, &stream.ctx, &stream, 8 * world, OP)?;
         // SAFETY: the table holds 8 * world bytes; `workspace` outlives the copy, waited for
@@ -1021,5 +1030,34 @@ impl Transport for NvlinkIpc {
     fn barrier(&mut self) -> Result<(), TransportError> {
         self.live("barrier")?;
         self.control.t().barrier()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_workspace_starts_256_byte_aligned_for_any_staging_size() {
+        for world in [1, 2, 3, 64, 65] {
+            for staging in [0, 1, 16, 100, 256, 4097, 64 << 20] {
+                let opts = NvlinkOptions {
+                    staging_bytes: staging,
+                    workspace_bytes: 1000,
+                    ..NvlinkOptions::default()
+                };
+                let off = workspace_offset(world, &opts);
+                assert_eq!(off % 256, 0, "world {world}, staging {staging}");
+                assert!(off >= flag_bytes(world) + staging);
+                assert!(off < flag_bytes(world) + staging + 256);
+                assert_eq!(window_bytes(world, &opts), off + 1000);
+            }
+        }
+        // sizes that were aligned already keep their layout
+        let opts = NvlinkOptions {
+            staging_bytes: 16 << 20,
+            ..NvlinkOptions::default()
+        };
+        assert_eq!(workspace_offset(4, &opts), 256 + (16 << 20));
     }
 }

@@ -1,5 +1,6 @@
-//! Launchers of the fused (payload-first) exchange kernels: `fused_dispatch.cu`,
-//! `fused_epilogue.cu`, `fused_combine.cu`.
+//! Launchers of the fused exchange kernels of payload-first rounds (`fused_dispatch.cu`,
+//! `fused_epilogue.cu`) and of the combine of every arm and of device rounds
+//! (`fused_combine.cu`: [`combine_reduce`], [`combine`]).
 //!
 //! These kernels store into other ranks' memory through a **peer table**: the device address of
 //! a `u64[world]` array whose entry r is rank r's workspace base, valid in this context (what
@@ -7,6 +8,11 @@
 //! the transport. Workspace offsets (`slab_off`, flag offsets, `ret_off`) are bytes from a
 //! workspace base and are the same on every rank (symmetric workspace); the layout is the fused
 //! engine's (`afdep_moe::fused`).
+//!
+//! With hidden a multiple of 8 the combine uses 16-byte loads and stores, which need 16-byte
+//! aligned bases: the callers' buffers come from the device allocator, and the workspace's areas
+//! sit at 256-byte aligned offsets of a 256-byte aligned workspace (`FusedEngine::new` checks
+//! it). With any other hidden size its element path runs.
 //!
 //! Waiting kernels ([`copy_epilogue`], [`combine`]) spin on flags at system scope for at most
 //! `timeout_ns` (`%globaltimer`), then record a fault in the error word (`u32[4]`:

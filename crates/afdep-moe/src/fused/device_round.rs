@@ -88,11 +88,11 @@
 //! boundary); the requests and token counts travel in the status records, whose round word is
 //! stored with release after them and read with acquire (system scope) before them.
 //!
-//! The cost over a fixed-arm graph: no host synchronisation and no host decision (the request
-//! is written by the same copy as the token count), one more status record word pair, and the
-//! launches of the arms not taken, each a kernel that reads one word and returns (per round at
-//! most three on a source-only rank, four on an FFN-only rank (five with fp8), seven on a rank
-//! that is both (eight)).
+//! The cost over a fixed-arm graph: no host synchronisation and no host decision (the request is
+//! written by the same copy as the token count), a status record of 16 words instead of 8, and the
+//! launches of the arms not taken, each a kernel that reads one word and returns (per round at most
+//! three on a source-only rank, four on an FFN-only rank (five with fp8), seven on a rank that is
+//! both (eight)).
 //!
 //! # Experts
 //!
@@ -1061,7 +1061,7 @@ impl FusedEngine {
                 )?;
             }
         }
-        // 6. FFN: snapshot, experts, return stores, combine flags
+        // 6. FFN: snapshot, experts, the combine's partial sums, combine flags
         if let Some(fb) = d.ffn.as_mut() {
             if let Some(snap) = fb.snapshot.as_mut() {
                 let first = topo.attention_ranks().start as u64;

@@ -40,8 +40,12 @@ impl FusedEngine {
     }
 
     /// How often the fault points of this rank's fault-built kernels fired since the engine was
-    /// made (every fault it ran, summed; a delay counts once per thread that spins, a skip once
-    /// per wait it skips). Waits for the rank's stream: call it between rounds once every rank
+    /// made (every fault it ran, summed): a delay counts once per thread that spins, a skip once
+    /// per thread that passes its point, which stands before the wait's statement and so also
+    /// counts where that wait would not have run (a streaming dispatch with the gate off, the
+    /// lanes of a warp whose lane 0 waits). A skip's count therefore shows that its modules ran,
+    /// not how many waits it removed; whether a skip mattered is what the comparison with the
+    /// oracle shows. Waits for the rank's stream: call it between rounds once every rank
     /// finished its round (after a barrier), when no kernel of a peer on the same device still
     /// waits for this rank.
     pub fn fault_hits(&self) -> Result<u64, ExchangeError> {
