@@ -1753,4 +1753,36 @@ mod tests {
         assert!(EngineKind::Fused.arms().contains(&ArmArg::Auto));
         assert!(!EngineKind::Staged.arms().contains(&ArmArg::Auto));
     }
+
+    #[test]
+    fn a_graph_run_takes_one_parameter_set() {
+        let cfg = ExchangeConfig::new("1A:1F".parse().unwrap(), 16, 4, 2, 8).unwrap();
+        let shape = |seed| {
+            LayerParams::random(
+                LayerShape {
+                    d_model: 16,
+                    width: 8,
+                    experts: 4,
+                    top_k: 2,
+                    shared: 0,
+                    renormalize: true,
+                },
+                seed,
+            )
+        };
+        let prob = |params: Option<LayerParams>| Problem {
+            cfg: cfg.clone(),
+            inputs: Vec::new(),
+            params,
+        };
+        let same = [prob(Some(shape(1))), prob(Some(shape(1)))];
+        assert_eq!(rank_params(&same, true).unwrap(), Some(&shape(1)));
+        let differ = [prob(Some(shape(1))), prob(Some(shape(2)))];
+        let e = rank_params(&differ, true).unwrap_err().to_string();
+        assert!(e.contains("--graph"), "{e}");
+        // eager rounds take each problem's own experts
+        assert_eq!(rank_params(&differ, false).unwrap(), Some(&shape(1)));
+        assert_eq!(rank_params(&[prob(None), prob(None)], true).unwrap(), None);
+        assert_eq!(rank_params(&[], true).unwrap(), None);
+    }
 }
