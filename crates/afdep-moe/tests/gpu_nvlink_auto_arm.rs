@@ -310,22 +310,6 @@ fn auto_graph_on_a_single_rank_ep1() {
     check_steps("EP1", &c, &st, &got);
 }
 
-/// Unmasked routes (every slot a distinct expert) so that a corruption lands where the
-/// expected error says.
-fn fixed_sources(c: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
-    let mut s = sources(c, tokens, None, seed);
-    let owned = c.placement().owned();
-    for (i, inp) in s.iter_mut().enumerate() {
-        let k = c.top_k;
-        for t in 0..inp.routes.tokens {
-            for j in 0..k {
-                inp.routes.idx[t * k + j] = ((t + i + j * 3) % owned) as i32;
-            }
-        }
-    }
-    s
-}
-
 /// Rejected routes in auto replays (below and above the bucket): the lowest rejecting rank's
 /// typed error on every rank and in every mode, and the next round exact.
 #[test]

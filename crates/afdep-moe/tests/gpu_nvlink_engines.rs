@@ -16,7 +16,7 @@ use std::time::Duration;
 use afdep_core::ExchangeConfig;
 use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
-use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
+use afdep_moe::{ExchangeError, FusedEngine, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -101,21 +101,6 @@ fn staged_over_nvlink_rejects_a_route_on_every_rank_and_goes_on() {
 
 fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {
     FusedEngine::new(cfg, t)
-}
-
-/// The parts of a round's output that engines must agree on (not the times).
-fn parts(
-    r: &RoundOutput,
-) -> (
-    Option<Vec<u16>>,
-    Option<afdep_core::oracle::exchange::FfnReceived>,
-) {
-    (
-        r.combined
-            .as_ref()
-            .map(|c| c.iter().map(|v| v.to_bits()).collect()),
-        r.received.clone(),
-    )
 }
 
 #[test]

@@ -25,7 +25,7 @@ use std::time::Duration;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, RouteError, bf16};
-use afdep_moe::{ExchangeError, FusedEngine, RoundOutput, StagedEngine};
+use afdep_moe::{ExchangeError, FusedEngine, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -70,21 +70,6 @@ fn edge_rounds(c: &ExchangeConfig) -> Vec<Vec<SourceInput>> {
         }
     }
     rounds
-}
-
-/// The parts of a round's output that engines must agree on (not the times).
-fn parts(
-    r: &RoundOutput,
-) -> (
-    Option<Vec<u16>>,
-    Option<afdep_core::oracle::exchange::FfnReceived>,
-) {
-    (
-        r.combined
-            .as_ref()
-            .map(|c| c.iter().map(|v| v.to_bits()).collect()),
-        r.received.clone(),
-    )
 }
 
 /// Runs `rounds` on the fused engine and on the staged engine (both over NvlinkIpc), checks

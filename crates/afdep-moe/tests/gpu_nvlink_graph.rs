@@ -31,6 +31,7 @@ mod exchange_common;
 
 use std::time::{Duration, Instant};
 
+use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::route::{RouteRules, validate};
 use afdep_core::tensor::fp8_edge_groups;
@@ -197,6 +198,42 @@ fn check_modes(
     }
 }
 
+/// Every run of `rounds` against `want`: a round with `Some(error)` fails on every rank with
+/// that route error (compared as error words, so a NaN value's bits count), reported by the
+/// rank itself; a round with `None` is bit-identical to the oracle.
+fn check_rejections(
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    want: &[Option<RouteError>],
+    got: &[Vec<Vec<RankResult>>],
+    modes: &[Mode],
+) {
+    for (i, ((inp, w), per_mode)) in rounds.iter().zip(want).zip(got).enumerate() {
+        for (m, g) in modes.iter().zip(per_mode) {
+            match w {
+                None => check_round(c, inp, g, None),
+                Some(want) => {
+                    for (rank, r) in g.iter().enumerate() {
+                        match r {
+                            Err(ExchangeError::Route { reporter, error }) => {
+                                assert_eq!(*reporter, rank);
+                                assert_eq!(
+                                    error.to_word(),
+                                    want.to_word(),
+                                    "round {i} {m:?} rank {rank}: {error} instead of {want}"
+                                );
+                            }
+                            other => panic!(
+                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn node_check(what: &str, nodes: &[Vec<Vec<u32>>]) {
     use afdep_kernels::cudarc::driver::sys::CUgraphNodeType as T;
     let ok = [
@@ -314,22 +351,6 @@ fn graph_replays_at_large_hidden_with_knobs() {
     }
 }
 
-/// Unmasked routes (every slot a distinct expert, none masked) so that a corruption lands where
-/// the expected error says.
-fn fixed_sources(c: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
-    let mut s = sources(c, tokens, None, seed);
-    let owned = c.placement().owned();
-    for (i, inp) in s.iter_mut().enumerate() {
-        let k = c.top_k;
-        for t in 0..inp.routes.tokens {
-            for j in 0..k {
-                inp.routes.idx[t * k + j] = ((t + i + j * 3) % owned) as i32;
-            }
-        }
-    }
-    s
-}
-
 #[test]
 fn rejected_routes_fail_every_rank_in_graph_and_eager_rounds_and_the_next_round_works() {
     let _serial = serial();
@@ -403,26 +424,7 @@ fn rejected_routes_fail_every_rank_in_graph_and_eager_rounds_and_the_next_round_
     let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
         return;
     };
-    for (i, ((inp, w), per_mode)) in rounds.iter().zip(&want).zip(&got).enumerate() {
-        for (m, g) in modes.iter().zip(per_mode) {
-            match w {
-                None => check_round(&c, inp, g, None),
-                Some(want) => {
-                    for (rank, r) in g.iter().enumerate() {
-                        match r {
-                            Err(ExchangeError::Route { reporter, error }) => {
-                                assert_eq!(*reporter, rank);
-                                assert_eq!(error, want, "round {i} {m:?} rank {rank}");
-                            }
-                            other => panic!(
-                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
-                            ),
-                        }
-                    }
-                }
-            }
-        }
-    }
+    check_rejections(&c, &rounds, &want, &got, &modes);
 }
 
 /// Repeated replays of the same seeds give identical outputs (hash of every run's bits).
@@ -665,30 +667,7 @@ fn fp8_non_finite_rows_are_rejected_on_the_device_and_the_next_round_works() {
     let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
         return;
     };
-    for (i, ((inp, w), per_mode)) in rounds.iter().zip(&want).zip(&got).enumerate() {
-        for (m, g) in modes.iter().zip(per_mode) {
-            match w {
-                None => check_round(&c, inp, g, None),
-                Some(want) => {
-                    for (rank, r) in g.iter().enumerate() {
-                        match r {
-                            Err(ExchangeError::Route { reporter, error }) => {
-                                assert_eq!(*reporter, rank);
-                                assert_eq!(
-                                    error.to_word(),
-                                    want.to_word(),
-                                    "round {i} {m:?} rank {rank}: {error} instead of {want}"
-                                );
-                            }
-                            other => panic!(
-                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
-                            ),
-                        }
-                    }
-                }
-            }
-        }
-    }
+    check_rejections(&c, &rounds, &want, &got, &modes);
 }
 
 /// [`DeviceExperts::Identity`] (no expert kernel: the combine reads the expanded rows

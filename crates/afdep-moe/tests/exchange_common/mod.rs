@@ -340,3 +340,31 @@ pub fn check_round(
         }
     }
 }
+
+/// Routes with no masked slot (slot j of token t of source i: expert (t + i + 3j) mod the owned
+/// experts, distinct within a token for top-k up to the owned experts / 3) over [`sources`]'
+/// rows, so that a test's corruption lands where the error it expects says.
+pub fn fixed_sources(c: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
+    let mut s = sources(c, tokens, None, seed);
+    let owned = c.placement().owned();
+    for (i, inp) in s.iter_mut().enumerate() {
+        let k = c.top_k;
+        for t in 0..inp.routes.tokens {
+            for j in 0..k {
+                inp.routes.idx[t * k + j] = ((t + i + j * 3) % owned) as i32;
+            }
+        }
+    }
+    s
+}
+
+/// The parts of a round's output that engines must agree on (not the times): the combined
+/// output's bits and what the FFN rank received.
+pub fn parts(r: &RoundOutput) -> (Option<Vec<u16>>, Option<reference::FfnReceived>) {
+    (
+        r.combined
+            .as_ref()
+            .map(|c| c.iter().map(|v| v.to_bits()).collect()),
+        r.received.clone(),
+    )
+}
