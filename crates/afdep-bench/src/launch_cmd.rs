@@ -1,9 +1,11 @@
-//! `afdep launch -n N [--rendezvous ADDR] [--timeout S] [--grace S] -- CMD ARGS...`: starts N
-//! processes of one multi-process group, torchrun-like.
+//! `afdep launch -n N [--rendezvous ADDR] [--job-id ID] [--timeout S] [--grace S] -- CMD ARGS...`:
+//! starts N processes of one multi-process group, torchrun-like.
 //!
 //! Each child gets the bootstrap's environment ([`ENV_RANK`], [`ENV_WORLD_SIZE`],
-//! [`ENV_RENDEZVOUS`]; rank 0 listens on the rendezvous address, see
-//! [`afdep_transport::Bootstrap`]). Its stderr lines are forwarded prefixed with `[rank] `; its
+//! [`ENV_RENDEZVOUS`], [`ENV_JOB_ID`]; rank 0 listens on the rendezvous address, 127.0.0.1 and
+//! a free port unless `--rendezvous` says otherwise, and drops connections of another job, see
+//! [`afdep_transport::Bootstrap`]). The job identity is `--job-id`, else the launcher's own
+//! [`ENV_JOB_ID`], else a random one made for this launch. Its stderr lines are forwarded prefixed with `[rank] `; its
 //! stdout lines are forwarded whole (unprefixed unless `--tag-stdout`, so that rank 0's JSON rows
 //! stay parseable), one line at a time so that the ranks' lines never interleave.
 //!
@@ -23,7 +25,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use afdep_transport::{ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE};
+use afdep_transport::{ENV_JOB_ID, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, JobId};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use tracing::{debug, warn};
@@ -39,9 +41,14 @@ pub struct LaunchArgs {
     /// Number of processes (ranks `0..N`).
     #[arg(short = 'n', long = "nprocs")]
     pub nprocs: usize,
-    /// Rank 0's rendezvous address `host:port` (default: 127.0.0.1 and a free port).
+    /// Rank 0's rendezvous address `host:port` (default: 127.0.0.1 and a free port; give an
+    /// address other hosts reach only for a multi-host group).
     #[arg(long)]
     pub rendezvous: Option<String>,
+    /// The job identity the ranks carry in their handshake (default: `AFDEP_JOB_ID` if set,
+    /// else a random one).
+    #[arg(long)]
+    pub job_id: Option<String>,
     /// Kill every process and fail after this many seconds (0: no limit).
     #[arg(long, default_value_t = 0.0)]
     pub timeout: f64,
@@ -91,6 +98,35 @@ fn kill(c: &mut Child) {
 fn free_addr() -> Result<SocketAddr> {
     let l = TcpListener::bind("127.0.0.1:0").context("binding a free port for the rendezvous")?;
     Ok(l.local_addr()?)
+}
+
+/// A random job identity: 128 bits from the standard library's randomly keyed hasher, the
+/// time and the process id, as 32 hex digits.
+fn random_job() -> JobId {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hex = String::with_capacity(32);
+    for half in 0..2u8 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u8(half);
+        h.write_u32(std::process::id());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        h.write_u128(now);
+        hex.push_str(&format!("{:016x}", h.finish()));
+    }
+    JobId::new(hex).expect("32 hex digits are a valid job id")
+}
+
+/// The job of this launch: `--job-id`, else [`ENV_JOB_ID`], else [`random_job`].
+fn job_of(arg: Option<&str>) -> Result<JobId> {
+    let given = arg
+        .map(|s| (s.to_string(), "--job-id"))
+        .or_else(|| std::env::var(ENV_JOB_ID).ok().map(|s| (s, ENV_JOB_ID)));
+    match given {
+        Some((s, from)) => JobId::new(s.trim()).context(from),
+        None => Ok(random_job()),
+    }
 }
 
 fn forward(
@@ -151,6 +187,8 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         Some(s) => s.clone(),
         None => free_addr()?.to_string(),
     };
+    let job = job_of(a.job_id.as_deref())?;
+    debug!(%job, %addr, "launch: job");
     let (prog, args) = a.cmd.split_first().context("no command after --")?;
     let mut children: Vec<Child> = Vec::with_capacity(a.nprocs);
     let mut pumps = Vec::new();
@@ -160,6 +198,7 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             .env(ENV_RANK, rank.to_string())
             .env(ENV_WORLD_SIZE, a.nprocs.to_string())
             .env(ENV_RENDEZVOUS, &addr)
+            .env(ENV_JOB_ID, job.as_str())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

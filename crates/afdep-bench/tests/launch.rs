@@ -64,6 +64,56 @@ fn launch_gives_every_rank_its_environment() {
     }
 }
 
+/// The job id every rank of `afdep launch -n 2 ARGS -- echo $AFDEP_JOB_ID` sees (the same on
+/// both, else a failure), with `AFDEP_JOB_ID` set to `outer` for the launcher if given.
+fn launched_job_id(args: &[&str], outer: Option<&str>) -> Result<String, String> {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_afdep"));
+    c.arg("launch").args(["-n", "2"]).args(args);
+    c.args(["--", "sh", "-c", "echo \"$AFDEP_JOB_ID\""]);
+    c.env_remove("AFDEP_JOB_ID");
+    if let Some(o) = outer {
+        c.env("AFDEP_JOB_ID", o);
+    }
+    let out = c.output().expect("running afdep");
+    if !out.status.success() {
+        return Err(text(&out.stderr));
+    }
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert_eq!(lines[0], lines[1], "one job id per launch: {stdout}");
+    Ok(lines[0].to_string())
+}
+
+#[test]
+fn launch_gives_every_rank_one_job_id_new_for_each_launch() {
+    let a = launched_job_id(&[], None).unwrap();
+    let b = launched_job_id(&[], None).unwrap();
+    assert_ne!(a, b, "two launches share a random job id");
+    for id in [&a, &b] {
+        assert!(
+            id.len() == 32 && id.bytes().all(|c| c.is_ascii_hexdigit()),
+            "{id:?}"
+        );
+    }
+    assert_eq!(
+        launched_job_id(&["--job-id", "train-7"], None).unwrap(),
+        "train-7"
+    );
+    assert_eq!(launched_job_id(&[], Some("outer")).unwrap(), "outer");
+    assert_eq!(
+        launched_job_id(&["--job-id", "inner"], Some("outer")).unwrap(),
+        "inner"
+    );
+    let e = launched_job_id(&["--job-id", "two words"], None).unwrap_err();
+    assert!(
+        e.contains("--job-id") && e.contains("invalid job id"),
+        "{e}"
+    );
+    let e = launched_job_id(&[], Some("")).unwrap_err();
+    assert!(e.contains("AFDEP_JOB_ID"), "{e}");
+}
+
 #[test]
 fn launch_uses_the_given_rendezvous_address() {
     let (out, _) = afdep(&[

@@ -449,7 +449,7 @@ impl AnyTransport {
     ) -> Result<AnyTransport, TransportError> {
         let env = crate::RendezvousEnv::from_env()?;
         kind.check_placement(env.world_size, options)?;
-        let boot = Bootstrap::connect(env.addr, env.rank, env.world_size, options.timeout)?;
+        let boot = Bootstrap::from_rendezvous(&env, options.timeout)?;
         AnyTransport::connect(kind, boot, options)
     }
 

@@ -13,14 +13,36 @@
 //! # Wire format
 //!
 //! Every message is a frame: a 24-byte little-endian header (magic `AFDP`, kind `u32`,
-//! operation number `u64`, payload length `u64`) and the payload. The handshake is operation 0:
-//! each non-root rank sends `hello(version, rank, world size)`; rank 0 checks the world size
+//! operation number `u64`, payload length `u64`) and the payload. Operations are numbered from
+//! 1; a frame of another kind or number than expected is a `Protocol` error.
+//!
+//! # Handshake, job identity, stray peers
+//!
+//! The handshake is operation 0: each non-root rank sends `hello(version, rank, world size,
+//! job)`, where the job is a [`JobId`] shared by the ranks of one group (from
+//! [`ENV_JOB_ID`], which `afdep launch` sets to a random value, or given to
+//! [`connect_as`](Bootstrap::connect_as) / [`with_job`](BootstrapListener::with_job); ranks
+//! started without one belong to the job [`JobId::UNNAMED`]). Rank 0 handles the connections
+//! that wait for their hello side by side (a silent one does not delay the others) and reads at
+//! most a header and [4 KiB](handshake) from each. A connection whose first bytes are not the
+//! magic, whose hello is of another protocol version or job, oversized, truncated, malformed,
+//! or missing after the hello wait (half the timeout, at most 5 s), or that is the oldest of 64
+//! pending connections when another arrives, is a *stray*: rank 0 records
+//! a [`Handshake`](TransportError::Handshake) error naming its address and what was expected
+//! and received ([`Bootstrap::rejected`], and a warning in the log), sends it an `abort` saying
+//! why, drops it, and keeps accepting the ranks of its group.
+//!
+//! A hello of this job is a rank of the group: rank 0 checks the world size
 //! ([`WorldSizeMismatch`](TransportError::WorldSizeMismatch)), that the rank is in `1..world`
 //! ([`Protocol`](TransportError::Protocol)) and that no rank appears twice
-//! ([`DuplicateRank`](TransportError::DuplicateRank)); once all have joined it answers `welcome`.
-//! A connection that does not start with a well-formed hello is dropped and ignored. Operations
-//! are then numbered from 1; a frame of another kind or number than expected is a `Protocol`
-//! error.
+//! ([`DuplicateRank`](TransportError::DuplicateRank)), any of which fails the whole group;
+//! once all have joined it answers `welcome(version, world size, job)`, which each rank checks
+//! in turn (a non-root rank that reached another job's rank 0, or something that is not a
+//! bootstrap, gets a `Handshake` error).
+//!
+//! Rank 0 listens on exactly the rendezvous address it is given: `afdep launch` gives
+//! `127.0.0.1`, so a group is reachable from this machine only unless an address reachable from
+//! other hosts is given explicitly (`--rendezvous`, [`ENV_RENDEZVOUS`]) for a multi-host group.
 //!
 //! # Time bounds and failures
 //!
@@ -45,6 +67,12 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use crate::TransportError;
+use crate::error::HandshakeFault;
+
+mod handshake;
+
+use handshake::{Hello, Scan, Welcome, scan};
+pub use handshake::{InvalidJobId, JobId, fuzz_decoders};
 
 /// Environment variable holding this process's rank.
 pub const ENV_RANK: &str = "AFDEP_RANK";
@@ -52,9 +80,20 @@ pub const ENV_RANK: &str = "AFDEP_RANK";
 pub const ENV_WORLD_SIZE: &str = "AFDEP_WORLD_SIZE";
 /// Environment variable holding rank 0's rendezvous address, `host:port`.
 pub const ENV_RENDEZVOUS: &str = "AFDEP_RENDEZVOUS";
+/// Environment variable holding the job identity ([`JobId`]; optional: without it a rank
+/// belongs to the job [`JobId::UNNAMED`]).
+pub const ENV_JOB_ID: &str = "AFDEP_JOB_ID";
 
 const MAGIC: u32 = u32::from_le_bytes(*b"AFDP");
-const VERSION: u32 = 1;
+/// The bootstrap protocol's version (2: the handshake carries the job identity).
+const VERSION: u32 = 2;
+/// How long rank 0 waits for the hello of a connection, at most (and at most half the timeout).
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+/// The most connections rank 0 keeps waiting for their hello at once; a new one beyond it makes
+/// the oldest give way.
+const MAX_PENDING: usize = 64;
+/// The longest reason text an abort frame carries.
+const MAX_WHY: usize = 1024;
 const HEADER: usize = 24;
 /// Largest payload accepted (a guard against a corrupt length, not a memory reservation: payloads
 /// are read in chunks as they arrive).
@@ -90,7 +129,8 @@ mod kind {
     }
 }
 
-/// The rendezvous read from [`ENV_RANK`], [`ENV_WORLD_SIZE`] and [`ENV_RENDEZVOUS`].
+/// The rendezvous read from [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_RENDEZVOUS`] and
+/// [`ENV_JOB_ID`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RendezvousEnv {
     /// This process's rank.
@@ -99,6 +139,8 @@ pub struct RendezvousEnv {
     pub world_size: usize,
     /// Rank 0's address (the first address `host:port` resolves to).
     pub addr: SocketAddr,
+    /// The job ([`JobId::unnamed`] when [`ENV_JOB_ID`] is not set).
+    pub job: JobId,
 }
 
 impl RendezvousEnv {
@@ -157,12 +199,30 @@ impl RendezvousEnv {
                 var: ENV_RENDEZVOUS,
                 why: format!("{text:?} resolves to no address"),
             })?;
+        let job = job_from(get(ENV_JOB_ID))?;
         Ok(RendezvousEnv {
             rank,
             world_size,
             addr,
+            job,
         })
     }
+}
+
+/// The job named by the value of [`ENV_JOB_ID`], if set.
+fn job_from(v: Option<String>) -> Result<JobId, TransportError> {
+    match v {
+        None => Ok(JobId::unnamed()),
+        Some(v) => JobId::new(v.trim()).map_err(|e| TransportError::Env {
+            var: ENV_JOB_ID,
+            why: e.to_string(),
+        }),
+    }
+}
+
+/// The job of this process: [`ENV_JOB_ID`] if set, else [`JobId::unnamed`].
+pub fn job_from_env() -> Result<JobId, TransportError> {
+    job_from(std::env::var_os(ENV_JOB_ID).map(|v| v.to_string_lossy().into_owned()))
 }
 
 /// The time bound of one phase.
@@ -272,10 +332,13 @@ fn write_frame(
     }
 }
 
-fn read_frame(s: &mut TcpStream, dl: Deadline) -> io::Result<Frame> {
-    let mut head = [0u8; HEADER];
-    read_exact_by(s, &mut head, dl)?;
-    let word = |r: std::ops::Range<usize>| u64::from_le_bytes(head[r].try_into().unwrap_or([0; 8]));
+/// The kind, operation number and payload length of a frame header.
+fn parse_header(head: &[u8; HEADER]) -> io::Result<(u32, u64, u64)> {
+    let word = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&head[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
     let magic = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     if magic != MAGIC {
         return Err(io::Error::new(
@@ -284,13 +347,22 @@ fn read_frame(s: &mut TcpStream, dl: Deadline) -> io::Result<Frame> {
         ));
     }
     let kind = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
-    let (seq, len) = (word(8..16), word(16..24));
+    let (seq, len) = (word(8), word(16));
     if len > MAX_PAYLOAD {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("frame of {len} bytes"),
         ));
     }
+    Ok((kind, seq, len))
+}
+
+/// Reads one frame. The payload grows in chunks as its bytes arrive (a corrupt length costs no
+/// memory that the peer did not send), and every read is bounded by `dl`.
+fn read_frame(s: &mut TcpStream, dl: Deadline) -> io::Result<Frame> {
+    let mut head = [0u8; HEADER];
+    read_exact_by(s, &mut head, dl)?;
+    let (kind, seq, len) = parse_header(&head)?;
     let mut payload = Vec::new();
     let mut left = len;
     while left > 0 {
@@ -436,6 +508,9 @@ mod code {
     pub const WORLD: u32 = 3;
     pub const DUPLICATE: u32 = 4;
     pub const FAILED: u32 = 5;
+    /// A refused handshake: `a` is 1 for another job (`why` holds rank 0's job), 2 for another
+    /// version (`b` is rank 0's version), 0 otherwise.
+    pub const HANDSHAKE: u32 = 6;
 }
 
 const NO_PEER: u64 = u64::MAX;
@@ -461,17 +536,54 @@ impl Verdict {
             } => v(code::WORLD, Some(*peer), *got as u64, *expected as u64),
             TransportError::DuplicateRank { peer, .. } => v(code::DUPLICATE, Some(*peer), 0, 0),
             TransportError::PeerFailed { peer, .. } => v(code::FAILED, Some(*peer), 0, 0),
+            TransportError::Handshake { fault, .. } => {
+                let mut h = v(code::HANDSHAKE, None, 0, 0);
+                match fault {
+                    HandshakeFault::Job { expected, .. } => {
+                        h.a = 1;
+                        h.why = expected.clone();
+                    }
+                    HandshakeFault::Version { expected, .. } => {
+                        h.a = 2;
+                        h.b = u64::from(*expected);
+                    }
+                    _ => {}
+                }
+                h
+            }
             _ => v(code::FAILED, Some(reporter), 0, 0),
         }
     }
 
+    /// The fault a non-root rank whose hello rank 0 refused reports.
+    fn handshake_fault(self, job: &JobId) -> HandshakeFault {
+        match self.a {
+            1 => HandshakeFault::Job {
+                expected: job.to_string(),
+                got: self.why,
+            },
+            2 => HandshakeFault::Version {
+                expected: VERSION,
+                got: u32::try_from(self.b).unwrap_or(u32::MAX),
+            },
+            _ => HandshakeFault::Refused { why: self.why },
+        }
+    }
+
+    /// The payload of an abort frame; `why` is cut to [`MAX_WHY`] bytes (at a character
+    /// boundary), so that it fits a handshake frame.
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(28 + self.why.len());
+        let mut end = self.why.len().min(MAX_WHY);
+        while !self.why.is_char_boundary(end) {
+            end -= 1;
+        }
+        let why = &self.why.as_bytes()[..end];
+        let mut out = Vec::with_capacity(28 + why.len());
         out.extend_from_slice(&self.code.to_le_bytes());
         out.extend_from_slice(&self.peer.to_le_bytes());
         out.extend_from_slice(&self.a.to_le_bytes());
         out.extend_from_slice(&self.b.to_le_bytes());
-        out.extend_from_slice(self.why.as_bytes());
+        out.extend_from_slice(why);
         out
     }
 
@@ -479,12 +591,16 @@ impl Verdict {
         if p.len() < 28 {
             return None;
         }
-        let w = |r: std::ops::Range<usize>| u64::from_le_bytes(p[r].try_into().unwrap_or([0; 8]));
+        let w = |at: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&p[at..at + 8]);
+            u64::from_le_bytes(x)
+        };
         Some(Verdict {
             code: u32::from_le_bytes([p[0], p[1], p[2], p[3]]),
-            peer: w(4..12),
-            a: w(12..20),
-            b: w(20..28),
+            peer: w(4),
+            a: w(12),
+            b: w(20),
             why: String::from_utf8_lossy(&p[28..]).into_owned(),
         })
     }
@@ -552,11 +668,15 @@ pub struct Bootstrap {
     rank: usize,
     world: usize,
     timeout: Duration,
+    /// The job of the group.
+    job: JobId,
     /// Number of the next operation (the handshake is 0).
     seq: u64,
     links: Links,
     /// Set by the first failure; the bootstrap is closed from then on.
     broken: Option<String>,
+    /// Rank 0: the stray connections dropped while the group formed.
+    rejected: Vec<TransportError>,
 }
 
 /// Rank 0's listening socket, bound but not yet accepting: lets a caller bind port 0 and learn the
@@ -566,6 +686,7 @@ pub struct BootstrapListener {
     addr: SocketAddr,
     world: usize,
     timeout: Duration,
+    job: JobId,
 }
 
 impl std::fmt::Debug for BootstrapListener {
@@ -574,6 +695,7 @@ impl std::fmt::Debug for BootstrapListener {
             .field("addr", &self.addr)
             .field("world_size", &self.world)
             .field("timeout", &self.timeout)
+            .field("job", &self.job)
             .finish()
     }
 }
@@ -584,8 +706,10 @@ impl std::fmt::Debug for Bootstrap {
             .field("rank", &self.rank)
             .field("world_size", &self.world)
             .field("timeout", &self.timeout)
+            .field("job", &self.job)
             .field("ops", &self.seq)
             .field("closed", &self.broken)
+            .field("rejected", &self.rejected.len())
             .finish()
     }
 }
@@ -601,19 +725,125 @@ fn check_world(op: &'static str, rank: usize, world: usize) -> Result<(), Transp
     Ok(())
 }
 
+/// Rank 0: a connection waiting for its hello (non-blocking; at most a header and
+/// [`MAX_HANDSHAKE`](handshake::MAX_HANDSHAKE) bytes are ever read into `buf`).
+struct Pending {
+    s: TcpStream,
+    from: SocketAddr,
+    since: Instant,
+    buf: Vec<u8>,
+}
+
+/// What a pending connection turned out to be.
+enum Outcome {
+    /// Nothing new.
+    Waiting,
+    /// Bytes arrived, the hello is not complete yet.
+    Progress,
+    /// A complete, well-formed hello of this version.
+    Hello(Hello),
+    /// A stray: drop it.
+    Stray(HandshakeFault),
+    /// The socket failed.
+    Failed(io::Error),
+}
+
+impl Pending {
+    /// Reads what has arrived (without blocking) and judges the connection.
+    fn pump(&mut self) -> Outcome {
+        let mut progressed = false;
+        loop {
+            let want = match scan(&self.buf, "a hello", &[kind::HELLO]) {
+                Scan::More(n) => n,
+                Scan::Frame { payload, .. } => {
+                    return match Hello::decode(payload) {
+                        Ok(h) => Outcome::Hello(h),
+                        Err(f) => Outcome::Stray(f),
+                    };
+                }
+                Scan::Bad(f) => return Outcome::Stray(f),
+            };
+            let mut chunk = [0u8; 512];
+            let n = want.min(chunk.len());
+            match self.s.read(&mut chunk[..n]) {
+                Ok(0) => {
+                    return Outcome::Stray(HandshakeFault::Truncated {
+                        expected: (self.buf.len() + want) as u64,
+                        got: self.buf.len() as u64,
+                    });
+                }
+                Ok(got) => {
+                    self.buf.extend_from_slice(&chunk[..got]);
+                    progressed = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return if progressed {
+                        Outcome::Progress
+                    } else {
+                        Outcome::Waiting
+                    };
+                }
+                Err(e) => {
+                    return match e.kind() {
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted => {
+                            Outcome::Stray(HandshakeFault::Truncated {
+                                expected: (self.buf.len() + want) as u64,
+                                got: self.buf.len() as u64,
+                            })
+                        }
+                        _ => Outcome::Failed(e),
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Tells a refused connection why (best effort, without blocking: the verdict is small enough
+/// for any socket buffer) and closes it.
+fn turn_away(mut s: TcpStream, e: &TransportError) {
+    let v = Verdict::of(e, 0).encode();
+    let mut frame = Vec::with_capacity(HEADER + v.len());
+    frame.extend_from_slice(&MAGIC.to_le_bytes());
+    frame.extend_from_slice(&kind::ABORT.to_le_bytes());
+    frame.extend_from_slice(&0u64.to_le_bytes());
+    frame.extend_from_slice(&(v.len() as u64).to_le_bytes());
+    frame.extend_from_slice(&v);
+    let _ = s.set_nonblocking(true);
+    let _ = s.write(&frame);
+    let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
 impl BootstrapListener {
     /// The address the listener is bound to (with the actual port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
+    /// The job whose ranks this listener accepts.
+    pub fn job(&self) -> &JobId {
+        &self.job
+    }
+
+    /// Accepts the ranks of `job` instead (the default is [`job_from_env`]'s).
+    pub fn with_job(mut self, job: JobId) -> BootstrapListener {
+        self.job = job;
+        self
+    }
+
     /// Waits (at most the timeout) until every other rank has connected and passed the
-    /// handshake, then tells them the group is formed. Returns rank 0's [`Bootstrap`].
+    /// handshake, then tells them the group is formed. Returns rank 0's [`Bootstrap`]. Stray
+    /// connections (see the [module docs](self)) are dropped on the way and listed by
+    /// [`Bootstrap::rejected`].
     pub fn accept(self) -> Result<Bootstrap, TransportError> {
         const OP: &str = "bootstrap.accept";
         let world = self.world;
         let dl = Deadline::after(self.timeout);
+        let hello_wait = (self.timeout / 2).min(HELLO_WAIT);
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut rejected: Vec<TransportError> = Vec::new();
         let fail = |peers: &mut [Option<TcpStream>], e: TransportError| {
             let v = Verdict::of(&e, 0).encode();
             let adl = Deadline::after(self.timeout.min(Duration::from_secs(1)));
@@ -629,91 +859,154 @@ impl BootstrapListener {
             peer: None,
             source: e,
         };
+        let mut reject = |s: TcpStream, from: SocketAddr, fault: HandshakeFault| {
+            let e = TransportError::Handshake {
+                rank: 0,
+                addr: from,
+                fault,
+            };
+            warn!(error = %e, "bootstrap: dropped a stray connection");
+            turn_away(s, &e);
+            rejected.push(e);
+        };
         self.listener.set_nonblocking(true).map_err(io)?;
         let mut missing = world - 1;
         while missing > 0 {
-            let (mut s, from) = match self.listener.accept() {
-                Ok(c) => c,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if dl.passed() {
-                        let late = (1..world).find(|&r| peers[r].is_none());
-                        let e = TransportError::Timeout {
-                            op: OP,
-                            rank: 0,
-                            peer: late,
-                            waited: dl.waited(),
-                        };
-                        return Err(fail(&mut peers, e));
+            let mut busy = false;
+            // new connections
+            loop {
+                match self.listener.accept() {
+                    Ok((s, from)) => {
+                        busy = true;
+                        if pending.len() >= MAX_PENDING {
+                            // the oldest gives way: a flood of silent connections cannot keep
+                            // the right ranks out
+                            let old = pending.remove(0);
+                            reject(
+                                old.s,
+                                old.from,
+                                HandshakeFault::Crowded { limit: MAX_PENDING },
+                            );
+                        }
+                        if let Err(e) = s.set_nonblocking(true) {
+                            warn!(%from, error = %e, "bootstrap: dropped a connection");
+                            continue;
+                        }
+                        let _ = s.set_nodelay(true);
+                        pending.push(Pending {
+                            s,
+                            from,
+                            since: Instant::now(),
+                            buf: Vec::new(),
+                        });
                     }
-                    std::thread::sleep(Duration::from_millis(2));
-                    continue;
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(fail(&mut peers, io(e))),
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(fail(&mut peers, io(e))),
-            };
-            s.set_nonblocking(false).map_err(io)?;
-            let _ = s.set_nodelay(true);
-            let hello = match read_frame(&mut s, dl) {
-                Ok(f) if f.kind == kind::HELLO && f.seq == 0 && f.payload.len() == 20 => f.payload,
-                Ok(f) => {
-                    warn!(%from, kind = f.kind, "bootstrap: ignoring a connection that did not say hello");
-                    continue;
+            }
+            // the hellos that arrived
+            let mut i = 0;
+            while i < pending.len() {
+                let out = match pending[i].pump() {
+                    Outcome::Waiting if pending[i].since.elapsed() >= hello_wait => {
+                        Outcome::Stray(HandshakeFault::Silent {
+                            waited: pending[i].since.elapsed(),
+                            got: pending[i].buf.len() as u64,
+                        })
+                    }
+                    o => o,
+                };
+                match out {
+                    Outcome::Waiting => i += 1,
+                    Outcome::Progress => {
+                        busy = true;
+                        i += 1;
+                    }
+                    Outcome::Failed(e) => {
+                        busy = true;
+                        let p = pending.swap_remove(i);
+                        warn!(from = %p.from, error = %e, "bootstrap: dropped a connection");
+                    }
+                    Outcome::Stray(fault) => {
+                        busy = true;
+                        let p = pending.swap_remove(i);
+                        reject(p.s, p.from, fault);
+                    }
+                    Outcome::Hello(h) => {
+                        busy = true;
+                        let p = pending.swap_remove(i);
+                        if h.job != self.job.as_str() {
+                            let fault = HandshakeFault::Job {
+                                expected: self.job.to_string(),
+                                got: h.job,
+                            };
+                            reject(p.s, p.from, fault);
+                            continue;
+                        }
+                        let r = usize::try_from(h.rank).unwrap_or(usize::MAX);
+                        let w = usize::try_from(h.world).unwrap_or(usize::MAX);
+                        let err = if w != world {
+                            Some(TransportError::WorldSizeMismatch {
+                                rank: 0,
+                                peer: r,
+                                expected: world,
+                                got: w,
+                            })
+                        } else if r == 0 || r >= world {
+                            Some(TransportError::Protocol {
+                                op: OP,
+                                rank: 0,
+                                peer: None,
+                                why: format!(
+                                    "a process at {} claims rank {} in a world of {world}",
+                                    p.from, h.rank
+                                ),
+                            })
+                        } else if peers[r].is_some() {
+                            Some(TransportError::DuplicateRank { rank: 0, peer: r })
+                        } else {
+                            None
+                        };
+                        if let Some(e) = err {
+                            turn_away(p.s, &e);
+                            return Err(fail(&mut peers, e));
+                        }
+                        p.s.set_nonblocking(false).map_err(io)?;
+                        debug!(rank = 0, peer = r, from = %p.from, "bootstrap: rank joined");
+                        peers[r] = Some(p.s);
+                        missing -= 1;
+                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::TimedOut => continue, // the loop times out
-                Err(e) => {
-                    warn!(%from, error = %e, "bootstrap: ignoring a connection that did not say hello");
-                    continue;
-                }
-            };
-            let version = u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]);
-            let w8 = |r: std::ops::Range<usize>| {
-                u64::from_le_bytes(hello[r].try_into().unwrap_or([0; 8])) as usize
-            };
-            let (r, w) = (w8(4..12), w8(12..20));
-            let err = if version != VERSION {
-                Some(TransportError::Protocol {
+            }
+            if missing == 0 {
+                break;
+            }
+            if dl.passed() {
+                let late = (1..world).find(|&r| peers[r].is_none());
+                let e = TransportError::Timeout {
                     op: OP,
                     rank: 0,
-                    peer: Some(r),
-                    why: format!(
-                        "rank {r} speaks bootstrap version {version}, this rank {VERSION}"
-                    ),
-                })
-            } else if w != world {
-                Some(TransportError::WorldSizeMismatch {
-                    rank: 0,
-                    peer: r,
-                    expected: world,
-                    got: w,
-                })
-            } else if r == 0 || r >= world {
-                Some(TransportError::Protocol {
-                    op: OP,
-                    rank: 0,
-                    peer: None,
-                    why: format!("a process at {from} claims rank {r} in a world of {world}"),
-                })
-            } else if peers[r].is_some() {
-                Some(TransportError::DuplicateRank { rank: 0, peer: r })
-            } else {
-                None
-            };
-            if let Some(e) = err {
-                let v = Verdict::of(&e, 0).encode();
-                let _ = write_frame(
-                    &mut s,
-                    kind::ABORT,
-                    0,
-                    &v,
-                    Deadline::after(Duration::from_secs(1)),
-                );
+                    peer: late,
+                    waited: dl.waited(),
+                };
+                if !rejected.is_empty() {
+                    warn!(
+                        strays = rejected.len(),
+                        "bootstrap: timed out; stray connections were dropped meanwhile"
+                    );
+                }
                 return Err(fail(&mut peers, e));
             }
-            debug!(rank = 0, peer = r, %from, "bootstrap: rank joined");
-            peers[r] = Some(s);
-            missing -= 1;
+            if !busy {
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
-        let welcome = (world as u64).to_le_bytes();
+        for p in pending {
+            // late connections after every rank joined belong to no one
+            debug!(from = %p.from, "bootstrap: group formed; dropping a pending connection");
+        }
+        let welcome = Welcome::encode(world, &self.job);
         let wdl = Deadline::after(self.timeout);
         for r in 1..world {
             let res = match peers[r].as_mut() {
@@ -725,22 +1018,72 @@ impl BootstrapListener {
                 return Err(fail(&mut peers, e));
             }
         }
-        debug!(rank = 0, world, "bootstrap: group formed");
+        debug!(rank = 0, world, job = %self.job, "bootstrap: group formed");
         Ok(Bootstrap {
             rank: 0,
             world,
             timeout: self.timeout,
+            job: self.job,
             seq: 1,
             links: Links::Root(peers.into_iter().flatten().collect()),
             broken: None,
+            rejected,
         })
+    }
+}
+
+/// Non-root rank: reads rank 0's answer to the hello (a welcome or an abort), reading at most
+/// what [`scan`] asks for, every read bounded by `dl`.
+fn read_answer(
+    s: &mut TcpStream,
+    rank: usize,
+    addr: SocketAddr,
+    dl: Deadline,
+) -> Result<(u32, Vec<u8>), TransportError> {
+    const OP: &str = "bootstrap.connect";
+    let mut buf = Vec::new();
+    loop {
+        let want = match scan(&buf, "a welcome or an abort", &[kind::WELCOME, kind::ABORT]) {
+            Scan::More(n) => n,
+            Scan::Frame { kind, payload, .. } => return Ok((kind, payload.to_vec())),
+            Scan::Bad(fault) => return Err(TransportError::Handshake { rank, addr, fault }),
+        };
+        let mut chunk = [0u8; 512];
+        let n = want.min(chunk.len());
+        let res = dl
+            .left()
+            .and_then(|left| s.set_read_timeout(left))
+            .and_then(|_| s.read(&mut chunk[..n]));
+        match res {
+            Ok(0) if buf.is_empty() => {
+                return Err(TransportError::PeerGone {
+                    op: OP,
+                    rank,
+                    peer: 0,
+                });
+            }
+            Ok(0) => {
+                return Err(TransportError::Handshake {
+                    rank,
+                    addr,
+                    fault: HandshakeFault::Truncated {
+                        expected: (buf.len() + want) as u64,
+                        got: buf.len() as u64,
+                    },
+                });
+            }
+            Ok(got) => buf.extend_from_slice(&chunk[..got]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_error(OP, rank, 0, e, &dl)),
+        }
     }
 }
 
 impl Bootstrap {
     /// Binds rank 0's listener at `addr` (port 0 picks a free port; see
     /// [`BootstrapListener::local_addr`]) for a group of `world_size` ranks whose waits are
-    /// bounded by `timeout`.
+    /// bounded by `timeout`, of the job [`job_from_env`] names (see
+    /// [`with_job`](BootstrapListener::with_job)).
     pub fn listen(
         addr: SocketAddr,
         world_size: usize,
@@ -748,6 +1091,7 @@ impl Bootstrap {
     ) -> Result<BootstrapListener, TransportError> {
         const OP: &str = "bootstrap.listen";
         check_world(OP, 0, world_size)?;
+        let job = job_from_env()?;
         let io = |e| TransportError::Io {
             op: OP,
             rank: 0,
@@ -756,29 +1100,47 @@ impl Bootstrap {
         };
         let listener = TcpListener::bind(addr).map_err(io)?;
         let addr = listener.local_addr().map_err(io)?;
-        debug!(rank = 0, %addr, world_size, "bootstrap: listening");
+        if !addr.ip().is_loopback() {
+            debug!(rank = 0, %addr, "bootstrap: listening on an address other hosts may reach");
+        }
+        debug!(rank = 0, %addr, world_size, %job, "bootstrap: listening");
         Ok(BootstrapListener {
             listener,
             addr,
             world: world_size,
             timeout,
+            job,
         })
     }
 
-    /// Joins the group whose rank 0 is at `addr`: rank 0 listens there and accepts the others
-    /// ([`listen`](Bootstrap::listen) + [`accept`](BootstrapListener::accept)); every other rank
-    /// connects, retrying until `timeout` (rank 0 may start later), and waits for the group to
-    /// form.
+    /// Joins the group whose rank 0 is at `addr`, of the job [`job_from_env`] names:
+    /// [`connect_as`](Bootstrap::connect_as) with that job.
     pub fn connect(
         addr: SocketAddr,
         rank: usize,
         world_size: usize,
         timeout: Duration,
     ) -> Result<Bootstrap, TransportError> {
+        Bootstrap::connect_as(addr, rank, world_size, timeout, job_from_env()?)
+    }
+
+    /// Joins the group of `job` whose rank 0 is at `addr`: rank 0 listens there and accepts
+    /// the others ([`listen`](Bootstrap::listen) + [`accept`](BootstrapListener::accept));
+    /// every other rank connects, retrying until `timeout` (rank 0 may start later), and waits
+    /// for the group to form.
+    pub fn connect_as(
+        addr: SocketAddr,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        job: JobId,
+    ) -> Result<Bootstrap, TransportError> {
         const OP: &str = "bootstrap.connect";
         check_world(OP, rank, world_size)?;
         if rank == 0 {
-            return Bootstrap::listen(addr, world_size, timeout)?.accept();
+            return Bootstrap::listen(addr, world_size, timeout)?
+                .with_job(job)
+                .accept();
         }
         let dl = Deadline::after(timeout);
         let timed_out = |dl: &Deadline| TransportError::Timeout {
@@ -805,50 +1167,77 @@ impl Bootstrap {
             }
         };
         let _ = s.set_nodelay(true);
-        let mut hello = Vec::with_capacity(20);
-        hello.extend_from_slice(&VERSION.to_le_bytes());
-        hello.extend_from_slice(&(rank as u64).to_le_bytes());
-        hello.extend_from_slice(&(world_size as u64).to_le_bytes());
+        let hello = Hello::encode(rank, world_size, &job);
         write_frame(&mut s, kind::HELLO, 0, &hello, dl)
             .map_err(|e| io_error(OP, rank, 0, e, &dl))?;
         let wdl = Deadline::after(leaf_wait(timeout));
-        let f = read_frame(&mut s, wdl).map_err(|e| io_error(OP, rank, 0, e, &wdl))?;
-        match f.kind {
-            kind::WELCOME if f.seq == 0 => {}
-            kind::ABORT => {
-                let v = Verdict::decode(&f.payload).ok_or_else(|| TransportError::Protocol {
-                    op: OP,
-                    rank,
-                    peer: Some(0),
-                    why: "malformed abort".into(),
-                })?;
-                return Err(v.into_error(OP, rank, world_size, 0, wdl.waited()));
+        let (k, payload) = read_answer(&mut s, rank, addr, wdl)?;
+        let handshake = |fault| TransportError::Handshake { rank, addr, fault };
+        if k == kind::ABORT {
+            let v = Verdict::decode(&payload).ok_or_else(|| {
+                handshake(HandshakeFault::Malformed {
+                    what: "abort",
+                    why: format!("{} bytes, at least 28 expected", payload.len()),
+                })
+            })?;
+            if v.code == code::HANDSHAKE {
+                return Err(handshake(v.handshake_fault(&job)));
             }
-            k => {
-                return Err(TransportError::Protocol {
-                    op: OP,
-                    rank,
-                    peer: Some(0),
-                    why: format!("expected welcome, got {} #{}", kind::name(k), f.seq),
-                });
-            }
+            return Err(v.into_error(OP, rank, world_size, 0, wdl.waited()));
         }
-        debug!(rank, world_size, "bootstrap: joined");
+        let w = Welcome::decode(&payload).map_err(handshake)?;
+        if w.job != job.as_str() {
+            return Err(handshake(HandshakeFault::Job {
+                expected: job.to_string(),
+                got: w.job,
+            }));
+        }
+        if w.world != world_size as u64 {
+            return Err(TransportError::WorldSizeMismatch {
+                rank,
+                peer: 0,
+                expected: world_size,
+                got: usize::try_from(w.world).unwrap_or(usize::MAX),
+            });
+        }
+        debug!(rank, world_size, %job, "bootstrap: joined");
         Ok(Bootstrap {
             rank,
             world: world_size,
             timeout,
+            job,
             seq: 1,
             links: Links::Leaf(s),
             broken: None,
+            rejected: Vec::new(),
         })
     }
 
-    /// [`connect`](Bootstrap::connect) with the rank, world size and address read from
-    /// [`ENV_RANK`], [`ENV_WORLD_SIZE`] and [`ENV_RENDEZVOUS`] (set by a launcher).
+    /// [`connect_as`](Bootstrap::connect_as) with the rank, world size, address and job read
+    /// from [`ENV_RANK`], [`ENV_WORLD_SIZE`], [`ENV_RENDEZVOUS`] and [`ENV_JOB_ID`] (set by a
+    /// launcher).
     pub fn from_env(timeout: Duration) -> Result<Bootstrap, TransportError> {
-        let env = RendezvousEnv::from_env()?;
-        Bootstrap::connect(env.addr, env.rank, env.world_size, timeout)
+        Bootstrap::from_rendezvous(&RendezvousEnv::from_env()?, timeout)
+    }
+
+    /// [`connect_as`](Bootstrap::connect_as) with the rank, world size, address and job of
+    /// `env`.
+    pub fn from_rendezvous(
+        env: &RendezvousEnv,
+        timeout: Duration,
+    ) -> Result<Bootstrap, TransportError> {
+        Bootstrap::connect_as(env.addr, env.rank, env.world_size, timeout, env.job.clone())
+    }
+
+    /// The job of the group.
+    pub fn job(&self) -> &JobId {
+        &self.job
+    }
+
+    /// Rank 0: the [`Handshake`](TransportError::Handshake) errors of the stray connections
+    /// dropped while the group formed (empty on the other ranks).
+    pub fn rejected(&self) -> &[TransportError] {
+        &self.rejected
     }
 
     /// This rank.
@@ -1115,6 +1504,38 @@ impl Bootstrap {
     }
 }
 
+/// The frame-level part of [`fuzz_decoders`]: the header parser, the list decoder (for world
+/// sizes 0 to 4) and the abort verdict decoder.
+fn fuzz_frames(data: &[u8]) {
+    if data.len() >= HEADER {
+        let mut head = [0u8; HEADER];
+        head.copy_from_slice(&data[..HEADER]);
+        if let Ok((_, _, len)) = parse_header(&head) {
+            assert!(len <= MAX_PAYLOAD);
+        }
+    }
+    for count in 0..=4 {
+        if let Ok(items) = decode_list(data, count) {
+            assert_eq!(items.len(), count);
+            assert_eq!(encode_list(&items), data, "list does not round-trip");
+        }
+    }
+    if let Some(v) = Verdict::decode(data) {
+        let enc = v.encode();
+        assert!(enc.len() <= 28 + MAX_WHY);
+        let again = Verdict::decode(&enc).expect("an encoded verdict decodes");
+        assert_eq!(
+            (again.code, again.peer, again.a, again.b),
+            (v.code, v.peer, v.a, v.b)
+        );
+        let job = JobId::unnamed();
+        let _ = v.clone().handshake_fault(&job);
+        for world in [1, 4] {
+            let _ = v.clone().into_error("fuzz", 0, world, 0, Duration::ZERO);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1202,7 +1623,8 @@ mod tests {
             RendezvousEnv {
                 rank: 2,
                 world_size: 4,
-                addr: "127.0.0.1:29500".parse().unwrap()
+                addr: "127.0.0.1:29500".parse().unwrap(),
+                job: JobId::unnamed(),
             }
         );
         let e = RendezvousEnv::from_lookup(env("4", "4", "127.0.0.1:1")).unwrap_err();
@@ -1228,5 +1650,27 @@ mod tests {
         );
         let e = RendezvousEnv::from_lookup(|_| None).unwrap_err();
         assert!(e.to_string().contains("not set"), "{e}");
+        let with_job = |job: &'static str| {
+            let base = env("1", "2", "127.0.0.1:29500");
+            move |k: &str| match k {
+                ENV_JOB_ID => Some(job.to_string()),
+                k => base(k),
+            }
+        };
+        let ok = RendezvousEnv::from_lookup(with_job(" run-42 ")).unwrap();
+        assert_eq!(ok.job.as_str(), "run-42");
+        for bad in ["", "two words", "\u{e9}t\u{e9}"] {
+            let e = RendezvousEnv::from_lookup(with_job(bad)).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    TransportError::Env {
+                        var: ENV_JOB_ID,
+                        ..
+                    }
+                ),
+                "{bad:?}: {e}"
+            );
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! The error of every transport and of the bootstrap.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -138,6 +139,20 @@ pub enum TransportError {
         /// The rank claimed twice.
         peer: usize,
     },
+    /// Bootstrap handshake: the connection with `addr` did not come from (or, for a non-root
+    /// rank, lead to) a rank of this group (another job, another protocol version, not a
+    /// bootstrap at all, a malformed, oversized, truncated or missing hello) and was dropped.
+    /// Rank 0 keeps accepting the right peers after such a drop; see
+    /// [`Bootstrap::rejected`](crate::Bootstrap::rejected).
+    #[error("rank {rank}: bootstrap: dropped the connection with {addr}: {fault}")]
+    Handshake {
+        /// The rank reporting.
+        rank: usize,
+        /// The other end of the connection.
+        addr: SocketAddr,
+        /// What was expected and what was received.
+        fault: HandshakeFault,
+    },
     /// A rendezvous environment variable is missing or malformed.
     #[error("rendezvous environment: {var}: {why}")]
     Env {
@@ -178,6 +193,90 @@ pub enum TransportError {
     },
 }
 
+/// What was wrong with a bootstrap handshake (see [`TransportError::Handshake`]): each variant
+/// says what was expected and what was received.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum HandshakeFault {
+    /// The first bytes are not the bootstrap's magic (`AFDP`): not a bootstrap peer.
+    #[error("bad magic: expected {expected:#010x}, got {got:#010x}")]
+    Magic {
+        /// The bootstrap's magic.
+        expected: u32,
+        /// The first four bytes received (little-endian).
+        got: u32,
+    },
+    /// The peer speaks another version of the bootstrap protocol.
+    #[error("protocol version: expected {expected}, got {got}")]
+    Version {
+        /// This rank's version.
+        expected: u32,
+        /// The peer's version.
+        got: u32,
+    },
+    /// The peer belongs to another job (`AFDEP_JOB_ID`).
+    #[error("another job: expected job {expected:?}, got job {got:?}")]
+    Job {
+        /// This rank's job.
+        expected: String,
+        /// The peer's job.
+        got: String,
+    },
+    /// A handshake message of another kind than expected (a collective before the hello, a
+    /// hello sent to a non-root rank).
+    #[error("unexpected message: expected {expected}, got {got}")]
+    Kind {
+        /// The kinds expected.
+        expected: &'static str,
+        /// The kind and operation number received.
+        got: String,
+    },
+    /// The header announces a message longer than any handshake message.
+    #[error("oversized message: expected at most {limit} bytes, got a length of {got}")]
+    Oversized {
+        /// The largest handshake payload.
+        limit: u64,
+        /// The announced length.
+        got: u64,
+    },
+    /// The connection closed in the middle of the message.
+    #[error("truncated message: expected {expected} bytes, got {got} before the connection closed")]
+    Truncated {
+        /// Bytes the message needed (as far as its header tells).
+        expected: u64,
+        /// Bytes received.
+        got: u64,
+    },
+    /// No complete hello arrived in time.
+    #[error("silent peer: expected a hello within {waited:?}, got {got} bytes")]
+    Silent {
+        /// How long it was given.
+        waited: Duration,
+        /// Bytes received by then.
+        got: u64,
+    },
+    /// A message of the right kind and length whose content does not parse.
+    #[error("malformed {what}: {why}")]
+    Malformed {
+        /// The message (`hello`, `welcome`, `abort`).
+        what: &'static str,
+        /// What is wrong.
+        why: String,
+    },
+    /// Rank 0 refused this rank's hello for another reason than job or version (its verdict).
+    #[error("refused by rank 0: {why}")]
+    Refused {
+        /// Rank 0's reason.
+        why: String,
+    },
+    /// This was the oldest of the connections waiting for their hello when one more arrived
+    /// than rank 0 keeps at once.
+    #[error("crowded out: at most {limit} connections wait for their hello at once")]
+    Crowded {
+        /// The most pending connections kept.
+        limit: usize,
+    },
+}
+
 fn peer_text(peer: Option<usize>) -> String {
     match peer {
         Some(p) => format!("rank {p}"),
@@ -200,6 +299,7 @@ impl TransportError {
             | Io { rank, .. }
             | WorldSizeMismatch { rank, .. }
             | DuplicateRank { rank, .. }
+            | Handshake { rank, .. }
             | Closed { rank, .. }
             | Backend { rank, .. } => Some(*rank),
             Env { .. } | Unavailable { .. } => None,
@@ -220,6 +320,7 @@ impl TransportError {
             | Protocol { peer, .. }
             | Io { peer, .. } => *peer,
             InvalidArgument { .. }
+            | Handshake { .. }
             | Env { .. }
             | Closed { .. }
             | Backend { .. }

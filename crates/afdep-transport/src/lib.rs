@@ -99,11 +99,19 @@ pub use any::{
     TransportTable,
 };
 pub use bootstrap::{
-    Bootstrap, BootstrapListener, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, RendezvousEnv,
+    Bootstrap, BootstrapListener, ENV_JOB_ID, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE,
+    InvalidJobId, JobId, RendezvousEnv, job_from_env,
 };
 #[cfg(feature = "cuda")]
 pub use device::{DeviceBuffer, DeviceStaged};
-pub use error::TransportError;
+pub use error::{HandshakeFault, TransportError};
+
+/// Entry points of the fuzz tests (`tests/fuzz_bootstrap.rs`) and of the cargo-fuzz targets in
+/// `fuzz/`: each runs decoders on arbitrary bytes and panics only when an invariant breaks.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::bootstrap::fuzz_decoders as bootstrap_decoders;
+}
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
 #[cfg(feature = "nccl")]
