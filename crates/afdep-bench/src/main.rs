@@ -30,6 +30,9 @@ mod report;
 mod report_png;
 mod tensor_file;
 
+#[cfg(test)]
+mod fuzz_inputs;
+
 /// Where a command runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {

@@ -62,7 +62,15 @@ impl Routes {
     }
 
     fn check_sizes(&self, rank: usize) -> Result<(), RouteError> {
-        let n = self.tokens * self.top_k;
+        let Some(n) = self.tokens.checked_mul(self.top_k) else {
+            return Err(RouteError::Malformed {
+                rank,
+                what: format!(
+                    "{} tokens × {} slots overflow the address space",
+                    self.tokens, self.top_k
+                ),
+            });
+        };
         if self.idx.len() != n || self.weights.len() != n {
             return Err(RouteError::Malformed {
                 rank,

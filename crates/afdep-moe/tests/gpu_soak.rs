@@ -1,0 +1,287 @@
+//! The soak: many graph replays of the fused engine's auto-arm device round on 3A:1F (four
+//! in-process NvlinkIpc ranks emulated on GPU 0), bf16 and fp8 payloads, with new routing and
+//! token counts on every replay (0 to the capacity per source, a zero-token source and a
+//! full one from time to time, a hot expert every other replay, masked slots; the auto arm's
+//! bucket at 64 tokens, so both arms are taken). Every 1,000th replay is checked bit for bit
+//! against the oracle (the device expert's host twin), every replay's combined output is
+//! hashed, and the host's resident memory (`/proc/self/statm`) and the device's free memory
+//! (`cuMemGetInfo`) are recorded after a warm-up of 1,000 replays and at the end: both must be
+//! flat (growth at most 8 MiB of host memory, 2 MiB of device memory, i.e. nothing per
+//! replay). The summary line `SOAK ...` gives replays, checked replays, mismatches (must be
+//! 0), the hash, the arms taken, memory at start and end and the time per replay.
+//!
+//! `AFDEP_SOAK_REPLAYS` sets the replays per payload (default 50,000: 100,000 in all). Expected
+//! time on an H200: about 0.3–0.9 ms per replay (the replay, its input upload and output
+//! read-back, the host's input generation), so 15–45 s per payload and under two minutes for
+//! both. Without a GPU every test prints `SKIP: <reason>` and passes; with
+//! `AFDEP_REQUIRE_GPU=1` a missing GPU fails.
+
+mod exchange_common;
+
+use std::time::{Duration, Instant};
+
+use afdep_core::oracle::exchange::{self as reference, SourceInput};
+use afdep_core::route::{MASKED, Routes};
+use afdep_core::tensor::{rng, uniform_bf16};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
+use afdep_moe::{DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, RoundArm};
+use afdep_transport::NvlinkOptions;
+use exchange_common::{nvlink_group, serial};
+use rand::Rng;
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+/// Every this many replays: a check against the oracle.
+const CHECK_EVERY: usize = 1000;
+/// Replays before the memory baseline (one-time allocations: module loads, allocator growth).
+const WARM_UP: usize = 1000;
+const HOST_SLACK: u64 = 8 << 20;
+const DEVICE_SLACK: u64 = 2 << 20;
+
+fn replays() -> usize {
+    std::env::var("AFDEP_SOAK_REPLAYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50_000)
+}
+
+fn config(payload: PayloadKind) -> ExchangeConfig {
+    let mut c = ExchangeConfig::new("3A:1F".parse().unwrap(), 1024, 64, 8, 128).unwrap();
+    c.payload = payload;
+    // the auto arm switches to count-first at 64 tokens: both arms are taken
+    c.knobs.min_token_bucket = 64;
+    c.validate().unwrap();
+    c
+}
+
+/// Rows every source's inputs are cut from (at a new offset each replay).
+struct Pool(Vec<bf16>);
+
+impl Pool {
+    fn new(c: &ExchangeConfig) -> Pool {
+        Pool(uniform_bf16(4 * c.capacity * c.hidden, 1.0, 77, 1))
+    }
+}
+
+/// Source `s`'s input of replay `i`, a function of (i, s) only, so that every rank thread and
+/// the oracle check make the same one: the token count (0 every 7th, the capacity every 11th,
+/// else random), distinct experts per token with a hot expert every other replay, a masked
+/// slot one time in eight, rows cut from the pool at a random offset.
+fn source_input(c: &ExchangeConfig, pool: &Pool, i: usize, s: usize) -> SourceInput {
+    let mut r = rng(i as u64, 10 + s as u64);
+    let cap = c.capacity;
+    let tokens = match (i + 3 * s) % 77 {
+        x if x % 7 == 0 => 0,
+        x if x % 11 == 0 => cap,
+        _ => r.gen_range(1..=cap),
+    };
+    let (k, owned) = (c.top_k, c.placement().owned());
+    let hot = (i % 2 == 0).then(|| (i / 2 % owned) as i32);
+    let mut ids: Vec<i32> = (0..owned as i32).collect();
+    let mut idx = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        // a partial shuffle: k distinct experts
+        for j in 0..k {
+            let p = r.gen_range(j..owned);
+            ids.swap(j, p);
+        }
+        if let Some(h) = hot {
+            if r.gen_bool(0.9) {
+                let at = ids.iter().position(|&e| e == h).unwrap();
+                ids.swap(0, at);
+            }
+        }
+        for &e in &ids[..k] {
+            idx.push(if r.gen_range(0..8) == 0 { MASKED } else { e });
+            weights.push(r.gen_range(0.05f32..1.0));
+        }
+    }
+    let n = tokens * c.hidden;
+    let at = r.gen_range(0..=pool.0.len() - n);
+    SourceInput {
+        x: pool.0[at..at + n].to_vec(),
+        routes: Routes {
+            tokens,
+            top_k: k,
+            idx,
+            weights,
+        },
+    }
+}
+
+/// Resident host memory, bytes.
+fn rss() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = s
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// Free device memory, bytes (this thread's context must be current).
+fn device_free() -> u64 {
+    afdep_kernels::cudarc::driver::result::mem_get_info()
+        .expect("cuMemGetInfo")
+        .0 as u64
+}
+
+fn fnv(h: &mut u64, v: &[bf16]) {
+    for x in v {
+        for b in x.to_bits().to_le_bytes() {
+            *h ^= u64::from(b);
+            *h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+}
+
+/// What one attention rank's thread saw.
+#[derive(Debug, Default)]
+struct Tally {
+    checked: usize,
+    mismatches: usize,
+    hash: u64,
+    arms: [usize; 3],
+    memory: Option<((u64, u64), (u64, u64))>,
+}
+
+fn soak(payload: PayloadKind) {
+    let _lock = serial();
+    let c = config(payload);
+    let world = c.topology.world_size();
+    let opts = NvlinkOptions {
+        staging_bytes: 16 << 20,
+        workspace_bytes: FusedEngine::workspace_bytes(&c),
+        timeout: TIMEOUT,
+    };
+    let Some(g) = nvlink_group(world, opts) else {
+        return;
+    };
+    let n = replays();
+    assert!(
+        n > WARM_UP,
+        "AFDEP_SOAK_REPLAYS must exceed the {WARM_UP}-replay warm-up"
+    );
+    let pool = Pool::new(&c);
+    let experts = DeviceExperts::index_scale(c.experts);
+    let t0 = Instant::now();
+    let mut keep = Vec::new();
+    let tallies: Vec<Tally> = std::thread::scope(|sc| {
+        let hs: Vec<_> = g
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let (c, pool, experts) = (&c, &pool, &experts);
+                sc.spawn(move || {
+                    let mut eng = FusedEngine::new(c.clone(), t).expect("set-up");
+                    eng.prepare_device(DeviceRoundOptions {
+                        experts: experts.clone(),
+                        keep_received: false,
+                    })
+                    .expect("device buffers");
+                    let graph = eng.capture(RoundArm::Auto).expect("capture");
+                    let me = c.topology.attention_index(rank);
+                    let mut tally = Tally {
+                        hash: 0xcbf2_9ce4_8422_2325,
+                        ..Tally::default()
+                    };
+                    let mut start = (0, 0);
+                    for i in 0..n {
+                        if i == WARM_UP && rank == 0 {
+                            eng.transport_mut().context().bind_to_thread().unwrap();
+                            start = (rss(), device_free());
+                        }
+                        let mine = me.map(|s| source_input(c, pool, i, s));
+                        let out = eng
+                            .replay(&graph, mine.as_ref())
+                            .unwrap_or_else(|e| panic!("replay {i} rank {rank}: {e}"));
+                        let arm = eng.last_arm();
+                        tally.arms[DispatchArm::ALL.iter().position(|&a| a == arm).unwrap()] += 1;
+                        let Some(s) = me else { continue };
+                        let got = out.combined.as_deref().expect("an attention rank combines");
+                        fnv(&mut tally.hash, got);
+                        if i % CHECK_EVERY == 0 || i == n - 1 {
+                            let all: Vec<SourceInput> = (0..c.topology.attention_count())
+                                .map(|s| source_input(c, pool, i, s))
+                                .collect();
+                            let want = reference::exchange(c, &all, experts.host()).unwrap();
+                            let bits =
+                                |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            tally.checked += 1;
+                            if bits(got) != bits(&want[s]) || got.iter().any(|v| v.is_nan()) {
+                                tally.mismatches += 1;
+                                println!("replay {i}: source {s} differs from the oracle");
+                            }
+                        }
+                    }
+                    if rank == 0 {
+                        eng.transport_mut().context().bind_to_thread().unwrap();
+                        tally.memory = Some((start, (rss(), device_free())));
+                    }
+                    (tally, eng, graph)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                let (tally, eng, graph) = h.join().expect("rank thread panicked");
+                keep.push((graph, eng));
+                tally
+            })
+            .collect()
+    });
+    let took = t0.elapsed();
+    for (graph, eng) in keep {
+        drop(graph);
+        drop(eng);
+    }
+    let attention = c.topology.attention_count();
+    let checked: usize = tallies[..attention].iter().map(|t| t.checked).sum();
+    let mismatches: usize = tallies[..attention].iter().map(|t| t.mismatches).sum();
+    let hash = tallies[..attention]
+        .iter()
+        .fold(0u64, |h, t| h.rotate_left(17) ^ t.hash);
+    let ((rss0, dev0), (rss1, dev1)) = tallies[0].memory.expect("rank 0 measured");
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "SOAK 3A:1F {payload}: replays {n}, checked {checked} (every {CHECK_EVERY}th and the last, \
+         per source), mismatches {mismatches}, hash {hash:#018x}, arms taken (payload-first, \
+         count-first, source) {:?}, host RSS start {:.1} MiB end {:.1} MiB, device free start \
+         {:.1} MiB end {:.1} MiB, {:.1} s ({:.0} us per replay)",
+        tallies[0].arms,
+        mib(rss0),
+        mib(rss1),
+        mib(dev0),
+        mib(dev1),
+        took.as_secs_f64(),
+        took.as_secs_f64() * 1e6 / n as f64
+    );
+    assert_eq!(mismatches, 0, "replays that differ from the oracle");
+    assert!(checked >= attention * (n / CHECK_EVERY), "{checked} checks");
+    assert!(
+        tallies[0].arms[0] > 0 && tallies[0].arms[1] > 0,
+        "the auto arm took one arm only: {:?}",
+        tallies[0].arms
+    );
+    assert!(
+        rss1 <= rss0 + HOST_SLACK,
+        "host memory grew from {rss0} to {rss1} bytes over {} replays",
+        n - WARM_UP
+    );
+    assert!(
+        dev1 + DEVICE_SLACK >= dev0,
+        "free device memory fell from {dev0} to {dev1} bytes over {} replays",
+        n - WARM_UP
+    );
+}
+
+#[test]
+fn soak_bf16_graph_replays_auto_arm_3a1f() {
+    soak(PayloadKind::Bf16);
+}
+
+#[test]
+fn soak_fp8_graph_replays_auto_arm_3a1f() {
+    soak(PayloadKind::Fp8E4m3);
+}
