@@ -70,6 +70,27 @@ impl DType {
     }
 }
 
+/// A DLPack dtype's torch name (for errors).
+fn dl_name(t: DlDataType) -> String {
+    let kind = match t.code {
+        0 => "int",
+        1 => "uint",
+        2 => "float",
+        4 => "bfloat",
+        5 => "complex",
+        6 => "bool",
+        _ => "",
+    };
+    if kind.is_empty() || t.lanes != 1 {
+        format!(
+            "a DLPack dtype (code {} bits {} lanes {})",
+            t.code, t.bits, t.lanes
+        )
+    } else {
+        format!("torch.{kind}{}", t.bits)
+    }
+}
+
 /// Where a tensor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -119,9 +140,8 @@ impl View {
         let shape: Vec<usize> = shape_i.iter().map(|&d| d.max(0) as usize).collect();
         let dtype = DType::from_dl(t.dtype).ok_or_else(|| {
             PyTypeError::new_err(format!(
-                "`{name}`: unsupported dtype (DLPack code {} bits {} lanes {}): expected \
-                 torch.float32, torch.bfloat16 or torch.int32",
-                t.dtype.code, t.dtype.bits, t.dtype.lanes
+                "`{name}` is {}: expected torch.float32, torch.bfloat16 or torch.int32",
+                dl_name(t.dtype)
             ))
         })?;
         let device = match t.device.device_type {

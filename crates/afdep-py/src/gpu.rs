@@ -42,25 +42,25 @@ pub fn run(
     let mut devs = devices()
         .lock()
         .map_err(|_| GpuError::new_err("the GPU state is poisoned by an earlier panic"))?;
-    if !devs.contains_key(&ordinal) {
-        let ctx = GpuContext::new(ordinal)
-            .map_err(|e| gpu_error(py, &afdep_moe::LayerGpuError::Kernel(e)))?;
-        devs.insert(
-            ordinal,
-            Device {
+    let dev = match devs.entry(ordinal) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let ctx = GpuContext::new(ordinal)
+                .map_err(|e| gpu_error(py, &afdep_moe::LayerGpuError::Kernel(e)))?;
+            v.insert(Device {
                 ctx,
                 layers: HashMap::new(),
-            },
-        );
-    }
-    let dev = devs.get_mut(&ordinal).expect("inserted above");
+            })
+        }
+    };
     let key = (shape, tokens, dispatch, train);
-    if !dev.layers.contains_key(&key) {
-        let layer = MoeLayer::new(&dev.ctx, shape, tokens, dispatch, train)
-            .map_err(|e| gpu_error(py, &e))?;
-        dev.layers.insert(key, layer);
-    }
-    let layer = dev.layers.get_mut(&key).expect("inserted above");
+    let layer = match dev.layers.entry(key) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => v.insert(
+            MoeLayer::new(&dev.ctx, shape, tokens, dispatch, train)
+                .map_err(|e| gpu_error(py, &e))?,
+        ),
+    };
     let ptr = |v: &crate::dlpack::View| v.ptr as u64;
     let borrowed = BorrowedStep {
         x: ptr(&step.x),

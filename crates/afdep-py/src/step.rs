@@ -19,6 +19,13 @@ pub struct TrainViews {
     pub grads: [View; 7],
 }
 
+/// The train step's capsules: dy, dx and the seven gradients.
+pub type TrainCaps<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a [Bound<'py, PyAny>],
+);
+
 /// A checked step.
 pub struct Step {
     /// Input, T × H.
@@ -66,7 +73,7 @@ impl Step {
         idx: &Bound<'_, PyAny>,
         weights: &Bound<'_, PyAny>,
         given: bool,
-        train: Option<(&Bound<'_, PyAny>, &Bound<'_, PyAny>, &[Bound<'_, PyAny>])>,
+        train: Option<TrainCaps<'_, '_>>,
     ) -> PyResult<Step> {
         let x = View::new("x", x)?;
         if x.shape.len() != 2 || x.shape[1] != shape.d_model {
