@@ -7,6 +7,9 @@
 //!   `experts`, `owned`, `tokens`, `capacity`, `channel`, `what` (others are None).
 //! - `afdep.GpuError(AfdepError)`: the GPU layer failed (no driver, a launch,
 //!   an unsupported shape); `device_fault` is set when a kernel's bounded wait ran out.
+//! - `afdep.TimeoutError(AfdepError)`: an exchange timed out: `phase`, `rank`, `peer`, and
+//!   `round` (device waits) or `waited_s` (transport waits).
+//! - `afdep.TransportError(AfdepError)`: the exchange's transport failed: `rank`, `peer`.
 
 use afdep_core::oracle::layer::LayerError;
 use afdep_core::{ConfigError as CoreConfigError, RouteError as CoreRouteError};
@@ -38,6 +41,19 @@ create_exception!(
     GpuError,
     AfdepError,
     "The GPU layer failed (no driver, a launch, an unsupported shape)."
+);
+
+create_exception!(
+    afdep,
+    TimeoutError,
+    AfdepError,
+    "An exchange timed out; attributes phase, rank, peer (None if unknown), round/waited_s."
+);
+create_exception!(
+    afdep,
+    TransportFailure,
+    AfdepError,
+    "The exchange's transport failed (a peer gone, a size mismatch...); attributes rank, peer."
 );
 
 /// Sets `name = value` on the exception object (best effort: attributes never fail here).
@@ -196,5 +212,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("RouteError", py.get_type::<RouteError>())?;
     m.add("GpuError", py.get_type::<GpuError>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("TransportError", py.get_type::<TransportFailure>())?;
     Ok(())
 }

@@ -5,11 +5,13 @@
 //! on tensors borrowed through DLPack capsules (CPU tensors on afdep-core's oracle, CUDA tensors
 //! on afdep-moe's `MoeLayer`, queued on the caller's stream), and afdep's typed errors become
 //! Python exceptions with their fields as attributes. The torch-facing code (`afdep.MoE`, its
-//! `torch.autograd.Function`) is Python, in `python/afdep/`.
+//! `torch.autograd.Function`) is Python, in `python/afdep/`. [`exchange`] is the AFD exchange
+//! (one `ExchangeRank` per process over the staged engine) and its oracle.
 
 mod cpu;
 mod dlpack;
 mod errors;
+mod exchange;
 mod gpu;
 mod step;
 
@@ -96,6 +98,8 @@ fn layer_step(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(layer_step, m)?)?;
+    m.add_function(wrap_pyfunction!(exchange::exchange_oracle, m)?)?;
+    m.add_class::<exchange::ExchangeRank>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -12,11 +12,30 @@ as attributes: ``afdep.RouteError`` (``kind``, ``rank``, ``token``, ``slot``, ``
 ``afdep.ConfigError`` (``field``, ``value``), ``afdep.GpuError``, all derived from
 ``afdep.AfdepError``.
 
+``afdep.Exchange`` is one rank of the AFD exchange (afdep's staged engine over a transport
+rendezvoused from the environment, as under ``afdep launch``): ``round(x, topk_idx,
+topk_weights, experts)`` with afdep's SwiGLU or a Python callable as the FFN rank's experts;
+``afdep.exchange_oracle`` is afdep-core's reference of the same round.
+
 ``afdep.reference`` holds a plain-PyTorch implementation of the same function (the tests and
 the training example compare against it).
 """
 
-from ._native import AfdepError, ConfigError, GpuError, RouteError
+from ._native import AfdepError, ConfigError, GpuError, RouteError, TimeoutError, TransportError
 from ._moe import MoE, moe
+from ._exchange import Exchange, Received, SwiGLU, exchange_oracle
 
-__all__ = ["AfdepError", "ConfigError", "GpuError", "RouteError", "MoE", "moe"]
+__all__ = [
+    "AfdepError",
+    "ConfigError",
+    "GpuError",
+    "RouteError",
+    "TimeoutError",
+    "TransportError",
+    "MoE",
+    "moe",
+    "Exchange",
+    "Received",
+    "SwiGLU",
+    "exchange_oracle",
+]
