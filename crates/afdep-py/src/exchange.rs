@@ -174,8 +174,9 @@ fn experts_of(cfg: &ExchangeConfig, experts: &Bound<'_, PyAny>) -> PyResult<Expe
 }
 
 /// Runs `f` with an expert function over `experts`; the first Python or oracle error inside
-/// an expert call is kept (the call returns zero rows so the round completes on every rank)
-/// and returned after `f`.
+/// an expert call is kept (the call returns NaN rows, so the round completes on every rank and
+/// the attention ranks' rows that needed this expert read NaN, never a plausible value) and
+/// returned after `f`.
 fn with_expert<R>(
     py: Python<'_>,
     hidden: usize,
@@ -205,7 +206,7 @@ fn with_expert<R>(
         };
         r.unwrap_or_else(|err| {
             failed.borrow_mut().get_or_insert(err);
-            vec![bf16::ZERO; n * hidden]
+            vec![bf16::NAN; n * hidden]
         })
     };
     let r = f(&call);

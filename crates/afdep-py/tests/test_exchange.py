@@ -111,3 +111,35 @@ def test_bad_exchange_config():
     with pytest.raises(afdep.ConfigError):
         afdep.Exchange({"topology": "1A:1F", "hidden": 8, "experts": 2, "top_k": 3,
                         "capacity": 4})
+
+
+FAILING = textwrap.dedent("""
+    import sys
+    import torch
+    import afdep
+    ex = afdep.Exchange({"topology": "1A:1F", "hidden": 8, "experts": 2, "top_k": 1,
+                         "capacity": 4, "transport": {"kind": "tcp", "timeout_ms": 20000}})
+    def bad(e, rows):
+        raise KeyError(f"expert {e} failed")
+    if ex.role == "ffn":
+        try:
+            ex.round(experts=bad)
+        except KeyError as e:
+            print("RAISED", e)
+            sys.exit(0)
+        sys.exit(3)
+    y = ex.round(torch.ones(3, 8, dtype=torch.bfloat16), torch.tensor([[0], [1], [-1]],
+                 dtype=torch.int32), torch.ones(3, 1))
+    print("ROWS", [bool(torch.isnan(y[t].float()).all()) for t in range(3)])
+""")
+
+
+def test_failing_expert_callable(tmp_path):
+    """The FFN rank re-raises the callable's exception after the round; the attention rank's
+    rows that needed it are NaN (a masked-only token combines to +0)."""
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    (rc0, out0), (rc1, out1) = launch(script, 2, lambda r: [])
+    assert rc0 == 0 and rc1 == 0, out0 + out1
+    assert "RAISED" in out1 and "expert 0 failed" in out1, out1
+    assert "ROWS [True, True, False]" in out0, out0
