@@ -39,6 +39,7 @@ class _MoEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shape, dispatch, x, topk_idx, topk_weights, *params):
+        stream = _stream(x)  # first: refuses CUDA graph capture before any work is queued
         t, k = x.shape[0], shape[3]
         given = topk_idx is not None
         if given != (topk_weights is not None):
@@ -58,7 +59,7 @@ class _MoEFunction(torch.autograd.Function):
                 _cap(idx),
                 _cap(w),
                 given,
-                _stream(x),
+                stream,
                 dispatch,
             )
         ctx.shape, ctx.dispatch, ctx.given = shape, dispatch, given
