@@ -293,3 +293,24 @@ def test_cuda_stream_order():
     torch.cuda.synchronize()
     ref, _, _ = moe_reference(x, m.params(), m.shape)
     assert_close("out", out, ref, tolerance("cuda", torch.bfloat16, grads=False))
+
+
+@pytest.mark.parametrize("dispatch", ["sorted", "gather", "fused", "fused_gsum"])
+def test_cuda_every_dispatch(dispatch):
+    """Every GPU dispatch strategy computes the same function (fused: atomics, any order)."""
+    from conftest import cuda_or_skip
+
+    cuda_or_skip()
+    m, x = build(GPU_CASES["top8"], "cuda", torch.bfloat16, seed=21, hot=3)
+    m.dispatch = dispatch
+    check_layer(m, x, "cuda", torch.bfloat16)
+
+
+def test_unknown_dispatch_is_refused():
+    from conftest import cuda_or_skip
+
+    cuda_or_skip()
+    m, x = small("cuda")
+    m.dispatch = "scatter"
+    with pytest.raises(ValueError, match="unknown dispatch `scatter`"):
+        m(x)
