@@ -16,11 +16,14 @@
 //!   (untuned f32 kernels, checked against the oracle) and [`reference::compare`], the
 //!   benchmark's error columns computed on the device.
 //! - [`error`]: the engine's typed errors.
+//! - [`external`]: a [`MoeLayer`] step on buffers owned by the caller, ordered on the caller's
+//!   CUDA stream (the Python bindings).
 //! - [`timing`]: CUDA-event timing (pre-created events, warm-ups, medians) shared by the
 //!   `afdep` tool and the `bench_layer` program.
 
 pub mod accuracy;
 pub mod error;
+pub mod external;
 pub mod fused;
 pub mod layer;
 pub mod reference;

@@ -1,0 +1,113 @@
+"""Type stubs of ``afdep._native``, the native part of afdep (PyO3, abi3). Use the package's
+Python API (``afdep.MoE``, ``afdep.moe``, ``afdep.Exchange``); these are its building blocks.
+Every tensor argument is a DLPack capsule (``torch.utils.dlpack.to_dlpack``) of a contiguous
+tensor."""
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+Capsule = Any
+ShapeTuple = Tuple[int, int, int, int, int, bool]
+ExpertsArg = Union[Callable[[int, bytes, int], bytes], Tuple[str, Capsule, Capsule, Capsule]]
+
+class AfdepError(Exception):
+    """The base of every afdep exception."""
+
+class ConfigError(AfdepError):
+    """An unusable layer shape or exchange config."""
+
+    field: Optional[str]
+    value: Optional[str]
+
+class RouteError(AfdepError):
+    """A rejected route (nothing ran; outputs are not returned).
+
+    ``kind`` is one of duplicate, negative, wide, dummy, non_finite_weight, over_capacity,
+    non_finite_payload, malformed; ``rank`` the attention rank (0 for the layer); the other
+    attributes are None where the kind has no such field. ``reporter``: the exchange rank that
+    raised it (exchange only)."""
+
+    kind: str
+    rank: int
+    token: Optional[int]
+    slot: Optional[int]
+    value: Union[int, float, None]
+    expert: Optional[int]
+    first_slot: Optional[int]
+    experts: Optional[int]
+    owned: Optional[int]
+    tokens: Optional[int]
+    capacity: Optional[int]
+    channel: Optional[int]
+    what: Optional[str]
+    reporter: int
+
+class GpuError(AfdepError):
+    """The GPU layer failed (no driver, a launch, an unsupported shape)."""
+
+    device_fault: bool
+
+class TimeoutError(AfdepError):
+    """An exchange timed out: ``phase`` (the operation), ``rank`` (who waited), ``peer`` (who
+    is late, None if unknown), ``round`` (device waits) or ``waited_s`` (transport waits)."""
+
+    phase: str
+    rank: Optional[int]
+    peer: Optional[int]
+    round: Optional[int]
+    waited_s: float
+
+class TransportError(AfdepError):
+    """The exchange's transport failed: ``rank``, ``peer`` (None if unknown)."""
+
+    rank: Optional[int]
+    peer: Optional[int]
+
+def layer_step(
+    shape: ShapeTuple,
+    x: Capsule,
+    params: Sequence[Capsule],
+    out: Capsule,
+    topk_idx: Capsule,
+    topk_weights: Capsule,
+    given: bool,
+    stream: int = 0,
+    dispatch: str = "auto",
+    dy: Optional[Capsule] = None,
+    dx: Optional[Capsule] = None,
+    grads: Optional[Sequence[Capsule]] = None,
+) -> None:
+    """One step of the MoE layer, writing ``out`` (and with ``dy``: ``dx`` and ``grads``, the
+    gradients of ``sum(out * dy)``) in place.
+
+    ``shape`` is (d_model, width, experts, top_k, shared, renormalize). ``x`` is [T, H];
+    ``params`` the seven tensors wr [H, E], w1 [E, H, W], w3 [E, H, W], w2 [E, W, H],
+    s1 [H, S], s3 [H, S], s2 [S, H]; ``topk_idx`` [T, K] int32 and ``topk_weights`` [T, K]
+    float32 are read when ``given`` and written by the router otherwise. CPU tensors (float32
+    or bfloat16) run afdep-core's oracle; CUDA tensors (bfloat16) the GPU layer, ordered on
+    ``stream`` (a ``cudaStream_t`` as an int), with ``dispatch`` one of auto, sorted, gather,
+    fused, fused_gsum. Raises TypeError / ValueError naming the tensor (dtype, shape,
+    contiguity, device), ConfigError, RouteError, GpuError.
+    """
+
+class ExchangeRank:
+    """One rank of the AFD exchange (staged engine); see ``afdep.Exchange``."""
+
+    def __init__(self, config_json: str) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def config_json(self) -> str: ...
+    def round(
+        self,
+        x: Optional[Capsule],
+        topk_idx: Optional[Capsule],
+        topk_weights: Optional[Capsule],
+        experts: ExpertsArg,
+    ) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]: ...
+
+def exchange_oracle(
+    config_json: str, inputs: List[Tuple[Capsule, Capsule, Capsule]], experts: ExpertsArg
+) -> List[bytes]:
+    """afdep-core's exchange oracle: each attention rank's combined bf16 rows as bytes."""
