@@ -14,7 +14,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("common/fault.cuh", include_str!("../cuda/common/fault.cuh")),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
-    ("common/softmax.cuh", include_str!("../cuda/common/softmax.cuh")),
+    (
+        "common/softmax.cuh",
+        include_str!("../cuda/common/softmax.cuh"),
+    ),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
     ("layout/fused.cuh", include_str!("../cuda/layout/fused.cuh")),
     (

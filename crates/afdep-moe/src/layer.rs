@@ -761,9 +761,9 @@ impl MoeLayer {
         if tokens == 0 {
             // The gradients of an empty sum: zero (dx and out are empty).
             for g in grads.tensors_mut() {
-                stream
-                    .memset_zeros(g)
-                    .map_err(KernelError::driver("zeroing the gradients of an empty step"))?;
+                stream.memset_zeros(g).map_err(KernelError::driver(
+                    "zeroing the gradients of an empty step",
+                ))?;
             }
             return Ok(());
         }

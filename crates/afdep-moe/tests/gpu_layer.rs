@@ -23,10 +23,10 @@ use afdep_core::oracle::layer::{
 };
 use afdep_core::oracle::params::{PARAM_NAMES, random_tokens};
 use afdep_core::route::{RouteRules, Routes, validate};
+use afdep_core::{LayerShape, RouteError};
 use afdep_kernels::GpuContext;
 use afdep_kernels::cudarc::driver::sys;
 use afdep_kernels::ops::download;
-use afdep_core::{LayerShape, RouteError};
 use afdep_moe::accuracy::check_layer_tensor;
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 use common::{gpu, hot_routes, max_tokens, shape};
@@ -62,8 +62,7 @@ fn compare(
 ) -> Vec<String> {
     let mut bad = Vec::new();
     let mut line = format!("{what}:");
-    let mut check = |name: &str, a: &[bf16], b: &[bf16]| match check_layer_tensor(name, sh, a, b)
-    {
+    let mut check = |name: &str, a: &[bf16], b: &[bf16]| match check_layer_tensor(name, sh, a, b) {
         Ok(e) => line.push_str(&format!(" {name} {e:.2e}")),
         Err(m) => {
             line.push_str(&format!(" {name} FAIL"));
@@ -285,13 +284,7 @@ fn graph_replay_of_a_train_step_with_new_routing() {
                 continue; // a router tie (see router_layer_matches_the_oracle)
             }
             let (out, grads) = train_step(&params, &x, t, &dy).unwrap();
-            let bad = compare(
-                &format!("graph {d} replay {seed}"),
-                &sh,
-                &got,
-                &out,
-                &grads,
-            );
+            let bad = compare(&format!("graph {d} replay {seed}"), &sh, &got, &out, &grads);
             assert!(bad.is_empty(), "{}", bad.join("\n"));
             if d != Dispatch::Fused {
                 eager.upload_x(&ctx, &x).unwrap();
@@ -332,7 +325,11 @@ fn unsupported_shapes_are_refused() {
             other => panic!("{what}: expected Unsupported, got {other:?}"),
         }
     }
-    for sh in [shape(96, 96, 12, 2, 0), shape(96, 96, 5, 5, 48), shape(96, 96, 60, 3, 0)] {
+    for sh in [
+        shape(96, 96, 12, 2, 0),
+        shape(96, 96, 5, 5, 48),
+        shape(96, 96, 60, 3, 0),
+    ] {
         MoeLayer::new(&ctx, sh, 10, Dispatch::Sorted, true)
             .unwrap_or_else(|e| panic!("{sh:?}: {e}"));
     }
@@ -366,7 +363,13 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
             layer.upload_routes(ctx, &routes)?;
             layer.poison_outputs(ctx)?;
             layer.train_step(ctx, LayerRouting::Given)?;
-            Ok(compare(&tag(d, "given"), &sh, &read(ctx, &layer), &out, &grads))
+            Ok(compare(
+                &tag(d, "given"),
+                &sh,
+                &read(ctx, &layer),
+                &out,
+                &grads,
+            ))
         };
         match run() {
             Ok(b) => bad.extend(b),
@@ -407,7 +410,7 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
         };
         match run() {
             Ok(b) => bad.extend(b),
-            Err(err) => bad.push(format!("{}: {err}", tag(d, "router")))
+            Err(err) => bad.push(format!("{}: {err}", tag(d, "router"))),
         }
     }
     bad
@@ -427,7 +430,9 @@ fn odd_sweep(cases: &[(usize, usize, usize, usize, usize)], tokens: &[usize]) {
             ran += 1;
         }
     }
-    println!("{ran} shapes × token counts compared, {left_out} above AFDEP_TEST_MAX_TOKENS left out");
+    println!(
+        "{ran} shapes × token counts compared, {left_out} above AFDEP_TEST_MAX_TOKENS left out"
+    );
     assert!(ran > 0, "AFDEP_TEST_MAX_TOKENS left no case to run");
     assert!(
         bad.is_empty(),
@@ -495,7 +500,11 @@ fn non_finite_router_inputs_are_refused_like_the_oracle() {
     for (case, bad_x, bad_wr) in [
         ("NaN in x token 41", Some((41 * 96 + 7, f32::NAN)), None),
         ("inf in x token 3", Some((3 * 96, f32::INFINITY)), None),
-        ("-inf in wr expert 10", None, Some((5 * 12 + 10, f32::NEG_INFINITY))),
+        (
+            "-inf in wr expert 10",
+            None,
+            Some((5 * 12 + 10, f32::NEG_INFINITY)),
+        ),
     ] {
         let mut x = clean.clone();
         let mut p = params.clone();

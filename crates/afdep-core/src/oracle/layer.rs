@@ -1312,7 +1312,10 @@ mod tests {
         let e = f.routes.idx[0] as usize;
         p.w1[e * 8 * 4] = b(f32::NAN);
         let g = forward(&p, &x, tokens).unwrap();
-        assert_eq!(g.routes, f.routes, "routing does not read the expert weights");
+        assert_eq!(
+            g.routes, f.routes,
+            "routing does not read the expert weights"
+        );
         for t in 0..tokens {
             let routed = f.routes.idx[t * 2..t * 2 + 2].contains(&(e as i32));
             let row = &g.out[t * 8..(t + 1) * 8];

@@ -91,16 +91,7 @@ impl RouteValidator {
                 rules.experts
             )));
         }
-        self.launch_inner(
-            ctx,
-            idx,
-            weights,
-            tokens,
-            top_k,
-            rules,
-            rank,
-            Some(logits),
-        )
+        self.launch_inner(ctx, idx, weights, tokens, top_k, rules, rank, Some(logits))
     }
 
     /// The device state, writable (the router's top-k records its non-finite key there).
