@@ -151,6 +151,23 @@ pub enum RouteError {
         /// The value there.
         value: f32,
     },
+    /// A NaN or infinite router logit (`x·Wr` of a token with a non-finite value in its `x`
+    /// row or in the router weights): the router cannot rank the experts of that token, so
+    /// the step is refused before any expert runs, on every backend.
+    #[error(
+        "non-finite router logit: rank {rank} token {token} expert {expert} has logit {value} \
+         (a NaN or infinity in this token's x row or in the router weights)"
+    )]
+    NonFiniteLogit {
+        /// Attention rank.
+        rank: usize,
+        /// The first token (lowest index) with a non-finite logit.
+        token: usize,
+        /// The lowest expert id whose logit is non-finite for that token.
+        expert: usize,
+        /// The logit.
+        value: f32,
+    },
     /// The route table's arrays do not have the sizes the shape requires.
     #[error("malformed routes on rank {rank}: {what}")]
     Malformed {
@@ -184,6 +201,8 @@ pub mod route_class {
     pub const MALFORMED: u32 = 7;
     /// [`super::RouteError::NonFinitePayload`].
     pub const NON_FINITE_PAYLOAD: u32 = 8;
+    /// [`super::RouteError::NonFiniteLogit`].
+    pub const NON_FINITE_LOGIT: u32 = 9;
 }
 
 impl RouteError {
@@ -197,6 +216,7 @@ impl RouteError {
             | RouteError::NonFiniteWeight { rank, .. }
             | RouteError::OverCapacity { rank, .. }
             | RouteError::NonFinitePayload { rank, .. }
+            | RouteError::NonFiniteLogit { rank, .. }
             | RouteError::Malformed { rank, .. } => *rank,
         }
     }
@@ -206,7 +226,8 @@ impl RouteError {
     /// (as `i32` bits) or the weight (as `f32` bits), and `extra` is the first slot
     /// (duplicate), the number of experts (wide), the owned experts (dummy), or the
     /// capacity (over capacity, whose `token` field holds the token count). A non-finite
-    /// payload puts its channel in the slot field and the value's `f32` bits in `value`.
+    /// payload puts its channel in the slot field and the value's `f32` bits in `value`; a
+    /// non-finite logit its expert in the slot field and the logit's `f32` bits in `value`.
     /// [`RouteError::Malformed`] loses its text in the word.
     pub fn to_word(&self) -> [u32; ROUTE_ERROR_WORDS] {
         use route_class::*;
@@ -277,6 +298,19 @@ impl RouteError {
                 value.to_bits(),
                 0,
             ],
+            RouteError::NonFiniteLogit {
+                rank,
+                token,
+                expert,
+                value,
+            } => [
+                NON_FINITE_LOGIT,
+                c(rank),
+                c(token),
+                c(expert),
+                value.to_bits(),
+                0,
+            ],
             RouteError::Malformed { rank, .. } => [MALFORMED, c(rank), 0, 0, 0, 0],
         }
     }
@@ -328,6 +362,12 @@ impl RouteError {
                 rank,
                 token,
                 channel: slot,
+                value: f32::from_bits(w[4]),
+            },
+            NON_FINITE_LOGIT => RouteError::NonFiniteLogit {
+                rank,
+                token,
+                expert: slot,
                 value: f32::from_bits(w[4]),
             },
             MALFORMED => RouteError::Malformed {
@@ -389,6 +429,12 @@ mod tests {
                 token: 17,
                 channel: 300,
                 value: f32::NEG_INFINITY,
+            },
+            RouteError::NonFiniteLogit {
+                rank: 0,
+                token: 70_000,
+                expert: 59,
+                value: f32::INFINITY,
             },
         ];
         for e in cases {

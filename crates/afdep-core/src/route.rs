@@ -207,6 +207,30 @@ pub fn validate(routes: &Routes, rules: &RouteRules, rank: usize) -> Result<(), 
     Ok(())
 }
 
+/// The first non-finite router logit of a `tokens × experts` row-major table, in (token,
+/// expert) order, as [`RouteError::NonFiniteLogit`] of attention rank `rank`: the brief's one
+/// rule for NaN and infinity before routing. A token whose logits are not all finite cannot be
+/// ranked (softmax and top-k have no meaning there), so every backend refuses the step before
+/// any expert runs; non-finite values that enter after routing (expert weights) propagate.
+pub fn check_logits<T: Copy + Into<f64>>(
+    logits: &[T],
+    experts: usize,
+    rank: usize,
+) -> Result<(), RouteError> {
+    if experts == 0 {
+        return Ok(());
+    }
+    match logits.iter().position(|&v| !v.into().is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(RouteError::NonFiniteLogit {
+            rank,
+            token: i / experts,
+            expert: i % experts,
+            value: logits[i].into() as f32,
+        }),
+    }
+}
+
 /// Router probabilities `softmax(x·Wr)` in f32, T × E.
 pub fn router_probs(x: &[bf16], wr: &[bf16], tokens: usize, shape: &LayerShape) -> Vec<f32> {
     let (h, e) = (shape.d_model, shape.experts);

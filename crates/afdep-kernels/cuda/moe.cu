@@ -3,6 +3,7 @@
 // AFDEP_EXPERTS (E) and AFDEP_TOP_K (K).
 
 #include "common/ptx.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 
 #ifndef AFDEP_EXPERTS
@@ -13,7 +14,7 @@
 #endif
 #define E AFDEP_EXPERTS
 #define K AFDEP_TOP_K
-#define EPL ((E + 31) / 32)
+#define EPL AFDEP_SOFTMAX_EPL
 static_assert(K >= 1 && K <= 32 && K <= E, "top-k in 1..=min(32, E)");
 
 // acc[t] = sum over slots k ascending (masked skipped) of (weights ? w_k * y[row] : y[row]),
@@ -66,37 +67,19 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // computes it; g[t, k] = <dy_t, y_k>; with renormalisation s = sum_k p_k (slot order) and
 // dp_k = (g_k - sum_j g_j w_j) / s, without it dp_k = g_k; then
 // dlogit_i = p_i (dp_i - sum_k p_k dp_k) (dp_i = 0 for experts not selected). Written as bf16
-// (the operand of the router's weight- and data-gradient GEMMs).
+// (the operand of the router's weight- and data-gradient GEMMs) in rows of `ld` >= E values,
+// the columns E..ld zero (16-byte rows for the GEMMs whatever E is).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_router_backward(const float* __restrict__ logits, const i32* __restrict__ idx,
                           const float* __restrict__ weights, const float* __restrict__ g,
-                          u16* __restrict__ dlogits, u32 tokens, u32 renormalize) {
+                          u16* __restrict__ dlogits, u32 tokens, u32 renormalize, u32 ld) {
     const u32 lane = afdep_lane();
     const u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32;
     if (t >= tokens) return;
-    const float* row = logits + t * E;
     float p[EPL];
-    float m = AFDEP_NEG_INF;
-#pragma unroll
-    for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
-        p[j] = e < E ? row[e] : AFDEP_NEG_INF;
-        m = fmaxf(m, p[j]);
-    }
-    m = afdep_warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
-        p[j] = e < E ? expf(p[j] - m) : 0.0f;
-        s = __fadd_rn(s, p[j]);
-    }
-    s = afdep_warp_sum(s);
-#pragma unroll
-    for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
-        p[j] = e < E ? __fdiv_rn(p[j], s) : 0.0f;
-    }
+    // Tokens with a non-finite logit have masked slots (the router's top-k), so nothing reads
+    // their gradient terms; the step that made them is refused anyway.
+    (void)afdep_warp_softmax(logits + t * E, lane, p);
     // Selected probabilities, gradients and weights, in slot order (every lane).
     float ps[K], gs[K], wsl[K];
     i32 es[K];
@@ -132,11 +115,28 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
     for (int j = 0; j < EPL; j++) {
         const u32 e = lane + 32 * j;
-        if (e >= E) continue;
+        if (e >= ld) continue;
+        if (e >= E) {
+            dlogits[t * ld + e] = 0;
+            continue;
+        }
         float d = 0.0f;
 #pragma unroll
         for (int k = 0; k < K; k++)
             if ((u32)es[k] == e) d = dp[k];
-        dlogits[t * E + e] = afdep_f32_to_bf16(__fmul_rn(p[j], __fsub_rn(d, pdp)));
+        dlogits[t * ld + e] = afdep_f32_to_bf16(__fmul_rn(p[j], __fsub_rn(d, pdp)));
+    }
+}
+
+// dst[r, c] = c < cols ? src[r, c] : 0 for r < rows, c < dst_ld (bf16, row strides src_ld and
+// dst_ld): a router matrix padded to 16-byte rows for the GEMMs, or its gradient cut back.
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+    afdep_moe_copy_cols(const u16* __restrict__ src, u64 src_ld, u16* __restrict__ dst,
+                        u64 dst_ld, u64 rows, u64 cols) {
+    const u64 n = rows * dst_ld;
+    for (u64 i = (u64)blockIdx.x * AFDEP_BLOCK + threadIdx.x; i < n;
+         i += (u64)gridDim.x * AFDEP_BLOCK) {
+        const u64 r = i / dst_ld, c = i % dst_ld;
+        dst[i] = c < cols ? src[r * src_ld + c] : (u16)0;
     }
 }

@@ -1,15 +1,25 @@
 // Router: logits = x·Wr (f32 accumulation), softmax in f32, top-k (ties to the lower expert
 // id), optional renormalisation. Specialised by AFDEP_EXPERTS (E) and AFDEP_TOP_K (K).
 //
-// Numerics (afdep_core::route is the reference): the logits kernel accumulates each dot product
-// with FMAs in ascending h order per thread; the softmax uses expf (not __expf) and a per-lane
-// ascending sum followed by a butterfly over the warp. Probabilities therefore agree with the
-// CPU to a few ulps, not bit for bit. Selection and renormalisation are exact functions of the
+// Numerics (afdep_core::route is the reference): the logits are f32 sums of exact bf16
+// products, in the order of the tensor-core kernel (afdep_router_logits_mma: mma.sync k16
+// steps, ascending k-tiles) or of the SIMT kernel (afdep_router_logits: FMAs in ascending h
+// per thread, for rows that are not 16-byte aligned); the softmax is common/softmax.cuh (expf,
+// per-lane ascending sums and a warp butterfly). Probabilities therefore agree with the CPU to a
+// few ulps, not bit for bit. Selection and renormalisation are exact functions of the
 // probabilities: given bit-identical probabilities the GPU picks the same experts in the same
 // order (ties to the lower id) and computes the same weights (sum in slot order, IEEE division).
+//
+// A token with a NaN or infinite logit gets masked slots (id -1, weight 0: no expert reads
+// it) and its (token, lowest such expert) key goes into the route validation state
+// (AFDEP_ROUTE_STATE_ROUTER_WORD, smallest key wins); afdep_validate_word turns it into the
+// non-finite-logit error word (afdep_core::RouteError::NonFiniteLogit). No id is ever made
+// from a non-finite value.
 
 #include "common/ptx.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
+#include "layout/route_error.cuh"
 
 #ifndef AFDEP_EXPERTS
 #error "router.cu needs AFDEP_EXPERTS"
@@ -21,13 +31,146 @@
 #define E AFDEP_EXPERTS
 #define K AFDEP_TOP_K
 // Experts per lane in the top-k kernel (lane l holds experts l, l + 32, ...).
-#define EPL ((E + 31) / 32)
+#define EPL AFDEP_SOFTMAX_EPL
 
 static_assert(K >= 1 && K <= E, "top-k must be in 1..=experts");
 static_assert(K <= 32, "top-k above 32 is not supported");
-static_assert(AFDEP_BLOCK == 256, "the logits tiling assumes 256 threads");
+static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-core logits: logits[t, e] = sum_h x[t, h] * wr[h, e] with mma.sync m16n8k16 (bf16 in,
+// f32 accumulate). Block tile RM_M = 128 tokens (8 warps x 16 rows) x RM_N experts (E rounded
+// up to 16, at most 128: wider E takes several column blocks, adjacent in the grid so that
+// they share the x tile in L2), k-step RM_K = 64. The x tile is loaded with 16-byte vectors
+// (hidden % 8 == 0, x 16-byte aligned: checked by the launcher) into registers one k-step
+// ahead; wr (small, L2-resident) straight into shared memory. Tails in tokens, hidden and E are
+// zero-filled on load and predicated on store.
+
+#define RM_M 128
+#define RM_K 64
+#define RM_E16 ((E + 15) / 16 * 16)
+#define RM_N (RM_E16 < 128 ? RM_E16 : 128)
+#define RM_NCH ((RM_E16 + RM_N - 1) / RM_N)
+#define RM_AS (RM_K + 8)  // shared row stride of the x tile (elements): conflict-free ldmatrix
+#define RM_BS (RM_N + 8)  // shared row stride of the wr tile
+#define RM_NT (RM_N / 8)  // n-tiles of 8 per warp
+#define RM_AV (RM_M * RM_K / 8 / AFDEP_BLOCK)  // 16-byte x vectors per thread per k-step
+
+static_assert(RM_AV * 8 * AFDEP_BLOCK == RM_M * RM_K, "x tile split");
+static_assert(RM_NT % 2 == 0, "n-tiles come in pairs (ldmatrix x4)");
+
+static __device__ __forceinline__ void afdep_rm_load_x(const u16* __restrict__ x, u64 m0, u32 k0,
+                                                       u32 tokens, u32 hidden,
+                                                       uint4 (&ra)[RM_AV]) {
+#pragma unroll
+    for (int r = 0; r < RM_AV; r++) {
+        const u32 i = threadIdx.x + r * AFDEP_BLOCK;
+        const u64 m = m0 + i / (RM_K / 8);
+        const u32 c = k0 + (i % (RM_K / 8)) * 8;
+        ra[r] = m < tokens && c < hidden ? afdep_ld_nc_v4(x + m * hidden + c)
+                                         : make_uint4(0, 0, 0, 0);
+    }
+}
+
+static __device__ __forceinline__ void afdep_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2,
+                                                     u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void afdep_ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2,
+                                                       u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void afdep_mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2,
+                                                      u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 2)
+    afdep_router_logits_mma(const u16* __restrict__ x, const u16* __restrict__ wr,
+                            float* __restrict__ logits, u32 tokens, u32 hidden) {
+    __shared__ __align__(16) u16 as[RM_M * RM_AS];
+    __shared__ __align__(16) u16 bs[RM_K * RM_BS];
+    const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const u64 m0 = (u64)(blockIdx.x / RM_NCH) * RM_M;
+    const u32 n0 = (blockIdx.x % RM_NCH) * RM_N;
+    float acc[RM_NT][4];
+#pragma unroll
+    for (int n = 0; n < RM_NT; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
+
+    uint4 ra[RM_AV];
+    afdep_rm_load_x(x, m0, 0, tokens, hidden, ra);
+    // ldmatrix row addresses of this lane: A rows warp*16 + (lane % 8) + 8 * ((lane / 8) % 2),
+    // column + 8 * (lane / 16); B (transposed) k rows (lane % 8) + 8 * ((lane / 8) % 2),
+    // columns + 8 * (lane / 16).
+    const u32 lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+    const u32 a_base = (u32)__cvta_generic_to_shared(as + (warp * 16 + lr) * RM_AS + lc);
+    const u32 b_base = (u32)__cvta_generic_to_shared(bs + lr * RM_BS + lc);
+
+    for (u32 k0 = 0; k0 < hidden; k0 += RM_K) {
+#pragma unroll
+        for (int r = 0; r < RM_AV; r++) {
+            const u32 i = tid + r * AFDEP_BLOCK;
+            *(uint4*)(as + (i / (RM_K / 8)) * RM_AS + (i % (RM_K / 8)) * 8) = ra[r];
+        }
+#if E % 8 == 0
+        for (u32 i = tid; i < RM_K * RM_N / 8; i += AFDEP_BLOCK) {
+            const u32 k = i / (RM_N / 8), n = (i % (RM_N / 8)) * 8;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (k0 + k < hidden && n0 + n < E) v = afdep_ld_nc_v4(wr + (u64)(k0 + k) * E + n0 + n);
+            *(uint4*)(bs + k * RM_BS + n) = v;
+        }
+#else
+        for (u32 i = tid; i < RM_K * RM_N; i += AFDEP_BLOCK) {
+            const u32 k = i / RM_N, n = i % RM_N;
+            bs[k * RM_BS + n] =
+                k0 + k < hidden && n0 + n < E ? __ldg(wr + (u64)(k0 + k) * E + n0 + n) : (u16)0;
+        }
+#endif
+        __syncthreads();
+        if (k0 + RM_K < hidden) afdep_rm_load_x(x, m0, k0 + RM_K, tokens, hidden, ra);
+#pragma unroll
+        for (u32 kk = 0; kk < RM_K; kk += 16) {
+            u32 a0, a1, a2, a3;
+            afdep_ldsm_x4(a_base + kk * 2, a0, a1, a2, a3);
+#pragma unroll
+            for (int np = 0; np < RM_NT / 2; np++) {
+                u32 b0, b1, b2, b3;
+                afdep_ldsm_x4_t(b_base + (kk * RM_BS + np * 16) * 2, b0, b1, b2, b3);
+                afdep_mma_bf16(acc[2 * np], a0, a1, a2, a3, b0, b1);
+                afdep_mma_bf16(acc[2 * np + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+        __syncthreads();
+    }
+    // Fragment of n-tile n: rows g and g + 8 (g = lane / 4), columns 2 (lane % 4) + {0, 1}.
+    const u64 r0 = m0 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int n = 0; n < RM_NT; n++) {
+        const u32 c = n0 + n * 8 + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u64 r = r0 + 8 * h;
+            if (r >= tokens) continue;
+            if (c < E) logits[r * E + c] = acc[n][2 * h];
+            if (c + 1 < E) logits[r * E + c + 1] = acc[n][2 * h + 1];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMT logits (any hidden size: the fallback when x rows are not 16-byte aligned).
 // logits[t, e] = sum_h x[t, h] * wr[h, e]; x is T x H bf16, wr is H x E bf16, both row-major.
 // Block tile 64 tokens x 64 experts, k-step 32; each thread computes a 4 x 4 patch
 // (rows ty + 16 i, columns tx + 16 j).
@@ -99,41 +242,35 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 }
 
 // ---------------------------------------------------------------------------------------------
-// One warp per token: softmax over the E logits, then K rounds of warp arg-max over the
-// probabilities (greater probability first, equal probabilities: lower expert id first).
-// Writes idx[t, k] (i32) and weights[t, k] (f32); renormalize != 0 divides by the sum of the
-// selected probabilities, accumulated in slot order starting from 0.
+// One warp per token: softmax over the E logits (common/softmax.cuh), then K rounds of warp
+// arg-max over the probabilities (greater probability first, equal probabilities: lower expert
+// id first). Writes idx[t, k] (i32) and weights[t, k] (f32); renormalize != 0 divides by the
+// sum of the selected probabilities, accumulated in slot order starting from 0. A token with a
+// non-finite logit gets K masked slots and, when `state` is not null, its key in the route
+// validation state (see the top of this file).
 
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_router_topk(const float* __restrict__ logits, i32* __restrict__ idx,
-                      float* __restrict__ weights, u32 tokens, u32 renormalize) {
+                      float* __restrict__ weights, u32 tokens, u32 renormalize, u32* state) {
     const u32 lane = afdep_lane();
     const u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32;
     if (t >= tokens) return;
-    const float* row = logits + t * E;
 
     float p[EPL];
-    float m = AFDEP_NEG_INF;
-#pragma unroll
-    for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
-        p[j] = e < E ? row[e] : AFDEP_NEG_INF;
-        m = fmaxf(m, p[j]);
+    const u32 bad = afdep_warp_softmax(logits + t * E, lane, p);
+    if (bad != AFDEP_ALL_FINITE) {
+        if (lane < K) {
+            idx[t * K + lane] = AFDEP_MASKED;
+            weights[t * K + lane] = 0.0f;
+        }
+        if (lane == 0 && state != nullptr)
+            atomicMax((u64*)(state + AFDEP_ROUTE_STATE_ROUTER_WORD), ~((t << 32) | bad));
+        return;
     }
-    m = afdep_warp_max(m);
-    float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
-        p[j] = e < E ? expf(p[j] - m) : 0.0f;
-        s = __fadd_rn(s, p[j]);
-    }
-    s = afdep_warp_sum(s);
-#pragma unroll
-    for (int j = 0; j < EPL; j++) {
-        const u32 e = lane + 32 * j;
         // Padding holds -inf: below every probability, never selected (K <= E).
-        p[j] = e < E ? __fdiv_rn(p[j], s) : AFDEP_NEG_INF;
+        if (lane + 32 * j >= E) p[j] = AFDEP_NEG_INF;
     }
 
     u32 taken = 0;  // bit j: this lane's expert lane + 32 j is already selected

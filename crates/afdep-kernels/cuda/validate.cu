@@ -7,7 +7,9 @@
 // 1 + token * K + slot wins through a 64-bit atomicMax on the inverted key; key 0 (checked
 // before any slot) is over-capacity. Pass 2 (afdep_validate_word, one thread) rebuilds the
 // winning offence and writes the error word, then clears the key, so the state is ready for
-// the next validation without a memset. No trap, no assert: a bad route never breaks the
+// the next validation without a memset. When the router's top-k left a non-finite-logit key
+// (layout/route_error.cuh), pass 2 reports that instead (the logit re-read from `logits`, a
+// row of `logit_experts`), and clears both keys. No trap, no assert: a bad route never breaks the
 // context.
 
 #include "common/types.cuh"
@@ -44,12 +46,24 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 extern "C" __global__ void afdep_validate_word(const i32* __restrict__ idx,
                                                const float* __restrict__ w, u32* state,
                                                u64 tokens, u64 experts, u64 owned, u64 capacity,
-                                               u32 rank) {
+                                               u32 rank, const float* __restrict__ logits,
+                                               u64 logit_experts) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     u64* keyp = (u64*)(state + AFDEP_ROUTE_STATE_KEY_WORD);
+    u64* routerp = (u64*)(state + AFDEP_ROUTE_STATE_ROUTER_WORD);
     const u64 inv = *keyp;
+    const u64 rinv = *routerp;
     u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
-    if (inv != 0) {
+    if (rinv != 0) {
+        const u64 key = ~rinv;
+        const u64 t = key >> 32, e = key & 0xffffffffull;
+        word[0] = AFDEP_ROUTE_NON_FINITE_LOGIT;
+        word[1] = rank;
+        word[2] = afdep_sat_u32(t);
+        word[3] = (u32)e;
+        word[4] = logits != nullptr ? __float_as_uint(logits[t * logit_experts + e]) : 0x7fc00000u;
+        *routerp = 0;
+    } else if (inv != 0) {
         const u64 key = ~inv;
         word[1] = rank;
         if (key == 0) {

@@ -14,6 +14,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("common/fault.cuh", include_str!("../cuda/common/fault.cuh")),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
+    (
+        "common/softmax.cuh",
+        include_str!("../cuda/common/softmax.cuh"),
+    ),
     ("common/types.cuh", include_str!("../cuda/common/types.cuh")),
     ("layout/fused.cuh", include_str!("../cuda/layout/fused.cuh")),
     (
@@ -189,8 +193,10 @@ impl SourceFile {
 /// A kernel: its source file and its entry point.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KernelId {
-    /// `logits = x·Wr` in f32 (tiled, bf16 inputs).
+    /// `logits = x·Wr` in f32 (SIMT tiles, bf16 inputs, any hidden size).
     RouterLogits,
+    /// `logits = x·Wr` in f32 on tensor cores (mma.sync; hidden a multiple of 8).
+    RouterLogitsMma,
     /// Softmax, top-k with ties to the lower id, renormalisation.
     RouterTopk,
     /// Route validation, pass 1: the first offending (token, slot) by an atomic on its key.
@@ -235,6 +241,9 @@ pub enum KernelId {
     MoeCombine,
     /// f32 to bf16.
     MoeCast,
+    /// Strided bf16 column copy with zero padding (the router's matrices padded to 16-byte
+    /// rows for the GEMMs, and back).
+    MoeCopyCols,
     /// Router backward: softmax and renormalisation.
     RouterBackward,
     /// Reference: exact bf16 transpose of a batch of matrices.
@@ -342,8 +351,9 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 72] = [
+    pub const ALL: [KernelId; 74] = [
         KernelId::RouterLogits,
+        KernelId::RouterLogitsMma,
         KernelId::RouterTopk,
         KernelId::ValidateRoutes,
         KernelId::ValidateWord,
@@ -366,6 +376,7 @@ impl KernelId {
         KernelId::GemmReduce,
         KernelId::MoeCombine,
         KernelId::MoeCast,
+        KernelId::MoeCopyCols,
         KernelId::RouterBackward,
         KernelId::RefTranspose,
         KernelId::RefCheckRoutes,
@@ -420,14 +431,19 @@ impl KernelId {
     /// The source file that defines the kernel.
     pub fn source(self) -> SourceFile {
         match self {
-            KernelId::RouterLogits | KernelId::RouterTopk => SourceFile::Router,
+            KernelId::RouterLogits | KernelId::RouterLogitsMma | KernelId::RouterTopk => {
+                SourceFile::Router
+            }
             KernelId::ValidateRoutes | KernelId::ValidateWord => SourceFile::Validate,
             KernelId::ExpertCounts
             | KernelId::ExpertScanBlocks
             | KernelId::ExpertOffsets
             | KernelId::ExpertScatter => SourceFile::Layout,
             KernelId::Permute | KernelId::Unpermute => SourceFile::Permute,
-            KernelId::MoeCombine | KernelId::MoeCast | KernelId::RouterBackward => SourceFile::Moe,
+            KernelId::MoeCombine
+            | KernelId::MoeCast
+            | KernelId::MoeCopyCols
+            | KernelId::RouterBackward => SourceFile::Moe,
             KernelId::RefTranspose
             | KernelId::RefCheckRoutes
             | KernelId::RefLogits
@@ -483,6 +499,7 @@ impl KernelId {
     pub fn entry(self) -> &'static str {
         match self {
             KernelId::RouterLogits => "afdep_router_logits",
+            KernelId::RouterLogitsMma => "afdep_router_logits_mma",
             KernelId::RouterTopk => "afdep_router_topk",
             KernelId::ValidateRoutes => "afdep_validate_scan",
             KernelId::ValidateWord => "afdep_validate_word",
@@ -505,6 +522,7 @@ impl KernelId {
             KernelId::GemmReduce => "afdep_gemm_reduce",
             KernelId::MoeCombine => "afdep_moe_combine",
             KernelId::MoeCast => "afdep_moe_cast",
+            KernelId::MoeCopyCols => "afdep_moe_copy_cols",
             KernelId::RouterBackward => "afdep_router_backward",
             KernelId::RefTranspose => "afdep_ref_transpose",
             KernelId::RefCheckRoutes => "afdep_ref_check_routes",
@@ -939,6 +957,7 @@ mod tests {
         assert_eq!(get("AFDEP_ROUTE_OVER_CAPACITY"), c::OVER_CAPACITY);
         assert_eq!(get("AFDEP_ROUTE_MALFORMED"), c::MALFORMED);
         assert_eq!(get("AFDEP_ROUTE_NON_FINITE_PAYLOAD"), c::NON_FINITE_PAYLOAD);
+        assert_eq!(get("AFDEP_ROUTE_NON_FINITE_LOGIT"), c::NON_FINITE_LOGIT);
         assert_eq!(
             get("AFDEP_ROUTE_ERROR_WORDS") as usize,
             afdep_core::error::ROUTE_ERROR_WORDS

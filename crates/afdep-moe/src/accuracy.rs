@@ -25,6 +25,20 @@
 //!
 //! f32 accumulation in a different order adds about `k·2^-24` for `k` terms, below `2^-12`
 //! for every size here, and is covered by the factor 2.
+//!
+//! # Per group: tokens and experts
+//! A whole-tensor metric lets a small part of the tensor carry a large error: a lightly used
+//! expert's weight gradient, or a token whose routed contribution is small next to the
+//! largest row, is measured against the largest value anywhere. So the GPU tests judge every
+//! **group** on its own scale ([`max_group_err`]): `out` and `dx` per token (rows of `H`), the
+//! routed experts' weight gradients per expert (`dW1`, `dW3`, `dW2` blocks of `H·W`), the
+//! router's per expert (columns of `dWr`, [`max_col_err`]), the shared expert's per output row.
+//! The tolerances above hold per group with the same derivation: every element of a group is
+//! one sum whose bf16 roundings are relative to its own terms, and a group's largest magnitude
+//! is at least the size of its typical term (its elements are many independent sums of the
+//! same terms' scale, so they do not all cancel at once). A group whose reference is all zero
+//! (an expert no token chose, a token whose slots are all masked and no shared expert) must be
+//! exactly zero on the GPU too: the metric is 0 for two zero groups and `+∞` otherwise.
 
 use half::bf16;
 
@@ -47,6 +61,157 @@ pub fn max_rel_err(a: &[bf16], b: &[bf16]) -> f64 {
         f64::INFINITY
     } else {
         diff / scale
+    }
+}
+
+/// The worst group of a comparison ([`max_group_err`], [`max_col_err`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupErr {
+    /// [`max_rel_err`] of the worst group (`+∞` for a non-finite value).
+    pub err: f64,
+    /// That group's index (token, expert, column); 0 when there is no group.
+    pub group: usize,
+    /// Number of groups compared.
+    pub groups: usize,
+}
+
+impl GroupErr {
+    /// Whether the worst group is within `tol` (NaN never is).
+    pub fn within(&self, tol: f64) -> bool {
+        self.err <= tol
+    }
+}
+
+/// [`max_rel_err`] of every consecutive group of `group_len` elements of `a` against `b`, each
+/// on its own scale; the worst one (the first of equal errors). `group_len` must divide the
+/// length (a token's row of `H`, an expert's `H·W` block).
+pub fn max_group_err(a: &[bf16], b: &[bf16], group_len: usize) -> GroupErr {
+    assert_eq!(a.len(), b.len(), "compared tensors differ in length");
+    assert!(
+        group_len > 0 && a.len() % group_len == 0,
+        "groups of {group_len} do not tile {} elements",
+        a.len()
+    );
+    let mut worst = GroupErr {
+        err: 0.0,
+        group: 0,
+        groups: a.len() / group_len,
+    };
+    for (g, (x, y)) in a.chunks(group_len).zip(b.chunks(group_len)).enumerate() {
+        let e = max_rel_err(x, y);
+        if e > worst.err || e.is_nan() {
+            worst.err = e;
+            worst.group = g;
+        }
+    }
+    worst
+}
+
+/// [`max_group_err`] over the columns of row-major matrices of `cols` columns (e.g. the
+/// router's `dWr`, `H × E`: one group per expert).
+pub fn max_col_err(a: &[bf16], b: &[bf16], cols: usize) -> GroupErr {
+    assert_eq!(a.len(), b.len(), "compared tensors differ in length");
+    assert!(
+        cols > 0 && a.len() % cols == 0,
+        "rows of {cols} do not tile {} elements",
+        a.len()
+    );
+    let rows = a.len() / cols;
+    let t = |m: &[bf16]| -> Vec<bf16> {
+        (0..cols)
+            .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+            .collect()
+    };
+    if rows == 0 {
+        return GroupErr {
+            err: 0.0,
+            group: 0,
+            groups: cols,
+        };
+    }
+    max_group_err(&t(a), &t(b), rows)
+}
+
+/// How each tensor of a layer's train step is grouped for the comparison (see the module):
+/// the name of the tensor (`out`, `dx`, or a parameter gradient `dwr`, `dw1`, ...), the shape,
+/// and the tolerance of its path.
+pub fn layer_grouping(name: &str, shape: &afdep_core::LayerShape) -> Option<(Grouping, f64)> {
+    let (h, w, e, s) = (shape.d_model, shape.width, shape.experts, shape.shared);
+    Some(match name {
+        "out" => (Grouping::Rows(h), OUT_TOL),
+        "dx" => (Grouping::Rows(h), DX_TOL),
+        "dwr" => (Grouping::Cols(e), GRAD_TOL),
+        "dw1" | "dw3" | "dw2" => (Grouping::Rows(h * w), GRAD_TOL),
+        "ds1" | "ds3" => (Grouping::Rows(s.max(1)), GRAD_TOL),
+        "ds2" => (Grouping::Rows(h), GRAD_TOL),
+        _ => return None,
+    })
+}
+
+/// A tensor's groups: consecutive runs of a length, or the columns of a row-major matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grouping {
+    /// Consecutive groups of this many elements.
+    Rows(usize),
+    /// The columns of a matrix with this many columns.
+    Cols(usize),
+}
+
+impl Grouping {
+    /// The worst group of `a` against `b`.
+    pub fn worst(self, a: &[bf16], b: &[bf16]) -> GroupErr {
+        if a.is_empty() && b.is_empty() {
+            return GroupErr {
+                err: 0.0,
+                group: 0,
+                groups: 0,
+            };
+        }
+        match self {
+            Grouping::Rows(n) => max_group_err(a, b, n),
+            Grouping::Cols(n) => max_col_err(a, b, n),
+        }
+    }
+
+    /// What one group is called in a report (`token`, `expert`, `row`).
+    pub fn unit(self, name: &str) -> &'static str {
+        match (self, name) {
+            (Grouping::Cols(_), _) => "expert",
+            (_, "out" | "dx") => "token",
+            (_, "dw1" | "dw3" | "dw2") => "expert",
+            _ => "row",
+        }
+    }
+}
+
+/// Compares one tensor of a layer step with its reference per group: `Ok(worst error)` within
+/// tolerance, `Err(description)` naming the worst group otherwise.
+pub fn check_layer_tensor(
+    name: &str,
+    shape: &afdep_core::LayerShape,
+    got: &[bf16],
+    want: &[bf16],
+) -> Result<f64, String> {
+    let (grouping, tol) =
+        layer_grouping(name, shape).ok_or_else(|| format!("no grouping for `{name}`"))?;
+    if got.len() != want.len() {
+        return Err(format!(
+            "{name}: {} elements, the reference has {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    let g = grouping.worst(got, want);
+    if g.within(tol) {
+        Ok(g.err)
+    } else {
+        Err(format!(
+            "{name}: {unit} {} of {} has error {:.3e} above {tol:.3e} (per-{unit} max|a−b|/max|b|)",
+            g.group,
+            g.groups,
+            g.err,
+            unit = grouping.unit(name)
+        ))
     }
 }
 
@@ -83,6 +248,65 @@ mod tests {
             max_rel_err(&v(&[1e-3, 0.0]), &v(&[0.0, 0.0])),
             f64::INFINITY
         );
+    }
+
+    #[test]
+    fn groups_are_judged_on_their_own_scale() {
+        // group 1 is small: a 20 % error there is invisible to the whole-tensor metric
+        let b = v(&[100.0, -50.0, 0.5, 0.25, 80.0, 10.0]);
+        let a = v(&[100.0, -50.0, 0.6, 0.25, 80.0, 10.0]);
+        assert!(max_rel_err(&a, &b) < 2e-3, "whole-tensor metric hides it");
+        let g = max_group_err(&a, &b, 2);
+        assert_eq!((g.group, g.groups), (1, 3));
+        assert!((g.err - 0.2).abs() < 1e-2, "{g:?}");
+        assert!(!g.within(GRAD_TOL));
+        // a zero reference group must be exactly zero
+        let b0 = v(&[1.0, 2.0, 0.0, 0.0]);
+        assert_eq!(max_group_err(&b0, &b0, 2).err, 0.0);
+        let a0 = v(&[1.0, 2.0, 0.0, 1e-6]);
+        assert_eq!(max_group_err(&a0, &b0, 2).err, f64::INFINITY);
+        // NaN anywhere fails
+        let an = v(&[1.0, 2.0, f32::NAN, 0.0]);
+        assert!(!max_group_err(&an, &b0, 2).within(1.0));
+    }
+
+    #[test]
+    fn columns_are_experts() {
+        // 3 × 2 matrix: column 1 small, with a 50 % error in one element
+        let b = v(&[10.0, 0.02, -8.0, 0.01, 5.0, 0.02]);
+        let a = v(&[10.0, 0.03, -8.0, 0.01, 5.0, 0.02]);
+        let g = max_col_err(&a, &b, 2);
+        assert_eq!((g.group, g.groups), (1, 2));
+        assert!(g.err > 0.4);
+        assert_eq!(max_col_err(&b, &b, 2).err, 0.0);
+    }
+
+    #[test]
+    fn layer_tensors_name_their_worst_group() {
+        let sh = afdep_core::LayerShape {
+            d_model: 2,
+            width: 1,
+            experts: 2,
+            top_k: 1,
+            shared: 0,
+            renormalize: true,
+        };
+        let want = v(&[1.0, 1.0, 0.01, 0.01]);
+        let mut got = want.clone();
+        assert_eq!(check_layer_tensor("out", &sh, &got, &want), Ok(0.0));
+        got[3] = bf16::from_f32(0.012);
+        let e = check_layer_tensor("out", &sh, &got, &want).unwrap_err();
+        assert!(e.contains("token 1 of 2"), "{e}");
+        let e = check_layer_tensor("dw1", &sh, &got, &want).unwrap_err();
+        assert!(e.contains("expert 1 of 2"), "{e}");
+        // dWr is H × E: expert 1 is column 1
+        let want_r = v(&[1.0, 0.01, 1.0, 0.01]);
+        let mut got_r = want_r.clone();
+        got_r[3] = bf16::from_f32(0.012);
+        let e = check_layer_tensor("dwr", &sh, &got_r, &want_r).unwrap_err();
+        assert!(e.contains("expert 1 of 2"), "{e}");
+        assert!(check_layer_tensor("out", &sh, &[], &[]).is_ok());
+        assert!(check_layer_tensor("nope", &sh, &got, &want).is_err());
     }
 
     #[test]

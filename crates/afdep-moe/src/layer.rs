@@ -33,9 +33,21 @@
 //! number of these roundings on each path.
 //!
 //! # Requirements
-//! `d_model`, `width` and `shared` multiples of 32, `experts` a multiple of 8 and at most the
-//! router's and layout's limits, `top_k` of a compiled router variant (see
-//! `afdep_kernels::sources`); otherwise [`LayerGpuError::Unsupported`].
+//! `d_model`, `width` and `shared` multiples of 8 (16-byte bf16 rows: the only shape the layer
+//! refuses, [`LayerGpuError::Unsupported`] saying so), any number of experts up to the
+//! kernels' limit (`afdep_kernels::sources::MAX_EXPERTS`), any `top_k ≤ experts` up to
+//! `MAX_TOP_K`, any token count including 0 (a step of zero tokens writes nothing but zero
+//! weight gradients). With an expert count that is not a multiple of 8 the router's two
+//! GEMMs of the train step run on copies padded to 16-byte rows (`dlogits`, `Wr` and `dWr`
+//! with zero columns; the padding adds exact zeros only). The GEMM kernels may add their own
+//! limits (their launchers return [`KernelError::Unsupported`]).
+//!
+//! # Non-finite values
+//! A NaN or infinite router logit (from `x` or `Wr`) is refused before any expert reads the
+//! token: the router's top-k masks that token's slots and [`MoeLayer::finish`] returns
+//! [`LayerGpuError::Route`] with [`RouteError::NonFiniteLogit`] naming the first such token,
+//! exactly as the CPU oracle does (outputs poisoned). Non-finite values anywhere else (expert
+//! weights, `dy`) are not checked: they propagate as in PyTorch.
 
 use std::fmt;
 use std::str::FromStr;
@@ -49,7 +61,7 @@ use afdep_kernels::ops::gemm::{
 use afdep_kernels::ops::{moe, poison, zeros};
 use afdep_kernels::{
     DeviceRoutes, ExpertLayout, GpuContext, KernelError, RouteValidator, permute, router_logits,
-    router_topk,
+    router_topk_checked,
 };
 use thiserror::Error;
 
@@ -253,17 +265,27 @@ pub struct MoeLayer {
     hw: CudaSlice<bf16>,
     /// g[slot] = <dy_t, y_k> (train, router).
     gsum: CudaSlice<f32>,
-    /// dlogits, T × E (train, router).
+    /// dlogits, T × `router_ld` (train, router; the columns from E on are zero).
     dlogits: CudaSlice<bf16>,
+    /// E rounded up to a multiple of 8: the row length of the router's GEMM operands.
+    router_ld: usize,
+    /// Wr padded to H × `router_ld` (train, only when E is not a multiple of 8).
+    wr_pad: CudaSlice<bf16>,
+    /// dWr of H × `router_ld` before it is cut back to H × E (as `wr_pad`).
+    gwr_pad: CudaSlice<bf16>,
     /// Weight-gradient partials.
     ws: CudaSlice<f32>,
     splits: Splits,
 }
 
-fn mult_of(what: &str, v: usize, m: usize) -> Result<(), LayerGpuError> {
-    if v == 0 || v % m != 0 {
+/// Rows of `v` bf16 values must be 16-byte aligned (the kernels' vector loads and the GEMMs'
+/// operand rows): `v` a positive multiple of 8.
+fn row_aligned(what: &str, v: usize) -> Result<(), LayerGpuError> {
+    if v == 0 || v % 8 != 0 {
         return Err(LayerGpuError::Unsupported(format!(
-            "{what} = {v}: must be a positive multiple of {m}"
+            "{what} = {v}: a row of {v} bf16 values is {} bytes, not a multiple of 16 (rows \
+             must be 16-byte aligned: {what} a positive multiple of 8)",
+            2 * v
         )));
     }
     Ok(())
@@ -289,12 +311,12 @@ impl MoeLayer {
             shape.top_k,
             shape.shared,
         );
-        mult_of("d_model", h, 32)?;
-        mult_of("width", w, 32)?;
-        mult_of("experts", e, 8)?;
+        row_aligned("d_model", h)?;
+        row_aligned("width", w)?;
         if s > 0 {
-            mult_of("shared", s, 32)?;
+            row_aligned("shared", s)?;
         }
+        let router_ld = e.next_multiple_of(8);
         if e > gemm::MAX_GROUPS {
             return Err(LayerGpuError::Unsupported(format!(
                 "{e} experts: the grouped GEMM takes at most {}",
@@ -315,7 +337,7 @@ impl MoeLayer {
             w13: splits_for(e * tiles(h, 2 * w), per_expert, sms),
             s2: splits_for(tiles(s, h), tokens, sms),
             s13: splits_for(tiles(h, 2 * s), tokens, sms),
-            wr: splits_for(tiles(h, e), tokens, sms),
+            wr: splits_for(tiles(h, router_ld), tokens, sms),
         };
         let ws_len = if train {
             [
@@ -323,7 +345,7 @@ impl MoeLayer {
                 e * splits.w13 * h * 2 * w,
                 splits.s2 * s * h,
                 splits.s13 * h * 2 * s,
-                splits.wr * h * e,
+                splits.wr * h * router_ld,
             ]
             .into_iter()
             .max()
@@ -363,7 +385,10 @@ impl MoeLayer {
             dab: zeros(ctx, t(train, (slots * 2 * w).max(tokens * 2 * s)))?,
             hw: zeros(ctx, t(train, slots * w))?,
             gsum: zeros(ctx, t(train, slots))?,
-            dlogits: zeros(ctx, t(train, tokens * e))?,
+            dlogits: zeros(ctx, t(train, tokens * router_ld))?,
+            router_ld,
+            wr_pad: zeros(ctx, t(train && router_ld != e, h * router_ld))?,
+            gwr_pad: zeros(ctx, t(train && router_ld != e, h * router_ld))?,
             ws: zeros(ctx, ws_len)?,
             splits,
         })
@@ -450,6 +475,8 @@ impl MoeLayer {
             &self.dab,
             &self.hw,
             &self.dlogits,
+            &self.wr_pad,
+            &self.gwr_pad,
         ]
         .iter()
         .map(|s| s.len() * 2)
@@ -538,7 +565,7 @@ impl MoeLayer {
                 k,
                 &mut self.logits,
             )?;
-            router_topk(
+            router_topk_checked(
                 ctx,
                 &self.logits,
                 tokens,
@@ -546,18 +573,36 @@ impl MoeLayer {
                 k,
                 sh.renormalize,
                 &mut self.routes,
+                &mut self.validator,
             )?;
         }
         self.validator.poison_word(ctx)?;
-        self.validator.launch(
-            ctx,
-            &self.routes.idx,
-            &self.routes.weights,
-            tokens,
-            k,
-            &RouteRules::layer(&sh),
-            0,
-        )?;
+        if routing == LayerRouting::Router {
+            self.validator.launch_routed(
+                ctx,
+                &self.logits,
+                &self.routes.idx,
+                &self.routes.weights,
+                tokens,
+                k,
+                &RouteRules::layer(&sh),
+                0,
+            )?;
+        } else {
+            self.validator.launch(
+                ctx,
+                &self.routes.idx,
+                &self.routes.weights,
+                tokens,
+                k,
+                &RouteRules::layer(&sh),
+                0,
+            )?;
+        }
+        if tokens == 0 {
+            // Nothing to route, compute or combine: the outputs are empty.
+            return Ok(());
+        }
         self.layout.build(ctx, &self.routes.idx)?;
         let groups = Groups::Experts {
             offsets: &self.layout.offsets,
@@ -713,6 +758,15 @@ impl MoeLayer {
         let router = routing == LayerRouting::Router;
         let grads = self.grads.as_mut().expect("train layers have gradients");
         let stream = ctx.stream();
+        if tokens == 0 {
+            // The gradients of an empty sum: zero (dx and out are empty).
+            for g in grads.tensors_mut() {
+                stream.memset_zeros(g).map_err(KernelError::driver(
+                    "zeroing the gradients of an empty step",
+                ))?;
+            }
+            return Ok(());
+        }
         let groups = Groups::Experts {
             offsets: &self.layout.offsets,
             experts: e,
@@ -922,7 +976,20 @@ impl MoeLayer {
                 &self.gsum,
                 sh.renormalize,
                 &mut self.dlogits,
+                self.router_ld,
             )?;
+            // E not a multiple of 8: the GEMMs see Wr and dWr with zero columns up to
+            // `router_ld` (16-byte rows); the extra products are exact zeros.
+            let ld = self.router_ld;
+            let padded = ld != e;
+            if padded {
+                moe::copy_cols(ctx, &self.params.wr, e, &mut self.wr_pad, ld, hd, e, e, k)?;
+            }
+            let (wr_op, gwr) = if padded {
+                (&self.wr_pad, &mut self.gwr_pad)
+            } else {
+                (&self.params.wr, &mut grads.wr)
+            };
             gemm::wgrad(
                 ctx,
                 Groups::Dense { rows: tokens },
@@ -933,23 +1000,26 @@ impl MoeLayer {
                 },
                 KOperand {
                     buf: &self.dlogits,
-                    ld: e,
+                    ld,
                     gather: None,
                 },
                 hd,
-                e,
+                ld,
                 self.splits.wr,
                 &mut self.ws,
-                &mut grads.wr,
+                gwr,
                 None,
             )?;
+            if padded {
+                moe::copy_cols(ctx, &self.gwr_pad, ld, &mut grads.wr, e, hd, e, e, k)?;
+            }
             gemm::dx(
                 ctx,
                 Groups::Dense { rows: tokens },
                 &self.dlogits,
-                &self.params.wr,
+                wr_op,
                 None,
-                e,
+                ld,
                 hd,
                 RowsOut::Finish {
                     acc: &self.acc,

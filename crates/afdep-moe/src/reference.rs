@@ -875,6 +875,125 @@ pub fn compare(
     Ok(compare_tensors(ctx, layer, reference)?.summary())
 }
 
+/// The reference's own device copies of the host inputs (parameters, x, dy): a reference
+/// run from these shares no buffer with the layer under test, so a layer that corrupted its
+/// inputs (or uploaded them wrongly) cannot hide it by corrupting the reference's too.
+#[derive(Debug)]
+pub struct HostInputs {
+    params: DeviceParams,
+    x: CudaSlice<bf16>,
+    dy: Option<CudaSlice<bf16>>,
+}
+
+impl HostInputs {
+    /// Uploads `params`, `x` (T × H) and, for a train step, `dy` (T × H). Waits for nothing.
+    pub fn upload(
+        ctx: &GpuContext,
+        params: &LayerParams,
+        x: &[bf16],
+        dy: Option<&[bf16]>,
+    ) -> Result<Self, LayerGpuError> {
+        let up = |v: &[bf16]| -> Result<CudaSlice<bf16>, LayerGpuError> {
+            if v.is_empty() {
+                return Ok(zeros(ctx, 0)?);
+            }
+            Ok(ctx
+                .stream()
+                .clone_htod(v)
+                .map_err(KernelError::driver("uploading a reference input"))?)
+        };
+        Ok(HostInputs {
+            params: upload_params(ctx, params)?,
+            x: up(x)?,
+            dy: dy.map(up).transpose()?,
+        })
+    }
+
+    /// The inputs of a [`ReferenceLayer::run`] with `routes` (e.g. the layer's own choice,
+    /// which the reference's top-k check judges independently) and `routing`.
+    pub fn inputs<'a>(
+        &'a self,
+        routes: &'a DeviceRoutes,
+        routing: LayerRouting,
+    ) -> ReferenceInputs<'a> {
+        ReferenceInputs {
+            params: &self.params,
+            x: &self.x,
+            dy: self.dy.as_ref(),
+            routes,
+            routing,
+        }
+    }
+}
+
+/// One tensor of [`compare_grouped`]: its name, its worst group and its tolerance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupCheck {
+    /// `out`, `dx`, `dwr`, `dw1`, ...
+    pub name: &'static str,
+    /// The worst group (token, expert or row; see [`crate::accuracy`]).
+    pub worst: crate::accuracy::GroupErr,
+    /// The tolerance of the tensor's path.
+    pub tol: f64,
+    /// What a group is (`token`, `expert`, `row`).
+    pub unit: &'static str,
+}
+
+impl GroupCheck {
+    /// Whether the worst group is within tolerance.
+    pub fn ok(&self) -> bool {
+        self.worst.within(self.tol)
+    }
+}
+
+/// The fast layer against the reference per group (out and dx per token, weight gradients
+/// per expert: [`crate::accuracy::layer_grouping`]), on downloaded tensors. The gradients are
+/// compared under the same conditions as [`compare_tensors`]. A reference holding NaN or
+/// infinity is an error (it was not run, or its run failed).
+pub fn compare_grouped(
+    ctx: &GpuContext,
+    layer: &MoeLayer,
+    reference: &ReferenceLayer,
+) -> Result<Vec<GroupCheck>, LayerGpuError> {
+    if layer.shape() != reference.shape() || layer.tokens() != reference.tokens() {
+        return Err(LayerGpuError::Unsupported(format!(
+            "a layer of shape {:?} and {} tokens against a reference of shape {:?} and {}",
+            layer.shape(),
+            layer.tokens(),
+            reference.shape(),
+            reference.tokens()
+        )));
+    }
+    let mut pairs: Vec<(&'static str, &CudaSlice<bf16>, &CudaSlice<bf16>)> =
+        vec![("out", layer.out(), reference.out())];
+    if let (Some(lg), Some(rdx), Some(rg)) = (layer.grads(), reference.dx(), reference.grads()) {
+        pairs.push(("dx", layer.dx(), rdx));
+        const NAMES: [&str; 7] = ["dwr", "dw1", "dw3", "dw2", "ds1", "ds3", "ds2"];
+        for ((name, a), b) in NAMES.into_iter().zip(lg.tensors()).zip(rg.tensors()) {
+            pairs.push((name, a, b));
+        }
+    }
+    let sh = *layer.shape();
+    let mut out = Vec::with_capacity(pairs.len());
+    for (name, a, b) in pairs {
+        let (a, b) = (download(ctx, a)?, download(ctx, b)?);
+        if b.iter().any(|v| !v.is_finite()) {
+            return Err(LayerGpuError::Unsupported(format!(
+                "the reference's `{name}` holds NaN or infinity: it was not run, or its run failed"
+            )));
+        }
+        let (grouping, tol) =
+            crate::accuracy::layer_grouping(name, &sh).expect("every layer tensor has a grouping");
+        out.push(GroupCheck {
+            name,
+            worst: grouping.worst(&a, &b),
+            tol,
+            unit: grouping.unit(name),
+        });
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

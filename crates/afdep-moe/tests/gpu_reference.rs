@@ -692,3 +692,78 @@ fn record_shape_at_large_token_counts() {
         assert!(e.out <= OUT_TOL && e.gx.unwrap() <= DX_TOL && e.gw.unwrap() <= GRAD_TOL);
     }
 }
+
+/// The fast layer against a reference run from its own uploads of the host inputs
+/// (`reference::HostInputs`, no buffer shared with the layer), judged per token and per expert
+/// (`reference::compare_grouped`), every strategy, the router and given hot-expert routes, at
+/// the record's shape and at an odd one (E 60, K 3, d_model and shared not multiples of 32).
+#[test]
+fn fast_layer_matches_a_host_input_reference_per_group() {
+    let Some((_g, ctx)) = gpu() else { return };
+    let mut bad = Vec::new();
+    for (sh, t) in [
+        (LayerShape::RECORD, 16_384usize),
+        (
+            LayerShape {
+                d_model: 136,
+                width: 64,
+                experts: 60,
+                top_k: 3,
+                shared: 40,
+                renormalize: true,
+            },
+            257,
+        ),
+    ] {
+        let params = LayerParams::random(sh, 77);
+        let x = random_tokens(t, sh.d_model, 78);
+        let dy = random_tokens(t, sh.d_model, 79);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(80);
+        let given = hot_routes(&mut rng, t, sh.top_k, sh.experts);
+        let host = reference::HostInputs::upload(&ctx, &params, &x, Some(&dy)).unwrap();
+        let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
+        for d in Dispatch::ALL {
+            let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
+            layer.upload_params(&ctx, &params).unwrap();
+            layer.upload_x(&ctx, &x).unwrap();
+            layer.upload_dy(&ctx, &dy).unwrap();
+            for routing in [LayerRouting::Router, LayerRouting::Given] {
+                if routing == LayerRouting::Given {
+                    layer.upload_routes(&ctx, &given).unwrap();
+                }
+                layer.poison_outputs(&ctx).unwrap();
+                layer.train_step(&ctx, routing).unwrap();
+                r.poison_outputs(&ctx).unwrap();
+                r.run(&ctx, &host.inputs(layer.routes(), routing)).unwrap();
+                if routing == LayerRouting::Router {
+                    let tk = r.topk_check().expect("router semantics check the choice");
+                    if tk.wrong != 0 {
+                        bad.push(format!("T={t} {d}: the router chose wrong: {tk:?}"));
+                    }
+                }
+                let checks = reference::compare_grouped(&ctx, &layer, &r).unwrap();
+                let line: Vec<String> = checks
+                    .iter()
+                    .map(|c| {
+                        format!(
+                            "{} {:.2e} ({} {})",
+                            c.name, c.worst.err, c.unit, c.worst.group
+                        )
+                    })
+                    .collect();
+                println!(
+                    "T={t} E={} {d} {routing:?}: {}",
+                    sh.experts,
+                    line.join(", ")
+                );
+                for c in checks.iter().filter(|c| !c.ok()) {
+                    bad.push(format!(
+                        "T={t} E={} {d} {routing:?}: {} {} {} error {:.3e} above {:.3e}",
+                        sh.experts, c.name, c.unit, c.worst.group, c.worst.err, c.tol
+                    ));
+                }
+            }
+        }
+    }
+    assert_none(&bad);
+}

@@ -23,7 +23,11 @@
 //!    summed in ascending expert order), the top-K by probability with ties to the lower expert
 //!    id (slots by descending probability), and `w_k = p_k / s` with `s = Σ_k p_k` summed in slot
 //!    order from 0 (or `w_k = p_k` without renormalisation). In f32 the routes are bit-identical
-//!    to [`route::route`](crate::route::route).
+//!    to [`route::route`](crate::route::route). A NaN or infinite logit (from a non-finite
+//!    value in `x` or `Wr`) is [`RouteError::NonFiniteLogit`] naming the first such token and
+//!    expert ([`route::check_logits`](crate::route::check_logits)), returned before any expert
+//!    runs. Non-finite values elsewhere (expert or shared weights, `dy`) are not checked: they
+//!    propagate through the arithmetic as in PyTorch.
 //! 2. **Grouping**: the (token, slot) pairs that are not masked are grouped by expert with a
 //!    stable counting sort (within an expert: token ascending, then slot ascending). Offsets are
 //!    `usize` (64-bit).
@@ -610,11 +614,26 @@ fn desc<T: Real>(p: T, q: T) -> Ordering {
 }
 
 /// Router probabilities (T × E) and the selection (ids and weights, T × K), as [`crate::route`].
-fn router<T: Real>(p: &ParamsT<T>, x: &[T], tokens: usize) -> (Vec<T>, Vec<i32>, Vec<T>) {
+/// A non-finite logit is [`RouteError::NonFiniteLogit`] (rank 0) of the first such token
+/// ([`crate::route::check_logits`]), before anything else runs.
+#[allow(clippy::type_complexity)]
+fn router<T: Real>(
+    p: &ParamsT<T>,
+    x: &[T],
+    tokens: usize,
+) -> Result<(Vec<T>, Vec<i32>, Vec<T>), RouteError> {
     let sh = &p.shape;
     let (h, e, k) = (sh.d_model, sh.experts, sh.top_k);
     let mut probs = vec![T::ZERO; tokens * e];
     par_rows(tokens, h, e, x, &p.wr, &mut probs, false);
+    if let Some(i) = probs.iter().position(|v| !v.to_f32().is_finite()) {
+        return Err(RouteError::NonFiniteLogit {
+            rank: 0,
+            token: i / e,
+            expert: i % e,
+            value: probs[i].to_f32(),
+        });
+    }
     let mut idx = vec![MASKED; tokens * k];
     let mut weights = vec![T::ZERO; tokens * k];
     probs
@@ -648,7 +667,7 @@ fn router<T: Real>(p: &ParamsT<T>, x: &[T], tokens: usize) -> (Vec<T>, Vec<i32>,
                 *w = if sh.renormalize { row[j] / sum } else { row[j] };
             }
         });
-    (probs, idx, weights)
+    Ok((probs, idx, weights))
 }
 
 /// (token, slot) pairs grouped by expert: rows `offsets[e]..offsets[e + 1]` of the
@@ -750,7 +769,7 @@ fn run<T: Real>(
     // 1. routes
     let routed = matches!(routing, Routing::Router);
     let (probs, idx, weights) = match routing {
-        Routing::Router => router(p, x, tokens),
+        Routing::Router => router(p, x, tokens)?,
         Routing::Given(r) => {
             validate(r, &RouteRules::layer(&sh), 0)?;
             if r.tokens != tokens {
@@ -1232,6 +1251,108 @@ mod tests {
             assert!(t.iter().all(|v| v.to_f32() == 0.0));
         }
         assert!(expert_rows(&p, 3, &[], 0).unwrap().is_empty());
+    }
+
+    /// The bf16 value of `v` (NaN and the infinities are exact in bf16).
+    fn b(v: f32) -> bf16 {
+        bf16::from_f32(v)
+    }
+
+    #[test]
+    fn non_finite_logits_are_a_route_error_before_the_experts() {
+        let sh = shape(8, 4, 5, 2, 3, true);
+        let tokens = 6;
+        let p = LayerParams::random(sh, 11);
+        let clean = random_tokens(tokens, 8, 11);
+        let dy = uniform_bf16(tokens * 8, 1.0, 11, 2);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            // in x (token 4, channel 5): every logit of token 4 is non-finite, expert 0 first
+            let mut x = clean.clone();
+            x[4 * 8 + 5] = b(bad);
+            for r in [
+                forward(&p, &x, tokens).map(|_| ()),
+                train_step(&p, &x, tokens, &dy).map(|_| ()),
+            ] {
+                match r {
+                    Err(LayerError::Route(RouteError::NonFiniteLogit {
+                        rank: 0,
+                        token: 4,
+                        expert: 0,
+                        value,
+                    })) => assert!(!value.is_finite()),
+                    other => panic!("{bad} in x: {other:?}"),
+                }
+            }
+            // in the router weights (channel 2, expert 3): every token's logit 3
+            let mut q = p.clone();
+            q.wr[2 * 5 + 3] = b(bad);
+            match forward(&q, &clean, tokens) {
+                Err(LayerError::Route(RouteError::NonFiniteLogit {
+                    token: 0,
+                    expert: 3,
+                    ..
+                })) => {}
+                other => panic!("{bad} in wr: {other:?}"),
+            }
+            // with given routes there is no router: nothing is refused, the value propagates
+            let f = forward(&p, &clean, tokens).unwrap();
+            let out = forward_with_routes(&p, &x, tokens, &f.routes).unwrap();
+            assert!(out[4 * 8..5 * 8].iter().any(|v| !v.to_f32().is_finite()));
+        }
+    }
+
+    #[test]
+    fn non_finite_expert_weights_propagate() {
+        let sh = shape(8, 4, 5, 2, 0, true);
+        let tokens = 7;
+        let mut p = LayerParams::random(sh, 12);
+        let x = random_tokens(tokens, 8, 12);
+        let f = forward(&p, &x, tokens).unwrap();
+        // expert e's W1 column 0 gets a NaN: the rows routed to e become NaN, the others not
+        let e = f.routes.idx[0] as usize;
+        p.w1[e * 8 * 4] = b(f32::NAN);
+        let g = forward(&p, &x, tokens).unwrap();
+        assert_eq!(
+            g.routes, f.routes,
+            "routing does not read the expert weights"
+        );
+        for t in 0..tokens {
+            let routed = f.routes.idx[t * 2..t * 2 + 2].contains(&(e as i32));
+            let row = &g.out[t * 8..(t + 1) * 8];
+            assert_eq!(
+                row.iter().any(|v| v.to_f32().is_nan()),
+                routed,
+                "token {t} (routed to {e}: {routed})"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+        #[test]
+        fn the_first_non_finite_token_is_named(
+            tokens in 1usize..40,
+            picks in proptest::collection::vec((0usize..40, 0usize..8, 0usize..3), 1..4),
+            seed in 0u64..1000,
+        ) {
+            let sh = shape(8, 4, 6, 3, 0, true);
+            let p = LayerParams::random(sh, seed);
+            let mut x = random_tokens(tokens, 8, seed);
+            let vals = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+            let mut first = usize::MAX;
+            for &(t, c, v) in &picks {
+                let t = t % tokens;
+                x[t * 8 + c] = b(vals[v]);
+                first = first.min(t);
+            }
+            match forward(&p, &x, tokens) {
+                Err(LayerError::Route(RouteError::NonFiniteLogit { token, expert, .. })) => {
+                    proptest::prop_assert_eq!(token, first);
+                    proptest::prop_assert_eq!(expert, 0);
+                }
+                other => proptest::prop_assert!(false, "{:?}", other),
+            }
+        }
     }
 
     #[test]

@@ -88,8 +88,10 @@ pub fn cast(
 }
 
 /// The router backward: from the forward's `logits` (`tokens × experts` f32), its routes and
-/// `g[t·K + k] = <dy_t, y_k>` (f32), `dlogits` (`tokens × experts`, bf16) as in brief
-/// section 4 (softmax and renormalisation backward; top-k selection not differentiated).
+/// `g[t·K + k] = <dy_t, y_k>` (f32), `dlogits` (`tokens × ld` bf16, `ld ≥ experts`, the
+/// columns from `experts` on written as zeros) as in brief section 4 (softmax and
+/// renormalisation backward; top-k selection not differentiated).
+#[allow(clippy::too_many_arguments)]
 pub fn router_backward(
     ctx: &GpuContext,
     logits: &CudaSlice<f32>,
@@ -98,18 +100,26 @@ pub fn router_backward(
     g: &CudaSlice<f32>,
     renormalize: bool,
     dlogits: &mut CudaSlice<bf16>,
+    ld: usize,
 ) -> Result<(), KernelError> {
     let tokens = routes.tokens;
     if tokens == 0 {
         return Ok(());
     }
+    if ld < experts || ld > experts.next_multiple_of(32) {
+        return Err(KernelError::Shape(format!(
+            "dlogits rows of {ld} values for {experts} experts (from {experts} to the next \
+             multiple of 32)"
+        )));
+    }
     let slots = tokens * routes.top_k;
     need("logits", logits, tokens * experts)?;
     need("g", g, slots)?;
-    need("dlogits", dlogits, tokens * experts)?;
+    need("dlogits", dlogits, tokens * ld)?;
     let e = as_u32("experts", experts)?;
     let k = as_u32("top_k", routes.top_k)?;
     let t = as_u32("tokens", tokens)?;
+    let ld32 = as_u32("ld", ld)?;
     let renorm = u32::from(renormalize);
     let f = ctx.function(KernelId::RouterBackward, e, k)?;
     let mut b = ctx.stream().launch_builder(&f);
@@ -119,12 +129,57 @@ pub fn router_backward(
         .arg(g)
         .arg(dlogits)
         .arg(&t)
-        .arg(&renorm);
+        .arg(&renorm)
+        .arg(&ld32);
     // SAFETY: afdep_router_backward(const float* logits, const i32* idx, const float* weights,
-    // const float* g, u16* dlogits, u32 tokens, u32 renormalize) with E and K compiled in:
-    // warp t reads E logits, K ids, weights and g of its token and writes E dlogits; the
-    // buffers hold tokens × E and tokens × K (checked).
+    // const float* g, u16* dlogits, u32 tokens, u32 renormalize, u32 ld) with E and K compiled
+    // in: warp t reads E logits, K ids, weights and g of its token and writes ld dlogits
+    // (E <= ld <= 32 · ceil(E / 32), the lanes' reach); the buffers hold tokens × E,
+    // tokens × K and tokens × ld (checked).
     unsafe { b.launch(grid(u64::from(t).div_ceil(u64::from(BLOCK / 32)))?) }
         .map_err(launch_err(KernelId::RouterBackward))?;
+    Ok(())
+}
+
+/// `dst[r, c] = src[r, c]` for `c < cols`, `0` for `cols ≤ c < dst_ld`, over `rows` rows of
+/// bf16 with row strides `src_ld ≥ cols` and `dst_ld ≥ cols`: pads a router matrix to 16-byte
+/// rows for the GEMMs, or cuts its gradient back. `experts`/`top_k` name the module.
+#[allow(clippy::too_many_arguments)]
+pub fn copy_cols(
+    ctx: &GpuContext,
+    src: &CudaSlice<bf16>,
+    src_ld: usize,
+    dst: &mut CudaSlice<bf16>,
+    dst_ld: usize,
+    rows: usize,
+    cols: usize,
+    experts: usize,
+    top_k: usize,
+) -> Result<(), KernelError> {
+    if rows == 0 || dst_ld == 0 {
+        return Ok(());
+    }
+    if cols > src_ld || cols > dst_ld {
+        return Err(KernelError::Shape(format!(
+            "copy of {cols} columns between rows of {src_ld} and {dst_ld}"
+        )));
+    }
+    need("source", src, (rows - 1) * src_ld + cols)?;
+    need("destination", dst, rows * dst_ld)?;
+    let f = ctx.function(
+        KernelId::MoeCopyCols,
+        as_u32("experts", experts)?,
+        as_u32("top_k", top_k)?,
+    )?;
+    let (sl, dl, r, c) = (src_ld as u64, dst_ld as u64, rows as u64, cols as u64);
+    let n = r * dl;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(src).arg(&sl).arg(dst).arg(&dl).arg(&r).arg(&c);
+    // SAFETY: afdep_moe_copy_cols(const u16* src, u64 src_ld, u16* dst, u64 dst_ld, u64 rows,
+    // u64 cols): a grid-stride loop over rows × dst_ld destination elements (held, checked),
+    // reading src[r · src_ld + c] only for c < cols (the last one at (rows − 1) · src_ld +
+    // cols − 1, held, checked).
+    unsafe { b.launch(grid(n.div_ceil(u64::from(BLOCK)).min(1 << 16))?) }
+        .map_err(launch_err(KernelId::MoeCopyCols))?;
     Ok(())
 }

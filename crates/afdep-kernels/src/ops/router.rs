@@ -1,7 +1,18 @@
 //! The router: logits, softmax, top-k and weights (brief section 4, `afdep_core::route`).
 //!
+//! **Logits.** `hidden` a multiple of 8 (16-byte rows): the tensor-core kernel
+//! (`afdep_router_logits_mma`, mma.sync bf16 → f32, 128 tokens per block, tails predicated);
+//! otherwise the SIMT kernel (`afdep_router_logits`). Both read x once and write the f32
+//! logits (the train step's router backward reads them).
+//!
+//! **Non-finite logits.** [`router_topk_checked`] masks every slot of a token whose logits are
+//! not all finite and leaves its key in a [`RouteValidator`]'s state, whose next
+//! [`RouteValidator::launch_routed`] reports [`afdep_core::RouteError::NonFiniteLogit`] (the
+//! first such token, its lowest such expert), as the CPU oracle does; no expert id is ever made
+//! from a NaN.
+//!
 //! **Tolerance.** The GPU is not bit-exact with the CPU reference in the logits and the
-//! probabilities: the logits kernel accumulates with FMAs in its own order, and the softmax
+//! probabilities: the logits kernels accumulate in their own order, and the softmax
 //! uses `expf` and a tree sum (the CPU sums in ascending order). Logits agree within
 //! `1e-5 · Σ_h |x_h·w_h|`; probabilities within a few ulps (relative `1e-6`). Selection and
 //! weights are exact functions of the probabilities: ties go to the lower expert id, the
@@ -12,13 +23,19 @@
 use afdep_core::{LayerShape, bf16};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+use super::validate::RouteValidator;
 use super::{DeviceRoutes, as_u32, grid, need, zeros};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
 use crate::sources::{BLOCK, KernelId, ModuleSpec, SourceFile};
 
-/// Tokens and experts per block of the logits kernel.
+/// Tokens and experts per block of the SIMT logits kernel.
 const LOGITS_TILE: u32 = 64;
+/// Tokens per block of the tensor-core logits kernel (`RM_M`).
+const MMA_TOKENS: u32 = 128;
+/// Most experts per block of the tensor-core logits kernel (`RM_N`): wider routers take
+/// `ceil(round_up(E, 16) / 128)` column blocks per token block.
+const MMA_EXPERTS: u32 = 128;
 
 fn check_spec(experts: usize, top_k: usize) -> Result<(u32, u32), KernelError> {
     let e = as_u32("experts", experts)?;
@@ -31,7 +48,8 @@ fn check_spec(experts: usize, top_k: usize) -> Result<(u32, u32), KernelError> {
 
 /// `logits = x·wr` in f32: `x` is `tokens × hidden` bf16, `wr` is `hidden × experts` bf16,
 /// `logits` is `tokens × experts` f32, all row-major. `top_k` only selects the module (the
-/// logits kernel shares the router module with top-k).
+/// logits kernel shares the router module with top-k). Tensor cores when `hidden` is a
+/// multiple of 8, the SIMT kernel otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn router_logits(
     ctx: &GpuContext,
@@ -43,6 +61,38 @@ pub fn router_logits(
     top_k: usize,
     logits: &mut CudaSlice<f32>,
 ) -> Result<(), KernelError> {
+    let mma = hidden % 8 == 0;
+    logits_with(ctx, x, wr, tokens, hidden, experts, top_k, logits, mma)
+}
+
+/// [`router_logits`] on the SIMT kernel whatever `hidden` is (the fallback, kept callable
+/// for comparisons).
+#[allow(clippy::too_many_arguments)]
+pub fn router_logits_simt(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    wr: &CudaSlice<bf16>,
+    tokens: usize,
+    hidden: usize,
+    experts: usize,
+    top_k: usize,
+    logits: &mut CudaSlice<f32>,
+) -> Result<(), KernelError> {
+    logits_with(ctx, x, wr, tokens, hidden, experts, top_k, logits, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn logits_with(
+    ctx: &GpuContext,
+    x: &CudaSlice<bf16>,
+    wr: &CudaSlice<bf16>,
+    tokens: usize,
+    hidden: usize,
+    experts: usize,
+    top_k: usize,
+    logits: &mut CudaSlice<f32>,
+    mma: bool,
+) -> Result<(), KernelError> {
     let (e, k) = check_spec(experts, top_k)?;
     if tokens == 0 {
         return Ok(());
@@ -52,25 +102,41 @@ pub fn router_logits(
     need("logits", logits, tokens * experts)?;
     let t = as_u32("tokens", tokens)?;
     let h = as_u32("hidden", hidden)?;
-    let f = ctx.function(KernelId::RouterLogits, e, k)?;
+    let (id, grid_dim) = if mma {
+        let col_blocks = e.next_multiple_of(16).div_ceil(MMA_EXPERTS);
+        let blocks = u64::from(t.div_ceil(MMA_TOKENS)) * u64::from(col_blocks);
+        let blocks = u32::try_from(blocks).map_err(|_| {
+            KernelError::Unsupported(format!("{tokens} tokens: too many router blocks"))
+        })?;
+        (KernelId::RouterLogitsMma, (blocks, 1, 1))
+    } else {
+        (
+            KernelId::RouterLogits,
+            (t.div_ceil(LOGITS_TILE), e.div_ceil(LOGITS_TILE), 1),
+        )
+    };
+    let f = ctx.function(id, e, k)?;
     let cfg = LaunchConfig {
-        grid_dim: (t.div_ceil(LOGITS_TILE), e.div_ceil(LOGITS_TILE), 1),
+        grid_dim,
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x).arg(wr).arg(logits).arg(&t).arg(&h);
-    // SAFETY: afdep_router_logits(const u16* x, const u16* wr, float* logits, u32 tokens,
-    // u32 hidden) with E = `experts` compiled in; bf16 is 16-bit storage. The buffers hold
-    // tokens × hidden, hidden × experts and tokens × experts elements (checked above), and the
-    // kernel bounds every access by tokens, hidden and E.
-    unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::RouterLogits))?;
+    // SAFETY: afdep_router_logits and afdep_router_logits_mma both take (const u16* x,
+    // const u16* wr, float* logits, u32 tokens, u32 hidden) with E = `experts` compiled in;
+    // bf16 is 16-bit storage. The buffers hold tokens × hidden, hidden × experts and
+    // tokens × experts elements (checked above), and the kernels bound every access by tokens,
+    // hidden and E. The mma kernel's 16-byte loads of x need hidden % 8 == 0 (chosen only
+    // then) and a 16-byte aligned x: a CudaSlice starts at its allocation (256-byte aligned).
+    unsafe { b.launch(cfg) }.map_err(launch_err(id))?;
     Ok(())
 }
 
 /// Softmax, top-k (ties to the lower id) and weights from `tokens × experts` f32 logits, into
 /// `out` (`tokens × top_k`; `out.top_k` must equal `top_k`). `renormalize` divides the
-/// selected probabilities by their sum.
+/// selected probabilities by their sum. A token with a non-finite logit gets masked slots
+/// (see [`router_topk_checked`] to have it reported).
 pub fn router_topk(
     ctx: &GpuContext,
     logits: &CudaSlice<f32>,
@@ -79,6 +145,46 @@ pub fn router_topk(
     top_k: usize,
     renormalize: bool,
     out: &mut DeviceRoutes,
+) -> Result<(), KernelError> {
+    topk_with(ctx, logits, tokens, experts, top_k, renormalize, out, None)
+}
+
+/// [`router_topk`] that records the first non-finite logit in `validator`'s state: the next
+/// [`RouteValidator::launch_routed`] with the same logits reports it as
+/// [`afdep_core::RouteError::NonFiniteLogit`].
+#[allow(clippy::too_many_arguments)]
+pub fn router_topk_checked(
+    ctx: &GpuContext,
+    logits: &CudaSlice<f32>,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    out: &mut DeviceRoutes,
+    validator: &mut RouteValidator,
+) -> Result<(), KernelError> {
+    topk_with(
+        ctx,
+        logits,
+        tokens,
+        experts,
+        top_k,
+        renormalize,
+        out,
+        Some(validator),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn topk_with(
+    ctx: &GpuContext,
+    logits: &CudaSlice<f32>,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    out: &mut DeviceRoutes,
+    validator: Option<&mut RouteValidator>,
 ) -> Result<(), KernelError> {
     let (e, k) = check_spec(experts, top_k)?;
     if out.top_k != top_k || out.tokens != tokens {
@@ -97,15 +203,22 @@ pub fn router_topk(
     let renorm = u32::from(renormalize);
     let f = ctx.function(KernelId::RouterTopk, e, k)?;
     let cfg = grid(u64::from(t).div_ceil(u64::from(BLOCK / 32)))?;
+    let null: u64 = 0;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(logits)
         .arg(&mut out.idx)
         .arg(&mut out.weights)
         .arg(&t)
         .arg(&renorm);
+    match validator {
+        Some(v) => b.arg(v.state_mut()),
+        None => b.arg(&null),
+    };
     // SAFETY: afdep_router_topk(const float* logits, i32* idx, float* weights, u32 tokens,
-    // u32 renormalize) with E and K compiled in; one warp per token reads E logits of its row
-    // and writes K ids and weights; the buffers hold tokens × E and tokens × K (checked).
+    // u32 renormalize, u32* state) with E and K compiled in; one warp per token reads E logits
+    // of its row and writes K ids and weights; the buffers hold tokens × E and tokens × K
+    // (checked). `state` is null or a validator's state (STATE_WORDS u32, 256-byte aligned:
+    // its 64-bit router key at word 8 is aligned).
     unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::RouterTopk))?;
     Ok(())
 }

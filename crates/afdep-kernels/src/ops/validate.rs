@@ -16,9 +16,10 @@ use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
 use crate::sources::{BLOCK, KernelId};
 
-/// Words of the device validation state: the error word, then the 64-bit key of the first
-/// offence (`layout/route_error.cuh`).
-pub const STATE_WORDS: usize = 8;
+/// Words of the device validation state: the error word, the 64-bit key of the first
+/// offence, and the 64-bit key of the router's first non-finite logit
+/// (`layout/route_error.cuh`).
+pub const STATE_WORDS: usize = 10;
 
 /// Most blocks of the scan (a grid-stride loop covers the rest).
 const MAX_SCAN_BLOCKS: u64 = 4096;
@@ -62,6 +63,53 @@ impl RouteValidator {
         top_k: usize,
         rules: &RouteRules,
         rank: usize,
+    ) -> Result<(), KernelError> {
+        self.launch_inner(ctx, idx, weights, tokens, top_k, rules, rank, None)
+    }
+
+    /// [`RouteValidator::launch`] for routes that the router's top-k
+    /// ([`crate::router_topk_checked`]) just made from `logits` (`tokens × rules.experts` f32)
+    /// with this validator's state: a non-finite logit it found is reported as
+    /// [`RouteError::NonFiniteLogit`] (the first token, its lowest such expert, the logit),
+    /// ahead of any route offence.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_routed(
+        &mut self,
+        ctx: &GpuContext,
+        logits: &CudaSlice<f32>,
+        idx: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        tokens: usize,
+        top_k: usize,
+        rules: &RouteRules,
+        rank: usize,
+    ) -> Result<(), KernelError> {
+        if logits.len() < tokens * rules.experts {
+            return Err(KernelError::Shape(format!(
+                "logits hold {} values, {tokens} tokens × {} experts need more",
+                logits.len(),
+                rules.experts
+            )));
+        }
+        self.launch_inner(ctx, idx, weights, tokens, top_k, rules, rank, Some(logits))
+    }
+
+    /// The device state, writable (the router's top-k records its non-finite key there).
+    pub(crate) fn state_mut(&mut self) -> &mut CudaSlice<u32> {
+        &mut self.state
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_inner(
+        &mut self,
+        ctx: &GpuContext,
+        idx: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        tokens: usize,
+        top_k: usize,
+        rules: &RouteRules,
+        rank: usize,
+        logits: Option<&CudaSlice<f32>>,
     ) -> Result<(), KernelError> {
         if top_k != rules.top_k {
             return Err(RouteError::Malformed {
@@ -119,14 +167,23 @@ impl RouteValidator {
             .arg(&o)
             .arg(&c)
             .arg(&rank32);
+        let null: u64 = 0;
+        match logits {
+            Some(l) => b.arg(l),
+            None => b.arg(&null),
+        };
+        b.arg(&e);
         let one = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: afdep_validate_word has the scan's parameters plus u32 rank; one thread
-        // re-reads one token's K slots (in bounds by the key's construction) and writes the
-        // state's first 6 words and clears its key.
+        // SAFETY: afdep_validate_word has the scan's parameters plus u32 rank, const float*
+        // logits (may be null) and u64 logit_experts (= experts); one thread re-reads one
+        // token's K slots (in bounds by the key's construction), or, when the router left its
+        // key, one logit of a token below `tokens` (logits hold tokens × experts, checked by
+        // `launch_routed`; the router key is only ever set by `router_topk_checked` on a layer
+        // whose logits are these), writes the state's first 6 words and clears both keys.
         unsafe { b.launch(one) }.map_err(launch_err(KernelId::ValidateWord))?;
         Ok(())
     }
