@@ -66,8 +66,8 @@ use afdep_core::route::{Routes, route};
 use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind, Topology, bf16};
 use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, ExpertFn, FusedEngine,
-    FusedGraph, RoundArm, RoundOutput, StagedEngine,
+    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeEngine, ExchangeError, ExpertFn,
+    FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, StagedEngine, run_group,
 };
 use afdep_transport::{
     AnyTransport, Bootstrap, RendezvousEnv, Transport, TransportConfig, TransportError,
@@ -786,73 +786,6 @@ struct RankRun {
     rejected: usize,
 }
 
-/// The two engines behind one interface for the round loop.
-trait Engine {
-    fn rank(&self) -> usize;
-    fn round(
-        &mut self,
-        input: Option<&SourceInput>,
-        expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError>;
-    fn barrier(&mut self) -> Result<(), TransportError>;
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError>;
-    /// Device (dispatch, combine) times of the last round, µs, where the engine takes them.
-    fn device_times(&self) -> Option<(f64, f64)>;
-    /// Device time of the last whole round, µs, where the engine takes it as one span.
-    fn round_time(&self) -> Option<f64> {
-        None
-    }
-}
-
-impl<T: Transport> Engine for StagedEngine<T> {
-    fn rank(&self) -> usize {
-        StagedEngine::rank(self)
-    }
-    fn round(
-        &mut self,
-        input: Option<&SourceInput>,
-        expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError> {
-        StagedEngine::round(self, input, expert)
-    }
-    fn barrier(&mut self) -> Result<(), TransportError> {
-        self.transport_mut().barrier()
-    }
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
-        self.transport_mut().all_gather(mine)
-    }
-    fn device_times(&self) -> Option<(f64, f64)> {
-        None
-    }
-}
-
-impl Engine for FusedEngine {
-    fn rank(&self) -> usize {
-        FusedEngine::rank(self)
-    }
-    fn round(
-        &mut self,
-        input: Option<&SourceInput>,
-        expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError> {
-        FusedEngine::round(self, input, expert)
-    }
-    fn barrier(&mut self) -> Result<(), TransportError> {
-        self.transport_mut().barrier()
-    }
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
-        self.transport_mut().all_gather(mine)
-    }
-    fn device_times(&self) -> Option<(f64, f64)> {
-        self.last_device_times().map(|t| {
-            (
-                t.dispatch.as_secs_f64() * 1e6,
-                t.combine.as_secs_f64() * 1e6,
-            )
-        })
-    }
-}
-
 /// The expert function of `prob`.
 fn expert_of(prob: &Problem, expert: ExpertArg, e: usize, rows: &[bf16], n: usize) -> Vec<bf16> {
     match (expert, &prob.params) {
@@ -891,7 +824,7 @@ fn check_fault(fault: Option<Fault>, prob: &Problem, multi_process: bool) -> Res
 /// Runs `warmup + rounds` rounds of `prob` on this rank's engine (faults applied), a barrier
 /// before each.
 fn rank_rounds(
-    eng: &mut dyn Engine,
+    eng: &mut dyn ExchangeEngine,
     prob: &Problem,
     expert: ExpertArg,
     warmup: usize,
@@ -970,14 +903,16 @@ fn rank_rounds(
             let us = |d: Duration| d.as_secs_f64() * 1e6;
             let (dispatch, combine) = eng
                 .device_times()
-                .unwrap_or((us(out.times.dispatch), us(out.times.combine)));
+                .map_or((us(out.times.dispatch), us(out.times.combine)), |t| {
+                    (us(t.dispatch), us(t.combine))
+                });
             run.times.push(RoundTimes {
                 wall: total,
                 counts: us(out.times.counts),
                 dispatch,
                 experts: us(out.times.experts),
                 combine,
-                round: eng.round_time().unwrap_or(f64::NAN),
+                round: eng.round_time().map_or(f64::NAN, us),
             });
         }
         run.last = Some(out);
@@ -1010,30 +945,26 @@ fn run_threads(
     make: impl Fn(usize) -> Result<AnyTransport> + Sync,
 ) -> Result<Vec<RankRun>> {
     let world = prob.cfg.topology.world_size();
-    let make = &make;
-    let results: Vec<Result<RankRun>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let cfg = prob.cfg.clone();
-                sc.spawn(move || -> Result<RankRun> {
-                    let t = make(rank)?;
-                    let mut eng = StagedEngine::new(cfg, t)?;
-                    rank_rounds(&mut eng, prob, a.expert, a.warmup, a.rounds, a.fault)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("a rank thread panicked"))?
-            })
-            .collect()
-    });
-    results
+    let outcomes = run_group(
+        (0..world).collect(),
+        |rank, _| -> Result<StagedEngine<AnyTransport>> {
+            Ok(StagedEngine::new(prob.cfg.clone(), make(rank)?)?)
+        },
+        |_, eng| rank_rounds(eng, prob, a.expert, a.warmup, a.rounds, a.fault),
+    );
+    by_rank(outcomes)
+}
+
+/// Each rank's result of a [`run_group`], in rank order: the first rank's error (with its
+/// rank) or panic fails the run.
+fn by_rank<R>(outcomes: Vec<RankOutcome<R, anyhow::Error>>) -> Result<Vec<R>> {
+    outcomes
         .into_iter()
         .enumerate()
-        .map(|(rank, r)| r.with_context(|| format!("rank {rank}")))
+        .map(|(rank, r)| {
+            r.map_err(|_| anyhow::anyhow!("a rank thread panicked"))?
+                .with_context(|| format!("rank {rank}"))
+        })
         .collect()
 }
 
@@ -1126,7 +1057,7 @@ fn graph_rank(
     Ok(GraphRank { graph, eng })
 }
 
-impl Engine for GraphRank {
+impl ExchangeEngine for GraphRank {
     fn rank(&self) -> usize {
         self.eng.rank()
     }
@@ -1143,11 +1074,8 @@ impl Engine for GraphRank {
     fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
         self.eng.transport_mut().all_gather(mine)
     }
-    fn device_times(&self) -> Option<(f64, f64)> {
-        None
-    }
-    fn round_time(&self) -> Option<f64> {
-        self.eng.last_round_time().map(|d| d.as_secs_f64() * 1e6)
+    fn round_time(&self) -> Option<Duration> {
+        self.eng.last_round_time()
     }
 }
 
@@ -1158,7 +1086,7 @@ fn fused_rank(
     cfg: &ExchangeConfig,
     t: AnyTransport,
     params: Option<&LayerParams>,
-) -> Result<Box<dyn Engine>> {
+) -> Result<Box<dyn ExchangeEngine>> {
     Ok(match a.graph {
         true => Box::new(graph_rank(cfg, t, a.arm, a.expert, params)?),
         false => Box::new(fused_engine(cfg, t, a.arm)?),
@@ -1206,54 +1134,28 @@ fn run_fused_threads(
 ) -> Result<Vec<Vec<RankRun>>> {
     let world = res.cfg.topology.world_size();
     let group = AnyTransport::group(res.kind, world, &res.options)?;
-    let done = std::sync::Barrier::new(world);
-    let results: Vec<Result<Vec<RankRun>>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let done = &done;
-                sc.spawn(move || -> Result<Vec<RankRun>> {
-                    let mut eng = None;
-                    let r = (|| {
-                        let params = rank_params(probs, a.graph)?;
-                        let e = eng.insert(fused_rank(a, &res.cfg, t, params)?);
-                        let mut out = Vec::with_capacity(probs.len());
-                        for prob in probs {
-                            out.push(rank_rounds(
-                                e.as_mut(),
-                                prob,
-                                a.expert,
-                                a.warmup,
-                                a.rounds,
-                                a.fault,
-                            )?);
-                            if rank == 0 {
-                                bar.inc(1);
-                            }
-                        }
-                        Ok(out)
-                    })();
-                    // every rank has finished its last round before any engine is dropped
-                    done.wait();
-                    drop(eng);
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("a rank thread panicked"))?
-            })
-            .collect()
-    });
-    let per_rank: Vec<Vec<RankRun>> = results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, r)| r.with_context(|| format!("rank {rank}")))
-        .collect::<Result<_>>()?;
+    let outcomes = run_group(
+        group,
+        |_, t| fused_rank(a, &res.cfg, t, rank_params(probs, a.graph)?),
+        |rank, eng| {
+            let mut out = Vec::with_capacity(probs.len());
+            for prob in probs {
+                out.push(rank_rounds(
+                    eng.as_mut(),
+                    prob,
+                    a.expert,
+                    a.warmup,
+                    a.rounds,
+                    a.fault,
+                )?);
+                if rank == 0 {
+                    bar.inc(1);
+                }
+            }
+            Ok(out)
+        },
+    );
+    let per_rank: Vec<Vec<RankRun>> = by_rank(outcomes)?;
     // transpose to [problem][rank]
     let mut out: Vec<Vec<RankRun>> = (0..probs.len()).map(|_| Vec::new()).collect();
     for runs in per_rank {
@@ -1302,7 +1204,7 @@ fn error_class(e: &anyhow::Error) -> &'static str {
 /// the oracle, and every rank's times gathered (the slowest rank's per round).
 fn multi_process_problem(
     a: &ExchangeArgs,
-    eng: &mut dyn Engine,
+    eng: &mut dyn ExchangeEngine,
     prob: &Problem,
     world: usize,
 ) -> Result<(Vec<RoundTimes>, usize)> {
@@ -1482,7 +1384,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     for prob in &probs {
         check_fault(a.fault, prob, a.multi_process)?;
     }
-    let mut mp: Option<Box<dyn Engine>> = if a.multi_process {
+    let mut mp: Option<Box<dyn ExchangeEngine>> = if a.multi_process {
         let env = RendezvousEnv::from_env()
             .context("--multi-process: run under `afdep launch -n N -- afdep exchange ...`")?;
         if env.world_size != world {

@@ -5,7 +5,7 @@ use afdep_kernels::KernelError;
 use afdep_transport::TransportError;
 use thiserror::Error;
 
-use crate::fused::RoundArm;
+use crate::round::RoundArm;
 
 /// Why an exchange round or its set-up failed. A [`ExchangeError::Route`] is reported by every
 /// rank of the round (the error of the lowest-numbered rejecting attention rank) and leaves the

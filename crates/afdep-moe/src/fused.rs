@@ -142,18 +142,20 @@ use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Fp8Expanded, SendList, SlabGeometry};
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
-use afdep_transport::{NvlinkIpc, Transport};
+use afdep_transport::{NvlinkIpc, Transport, TransportError};
 use tracing::debug;
 
 use crate::error::ExchangeError;
-use crate::staged::{ExpertFn, PhaseTimes, RoundOutput, agree, count_phase_with_tokens};
+use crate::round::{
+    DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseTimes, RoundOutput, agree,
+    apply_experts, count_phase_with_tokens,
+};
 
 mod count_first;
 pub mod device_round;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
-pub use count_first::DispatchArm;
-pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph, RoundArm};
+pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
 
 /// Byte offset of the dispatch flags in every workspace.
 pub const DISPATCH_FLAGS: u64 = 0;
@@ -638,7 +640,7 @@ impl FusedEngine {
         if let (Some(f), Some(rx)) = (ffn_index, cf_received) {
             times.dispatch = t1.elapsed();
             let t2 = Instant::now();
-            y_rows = experts_host(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
+            y_rows = apply_experts(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
             times.experts = t2.elapsed();
             received = Some(rx);
         } else if let Some((f, _, expanded, _)) = expand {
@@ -690,7 +692,7 @@ impl FusedEngine {
             times.dispatch = t1.elapsed();
 
             let t2 = Instant::now();
-            y_rows = experts_host(&cfg, rank, f, &plan, &expanded_h, expert)?;
+            y_rows = apply_experts(&cfg, rank, f, &plan, &expanded_h, expert)?;
             times.experts = t2.elapsed();
             received = Some(FfnReceived {
                 plan,
@@ -858,37 +860,37 @@ impl FusedEngine {
     }
 }
 
+impl ExchangeEngine for FusedEngine {
+    fn rank(&self) -> usize {
+        FusedEngine::rank(self)
+    }
+
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        FusedEngine::round(self, input, expert)
+    }
+
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.transport.barrier()
+    }
+
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.transport.all_gather(mine)
+    }
+
+    fn device_times(&self) -> Option<DevicePhaseTimes> {
+        self.last_device_times()
+    }
+}
+
 /// The two timed phases of a round.
 #[derive(Debug, Clone, Copy)]
 enum Phase {
     Dispatch,
     Combine,
-}
-
-/// Device time of the two exchange phases of one round on one rank, from CUDA events on the
-/// rank's stream ([`FusedEngine::set_phase_timing`]).
-///
-/// With timing on, each phase starts with a control-plane barrier of every rank, after the rank's
-/// host preparation of the phase (send lists, the combine's plan numbers and routes and their
-/// uploads, the poisoned output buffers), and the first event is recorded right after it; the
-/// second follows the phase's last kernel. So a span holds only this rank's kernels of the phase
-/// and their waits for peers that started the phase at the same barrier, not the host work of
-/// another rank (an FFN rank's host experts, a source's send lists):
-///
-/// - **dispatch**: a source's dispatch and signal kernels; an FFN rank's copy epilogue, which
-///   waits for every source's flag and then expands; both on a rank that is both (EP).
-/// - **combine**: an FFN rank's partial sums into the sources' return areas and signal; a source's
-///   combine, which waits for every FFN rank's flag and then sums; both on a rank that is both.
-///
-/// The latency of a phase is the largest span over the ranks; a round's is the sum of its two
-/// phases' latencies. The barrier's own skew between ranks (the time one rank's kernels wait
-/// for a peer that left the barrier later) counts, as it would in any host-launched round.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct DevicePhaseTimes {
-    /// The dispatch phase on this rank.
-    pub dispatch: Duration,
-    /// The combine phase on this rank.
-    pub combine: Duration,
 }
 
 /// The events of phase timing, created once ([`FusedEngine::set_phase_timing`]).
@@ -925,38 +927,4 @@ impl PhaseEvents {
             combine: span(&self.combine)?,
         })
     }
-}
-
-/// The experts of FFN rank `f` on the host: `expert` applied to each local expert's rows of
-/// `expanded` (the plan's expert offsets), outputs concatenated in expanded-row order.
-fn experts_host(
-    cfg: &ExchangeConfig,
-    rank: usize,
-    f: usize,
-    plan: &FfnPlan,
-    expanded: &[bf16],
-    expert: &dyn ExpertFn,
-) -> Result<Vec<bf16>, ExchangeError> {
-    let p = cfg.placement();
-    let h = cfg.hidden;
-    let mut y_rows = Vec::with_capacity(expanded.len());
-    for l in 0..p.experts_per_rank {
-        let (a, b) = (
-            plan.expert_offsets[l] as usize,
-            plan.expert_offsets[l + 1] as usize,
-        );
-        if a == b {
-            continue;
-        }
-        let e = p.experts_of(f).start + l;
-        let ye = expert(e, &expanded[a * h..b * h], b - a);
-        if ye.len() != (b - a) * h {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!("expert {e} returned {} values for {} rows", ye.len(), b - a),
-            });
-        }
-        y_rows.extend(ye);
-    }
-    Ok(y_rows)
 }

@@ -15,6 +15,9 @@
 //! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the layer
 //!   (untuned f32 kernels, checked against the oracle) and [`reference::compare`], the
 //!   benchmark's error columns computed on the device.
+//! - [`round`]: the vocabulary of a round shared by the engines ([`ExpertFn`], [`RoundOutput`],
+//!   [`DispatchArm`], ...), the [`ExchangeEngine`] trait both engines implement, and
+//!   [`run_group`], one engine per rank of an in-process group on threads.
 //! - [`error`]: the engine's typed errors.
 //! - [`external`]: a [`MoeLayer`] step on buffers owned by the caller, ordered on the caller's
 //!   CUDA stream (the Python bindings).
@@ -27,6 +30,7 @@ pub mod external;
 pub mod fused;
 pub mod layer;
 pub mod reference;
+pub mod round;
 pub mod staged;
 pub mod timing;
 
@@ -34,9 +38,10 @@ pub mod timing;
 #[cfg(feature = "fault-injection")]
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
-pub use fused::{
-    DeviceExperts, DevicePhaseTimes, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph,
-    RoundArm,
-};
+pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-pub use staged::{ExpertFn, RoundOutput, StagedEngine};
+pub use round::{
+    DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseTimes, RankOutcome, RoundArm,
+    RoundOutput, run_group,
+};
+pub use staged::StagedEngine;

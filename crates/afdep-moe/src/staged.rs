@@ -3,8 +3,8 @@
 //! One round, on every rank of the topology (each rank calls [`StagedEngine::round`]):
 //!
 //! 1. **status + counts** (one all-gather): each attention rank validates its routes and
-//!    publishes its error word ([`RouteError::to_word`], zero when valid) and its
-//!    [`SourceCounts`]. If any word is non-zero, every rank returns
+//!    publishes its error word ([`RouteError::to_word`](afdep_core::RouteError::to_word), zero when valid) and its
+//!    [`SourceCounts`](afdep_core::layout::SourceCounts). If any word is non-zero, every rank returns
 //!    [`ExchangeError::Route`] with the error of the lowest-numbered rejecting rank, before any
 //!    row moves; the next round starts clean.
 //! 2. **plans**: every rank computes every FFN rank's [`FfnPlan`] from the gathered counts, so
@@ -25,52 +25,20 @@
 //! and dequantises the rows for its experts: bit-identical to the oracle's fp8 dispatch); a
 //! combine message of `m` rows is `m × hidden bf16`.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use afdep_core::error::ROUTE_ERROR_WORDS;
-use afdep_core::fingerprint::Fingerprint;
 use afdep_core::fp8::{self, QuantisedRows};
 use afdep_core::layout::{
-    FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
+    FfnPlan, compact_slots, copy_plan, payload_first_slabs, return_positions,
 };
-use afdep_core::oracle::exchange::{
-    FfnReceived, Fp8Received, SourceInput, check_payload, check_rows, combine_source,
-};
-use afdep_core::route::{RouteRules, validate};
-use afdep_core::{ExchangeConfig, PayloadKind, RouteError, bf16};
-use afdep_transport::{Span, Transport, TransportBuffer};
-use tracing::debug;
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16};
+use afdep_transport::{Span, Transport, TransportBuffer, TransportError};
 
 use crate::error::ExchangeError;
-
-/// An FFN rank's experts: `expert(global_expert_id, rows, n) -> n × hidden` bf16 rows. Each
-/// call gets one local expert's whole group of expanded rows.
-pub trait ExpertFn: Fn(usize, &[bf16], usize) -> Vec<bf16> {}
-impl<F: Fn(usize, &[bf16], usize) -> Vec<bf16>> ExpertFn for F {}
-
-/// Wall time of each phase of one round on one rank.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PhaseTimes {
-    /// Validation, counting and the status+count all-gather.
-    pub counts: Duration,
-    /// Packing, the dispatch all-to-all-v and expansion.
-    pub dispatch: Duration,
-    /// Expert application (FFN ranks).
-    pub experts: Duration,
-    /// The combine all-to-all-v and the weighted sums.
-    pub combine: Duration,
-}
-
-/// What one rank gets from a round.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RoundOutput {
-    /// Attention ranks: the combined rows of their tokens, T × hidden.
-    pub combined: Option<Vec<bf16>>,
-    /// FFN ranks: what they received (expanded layout and compact view).
-    pub received: Option<FfnReceived>,
-    /// Phase times.
-    pub times: PhaseTimes,
-}
+use crate::round::{
+    ExchangeEngine, ExpertFn, PhaseTimes, RoundOutput, agree, apply_experts, count_phase,
+};
 
 /// The staged engine of one rank.
 pub struct StagedEngine<T: Transport> {
@@ -300,29 +268,7 @@ impl<T: Transport> StagedEngine<T> {
 
             // 4. experts
             let t2 = Instant::now();
-            y_rows.reserve(expanded.len());
-            for l in 0..p.experts_per_rank {
-                let (a, b) = (
-                    plan.expert_offsets[l] as usize,
-                    plan.expert_offsets[l + 1] as usize,
-                );
-                if a == b {
-                    continue; // an expert with no rows this round costs nothing
-                }
-                let ye = expert(p.experts_of(f).start + l, &expanded[a * h..b * h], b - a);
-                if ye.len() != (b - a) * h {
-                    return Err(ExchangeError::Input {
-                        rank,
-                        what: format!(
-                            "expert {} returned {} values for {} rows",
-                            p.experts_of(f).start + l,
-                            ye.len(),
-                            b - a
-                        ),
-                    });
-                }
-                y_rows.extend(ye);
-            }
+            y_rows = apply_experts(&cfg, rank, f, &plan, &expanded, expert)?;
             times.experts = t2.elapsed();
             received = Some(FfnReceived {
                 plan,
@@ -402,141 +348,24 @@ impl<T: Transport> StagedEngine<T> {
     }
 }
 
-/// Set-up common to the engines, collective: compares config fingerprints with every rank
-/// (the error names the first field that differs and the lowest rank that differs), validates
-/// the config and checks that the transport's world matches the topology.
-pub(crate) fn agree<T: Transport>(
-    cfg: &ExchangeConfig,
-    transport: &mut T,
-) -> Result<(), ExchangeError> {
-    let rank = transport.rank();
-    // Agree first, so that a rank with a broken config still takes part in the
-    // collective and every rank learns about it.
-    let mine = Fingerprint::of_exchange(cfg).to_bytes();
-    let lens = transport.all_gather(&(mine.len() as u64).to_ne_bytes())?;
-    let lens: Vec<usize> = lens
-        .chunks(8)
-        .map(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) as usize)
-        .collect();
-    let max = lens.iter().copied().max().unwrap_or(0);
-    let mut padded = mine.clone();
-    padded.resize(max, 0);
-    let all = transport.all_gather(&padded)?;
-    let local = Fingerprint::of_exchange(cfg);
-    for (r, (blob, &len)) in all.chunks(max.max(1)).zip(&lens).enumerate() {
-        if r == rank {
-            continue;
-        }
-        let remote = Fingerprint::from_bytes(&blob[..len])?;
-        local.compare(rank, &remote, r)?;
+impl<T: Transport> ExchangeEngine for StagedEngine<T> {
+    fn rank(&self) -> usize {
+        StagedEngine::rank(self)
     }
-    cfg.validate()?;
-    if transport.world_size() != cfg.topology.world_size() {
-        return Err(ExchangeError::Input {
-            rank,
-            what: format!(
-                "the transport has {} ranks, topology {} needs {}",
-                transport.world_size(),
-                cfg.topology,
-                cfg.topology.world_size()
-            ),
-        });
-    }
-    Ok(())
-}
 
-/// The status + counts phase common to the engines, collective: each attention rank validates
-/// its input and routes and publishes its error word and its [`SourceCounts`] in one
-/// all-gather. Returns every source's counts, or [`ExchangeError::Route`] on every rank with the
-/// error of the lowest-numbered rejecting rank.
-pub(crate) fn count_phase<T: Transport>(
-    cfg: &ExchangeConfig,
-    transport: &mut T,
-    input: Option<&SourceInput>,
-) -> Result<Vec<SourceCounts>, ExchangeError> {
-    count_phase_with_tokens(cfg, transport, input).map(|(c, _)| c)
-}
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        StagedEngine::round(self, input, expert)
+    }
 
-/// [`count_phase`], also returning every source's token count of the round (one more word in
-/// the same all-gather): what the fused engine's arm selection needs.
-pub(crate) fn count_phase_with_tokens<T: Transport>(
-    cfg: &ExchangeConfig,
-    transport: &mut T,
-    input: Option<&SourceInput>,
-) -> Result<(Vec<SourceCounts>, Vec<u64>), ExchangeError> {
-    let rank = transport.rank();
-    let topo = cfg.topology;
-    let p = cfg.placement();
-    let nf = p.ffn_ranks;
-    let world = topo.world_size();
-    let src_index = topo.attention_index(rank);
-    let local: Result<Option<SourceCounts>, RouteError> = match (src_index, input) {
-        (Some(s), Some(inp)) => check_rows(cfg, s, inp)
-            .and_then(|_| validate(&inp.routes, &RouteRules::exchange(cfg), s))
-            .and_then(|_| check_payload(cfg, s, inp))
-            .map(|_| Some(SourceCounts::build(&inp.routes, &p))),
-        (Some(s), None) => Err(RouteError::Malformed {
-            rank: s,
-            what: "an attention rank was given no input".into(),
-        }),
-        (None, Some(_)) => Err(RouteError::Malformed {
-            rank,
-            what: "an FFN-only rank was given input".into(),
-        }),
-        (None, None) => Ok(None),
-    };
-    let count_words = p.owned() + 2 * nf;
-    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words + 1];
-    match &local {
-        Err(e) => {
-            let w = e.to_word();
-            let w32: &mut [u32] =
-                bytemuck::cast_slice_mut(&mut msg[..ROUTE_ERROR_WORDS.div_ceil(2)]);
-            w32[..ROUTE_ERROR_WORDS].copy_from_slice(&w);
-        }
-        Ok(Some(c)) => {
-            let at = ROUTE_ERROR_WORDS.div_ceil(2);
-            msg[at..at + count_words].copy_from_slice(&c.to_words());
-            msg[at + count_words] = input.map_or(0, |i| i.routes.tokens as u64);
-        }
-        Ok(None) => {}
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.transport.barrier()
     }
-    let gathered = transport.all_gather(u8s_of(&msg))?;
-    let per = msg.len() * 8;
-    let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
-    let mut tokens: Vec<u64> = Vec::with_capacity(topo.attention_count());
-    for r in 0..world {
-        let blob = &gathered[r * per..(r + 1) * per];
-        let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
-        let w32: Vec<u32> =
-            bytemuck::pod_collect_to_vec(&blob[..ROUTE_ERROR_WORDS.div_ceil(2) * 8]);
-        let word: [u32; ROUTE_ERROR_WORDS] = w32[..ROUTE_ERROR_WORDS].try_into().expect("sized");
-        if word[0] != 0 {
-            let error = match (&local, r == rank) {
-                (Err(e), true) => e.clone(),
-                _ => RouteError::from_word(word).unwrap_or(RouteError::Malformed {
-                    rank: r,
-                    what: format!("unknown error class {}", word[0]),
-                }),
-            };
-            debug!(rank, from = r, %error, "round rejected");
-            return Err(ExchangeError::Route {
-                reporter: rank,
-                error,
-            });
-        }
-        if topo.attention_index(r).is_some() {
-            let at = ROUTE_ERROR_WORDS.div_ceil(2);
-            let c =
-                SourceCounts::from_words(&words[at..at + count_words], &p).ok_or_else(|| {
-                    ExchangeError::Input {
-                        rank,
-                        what: format!("malformed counts from rank {r}"),
-                    }
-                })?;
-            sources.push(c);
-            tokens.push(words[at + count_words]);
-        }
+
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.transport.all_gather(mine)
     }
-    Ok((sources, tokens))
 }

@@ -76,35 +76,22 @@ fn on_group<T: Send>(
         experts: DeviceExperts::index_scale(c.experts),
         keep_received: true,
     };
-    let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
-    let f = &f;
-    let out: Vec<T> = std::thread::scope(|sc| {
-        let hs: Vec<_> = g
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = c.clone();
-                let opts = opts.clone();
-                sc.spawn(move || {
-                    let mut eng = FusedEngine::new(cfg, t).expect("set-up");
-                    eng.prepare_device(opts).expect("device buffers");
-                    let (r, graphs) = f(rank, &mut eng);
-                    (r, eng, graphs)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (r, eng, graphs) = h.join().expect("rank thread panicked");
-                keep.push((eng, graphs));
-                r
-            })
-            .collect()
-    });
-    for (eng, graphs) in keep {
-        drop(graphs);
-        drop(eng);
-    }
+    // the graphs are dropped before their engine (a tuple drops in field order), every
+    // engine only after every rank's thread is done (run_group)
+    let outcomes = afdep_moe::run_group(
+        g,
+        |_, t| -> Result<(Vec<FusedGraph>, FusedEngine), ExchangeError> {
+            let mut eng = FusedEngine::new(c.clone(), t)?;
+            eng.prepare_device(opts.clone())?;
+            Ok((Vec::new(), eng))
+        },
+        |rank, (graphs, eng)| {
+            let (r, g) = f(rank, eng);
+            *graphs = g;
+            Ok(r)
+        },
+    );
+    let out: Vec<T> = per_rank(outcomes);
     Some(out)
 }
 

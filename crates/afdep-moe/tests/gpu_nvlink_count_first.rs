@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ExchangeConfig, PayloadKind};
-use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, StagedEngine};
+use afdep_moe::{DispatchArm, ExchangeEngine, ExchangeError, ExpertFn, FusedEngine, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -330,7 +330,16 @@ struct Recording<'a> {
     ran: &'a std::sync::Mutex<Vec<(usize, DispatchArm)>>,
 }
 
-impl Engine for Recording<'_> {
+impl ExchangeEngine for Recording<'_> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn barrier(&mut self) -> Result<(), afdep_transport::TransportError> {
+        afdep_transport::Transport::barrier(self.eng.transport_mut())
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, afdep_transport::TransportError> {
+        afdep_transport::Transport::all_gather(self.eng.transport_mut(), mine)
+    }
     fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
         let r = self.eng.round(input, expert);
         self.ran

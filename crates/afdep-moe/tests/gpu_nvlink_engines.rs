@@ -16,7 +16,7 @@ use std::time::Duration;
 use afdep_core::ExchangeConfig;
 use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
-use afdep_moe::{ExchangeError, FusedEngine, StagedEngine};
+use afdep_moe::{ExchangeEngine, ExchangeError, FusedEngine, StagedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -243,7 +243,16 @@ fn fused_single_rank_ep1() {
 /// round's device times were taken.
 struct Timed(FusedEngine);
 
-impl Engine for Timed {
+impl ExchangeEngine for Timed {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn barrier(&mut self) -> Result<(), afdep_transport::TransportError> {
+        afdep_transport::Transport::barrier(self.0.transport_mut())
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, afdep_transport::TransportError> {
+        afdep_transport::Transport::all_gather(self.0.transport_mut(), mine)
+    }
     fn round(
         &mut self,
         input: Option<&SourceInput>,

@@ -259,86 +259,69 @@ fn run_group_faults(
         Vec<(Vec<Vec<RankResult>>, u64, Duration)>,
         Option<Vec<RankResult>>,
     );
-    // engines are dropped only after every rank's thread is done
-    let mut keep: Vec<FusedEngine> = Vec::new();
-    let per_rank: Vec<PerRank> = std::thread::scope(|sc| {
-        let hs: Vec<_> = g
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = c.clone();
-                sc.spawn(move || {
-                    let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
-                    eng.prepare_device(DeviceRoundOptions {
-                        experts: DeviceExperts::index_scale(cfg.experts),
-                        keep_received: true,
-                    })
-                    .expect("device buffers");
-                    let expert = expert_of(None);
-                    let run = |eng: &mut FusedEngine, m: Mode, inp: &[SourceInput]| {
-                        let mine = cfg.topology.attention_index(rank).map(|s| &inp[s]);
-                        match m {
-                            Mode::Host(a) => {
-                                eng.set_arm(Some(a));
-                                eng.round(mine, &expert)
-                            }
-                            Mode::Device(a) => eng.device_round(a, mine),
-                        }
-                    };
-                    let mut out = Vec::new();
-                    let mut saw_error = false;
-                    for &fault in faults {
-                        eng.set_fault(fault).expect("set_fault");
-                        let before = eng.fault_hits().expect("fault hits");
-                        let t0 = Instant::now();
-                        // mode by mode, every round in turn: no run follows one of the same
-                        // data, so data a skipped wait reads stale never equals the right data
-                        let mut by_mode: Vec<Vec<RankResult>> = modes
-                            .iter()
-                            .map(|&m| inputs.iter().map(|inp| run(&mut eng, m, inp)).collect())
-                            .collect();
-                        let mut got: Vec<Vec<RankResult>> =
-                            inputs.iter().map(|_| Vec::new()).collect();
-                        for per_round in by_mode.iter_mut() {
-                            for (i, r) in per_round.drain(..).enumerate() {
-                                got[i].push(r);
-                            }
-                        }
-                        let took = t0.elapsed();
-                        saw_error |= got.iter().flatten().any(|r| r.is_err());
-                        // every rank's rounds are done (no kernel waits any more) before the read
-                        // (a transport that failed in a round counts as an error)
-                        saw_error = match eng.transport_mut().all_gather(&[u8::from(saw_error)]) {
-                            Ok(all) => all.iter().any(|&e| e != 0),
-                            Err(_) => true,
-                        };
-                        let hits = eng.fault_hits().expect("fault hits") - before;
-                        out.push((got, hits, took));
+    // engines are dropped only after every rank's thread is done (run_group)
+    let outcomes = afdep_moe::run_group(
+        g,
+        |_, t| -> Result<FusedEngine, ExchangeError> {
+            let mut eng = FusedEngine::new(c.clone(), t)?;
+            eng.prepare_device(DeviceRoundOptions {
+                experts: DeviceExperts::index_scale(c.experts),
+                keep_received: true,
+            })?;
+            Ok(eng)
+        },
+        |rank, eng| -> Result<PerRank, ExchangeError> {
+            let cfg = c;
+            let expert = expert_of(None);
+            let run = |eng: &mut FusedEngine, m: Mode, inp: &[SourceInput]| {
+                let mine = cfg.topology.attention_index(rank).map(|s| &inp[s]);
+                match m {
+                    Mode::Host(a) => {
+                        eng.set_arm(Some(a));
+                        eng.round(mine, &expert)
                     }
-                    let after = if saw_error {
-                        None
-                    } else {
-                        eng.set_fault(None).expect("set_fault(None)");
-                        Some(
-                            modes
-                                .iter()
-                                .map(|&m| run(&mut eng, m, &inputs[0]))
-                                .collect(),
-                        )
-                    };
-                    ((out, after), eng)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (r, eng) = h.join().expect("rank thread panicked");
-                keep.push(eng);
-                r
-            })
-            .collect()
-    });
-    drop(keep);
+                    Mode::Device(a) => eng.device_round(a, mine),
+                }
+            };
+            let mut out = Vec::new();
+            let mut saw_error = false;
+            for &fault in faults {
+                eng.set_fault(fault).expect("set_fault");
+                let before = eng.fault_hits().expect("fault hits");
+                let t0 = Instant::now();
+                // mode by mode, every round in turn: no run follows one of the same
+                // data, so data a skipped wait reads stale never equals the right data
+                let mut by_mode: Vec<Vec<RankResult>> = modes
+                    .iter()
+                    .map(|&m| inputs.iter().map(|inp| run(eng, m, inp)).collect())
+                    .collect();
+                let mut got: Vec<Vec<RankResult>> = inputs.iter().map(|_| Vec::new()).collect();
+                for per_round in by_mode.iter_mut() {
+                    for (i, r) in per_round.drain(..).enumerate() {
+                        got[i].push(r);
+                    }
+                }
+                let took = t0.elapsed();
+                saw_error |= got.iter().flatten().any(|r| r.is_err());
+                // every rank's rounds are done (no kernel waits any more) before the read
+                // (a transport that failed in a round counts as an error)
+                saw_error = match eng.transport_mut().all_gather(&[u8::from(saw_error)]) {
+                    Ok(all) => all.iter().any(|&e| e != 0),
+                    Err(_) => true,
+                };
+                let hits = eng.fault_hits().expect("fault hits") - before;
+                out.push((got, hits, took));
+            }
+            let after = if saw_error {
+                None
+            } else {
+                eng.set_fault(None).expect("set_fault(None)");
+                Some(modes.iter().map(|&m| run(eng, m, &inputs[0])).collect())
+            };
+            Ok((out, after))
+        },
+    );
+    let per_rank: Vec<PerRank> = per_rank(outcomes);
     let mut runs: Vec<FaultRuns> = faults
         .iter()
         .map(|&fault| FaultRuns {

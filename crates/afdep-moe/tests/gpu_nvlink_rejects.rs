@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ConfigError, ExchangeConfig, PayloadKind, RouteError};
-use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine};
+use afdep_moe::{DispatchArm, ExchangeError, FusedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -28,15 +28,6 @@ fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
         timeout: TIMEOUT,
     };
     nvlink_group(n, opts)
-}
-
-/// A fused engine forced to one arm.
-struct Forced(FusedEngine);
-
-impl Engine for Forced {
-    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
-        self.0.round(input, expert)
-    }
 }
 
 const ARMS: [DispatchArm; 3] = [
@@ -186,7 +177,7 @@ fn every_rejected_route_class_in_every_arm_fails_every_rank_and_the_next_round_w
         let make = move |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
             let mut e = FusedEngine::new(cfg, t)?;
             e.set_arm(Some(arm));
-            Ok(Forced(e))
+            Ok(e)
         };
         let got = run_group(g, &vec![c.clone(); 6], &rounds, None, &make)
             .unwrap_or_else(|e| panic!("{arm}: set-up failed: {e:?}"));

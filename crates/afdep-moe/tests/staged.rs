@@ -7,91 +7,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use afdep_core::oracle::LayerParams;
-use afdep_core::oracle::exchange::{self as reference, SourceInput};
+use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::oracle::layer;
 use afdep_core::route::{MASKED, Routes};
-use afdep_core::tensor::{rng, uniform_bf16};
-use afdep_core::{ConfigError, ExchangeConfig, LayerShape, PayloadKind, RouteError, bf16};
-use afdep_moe::{ExchangeError, RoundOutput, StagedEngine};
+use afdep_core::tensor::uniform_bf16;
+use afdep_core::{ConfigError, ExchangeConfig, PayloadKind, RouteError, bf16};
+use afdep_moe::{ExchangeError, StagedEngine};
 use afdep_transport::{Loopback, Span, Transport, TransportError, TransportKind};
-use rand::Rng;
-use rand::seq::SliceRandom;
+
+mod exchange_common;
+use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-fn cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
-    ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, top_k, 64).unwrap()
-}
-
-fn params(cfg: &ExchangeConfig, width: usize, seed: u64) -> LayerParams {
-    LayerParams::random(
-        LayerShape {
-            d_model: cfg.hidden,
-            width,
-            experts: cfg.experts,
-            top_k: cfg.top_k,
-            shared: 0,
-            renormalize: true,
-        },
-        seed,
-    )
-}
-
-/// Random routes: distinct experts per token, every 4th slot masked at random, and, when `hot`
-/// is set, expert `hot` in slot 0 of 90% of the tokens.
-fn routes(tokens: usize, k: usize, owned: usize, hot: Option<i32>, seed: u64) -> Routes {
-    let mut r = rng(seed, 7);
-    let mut idx = Vec::new();
-    let mut weights = Vec::new();
-    for _ in 0..tokens {
-        let mut ids: Vec<i32> = (0..owned as i32).collect();
-        ids.shuffle(&mut r);
-        let mut sel: Vec<i32> = ids[..k].to_vec();
-        if let Some(h) = hot {
-            if r.gen_bool(0.9) {
-                if let Some(p) = sel.iter().position(|&e| e == h) {
-                    sel.swap(0, p);
-                } else {
-                    sel[0] = h;
-                }
-            }
-        }
-        for e in sel {
-            idx.push(if r.gen_bool(0.25) { MASKED } else { e });
-            weights.push(r.gen_range(0.05f32..1.0));
-        }
-    }
-    Routes {
-        tokens,
-        top_k: k,
-        idx,
-        weights,
-    }
-}
-
-fn sources(
-    cfg: &ExchangeConfig,
-    tokens: &[usize],
-    hot: Option<i32>,
-    seed: u64,
-) -> Vec<SourceInput> {
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(s, &t)| SourceInput {
-            x: uniform_bf16(t * cfg.hidden, 1.0, seed, 50 + s as u64),
-            routes: routes(
-                t,
-                cfg.top_k,
-                cfg.placement().owned(),
-                hot,
-                seed * 31 + s as u64,
-            ),
-        })
-        .collect()
-}
-
-type RankResult = Result<RoundOutput, ExchangeError>;
 
 /// Runs the given rounds on one Loopback group (one engine per rank, kept across rounds);
 /// `cfgs[r]` is rank r's config. Returns `[round][rank]` results, or each rank's set-up error.
@@ -114,97 +41,10 @@ fn run_on<T: Transport + Send>(
     rounds: &[Vec<SourceInput>],
     p: Option<&LayerParams>,
 ) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
-    let world = cfgs[0].topology.world_size();
-    let group = make(world);
-    let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = cfgs[rank].clone();
-                sc.spawn(move || {
-                    let mut eng = StagedEngine::new(cfg.clone(), t)?;
-                    let expert = |e: usize, rows: &[bf16], n: usize| match p {
-                        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
-                        None => rows
-                            .iter()
-                            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
-                            .collect(),
-                    };
-                    Ok(rounds
-                        .iter()
-                        .map(|inp| {
-                            eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert)
-                        })
-                        .collect())
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    });
-    let mut ok = Vec::new();
-    let mut errs = Vec::new();
-    for r in per_rank {
-        match r {
-            Ok(v) => ok.push(v),
-            Err(e) => errs.push(e),
-        }
-    }
-    if !errs.is_empty() {
-        assert_eq!(errs.len(), world, "set-up failed on some ranks only");
-        return Err(errs);
-    }
-    // transpose to [round][rank]
-    let nr = rounds.len();
-    let mut out: Vec<Vec<RankResult>> = (0..nr).map(|_| Vec::new()).collect();
-    for rank_results in ok {
-        for (i, r) in rank_results.into_iter().enumerate() {
-            out[i].push(r);
-        }
-    }
-    Ok(out)
-}
-
-fn check_round(
-    cfg: &ExchangeConfig,
-    inp: &[SourceInput],
-    got: &[RankResult],
-    p: Option<&LayerParams>,
-) {
-    let expert = |e: usize, rows: &[bf16], n: usize| match p {
-        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
-        None => rows
-            .iter()
-            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
-            .collect(),
-    };
-    let want_rx = reference::dispatch(cfg, inp).unwrap();
-    let want = reference::exchange(cfg, inp, expert).unwrap();
-    for (rank, r) in got.iter().enumerate() {
-        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        if let Some(s) = cfg.topology.attention_index(rank) {
-            let c = r.combined.as_ref().expect("attention rank combines");
-            assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
-            // bitwise: compare the bits so that -0/+0 differences fail too
-            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(c),
-                bits(&want[s]),
-                "{}: combine of source {s} differs",
-                cfg.topology
-            );
-        }
-        if let Some(f) = cfg.topology.ffn_index(rank) {
-            let rx = r.received.as_ref().expect("FFN rank receives");
-            assert_eq!(
-                rx, &want_rx[f],
-                "{}: dispatch to FFN rank {f} differs",
-                cfg.topology
-            );
-        }
-    }
+    let group = make(cfgs[0].topology.world_size());
+    run_group(group, cfgs, rounds, p, &|_, cfg, t| {
+        StagedEngine::new(cfg, t)
+    })
 }
 
 #[test]

@@ -79,7 +79,7 @@
 
 use afdep_core::layout::FfnPlan;
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
-use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, bf16, fp8};
+use afdep_core::{ExchangeConfig, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
 use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
@@ -88,53 +88,7 @@ use afdep_kernels::{GpuContext, KernelError};
 
 use super::{DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
 use crate::error::ExchangeError;
-
-/// How one round's dispatch runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DispatchArm {
-    /// Rows into per-source slabs, then a copy epilogue on the FFN rank.
-    PayloadFirst,
-    /// Count-first with the streaming epilogue: counts, offsets, rows into slabs with per-row
-    /// readiness flags, expanded as they land.
-    CountFirst,
-    /// Count-first, the source arm: counts, offsets, rows stored straight to their final
-    /// expanded rows.
-    CountFirstSource,
-}
-
-impl DispatchArm {
-    /// Every arm.
-    pub const ALL: [DispatchArm; 3] = [
-        DispatchArm::PayloadFirst,
-        DispatchArm::CountFirst,
-        DispatchArm::CountFirstSource,
-    ];
-
-    /// The arm of a round whose largest source has `max_tokens` tokens: count-first
-    /// (streaming) when `max_tokens >= knobs.min_token_bucket`, payload-first otherwise.
-    pub fn select(knobs: &ExchangeKnobs, max_tokens: usize) -> DispatchArm {
-        if max_tokens >= knobs.min_token_bucket {
-            DispatchArm::CountFirst
-        } else {
-            DispatchArm::PayloadFirst
-        }
-    }
-
-    /// A short name: `payload_first`, `count_first`, `count_first_source`.
-    pub fn name(self) -> &'static str {
-        match self {
-            DispatchArm::PayloadFirst => "payload_first",
-            DispatchArm::CountFirst => "count_first",
-            DispatchArm::CountFirstSource => "count_first_source",
-        }
-    }
-}
-
-impl std::fmt::Display for DispatchArm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::round::DispatchArm;
 
 /// A source's device scratch of count-first, sized by the capacity.
 #[derive(Debug)]
@@ -632,6 +586,7 @@ impl FusedEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use afdep_core::ExchangeKnobs;
 
     #[test]
     fn the_bucket_rule() {

@@ -128,9 +128,9 @@ use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::Transport;
 use std::time::Instant;
 
-use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, DispatchArm, ERROR_WORD, FusedEngine, upload};
+use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
 use crate::error::ExchangeError;
-use crate::staged::{PhaseTimes, RoundOutput};
+use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput};
 
 /// The experts an FFN rank applies on the device in a device round.
 #[derive(Debug, Clone)]
@@ -183,37 +183,6 @@ pub struct DeviceRoundOptions {
     /// Snapshot the compact view on the device and read [`RoundOutput::received`] back after
     /// each round (tests; costs a copy of the slabs per round).
     pub keep_received: bool,
-}
-
-/// The dispatch arm of a device round or a captured graph ([`FusedEngine::device_round`],
-/// [`FusedEngine::capture`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RoundArm {
-    /// This arm, on every rank (every rank must pass the same; ranks that differ all get
-    /// [`ExchangeError::ArmsDiffer`] and skip the round). [`FusedEngine::set_arm`] plays no
-    /// part.
-    Fixed(DispatchArm),
-    /// The arm chosen on the device each round, the same on every rank: the arm forced by
-    /// [`FusedEngine::set_arm`] at the time of the round (every rank must force the same one),
-    /// else the token-bucket rule ([`DispatchArm::select`] over the largest source's token count
-    /// of the round). The round holds every arm's kernels; those of the arms not taken return at
-    /// once. [`FusedEngine::last_arm`] gives the arm a round took.
-    Auto,
-}
-
-impl From<DispatchArm> for RoundArm {
-    fn from(a: DispatchArm) -> RoundArm {
-        RoundArm::Fixed(a)
-    }
-}
-
-impl std::fmt::Display for RoundArm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RoundArm::Fixed(a) => a.fmt(f),
-            RoundArm::Auto => f.write_str("auto"),
-        }
-    }
 }
 
 /// The control block's code of an arm (`AFDEP_ARM_*`).

@@ -1,7 +1,6 @@
 //! Helpers shared by the exchange-engine GPU tests (`gpu_nvlink`): configs, random sources with
 //! a hot expert and masked slots, one round per rank on threads over any engine, and the check
-//! against the oracle. (Copied from `tests/staged.rs`, whose helpers are private to that test
-//! binary.)
+//! against the oracle. Also used by `tests/staged.rs`.
 #![allow(dead_code)] // each test binary uses its own subset
 
 use afdep_core::oracle::LayerParams;
@@ -10,7 +9,10 @@ use afdep_core::oracle::layer;
 use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
-use afdep_moe::{DispatchArm, ExchangeError, ExpertFn, FusedEngine, RoundOutput};
+use afdep_moe::{
+    DispatchArm, ExchangeEngine, ExchangeError, ExpertFn, FusedEngine, RankOutcome, RoundOutput,
+};
+use afdep_transport::Transport;
 use afdep_transport::{NvlinkIpc, NvlinkOptions, TransportError};
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -44,24 +46,6 @@ pub fn nvlink_group(n: usize, opts: NvlinkOptions) -> Option<Vec<NvlinkIpc>> {
 /// What one rank gets from one round.
 pub type RankResult = Result<RoundOutput, ExchangeError>;
 
-/// One rank's exchange engine, whatever its kind.
-pub trait Engine {
-    /// One round (see `StagedEngine::round`).
-    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult;
-}
-
-impl<T: afdep_transport::Transport> Engine for afdep_moe::StagedEngine<T> {
-    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
-        afdep_moe::StagedEngine::round(self, input, expert)
-    }
-}
-
-impl Engine for afdep_moe::FusedEngine {
-    fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
-        afdep_moe::FusedEngine::round(self, input, expert)
-    }
-}
-
 /// A fused engine that runs round i with `arms[i % arms.len()]` (`None`: the knob's rule) and
 /// records the arm each round ran.
 pub struct Cycling {
@@ -70,13 +54,22 @@ pub struct Cycling {
     pub ran: Vec<DispatchArm>,
 }
 
-impl Engine for Cycling {
+impl ExchangeEngine for Cycling {
+    fn rank(&self) -> usize {
+        self.eng.rank()
+    }
     fn round(&mut self, input: Option<&SourceInput>, expert: &dyn ExpertFn) -> RankResult {
         let arm = self.arms[self.ran.len() % self.arms.len()];
         self.eng.set_arm(arm);
         let r = self.eng.round(input, expert);
         self.ran.push(self.eng.last_arm());
         r
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.eng.transport_mut().barrier()
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.eng.transport_mut().all_gather(mine)
     }
 }
 
@@ -135,11 +128,12 @@ pub fn expert_of(p: Option<&LayerParams>) -> impl Fn(usize, &[bf16], usize) -> V
     }
 }
 
-/// Runs `rounds` on one group: `make(rank, cfg, transport)` builds each rank's engine on its own
-/// thread. Returns `[round][rank]` results, or every rank's set-up error. The engines are
-/// dropped only after every rank's thread is done, so no rank frees device memory (which may
-/// synchronise the device) while another rank's kernel still waits for its peers.
-pub fn run_group<T: Send, E: Engine + Send>(
+/// Runs `rounds` on one group ([`afdep_moe::run_group`]): `make(rank, cfg, transport)` builds
+/// each rank's engine on its own thread. Returns `[round][rank]` results, or every rank's set-up
+/// error. The engines are dropped only after every rank's thread is done, so no rank frees
+/// device memory (which may synchronise the device) while another rank's kernel still waits for
+/// its peers.
+pub fn run_group<T: Send, E: ExchangeEngine>(
     group: Vec<T>,
     cfgs: &[ExchangeConfig],
     rounds: &[Vec<SourceInput>],
@@ -147,40 +141,22 @@ pub fn run_group<T: Send, E: Engine + Send>(
     make: &(dyn Fn(usize, ExchangeConfig, T) -> Result<E, ExchangeError> + Sync),
 ) -> Result<Vec<Vec<RankResult>>, Vec<ExchangeError>> {
     let world = cfgs[0].topology.world_size();
-    let mut engines: Vec<E> = Vec::new();
-    let per_rank: Vec<Result<Vec<RankResult>, ExchangeError>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = group
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = cfgs[rank].clone();
-                sc.spawn(move || {
-                    let mut eng = make(rank, cfg.clone(), t)?;
-                    let expert = expert_of(p);
-                    let results = rounds
-                        .iter()
-                        .map(|inp| {
-                            eng.round(cfg.topology.attention_index(rank).map(|s| &inp[s]), &expert)
-                        })
-                        .collect();
-                    Ok((results, eng))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().expect("rank thread panicked").map(|(r, e)| {
-                    engines.push(e);
-                    r
-                })
-            })
-            .collect()
-    });
-    drop(engines);
+    let per_rank = afdep_moe::run_group(
+        group,
+        |rank, t| make(rank, cfgs[rank].clone(), t),
+        |rank, eng| {
+            let expert = expert_of(p);
+            let s = cfgs[rank].topology.attention_index(rank);
+            Ok(rounds
+                .iter()
+                .map(|inp| eng.round(s.map(|s| &inp[s]), &expert))
+                .collect::<Vec<RankResult>>())
+        },
+    );
     let mut ok = Vec::new();
     let mut errs = Vec::new();
     for r in per_rank {
-        match r {
+        match r.unwrap_or_else(|panic| std::panic::resume_unwind(panic)) {
             Ok(v) => ok.push(v),
             Err(e) => errs.push(e),
         }
@@ -201,6 +177,19 @@ pub fn run_group<T: Send, E: Engine + Send>(
         }
     }
     Ok(out)
+}
+
+/// Each rank's result of an [`afdep_moe::run_group`], by rank: a rank's panic is raised again
+/// here, a set-up error fails the test naming its rank.
+pub fn per_rank<R>(outcomes: Vec<RankOutcome<R, ExchangeError>>) -> Vec<R> {
+    outcomes
+        .into_iter()
+        .enumerate()
+        .map(|(rank, o)| {
+            o.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+        })
+        .collect()
 }
 
 /// The rounds of the every-ratio test for `c`: uneven ranks with a hot expert, one token each,
@@ -307,13 +296,7 @@ pub fn check_round(
     got: &[RankResult],
     p: Option<&LayerParams>,
 ) {
-    let expert = |e: usize, rows: &[bf16], n: usize| match p {
-        Some(p) => layer::expert_rows(p, e, rows, n).unwrap(),
-        None => rows
-            .iter()
-            .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
-            .collect(),
-    };
+    let expert = expert_of(p);
     let want_rx = reference::dispatch(cfg, inp).unwrap();
     let want = reference::exchange(cfg, inp, expert).unwrap();
     for (rank, r) in got.iter().enumerate() {

@@ -1,0 +1,86 @@
+//! The vocabulary of one exchange round, shared by every engine.
+//!
+//! - [`ExpertFn`]: an FFN rank's experts on the host; [`PhaseTimes`] and [`DevicePhaseTimes`]:
+//!   the host and device spans of a round; [`RoundOutput`]: what a rank gets from a round.
+//! - [`DispatchArm`] and [`RoundArm`] (`arm`): how a round's dispatch runs.
+//! - The set-up agreement and the status + counts phase that every engine starts with
+//!   (`agree`, `counts`), and the host experts of one FFN rank (`experts`).
+//! - [`ExchangeEngine`] (`engine`): one rank's engine behind one interface, implemented by
+//!   [`StagedEngine`](crate::StagedEngine) and [`FusedEngine`](crate::FusedEngine); and
+//!   [`run_group`] (`group`): one engine per rank of an in-process group, one thread each.
+//!
+//! This module depends on no engine: the engines depend on it.
+
+use std::time::Duration;
+
+use afdep_core::bf16;
+use afdep_core::oracle::exchange::FfnReceived;
+
+mod agree;
+mod arm;
+mod counts;
+mod engine;
+mod experts;
+mod group;
+
+pub(crate) use agree::agree;
+pub use arm::{DispatchArm, RoundArm};
+pub(crate) use counts::{count_phase, count_phase_with_tokens};
+pub use engine::ExchangeEngine;
+pub(crate) use experts::apply_experts;
+pub use group::{RankOutcome, run_group};
+
+/// An FFN rank's experts: `expert(global_expert_id, rows, n) -> n × hidden` bf16 rows. Each
+/// call gets one local expert's whole group of expanded rows.
+pub trait ExpertFn: Fn(usize, &[bf16], usize) -> Vec<bf16> {}
+impl<F: Fn(usize, &[bf16], usize) -> Vec<bf16>> ExpertFn for F {}
+
+/// Wall time of each phase of one round on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Validation, counting and the status+count all-gather.
+    pub counts: Duration,
+    /// Packing, the dispatch all-to-all-v and expansion.
+    pub dispatch: Duration,
+    /// Expert application (FFN ranks).
+    pub experts: Duration,
+    /// The combine all-to-all-v and the weighted sums.
+    pub combine: Duration,
+}
+
+/// Device time of the two exchange phases of one round on one rank, from CUDA events on the
+/// rank's stream ([`FusedEngine::set_phase_timing`](crate::FusedEngine::set_phase_timing)).
+///
+/// With timing on, each phase starts with a control-plane barrier of every rank, after the rank's
+/// host preparation of the phase (send lists, the combine's plan numbers and routes and their
+/// uploads, the poisoned output buffers), and the first event is recorded right after it; the
+/// second follows the phase's last kernel. So a span holds only this rank's kernels of the phase
+/// and their waits for peers that started the phase at the same barrier, not the host work of
+/// another rank (an FFN rank's host experts, a source's send lists):
+///
+/// - **dispatch**: a source's dispatch and signal kernels; an FFN rank's copy epilogue, which
+///   waits for every source's flag and then expands; both on a rank that is both (EP).
+/// - **combine**: an FFN rank's partial sums into the sources' return areas and signal; a source's
+///   combine, which waits for every FFN rank's flag and then sums; both on a rank that is both.
+///
+/// The latency of a phase is the largest span over the ranks; a round's is the sum of its two
+/// phases' latencies. The barrier's own skew between ranks (the time one rank's kernels wait
+/// for a peer that left the barrier later) counts, as it would in any host-launched round.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DevicePhaseTimes {
+    /// The dispatch phase on this rank.
+    pub dispatch: Duration,
+    /// The combine phase on this rank.
+    pub combine: Duration,
+}
+
+/// What one rank gets from a round.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundOutput {
+    /// Attention ranks: the combined rows of their tokens, T × hidden.
+    pub combined: Option<Vec<bf16>>,
+    /// FFN ranks: what they received (expanded layout and compact view).
+    pub received: Option<FfnReceived>,
+    /// Phase times.
+    pub times: PhaseTimes,
+}
