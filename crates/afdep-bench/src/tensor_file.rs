@@ -50,6 +50,8 @@ impl TensorFile {
     /// Reads a safetensors file.
     pub fn read(path: &Path) -> Result<Self> {
         let buf = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        crate::safetensors_guard::check_offsets(&buf)
+            .with_context(|| format!("parsing {} as safetensors", path.display()))?;
         let st = SafeTensors::deserialize(&buf)
             .with_context(|| format!("parsing {} as safetensors", path.display()))?;
         let (_, meta) = SafeTensors::read_metadata(&buf)?;

@@ -62,6 +62,27 @@ impl LayerShape {
     }
 }
 
+/// The largest hidden size, expert count and capacity an [`ExchangeConfig`] may have: far
+/// above any model's, and small enough that every buffer size the engines derive from them
+/// (capacity × ranks × top-k × hidden × 4 bytes and the like) is computed without overflow.
+pub const MAX_HIDDEN: usize = 1 << 16;
+/// See [`MAX_HIDDEN`].
+pub const MAX_EXPERTS: usize = 1 << 16;
+/// See [`MAX_HIDDEN`].
+pub const MAX_CAPACITY: usize = 1 << 24;
+
+fn at_most(field: &'static str, v: usize, max: usize) -> Result<(), ConfigError> {
+    if v > max {
+        Err(ConfigError::Invalid {
+            field,
+            value: v.to_string(),
+            reason: format!("at most {max}"),
+        })
+    } else {
+        Ok(())
+    }
+}
+
 pub(crate) fn positive(field: &'static str, v: usize) -> Result<(), ConfigError> {
     if v == 0 {
         Err(ConfigError::Invalid {
@@ -208,6 +229,9 @@ impl ExchangeConfig {
         positive("experts_per_rank", self.experts_per_rank)?;
         positive("top_k", self.top_k)?;
         positive("capacity", self.capacity)?;
+        at_most("hidden", self.hidden, MAX_HIDDEN)?;
+        at_most("experts", self.experts, MAX_EXPERTS)?;
+        at_most("capacity", self.capacity, MAX_CAPACITY)?;
         if self.top_k > self.experts {
             return Err(ConfigError::Invalid {
                 field: "top_k",
@@ -215,7 +239,8 @@ impl ExchangeConfig {
                 reason: format!("more than the {} experts", self.experts),
             });
         }
-        if self.experts_per_rank * self.topology.ffn_count() > self.experts {
+        let owned = self.experts_per_rank.checked_mul(self.topology.ffn_count());
+        if owned.is_none_or(|n| n > self.experts) {
             return Err(ConfigError::Invalid {
                 field: "experts_per_rank",
                 value: self.experts_per_rank.to_string(),
@@ -284,5 +309,27 @@ mod tests {
                 ..
             })
         ));
+        // sizes whose products would overflow are refused, not wrapped
+        let base = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
+        for (field, set) in [
+            (
+                "hidden",
+                (|c: &mut ExchangeConfig| c.hidden = usize::MAX) as fn(&mut ExchangeConfig),
+            ),
+            ("experts", |c| c.experts = MAX_EXPERTS + 1),
+            ("capacity", |c| c.capacity = 1 << 40),
+            ("experts_per_rank", |c| c.experts_per_rank = 1 << 63),
+        ] {
+            let mut c = base.clone();
+            set(&mut c);
+            match c.validate() {
+                Err(ConfigError::Invalid { field: f, .. }) if f == field => {}
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        let t: Topology = "2A:2F".parse().unwrap();
+        let mut c = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
+        c.experts_per_rank = usize::MAX / 2 + 1;
+        assert!(c.validate().is_err());
     }
 }

@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
+/// The most ranks of one kind a topology may have ([`Topology::validate`]).
+pub const MAX_RANKS: usize = 1 << 16;
+
 /// The roles of the ranks of one exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Topology {
@@ -53,7 +56,8 @@ impl Topology {
     /// Total number of ranks.
     pub fn world_size(&self) -> usize {
         match *self {
-            Topology::Afd { attention, ffn } => attention + ffn,
+            // saturating: a topology is validated after it is parsed
+            Topology::Afd { attention, ffn } => attention.saturating_add(ffn),
             Topology::Classic { ranks } => ranks,
         }
     }
@@ -137,10 +141,16 @@ impl Topology {
                 if attention == 0 || ffn == 0 {
                     return Err(bad("needs at least one attention and one FFN rank"));
                 }
+                if attention > MAX_RANKS || ffn > MAX_RANKS {
+                    return Err(bad("more than 65536 ranks on one side"));
+                }
             }
             Topology::Classic { ranks } => {
                 if ranks == 0 {
                     return Err(bad("needs at least one rank"));
+                }
+                if ranks > MAX_RANKS {
+                    return Err(bad("more than 65536 ranks"));
                 }
             }
         }
