@@ -501,6 +501,7 @@ fn location(e: &RouteError) -> (usize, Option<(usize, usize)>) {
         } => (rank, Some((token, slot))),
         RouteError::OverCapacity { rank, .. }
         | RouteError::NonFinitePayload { rank, .. }
+        | RouteError::NonFiniteLogit { rank, .. }
         | RouteError::Malformed { rank, .. } => (rank, None),
     }
 }

@@ -41,7 +41,7 @@ fn check_logits(
                 .sum::<f32>()
                 * 1e-5;
             let (a, b) = (got[i * e + j], want[i * e + j]);
-            if !((a - b).abs() <= bound.max(1e-30)) {
+            if (a - b).abs() > bound.max(1e-30) || !a.is_finite() {
                 return Some(format!(
                     "T={t} H={h} E={e} ({i},{j}): {a} vs {b} (bound {bound})"
                 ));
