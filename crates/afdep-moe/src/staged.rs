@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use afdep_core::fp8::{self, QuantisedRows};
 use afdep_core::layout::{
-    FfnPlan, compact_slots, copy_plan, payload_first_slabs, return_positions,
+    FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
 };
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
@@ -111,65 +111,68 @@ impl<T: Transport> StagedEngine<T> {
     ) -> Result<RoundOutput, ExchangeError> {
         let rank = self.rank();
         let cfg = self.cfg.clone();
-        let topo = cfg.topology;
         let p = cfg.placement();
-        let (h, k) = (cfg.hidden, cfg.top_k);
-        let nf = p.ffn_ranks;
-        let world = topo.world_size();
-        let src_index = topo.attention_index(rank);
-        let ffn_index = topo.ffn_index(rank);
+        let ffn_index = cfg.topology.ffn_index(rank);
         let mut times = PhaseTimes::default();
 
         // 1. status + counts
         let t0 = Instant::now();
         let sources = count_phase(&cfg, &mut self.transport, input)?;
-        let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
+        let plans: Vec<FfnPlan> = (0..p.ffn_ranks)
+            .map(|f| FfnPlan::build(f, &p, &sources))
+            .collect();
         times.counts = t0.elapsed();
 
-        // 2-3. dispatch: compact slabs with metadata
+        // 2-3. dispatch: compact slabs with metadata, expanded on the FFN rank
         let t1 = Instant::now();
-        let row_bytes = dispatch_row_bytes(&cfg);
-        let g = fp8::scales_per_row(h);
-        let is_fp8 = cfg.payload == PayloadKind::Fp8E4m3;
+        let bytes = self.dispatch(rank, input, &sources)?;
+        let mut received = None;
+        let mut y_rows: Vec<bf16> = Vec::new();
+        if let (Some(f), Some(bytes)) = (ffn_index, bytes) {
+            let rx = expand(&cfg, f, &plans[f], &sources, &bytes);
+            times.dispatch = t1.elapsed();
+
+            // 4. experts
+            let t2 = Instant::now();
+            y_rows = apply_experts(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
+            times.experts = t2.elapsed();
+            received = Some(rx);
+        } else {
+            times.dispatch = t1.elapsed();
+        }
+
+        // 5. combine
+        let t3 = Instant::now();
+        let combined = self.combine(rank, input, &sources, &plans, &y_rows)?;
+        times.combine = t3.elapsed();
+        Ok(RoundOutput {
+            combined,
+            received,
+            times,
+        })
+    }
+
+    /// The dispatch all-to-all-v: a source sends each FFN rank its payload-first slab; an FFN
+    /// rank gets every source's message, concatenated in source order (`None` elsewhere). The
+    /// buffers are sized for the combine too.
+    fn dispatch(
+        &mut self,
+        rank: usize,
+        input: Option<&SourceInput>,
+        sources: &[SourceCounts],
+    ) -> Result<Option<Vec<u8>>, ExchangeError> {
+        let cfg = &self.cfg;
+        let topo = cfg.topology;
+        let h = cfg.hidden;
+        let world = topo.world_size();
+        let (src_index, ffn_index) = (topo.attention_index(rank), topo.ffn_index(rank));
+        let row_bytes = dispatch_row_bytes(cfg);
         let mut send_spans = vec![Span { offset: 0, len: 0 }; world];
         let mut recv_spans = vec![Span { offset: 0, len: 0 }; world];
-        let mut packed: Vec<u8> = Vec::new();
-        if let (Some(s), Some(inp)) = (src_index, input) {
-            // fp8: every row is quantised once (the count phase checked that the rows that
-            // travel are finite; rows of fully masked tokens never travel)
-            let quantised = is_fp8.then(|| QuantisedRows::of(&inp.x, h));
-            for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
-                let start = packed.len();
-                match &quantised {
-                    None => {
-                        for &t in slab {
-                            let t = t as usize;
-                            packed.extend_from_slice(u8s_of(&inp.x[t * h..(t + 1) * h]));
-                        }
-                    }
-                    Some(q) => {
-                        for &t in slab {
-                            let t = t as usize;
-                            packed.extend_from_slice(&q.q[t * h..(t + 1) * h]);
-                        }
-                        for &t in slab {
-                            let t = t as usize;
-                            packed.extend_from_slice(u8s_of(&q.scales[t * g..(t + 1) * g]));
-                        }
-                    }
-                }
-                packed.extend_from_slice(u8s_of(slab));
-                let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
-                packed.extend_from_slice(u8s_of(&ids));
-                packed.extend_from_slice(u8s_of(&ws));
-                debug_assert_eq!(packed.len() - start, slab.len() * row_bytes);
-                debug_assert_eq!(slab.len() as u64, sources[s].ffn_tokens[f]);
-                send_spans[topo.ffn_rank(f)] = Span {
-                    offset: start as u64,
-                    len: (packed.len() - start) as u64,
-                };
-            }
-        }
+        let packed = match (src_index, input) {
+            (Some(s), Some(inp)) => pack_dispatch(cfg, s, inp, sources, &mut send_spans),
+            _ => Vec::new(),
+        };
         let mut recv_total = 0u64;
         if let Some(f) = ffn_index {
             for (s, c) in sources.iter().enumerate() {
@@ -197,94 +200,31 @@ impl<T: Transport> StagedEngine<T> {
         let recv = self.recv.as_mut().expect("allocated");
         self.transport
             .all_to_all_v(send, &send_spans, recv, &recv_spans)?;
-
-        let mut received = None;
-        let mut y_rows: Vec<bf16> = Vec::new();
-        if let Some(f) = ffn_index {
-            let plan = plans[f].clone();
-            let mut compact_tokens = Vec::new();
-            let mut compact_x = Vec::new();
-            let mut compact_ids = Vec::new();
-            let mut compact_weights = Vec::new();
-            let mut compact_q: Vec<u8> = Vec::new();
-            let mut compact_scales: Vec<f32> = Vec::new();
-            let mut bytes = vec![0u8; recv_total as usize];
-            recv.read(0, &mut bytes)?;
-            for (s, c) in sources.iter().enumerate() {
-                let n = c.ffn_tokens[f] as usize;
-                let base = recv_spans[topo.attention_ranks().start + s].offset as usize;
-                let msg = &bytes[base..base + n * row_bytes];
-                let rest = if is_fp8 {
-                    let (qs, rest) = msg.split_at(n * h);
-                    let (scales, rest) = rest.split_at(n * g * 4);
-                    let scales: Vec<f32> = bytemuck::pod_collect_to_vec(scales);
-                    let at = compact_x.len();
-                    compact_x.resize(at + n * h, bf16::ZERO);
-                    for (i, (q, sc)) in qs.chunks(h).zip(scales.chunks(g)).enumerate() {
-                        let out = &mut compact_x[at + i * h..at + (i + 1) * h];
-                        fp8::dequantise_row(q, sc, out);
-                    }
-                    compact_q.extend_from_slice(qs);
-                    compact_scales.extend(scales);
-                    rest
-                } else {
-                    let (xs, rest) = msg.split_at(n * h * 2);
-                    compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(xs));
-                    rest
-                };
-                let (toks, rest) = rest.split_at(n * 4);
-                let (ids, ws) = rest.split_at(n * k * 4);
-                let toks: Vec<u32> = bytemuck::pod_collect_to_vec(toks);
-                compact_tokens.extend(toks.into_iter().map(|t| (s as u32, t)));
-                compact_ids.extend(bytemuck::pod_collect_to_vec::<u8, i32>(ids));
-                compact_weights.extend(bytemuck::pod_collect_to_vec::<u8, f32>(ws));
-            }
-            let total = plan.total_rows() as usize;
-            let mut expanded = vec![bf16::ZERO; total * h];
-            let mut fp8_rx = is_fp8.then(|| Fp8Received {
-                expanded_q: vec![0; total * h],
-                expanded_scales: vec![0.0; total * g],
-                compact_q,
-                compact_scales,
-            });
-            for (row, dst) in copy_plan(&compact_ids, k, &plan.expert_offsets) {
-                let (row, dst) = (row as usize, dst as usize);
-                expanded[dst * h..(dst + 1) * h]
-                    .copy_from_slice(&compact_x[row * h..(row + 1) * h]);
-                if let Some(Fp8Received {
-                    expanded_q,
-                    expanded_scales,
-                    compact_q,
-                    compact_scales,
-                }) = fp8_rx.as_mut()
-                {
-                    expanded_q[dst * h..(dst + 1) * h]
-                        .copy_from_slice(&compact_q[row * h..(row + 1) * h]);
-                    expanded_scales[dst * g..(dst + 1) * g]
-                        .copy_from_slice(&compact_scales[row * g..(row + 1) * g]);
-                }
-            }
-            times.dispatch = t1.elapsed();
-
-            // 4. experts
-            let t2 = Instant::now();
-            y_rows = apply_experts(&cfg, rank, f, &plan, &expanded, expert)?;
-            times.experts = t2.elapsed();
-            received = Some(FfnReceived {
-                plan,
-                expanded,
-                compact_tokens,
-                compact_x,
-                compact_ids,
-                compact_weights,
-                fp8: fp8_rx,
-            });
-        } else {
-            times.dispatch = t1.elapsed();
+        if ffn_index.is_none() {
+            return Ok(None);
         }
+        let mut bytes = vec![0u8; recv_total as usize];
+        recv.read(0, &mut bytes)?;
+        Ok(Some(bytes))
+    }
 
-        // 5. combine
-        let t3 = Instant::now();
+    /// The combine all-to-all-v: an FFN rank returns each source its blocks (in local-expert
+    /// order), and a source combines what every FFN rank returned in the oracle's fixed order
+    /// (its combined rows; `None` on FFN-only ranks).
+    fn combine(
+        &mut self,
+        rank: usize,
+        input: Option<&SourceInput>,
+        sources: &[SourceCounts],
+        plans: &[FfnPlan],
+        y_rows: &[bf16],
+    ) -> Result<Option<Vec<bf16>>, ExchangeError> {
+        let cfg = &self.cfg;
+        let topo = cfg.topology;
+        let p = cfg.placement();
+        let h = cfg.hidden;
+        let world = topo.world_size();
+        let (src_index, ffn_index) = (topo.attention_index(rank), topo.ffn_index(rank));
         let mut send_spans = vec![Span { offset: 0, len: 0 }; world];
         let mut recv_spans = vec![Span { offset: 0, len: 0 }; world];
         let mut back: Vec<u8> = Vec::new();
@@ -305,7 +245,7 @@ impl<T: Transport> StagedEngine<T> {
         }
         let mut off = 0u64;
         if let Some(s) = src_index {
-            for f in 0..nf {
+            for f in 0..p.ffn_ranks {
                 let len = sources[s].ffn_rows[f] * h as u64 * 2;
                 recv_spans[topo.ffn_rank(f)] = Span { offset: off, len };
                 off += len;
@@ -316,35 +256,164 @@ impl<T: Transport> StagedEngine<T> {
         let recv = self.recv.as_mut().expect("allocated");
         self.transport
             .all_to_all_v(send, &send_spans, recv, &recv_spans)?;
-        let mut combined = None;
-        if let (Some(s), Some(inp)) = (src_index, input) {
-            let mut bytes = vec![0u8; off as usize];
-            recv.read(0, &mut bytes)?;
-            let rows: Vec<Vec<bf16>> = (0..nf)
-                .map(|f| {
-                    let sp = recv_spans[topo.ffn_rank(f)];
-                    bytemuck::pod_collect_to_vec(
-                        &bytes[sp.offset as usize..(sp.offset + sp.len) as usize],
-                    )
-                })
-                .collect();
-            let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
-            let pos = return_positions(&inp.routes, &p, &sources[s]);
-            let out = combine_source(
-                &inp.routes,
-                h,
-                |e| p.owner(e).expect("validated"),
-                |i| pos[i].expect("unmasked").row,
-                &refs,
-            );
-            combined = Some(out);
+        let (Some(s), Some(inp)) = (src_index, input) else {
+            return Ok(None);
+        };
+        let mut bytes = vec![0u8; off as usize];
+        recv.read(0, &mut bytes)?;
+        let rows: Vec<Vec<bf16>> = (0..p.ffn_ranks)
+            .map(|f| {
+                let sp = recv_spans[topo.ffn_rank(f)];
+                bytemuck::pod_collect_to_vec(
+                    &bytes[sp.offset as usize..(sp.offset + sp.len) as usize],
+                )
+            })
+            .collect();
+        let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
+        let pos = return_positions(&inp.routes, &p, &sources[s]);
+        Ok(Some(combine_source(
+            &inp.routes,
+            h,
+            |e| p.owner(e).expect("validated"),
+            |i| pos[i].expect("unmasked").row,
+            &refs,
+        )))
+    }
+}
+
+/// Source `s`'s dispatch messages, one per FFN rank (its payload-first slab: each token once,
+/// in token order; fp8: every row quantised once), concatenated; sets each FFN rank's span in
+/// `send_spans`.
+fn pack_dispatch(
+    cfg: &ExchangeConfig,
+    s: usize,
+    inp: &SourceInput,
+    sources: &[SourceCounts],
+    send_spans: &mut [Span],
+) -> Vec<u8> {
+    let p = cfg.placement();
+    let h = cfg.hidden;
+    let g = fp8::scales_per_row(h);
+    let row_bytes = dispatch_row_bytes(cfg);
+    let mut packed: Vec<u8> = Vec::new();
+    // fp8: every row is quantised once (the count phase checked that the rows that travel are
+    // finite; rows of fully masked tokens never travel)
+    let quantised = (cfg.payload == PayloadKind::Fp8E4m3).then(|| QuantisedRows::of(&inp.x, h));
+    for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
+        let start = packed.len();
+        match &quantised {
+            None => {
+                for &t in slab {
+                    let t = t as usize;
+                    packed.extend_from_slice(u8s_of(&inp.x[t * h..(t + 1) * h]));
+                }
+            }
+            Some(q) => {
+                for &t in slab {
+                    let t = t as usize;
+                    packed.extend_from_slice(&q.q[t * h..(t + 1) * h]);
+                }
+                for &t in slab {
+                    let t = t as usize;
+                    packed.extend_from_slice(u8s_of(&q.scales[t * g..(t + 1) * g]));
+                }
+            }
         }
-        times.combine = t3.elapsed();
-        Ok(RoundOutput {
-            combined,
-            received,
-            times,
-        })
+        packed.extend_from_slice(u8s_of(slab));
+        let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
+        packed.extend_from_slice(u8s_of(&ids));
+        packed.extend_from_slice(u8s_of(&ws));
+        debug_assert_eq!(packed.len() - start, slab.len() * row_bytes);
+        debug_assert_eq!(slab.len() as u64, sources[s].ffn_tokens[f]);
+        send_spans[cfg.topology.ffn_rank(f)] = Span {
+            offset: start as u64,
+            len: (packed.len() - start) as u64,
+        };
+    }
+    packed
+}
+
+/// FFN rank `f`'s view of the dispatch messages `bytes` (every source's, in source order): the
+/// compact view, then the expanded layout by the copy epilogue ([`copy_plan`]); fp8: codes and
+/// scales of both views, and the dequantised rows.
+fn expand(
+    cfg: &ExchangeConfig,
+    f: usize,
+    plan: &FfnPlan,
+    sources: &[SourceCounts],
+    bytes: &[u8],
+) -> FfnReceived {
+    let (h, k) = (cfg.hidden, cfg.top_k);
+    let g = fp8::scales_per_row(h);
+    let is_fp8 = cfg.payload == PayloadKind::Fp8E4m3;
+    let row_bytes = dispatch_row_bytes(cfg);
+    let mut compact_tokens = Vec::new();
+    let mut compact_x = Vec::new();
+    let mut compact_ids = Vec::new();
+    let mut compact_weights = Vec::new();
+    let mut compact_q: Vec<u8> = Vec::new();
+    let mut compact_scales: Vec<f32> = Vec::new();
+    let mut base = 0;
+    for (s, c) in sources.iter().enumerate() {
+        let n = c.ffn_tokens[f] as usize;
+        let msg = &bytes[base..base + n * row_bytes];
+        base += n * row_bytes;
+        let rest = if is_fp8 {
+            let (qs, rest) = msg.split_at(n * h);
+            let (scales, rest) = rest.split_at(n * g * 4);
+            let scales: Vec<f32> = bytemuck::pod_collect_to_vec(scales);
+            let at = compact_x.len();
+            compact_x.resize(at + n * h, bf16::ZERO);
+            for (i, (q, sc)) in qs.chunks(h).zip(scales.chunks(g)).enumerate() {
+                let out = &mut compact_x[at + i * h..at + (i + 1) * h];
+                fp8::dequantise_row(q, sc, out);
+            }
+            compact_q.extend_from_slice(qs);
+            compact_scales.extend(scales);
+            rest
+        } else {
+            let (xs, rest) = msg.split_at(n * h * 2);
+            compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(xs));
+            rest
+        };
+        let (toks, rest) = rest.split_at(n * 4);
+        let (ids, ws) = rest.split_at(n * k * 4);
+        let toks: Vec<u32> = bytemuck::pod_collect_to_vec(toks);
+        compact_tokens.extend(toks.into_iter().map(|t| (s as u32, t)));
+        compact_ids.extend(bytemuck::pod_collect_to_vec::<u8, i32>(ids));
+        compact_weights.extend(bytemuck::pod_collect_to_vec::<u8, f32>(ws));
+    }
+    let total = plan.total_rows() as usize;
+    let mut expanded = vec![bf16::ZERO; total * h];
+    let mut fp8_rx = is_fp8.then(|| Fp8Received {
+        expanded_q: vec![0; total * h],
+        expanded_scales: vec![0.0; total * g],
+        compact_q,
+        compact_scales,
+    });
+    for (row, dst) in copy_plan(&compact_ids, k, &plan.expert_offsets) {
+        let (row, dst) = (row as usize, dst as usize);
+        expanded[dst * h..(dst + 1) * h].copy_from_slice(&compact_x[row * h..(row + 1) * h]);
+        if let Some(Fp8Received {
+            expanded_q,
+            expanded_scales,
+            compact_q,
+            compact_scales,
+        }) = fp8_rx.as_mut()
+        {
+            expanded_q[dst * h..(dst + 1) * h].copy_from_slice(&compact_q[row * h..(row + 1) * h]);
+            expanded_scales[dst * g..(dst + 1) * g]
+                .copy_from_slice(&compact_scales[row * g..(row + 1) * g]);
+        }
+    }
+    FfnReceived {
+        plan: plan.clone(),
+        expanded,
+        compact_tokens,
+        compact_x,
+        compact_ids,
+        compact_weights,
+        fp8: fp8_rx,
     }
 }
 

@@ -1,0 +1,483 @@
+//! The arguments of `afdep exchange`: the flags, the arms, payloads, faults and experts they
+//! name, and what a run uses once the config file, the flags and the defaults are merged.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, Topology};
+use afdep_moe::FusedEngine;
+use afdep_transport::{TransportConfig, TransportKind, TransportOptions};
+use anyhow::{Result, bail};
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::Backend;
+use crate::exchange_config::{ExchangeFile, KnobsFile};
+
+/// Which transport moves the rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TransportArg {
+    /// In-process ranks as threads, host memory.
+    Loopback,
+    /// TCP through the bootstrap (`HostTcp`), relayed by rank 0: always available.
+    Tcp,
+    /// NVLink-IPC (CUDA IPC / peer access): ranks as threads sharing one GPU or on several,
+    /// or one process per rank with `--multi-process`; the fused engine's transport.
+    #[value(alias = "nvlink-ipc")]
+    Nvlink,
+    /// NCCL grouped send/recv on device memory (cargo feature `nccl`, libnccl, one GPU per rank).
+    Nccl,
+    /// UCX tagged messages on host memory (cargo feature `ucx`; `--ucx-tls` picks tcp or shm).
+    Ucx,
+}
+
+impl TransportArg {
+    /// The transport kind this names.
+    pub fn kind(self) -> TransportKind {
+        match self {
+            TransportArg::Loopback => TransportKind::Loopback,
+            TransportArg::Tcp => TransportKind::HostTcp,
+            TransportArg::Nvlink => TransportKind::NvlinkIpc,
+            TransportArg::Nccl => TransportKind::Nccl,
+            TransportArg::Ucx => TransportKind::Ucx,
+        }
+    }
+}
+
+/// A dispatch arm of the exchange (brief section 4, the reference record's arms).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, ValueEnum, Serialize, Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArmArg {
+    /// Payload-first: rows into per-source slabs, then the copy epilogue (the record's `C`).
+    PayloadFirst,
+    /// Count-first with the streaming epilogue (the record's `CF`).
+    CountFirst,
+    /// Count-first, source arm: rows stored straight to their expanded positions (`CF_src`).
+    CountFirstSource,
+    /// The arm of the token-bucket rule, round by round (`--min-token-bucket`: count-first
+    /// when the largest source's token count reaches it, payload-first below): eager rounds
+    /// choose it on the host; with `--graph`, one graph holds every arm and the device chooses.
+    Auto,
+}
+
+impl ArmArg {
+    /// The text form (as on the command line).
+    pub fn name(self) -> &'static str {
+        match self {
+            ArmArg::PayloadFirst => "payload-first",
+            ArmArg::CountFirst => "count-first",
+            ArmArg::CountFirstSource => "count-first-source",
+            ArmArg::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for ArmArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The exchange engine a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    /// [`StagedEngine`]: host-driven, any transport.
+    Staged,
+    /// [`FusedEngine`]: GPU-initiated stores over NVLink-IPC.
+    Fused,
+}
+
+impl EngineKind {
+    /// The name in rows and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Staged => "staged",
+            EngineKind::Fused => "fused",
+        }
+    }
+
+    /// The dispatch arms this engine runs today. The staged engine's one protocol is
+    /// payload-first (per-source slabs, then the copy epilogue on the FFN rank). When the fused
+    /// engine gains an arm, listing it here (and passing it on in [`select_arm`]) is the change.
+    pub fn arms(self) -> &'static [ArmArg] {
+        match self {
+            EngineKind::Staged => &[ArmArg::PayloadFirst],
+            EngineKind::Fused => &[
+                ArmArg::PayloadFirst,
+                ArmArg::CountFirst,
+                ArmArg::CountFirstSource,
+                ArmArg::Auto,
+            ],
+        }
+    }
+
+    /// The payload formats this engine moves today.
+    pub fn payloads(self) -> &'static [PayloadKind] {
+        match self {
+            EngineKind::Staged | EngineKind::Fused => &[PayloadKind::Bf16, PayloadKind::Fp8E4m3],
+        }
+    }
+}
+
+/// The exit status of `afdep exchange` when it was asked for an arm or a payload that its engine
+/// does not support ([`Unsupported`]).
+pub const EXIT_UNSUPPORTED: i32 = 3;
+
+/// An arm or payload the engine does not support (yet).
+#[derive(Debug, thiserror::Error)]
+#[error("unsupported: the {engine} engine has no {what} (it runs: {have})")]
+pub struct Unsupported {
+    /// The engine.
+    pub engine: &'static str,
+    /// What was asked for (`arm count-first`, `payload fp8_e4m3`).
+    pub what: String,
+    /// What it supports.
+    pub have: String,
+}
+
+/// Payload formats on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PayloadArg {
+    /// bf16 rows.
+    Bf16,
+    /// fp8 e4m3 rows, one f32 scale per 128 channels per token.
+    #[value(alias = "fp8-e4m3")]
+    Fp8,
+}
+
+impl From<PayloadArg> for PayloadKind {
+    fn from(p: PayloadArg) -> PayloadKind {
+        match p {
+            PayloadArg::Bf16 => PayloadKind::Bf16,
+            PayloadArg::Fp8 => PayloadKind::Fp8E4m3,
+        }
+    }
+}
+
+/// A fault injected for tests of the failure paths: `reject@R:N` (attention rank R's routes of
+/// timed round N get an expert id past the last expert: every rank must report that rank's
+/// rejection and the next round must run) or `abort@R:N` (rank R aborts its process in timed
+/// round N: inside its experts when it is an FFN rank, so mid-round; before the round
+/// otherwise; `--multi-process` only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// A rejected route on one rank.
+    Reject {
+        /// The (attention) rank.
+        rank: usize,
+        /// The timed round.
+        round: usize,
+    },
+    /// A process that dies mid-round.
+    Abort {
+        /// The rank.
+        rank: usize,
+        /// The timed round.
+        round: usize,
+    },
+}
+
+impl FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Fault, String> {
+        let bad = || format!("bad fault {s:?}: expected reject@RANK:ROUND or abort@RANK:ROUND");
+        let (what, at) = s.split_once('@').ok_or_else(bad)?;
+        let (r, n) = at.split_once(':').ok_or_else(bad)?;
+        let rank = r.trim().parse().map_err(|_| bad())?;
+        let round = n.trim().parse().map_err(|_| bad())?;
+        match what.trim() {
+            "reject" => Ok(Fault::Reject { rank, round }),
+            "abort" => Ok(Fault::Abort { rank, round }),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// What the FFN ranks compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExpertArg {
+    /// The layer's SwiGLU experts (random parameters from the seed, or `w1`, `w3`, `w2` from `--input`).
+    Swiglu,
+    /// Each expert returns its rows unchanged (measures the exchange alone).
+    Identity,
+}
+
+/// Arguments of `afdep exchange`.
+#[derive(Debug, Clone, Args)]
+pub struct ExchangeArgs {
+    /// Where to run: `cuda` is the fused engine (needs `--transport nvlink`), `cpu` the staged
+    /// engine (any transport), `auto` the fused engine over nvlink and the staged one otherwise.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: Backend,
+    /// A TOML or JSON file with the exchange configuration and the transport (see
+    /// `exchange_config`); the flags below override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The transport [default: the config file's, else loopback].
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+    /// The dispatch arm (an arm the engine does not have fails with exit status 3).
+    #[arg(long, value_enum, default_value = "payload-first")]
+    pub arm: ArmArg,
+    /// Time CUDA-graph replays instead of eager rounds (`--backend cuda` only): every rank
+    /// captures one device round of the arm once (`auto`: one graph of every arm, the arm
+    /// chosen on the device each replay), then replays it with each token count's input; a
+    /// row's `round_us` is the median over its rounds of the slowest rank's device time of the
+    /// whole replay (CUDA events around the graph launch, after a barrier). Per-phase times come
+    /// from eager rounds only (`dispatch_us` and `combine_us` are null in graph rows). The
+    /// experts run on the device (`identity`: bit-exact; `swiglu`: the grouped GEMM, checked
+    /// within the bf16 tolerance).
+    #[arg(long)]
+    pub graph: bool,
+    /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
+    #[arg(long)]
+    pub topology: Option<Topology>,
+    /// Tokens per attention rank, comma-separated; one row per count. Ignored with `--input`.
+    #[arg(long, default_value = "1,8,32,128,512,1024,2048")]
+    pub tokens: crate::TokenList,
+    /// Hidden size [default: 2048].
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Number of experts [default: 128].
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts per FFN rank (default: experts / FFN ranks, rounded down; ids beyond the
+    /// placed experts are "dummy" and rejected).
+    #[arg(long)]
+    pub experts_per_rank: Option<usize>,
+    /// Slots per token [default: 8].
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Width of the SwiGLU experts.
+    #[arg(long, default_value_t = 128)]
+    pub width: usize,
+    /// Most tokens per attention rank [default: 2048].
+    #[arg(long)]
+    pub capacity: Option<usize>,
+    /// Dispatch payload [default: bf16].
+    #[arg(long, value_enum)]
+    pub payload: Option<PayloadArg>,
+    /// Knob: SMs of the dispatch and combine kernels [default: 24].
+    #[arg(long)]
+    pub transport_sms: Option<u32>,
+    /// Knob: most SMs of the epilogue [default: 16].
+    #[arg(long)]
+    pub epilogue_sm_cap: Option<u32>,
+    /// Knob: the epilogue's payload gate, `true` or `false` [default: true].
+    #[arg(long)]
+    pub payload_gate: Option<bool>,
+    /// Knob: warps per epilogue work unit [default: 4].
+    #[arg(long)]
+    pub warps_per_unit: Option<u32>,
+    /// Knob: minimum rows per epilogue work unit [default: 8].
+    #[arg(long)]
+    pub min_rows_per_unit: Option<u32>,
+    /// Knob: the smallest largest-source token count that uses count-first [default: 2048].
+    #[arg(long)]
+    pub min_token_bucket: Option<usize>,
+    /// The FFN computation.
+    #[arg(long, value_enum, default_value = "swiglu")]
+    pub expert: ExpertArg,
+    /// Timed rounds per token count (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Untimed rounds before the timed ones, per token count.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Run as one rank of a group started by `afdep launch` (rank, world size and rendezvous
+    /// from the environment); rank 0 prints the rows.
+    #[arg(long)]
+    pub multi_process: bool,
+    /// UCX: the UCX transports (`tcp`, `shm`, `tcp,shm`; default: UCX's choice / `UCX_TLS`).
+    #[arg(long)]
+    pub ucx_tls: Option<String>,
+    /// NCCL, nvlink, device buffers: the CUDA device of every rank (default: rank modulo the
+    /// device count).
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// nvlink: rank r on GPU r (refused when the machine has fewer GPUs than ranks); without
+    /// it, nvlink ranks may share a GPU.
+    #[arg(long)]
+    pub one_gpu_per_rank: bool,
+    /// tcp, ucx: device buffers (CUDA device `--device`) staged through host memory
+    /// (cargo feature `cuda`, implied by `nccl`).
+    #[arg(long)]
+    pub device_buffers: bool,
+    /// Inject a fault (tests): `reject@RANK:ROUND` or `abort@RANK:ROUND`.
+    #[arg(long)]
+    pub fault: Option<Fault>,
+    /// Also append the rows to this JSONL file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Also write the table of the rows to this markdown file.
+    #[arg(long)]
+    pub table: Option<PathBuf>,
+    /// Seed of tokens, router and experts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Bound on every transport wait, in milliseconds [default: the config file's, else 30000].
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+    /// Read per-rank `x.r`, `topk_idx.r`, `topk_weights.r` (and optionally `w1`, `w3`, `w2`).
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// Write per-rank outputs `y.r`.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Skip the comparison with the oracle's exchange reference.
+    #[arg(long)]
+    pub no_verify: bool,
+}
+
+/// What a run uses once the config file, the flags and the defaults are merged.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The exchange configuration (validated).
+    pub cfg: ExchangeConfig,
+    /// The transport kind.
+    pub kind: TransportKind,
+    /// Its options (with `--timeout-ms` and the device flags applied).
+    pub options: TransportOptions,
+    /// The engine.
+    pub engine: EngineKind,
+}
+
+impl ExchangeArgs {
+    /// Merges the config file (if any), the flags and the defaults, checks the result, and
+    /// picks the engine. Errors name the file and field, or the flag.
+    pub fn resolve(&self) -> Result<Resolved> {
+        let file = match &self.config {
+            Some(p) => ExchangeFile::read(p)?,
+            None => ExchangeFile::default(),
+        };
+        let topology = self
+            .topology
+            .or(file.topology)
+            .unwrap_or_else(|| "3A:1F".parse().expect("a topology"));
+        let experts = self.experts.or(file.experts).unwrap_or(128);
+        let mut knobs = ExchangeKnobs::default();
+        file.knobs.apply(
+            &KnobsFile {
+                min_token_bucket: self.min_token_bucket,
+                epilogue_sm_cap: self.epilogue_sm_cap,
+                payload_gate: self.payload_gate,
+                warps_per_unit: self.warps_per_unit,
+                min_rows_per_unit: self.min_rows_per_unit,
+                transport_sms: self.transport_sms,
+            },
+            &mut knobs,
+        );
+        let cfg = ExchangeConfig {
+            topology,
+            hidden: self.hidden.or(file.hidden).unwrap_or(2048),
+            experts,
+            experts_per_rank: self
+                .experts_per_rank
+                .or(file.experts_per_rank)
+                .unwrap_or(experts / topology.ffn_count().max(1)),
+            top_k: self.top_k.or(file.top_k).unwrap_or(8),
+            capacity: self.capacity.or(file.capacity).unwrap_or(2048),
+            payload: self
+                .payload
+                .map(PayloadKind::from)
+                .or(file.payload)
+                .unwrap_or_default(),
+            knobs,
+        };
+        cfg.validate().map_err(|e| match &self.config {
+            Some(p) => anyhow::Error::new(crate::exchange_config::ConfigFileError::Invalid {
+                path: p.clone(),
+                source: e,
+            }),
+            None => anyhow::Error::new(e),
+        })?;
+        let file_transport = file
+            .transport
+            .clone()
+            .unwrap_or(TransportConfig::Kind(TransportKind::Loopback));
+        let kind = self
+            .transport
+            .map_or(file_transport.kind(), TransportArg::kind);
+        let mut options = file_transport.options();
+        if let Some(ms) = self.timeout_ms {
+            options.timeout = Duration::from_millis(ms);
+        }
+        if self.ucx_tls.is_some() {
+            options.ucx_tls = self.ucx_tls.clone();
+        }
+        if self.device.is_some() {
+            options.device = self.device;
+        }
+        options.device_buffers |= self.device_buffers;
+        options.one_gpu_per_rank |= self.one_gpu_per_rank;
+        let engine = match (self.backend, kind) {
+            (Backend::Cuda, TransportKind::NvlinkIpc) => EngineKind::Fused,
+            (Backend::Cuda, other) => bail!(
+                "--backend cuda is the fused engine, which runs over NVLink-IPC only: use \
+                 --transport nvlink (or --backend cpu for the staged engine over {other})"
+            ),
+            (Backend::Auto, TransportKind::NvlinkIpc) => EngineKind::Fused,
+            _ => EngineKind::Staged,
+        };
+        let file_sets = |f: fn(&afdep_transport::TransportTable) -> bool| matches!(&file.transport, Some(TransportConfig::Table(t)) if f(t));
+        if kind == TransportKind::NvlinkIpc {
+            // size the windows for this config unless the file set them
+            if !file_sets(|t| t.workspace_bytes.is_some()) {
+                options.workspace_bytes = match engine {
+                    EngineKind::Fused => FusedEngine::workspace_bytes(&cfg).div_ceil(256) * 256,
+                    EngineKind::Staged => 256,
+                };
+            }
+            if !file_sets(|t| t.staging_bytes.is_some()) {
+                options.staging_bytes = match engine {
+                    EngineKind::Fused => 256,
+                    EngineKind::Staged => staged_recv_bytes(&cfg).div_ceil(256) * 256,
+                };
+            }
+        }
+        Ok(Resolved {
+            cfg,
+            kind,
+            options,
+            engine,
+        })
+    }
+}
+
+/// The most bytes one rank of the staged engine receives in one all-to-all-v of `cfg`: an FFN
+/// rank's dispatch (every source's capacity of tokens with their ids and weights) or a source's
+/// combine (capacity × top-k rows).
+pub(super) fn staged_recv_bytes(cfg: &ExchangeConfig) -> usize {
+    let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+    let sources = cfg.topology.attention_count();
+    let dispatch = sources * cap * (2 * h + 4 + 8 * k);
+    let combine = cap * k * 2 * h;
+    dispatch.max(combine).max(1)
+}
+
+/// The checks of `--graph` against the other flags (a clear error).
+pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
+    if !a.graph {
+        return Ok(());
+    }
+    if a.backend != Backend::Cuda {
+        bail!(
+            "--graph replays CUDA graphs of the fused engine's device rounds: it needs \
+             --backend cuda (with --transport nvlink)"
+        );
+    }
+    if let Some(Fault::Abort { .. }) = a.fault {
+        bail!("--fault abort@..: not with --graph (the experts run on the device)");
+    }
+    Ok(())
+}
+
+/// `a, b, c` of the arms' names.
+pub(super) fn names(arms: &[ArmArg]) -> String {
+    arms.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+}
