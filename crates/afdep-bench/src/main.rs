@@ -28,6 +28,7 @@ mod moe_cmd;
 mod moe_gpu;
 mod report;
 mod report_png;
+mod shapes;
 mod tensor_file;
 
 /// Where a command runs.
