@@ -197,10 +197,15 @@ class LayerInputs:
         self.renormalize = meta.get("renormalize", "true").lower() == "true"
         seed = meta.get("seed")
         self.seed = int(seed) if seed is not None and seed.isdigit() else None
+        # the named shape (afdep moe --suite / --shape), carried into the peers' rows
+        self.shape_name = meta.get("shape")
 
     def shape_fields(self):
-        return dict(d_model=self.d_model, width=self.width, experts=self.experts,
-                    top_k=self.top_k, shared=self.shared, tokens=self.tokens)
+        f = dict(d_model=self.d_model, width=self.width, experts=self.experts,
+                 top_k=self.top_k, shared=self.shared, tokens=self.tokens)
+        if self.shape_name:
+            f["shape"] = self.shape_name
+        return f
 
 
 class LayerOutputs:
@@ -222,6 +227,29 @@ class LayerOutputs:
 # The tolerances of afdep_moe::accuracy (OUT_TOL, DX_TOL, GRAD_TOL), doubled: a peer is compared
 # with afdep's outputs, and neither side is the reference, so each may be off by its own bound.
 PEER_TOL = {"out_err": 2 * 4 / 256, "gx_err": 2 * 6 / 256, "gw_err": 2 * 5 / 256}
+
+
+# afdep_moe::accuracy's tolerances (OUT_TOL, DX_TOL, GRAD_TOL): a peer against the f32 function
+# of the brief, which is the reference (the peer scripts compute it themselves: oracle_* fields).
+ORACLE_TOL = {"oracle_out_err": 4 / 256, "oracle_gx_err": 6 / 256, "oracle_gw_err": 5 / 256}
+
+
+def judge_oracle(row):
+    """Sets ``status`` to ``error_too_large`` (with a note) when an ``ok`` row's error against the
+    f32 oracle exceeds ORACLE_TOL or is not finite; errors not measured are left alone."""
+    if row.get("status") != "ok":
+        return row
+    bad = []
+    for k, tol in ORACLE_TOL.items():
+        v = row.get(k)
+        if v is None:
+            continue
+        if not math.isfinite(v) or v > tol:
+            bad.append(f"{k} {v:.3e} > {tol:.3e}")
+    if bad:
+        row["status"] = "error_too_large"
+        row["note"] = "against the f32 oracle: " + ", ".join(bad)
+    return row
 
 
 def judge(row):

@@ -7,7 +7,9 @@ The function is the one of the design brief, section 4, on the inputs afdep wrot
 - router: ``logits = x . Wr`` in f32, softmax in f32, top-k (``torch.topk``), weights
   renormalised over the k when the inputs say so;
 - dispatch "sorted": the (token, slot) pairs sorted by expert (stable), x gathered into
-  expert-sorted rows, per-expert row offsets;
+  expert-sorted rows, per-expert row offsets: counts by ``scatter_add_`` into E bins and their
+  ``cumsum``, all on the device (no ``bincount``, ``nonzero``, ``.item()`` or ``.cpu()``: the
+  step queues no host synchronisation, see ``--check-syncs``);
 - experts: ``torch._grouped_mm`` for W1 and W3, SwiGLU ``silu(a) * b``, ``torch._grouped_mm``
   for W2 (bf16 in and out, f32 accumulation inside the GEMMs);
 - shared expert: dense bf16 matmuls;
@@ -15,24 +17,43 @@ The function is the one of the design brief, section 4, on the inputs afdep wrot
   weights by one batched GEMM (``baddbmm``, f32 accumulation) onto the shared expert's output.
 
 The train step is the forward plus ``backward(dy)`` through autograd (gradients of x and of
-every parameter). Each measurement is the median (element n // 2 of the sorted times, as afdep
+every parameter). ``--impls eager,compile`` runs the same function eagerly (impl
+``torch_grouped_mm``) and through ``torch.compile`` (impl ``torch_compile``; compiled in the
+warm-ups), one row each, in one process.
+
+Correctness: after the timed runs, one more train step's outputs (y, dx, every parameter
+gradient) are compared with the oracle's function computed by this script independently, in
+f32 (:func:`oracle_errors`: the same router, then expert by expert the f32 SwiGLU forward and
+its hand-written backward, the shared expert by token chunks, the router's softmax and top-k
+renormalisation backward; no autograd, no f32 copy of all the weights at once):
+``oracle_out_err``, ``oracle_gx_err``, ``oracle_gw_err`` = ``max |peer - oracle| / max |oracle|``
+per tensor (the weight gradients: the largest over the tensors), judged against afdep's
+tolerances (moe_inputs.ORACLE_TOL; ``--no-oracle`` skips it).
+
+``--check-syncs`` makes any host synchronisation inside the timed runs an error: on a GPU
+through ``torch.cuda.set_sync_debug_mode("error")``, on the CPU by making the calls that
+synchronise on a GPU (``Tensor.item``, ``.cpu``, ``.tolist``, ``.numpy``, ``nonzero``,
+``bincount``, ``unique``, ``masked_select``, ``Tensor.__bool__``) raise; the row's status is
+``error`` with the call in ``note``. Each measurement is the median (element n // 2 of the sorted times, as afdep
 reports it) of ``--iters`` runs, each between its own pair of CUDA events, created before the
 runs and recorded back to back with no host sync in between, after ``--warmups`` runs. Then one
 more train step gives the outputs that are compared with afdep's (``--afdep-outputs DIR``,
 written by ``afdep moe --write-outputs DIR``): ``max |peer - afdep| / max |afdep|``.
 
 One JSON row per token count on stdout (and appended to ``--json-out``), with afdep's fields;
-``status`` is ``ok``, ``error_too_large`` (errors against afdep's outputs above twice afdep's
-tolerances, see moe_inputs.PEER_TOL), ``oom`` (out of memory, caught: the sweep goes on) or
-``error``.
+``status`` is ``ok``, ``error_too_large`` (errors against the f32 oracle above afdep's
+tolerances, or against afdep's outputs above twice them, see moe_inputs.PEER_TOL), ``oom``
+(out of memory, caught: the sweep goes on) or ``error``.
 Needs no network and no ``safetensors`` package. ``--device cpu`` runs on the CPU (for tests;
 times by the wall clock).
 
     python3 moe_torch.py --inputs DIR [--tokens 16384,131072] [--afdep-outputs DIR]
                          [--iters 10] [--warmups 3] [--json-out FILE] [--device cuda]
+                         [--impls eager,compile] [--check-syncs] [--no-oracle]
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -47,6 +68,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 IMPL = "torch_grouped_mm"
+IMPLS = {"eager": IMPL, "compile": "torch_compile"}
 
 
 def to_torch_bf16(bits, device):
@@ -56,7 +78,8 @@ def to_torch_bf16(bits, device):
 
 
 def moe(x, P, top_k, renormalize, aux=None):
-    """The layer's output, T x H bf16. ``aux`` (a dict) receives the routes' expert ids."""
+    """The layer's output, T x H bf16. ``aux`` (a dict) receives the routes' expert ids.
+    Queues no host synchronisation (the shapes of every tensor follow from x and P alone)."""
     T, H = x.shape
     E = P["wr"].shape[1]
     logits = x.float() @ P["wr"].float()
@@ -68,7 +91,11 @@ def moe(x, P, top_k, renormalize, aux=None):
         aux["topk_idx"] = topi.detach()
     flat = topi.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    if aux is not None and aux.get("inject_sync"):
+        offs = offs + int(counts.sum().item()) * 0  # a host sync, for the test of --check-syncs
     tok = order // top_k
     xs = x.index_select(0, tok)
     a = torch._grouped_mm(xs, P["w1"], offs=offs)
@@ -105,9 +132,10 @@ def max_rel_err(a, b, chunk=1 << 16):
 class Timer:
     """Median ms of ``iters`` runs after ``warmups``: CUDA events on a GPU, else wall clock."""
 
-    def __init__(self, device, iters, warmups):
+    def __init__(self, device, iters, warmups, check_syncs=False):
         self.cuda = device.type == "cuda"
         self.iters, self.warmups = iters, warmups
+        self.check_syncs = check_syncs
         if self.cuda:
             self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                            for _ in range(iters)]
@@ -117,30 +145,75 @@ class Timer:
             fn()
         if self.cuda:
             torch.cuda.synchronize()
-            for a, b in self.events:
-                a.record()
-                fn()
-                b.record()
+            with no_syncs(self.check_syncs, True):
+                for a, b in self.events:
+                    a.record()
+                    fn()
+                    b.record()
             torch.cuda.synchronize()
             return mi.median([a.elapsed_time(b) for a, b in self.events])
         ts = []
-        for _ in range(self.iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
+        with no_syncs(self.check_syncs, False):
+            for _ in range(self.iters):
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
         return mi.median(ts)
+
+
+class HostSync(RuntimeError):
+    """A host synchronisation inside a region that must have none."""
+
+
+# calls that make the host wait for the GPU (the CPU stand-in of set_sync_debug_mode)
+SYNCING = [(torch.Tensor, n) for n in ("item", "cpu", "tolist", "numpy", "nonzero", "bincount",
+                                       "unique", "masked_select", "__bool__")] + \
+          [(torch, n) for n in ("nonzero", "bincount", "unique", "masked_select")]
+
+
+@contextlib.contextmanager
+def no_syncs(enabled, cuda):
+    """Inside: a host synchronisation raises (``--check-syncs``)."""
+    if not enabled:
+        yield
+        return
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return
+    saved = [(owner, name, getattr(owner, name)) for owner, name in SYNCING]
+
+    def refuse(what):
+        def f(*_a, **_k):
+            raise HostSync(f"host synchronisation inside the timed region: {what}")
+        return f
+
+    try:
+        for owner, name, _ in saved:
+            setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+        yield
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
 
 
 def is_oom(e):
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def run_one(T, args, device, timer):
+def run_one(T, args, device, timer, impl="eager"):
+    """One row: ``impl`` (eager or compile) at ``T`` tokens."""
     inp = mi.LayerInputs(mi.inputs_path(args.inputs, T))
-    row = dict(inp.shape_fields(), impl=IMPL, dispatch="sorted", fwd_ms=None, train_ms=None,
-               out_err=None, gx_err=None, gw_err=None, status="error", peak_gib=None, digest=None,
+    row = dict(inp.shape_fields(), impl=IMPLS[impl], dispatch="sorted", fwd_ms=None,
+               train_ms=None, out_err=None, gx_err=None, gw_err=None, oracle_out_err=None,
+               oracle_gx_err=None, oracle_gw_err=None, status="error", peak_gib=None,
+               digest=None,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               torch=torch.__version__, iters=args.iters, seed=inp.seed, err_vs=None)
+               torch=torch.__version__, iters=args.iters, seed=inp.seed, err_vs=None,
+               syncs_checked=bool(args.check_syncs))
     state = {}
     try:
         if device.type == "cuda":
@@ -150,8 +223,10 @@ def run_one(T, args, device, timer):
         x = to_torch_bf16(inp.x, device).requires_grad_()
         state.update(P=P, x=x)
         k, rn = inp.top_k, inp.renormalize
+        opts = {"inject_sync": True} if args.debug_inject_sync else None
+        fn = moe if impl == "eager" else torch.compile(moe)
         with torch.no_grad():
-            row["fwd_ms"] = timer.time(lambda: moe(x, P, k, rn))
+            row["fwd_ms"] = timer.time(lambda: fn(x, P, k, rn, opts))
         if not args.no_train:
             if inp.dy is None:
                 raise ValueError(f"{inp.path} has no dy: the train step needs it")
@@ -162,7 +237,7 @@ def run_one(T, args, device, timer):
             def train():
                 for p in params:
                     p.grad = None
-                moe(x, P, k, rn).backward(dy)
+                fn(x, P, k, rn, opts).backward(dy)
 
             row["train_ms"] = timer.time(train)
         # one more step for the outputs (the train step's, or the forward's)
@@ -180,6 +255,13 @@ def run_one(T, args, device, timer):
             torch.cuda.synchronize()
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["status"] = "ok"
+        if not args.no_oracle:
+            grads = None if args.no_train else {n: t.grad for n, t in P.items()}
+            e = oracle_errors(x.detach(), {n: t.detach() for n, t in P.items()},
+                              state.get("dy"), k, rn, y, None if args.no_train else x.grad,
+                              grads)
+            row.update(e)
+            mi.judge_oracle(row)
         if args.afdep_outputs:
             compare(row, args.afdep_outputs, T, y, x, P, aux, device)
             mi.judge(row)
@@ -194,6 +276,130 @@ def run_one(T, args, device, timer):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     return row
+
+
+class MaxRel:
+    """Running ``max |a - b|`` and ``max |b|`` of one tensor compared in pieces."""
+
+    def __init__(self):
+        self.diff, self.scale, self.bad = 0.0, 0.0, False
+
+    def add(self, got, want):
+        got, want = got.float(), want.float()
+        if not bool(torch.isfinite(got).all()):
+            self.bad = True
+            return
+        if got.numel():
+            self.diff = max(self.diff, float((got - want).abs().max()))
+            self.scale = max(self.scale, float(want.abs().max()))
+
+    def value(self):
+        if self.bad:
+            return math.inf
+        if self.diff == 0.0:
+            return 0.0
+        return math.inf if self.scale == 0.0 else self.diff / self.scale
+
+
+def oracle_errors(x, P, dy, top_k, renormalize, y, dx, grads, chunk=1 << 15):
+    """The peer's outputs against the brief's function computed here in f32, independently of
+    :func:`moe`: ``oracle_out_err``, and with ``dy`` the train step's ``oracle_gx_err`` and
+    ``oracle_gw_err`` (max over the parameter gradients). Expert by expert (one expert's weights
+    in f32 at a time) and the shared expert by token chunks, so that the largest shapes fit next
+    to the peer's own tensors; the backward is written out (SwiGLU, the weighted sum, the top-k
+    renormalisation and the softmax), not taken from autograd."""
+    T, H = x.shape
+    E = P["wr"].shape[1]
+    f32 = torch.float32
+    train = dy is not None
+    xf = x.float()
+    wr = P["wr"].float()
+    probs = torch.softmax(xf @ wr, dim=-1)
+    topv, topi = torch.topk(probs, top_k, dim=-1)
+    ssum = topv.sum(dim=-1, keepdim=True)
+    g = topv / ssum if renormalize else topv
+    out = torch.zeros(T, H, dtype=f32, device=x.device)
+    dyf = dy.float() if train else None
+    dxf = torch.zeros(T, H, dtype=f32, device=x.device) if train else None
+    dg = torch.zeros(T, top_k, dtype=f32, device=x.device) if train else None
+    gw = {n: MaxRel() for n in P}
+    flat = topi.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts.tolist()
+    start = 0
+    for e in range(E):
+        n = counts[e]
+        if n == 0:
+            if train:
+                for name in ("w1", "w3", "w2"):
+                    gw[name].add(grads[name][e], torch.zeros_like(grads[name][e], dtype=f32))
+            continue
+        slots = order[start:start + n]
+        start += n
+        tok, kk = slots // top_k, slots % top_k
+        xe = xf.index_select(0, tok)
+        w1, w3, w2 = P["w1"][e].float(), P["w3"][e].float(), P["w2"][e].float()
+        a, b = xe @ w1, xe @ w3
+        sig = torch.sigmoid(a)
+        sa = a * sig
+        h = sa * b
+        ye = h @ w2
+        ge = g[tok, kk].unsqueeze(1)
+        out.index_add_(0, tok, ge * ye)
+        if train:
+            dye = dyf.index_select(0, tok)
+            dg[tok, kk] = (dye * ye).sum(dim=1)
+            dyw = dye * ge
+            dh = dyw @ w2.t()
+            da = dh * b * (sig * (1 + a * (1 - sig)))
+            db = dh * sa
+            dxf.index_add_(0, tok, da @ w1.t() + db @ w3.t())
+            gw["w1"].add(grads["w1"][e], xe.t() @ da)
+            gw["w3"].add(grads["w3"][e], xe.t() @ db)
+            gw["w2"].add(grads["w2"][e], h.t() @ dyw)
+    if "s1" in P:
+        s1, s3, s2 = P["s1"].float(), P["s3"].float(), P["s2"].float()
+        ds1 = torch.zeros_like(s1) if train else None
+        ds3 = torch.zeros_like(s3) if train else None
+        ds2 = torch.zeros_like(s2) if train else None
+        for i in range(0, T, chunk):
+            xc = xf[i:i + chunk]
+            a, b = xc @ s1, xc @ s3
+            sig = torch.sigmoid(a)
+            sa = a * sig
+            h = sa * b
+            out[i:i + chunk] += h @ s2
+            if train:
+                dyc = dyf[i:i + chunk]
+                dh = dyc @ s2.t()
+                da = dh * b * (sig * (1 + a * (1 - sig)))
+                db = dh * sa
+                dxf[i:i + chunk] += da @ s1.t() + db @ s3.t()
+                ds1 += xc.t() @ da
+                ds3 += xc.t() @ db
+                ds2 += h.t() @ dyc
+        if train:
+            gw["s1"].add(grads["s1"], ds1)
+            gw["s3"].add(grads["s3"], ds3)
+            gw["s2"].add(grads["s2"], ds2)
+    r = {"oracle_out_err": None, "oracle_gx_err": None, "oracle_gw_err": None}
+    m = MaxRel()
+    m.add(y, out)
+    r["oracle_out_err"] = m.value()
+    if train:
+        # top-k weights: g_k = p_k / sum_j p_j (renormalised) -> dp_k = (dg_k - sum_j g_j dg_j) / S
+        dtop = (dg - (g * dg).sum(dim=1, keepdim=True)) / ssum if renormalize else dg
+        dp = torch.zeros_like(probs).scatter_(1, topi, dtop)
+        dlogits = probs * (dp - (probs * dp).sum(dim=1, keepdim=True))
+        dxf += dlogits @ wr.t()
+        gw["wr"].add(grads["wr"], xf.t() @ dlogits)
+        m = MaxRel()
+        m.add(dx, dxf)
+        r["oracle_gx_err"] = m.value()
+        r["oracle_gw_err"] = max(v.value() for v in gw.values())
+    return r
 
 
 def compare(row, out_dir, T, y, x, P, aux, device):
@@ -215,9 +421,42 @@ def compare(row, out_dir, T, y, x, P, aux, device):
         row["route_mismatch_tokens"] = int((mine != theirs).any(dim=-1).sum())
 
 
+def self_test():
+    """:func:`oracle_errors`' hand-written f32 backward against autograd in f64 on a dense
+    loop over (token, slot), at a small shape with and without renormalisation (``--self-test``;
+    raises AssertionError on a mismatch)."""
+    torch.manual_seed(0)
+    T, H, W, E, K, S = 37, 16, 8, 6, 3, 12
+    f64 = torch.float64
+    for rn in (True, False):
+        P = {"wr": (H, E), "w1": (E, H, W), "w3": (E, H, W), "w2": (E, W, H), "s1": (H, S),
+             "s3": (H, S), "s2": (S, H)}
+        P = {n: (torch.randn(*d, dtype=f64) * 0.3).requires_grad_() for n, d in P.items()}
+        x = torch.randn(T, H, dtype=f64, requires_grad=True)
+        dy = torch.randn(T, H, dtype=f64)
+        p = torch.softmax(x @ P["wr"], dim=-1)
+        tv, ti = torch.topk(p, K, dim=-1)
+        g = tv / tv.sum(dim=-1, keepdim=True) if rn else tv
+        rows = []
+        for t in range(T):
+            acc = (F.silu(x[t] @ P["s1"]) * (x[t] @ P["s3"])) @ P["s2"]
+            for j in range(K):
+                e = int(ti[t, j])
+                acc = acc + g[t, j] * ((F.silu(x[t] @ P["w1"][e]) * (x[t] @ P["w3"][e])) @ P["w2"][e])
+            rows.append(acc)
+        y = torch.stack(rows)
+        y.backward(dy)
+        r = oracle_errors(x.detach().float(), {n: v.detach().float() for n, v in P.items()},
+                          dy.float(), K, rn, y.detach().float(), x.grad.float(),
+                          {n: v.grad.float() for n, v in P.items()})
+        assert all(v < 1e-5 for v in r.values()), f"renormalize={rn}: {r}"
+        print(f"self-test, renormalize={rn}: {r}")
+    print("moe_torch.py self-test: the f32 oracle matches autograd")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--inputs", required=True, help="directory of moe-inputs-T.safetensors")
+    ap.add_argument("--inputs", help="directory of moe-inputs-T.safetensors")
     ap.add_argument("--tokens", type=mi.parse_tokens, help="token counts (default: every file)")
     ap.add_argument("--afdep-outputs", help="directory of afdep's moe-outputs-T.safetensors")
     ap.add_argument("--iters", type=int, default=10)
@@ -225,7 +464,25 @@ def main(argv=None):
     ap.add_argument("--no-train", action="store_true", help="forward only")
     ap.add_argument("--json-out", help="append rows to this JSONL file")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--impls", default="eager",
+                    help="comma-separated: eager (torch_grouped_mm), compile (torch_compile)")
+    ap.add_argument("--check-syncs", action="store_true",
+                    help="fail a row whose timed runs synchronise with the host")
+    ap.add_argument("--no-oracle", action="store_true",
+                    help="skip the comparison with the f32 oracle computed here")
+    ap.add_argument("--debug-inject-sync", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--self-test", action="store_true",
+                    help="check the f32 oracle's backward against autograd, then exit")
     args = ap.parse_args(argv)
+    if args.self_test:
+        self_test()
+        return
+    if not args.inputs:
+        ap.error("--inputs is required")
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        ap.error(f"--impls: {bad or 'none'} (choose from {', '.join(IMPLS)})")
     if args.iters < 1 or args.warmups < 0:
         ap.error("--iters must be at least 1 and --warmups at least 0")
     device = torch.device(args.device)
@@ -234,12 +491,13 @@ def main(argv=None):
     tokens = args.tokens or mi.list_inputs(args.inputs)
     if not tokens:
         sys.exit(f"moe_torch.py: no moe-inputs-T.safetensors in {args.inputs}")
-    timer = Timer(device, args.iters, args.warmups)
+    timer = Timer(device, args.iters, args.warmups, args.check_syncs)
     for T in tokens:
         if not os.path.exists(mi.inputs_path(args.inputs, T)):
             sys.exit(f"moe_torch.py: no inputs for {T} tokens in {args.inputs}")
-        print(f"moe_torch.py: {T} tokens", file=sys.stderr, flush=True)
-        mi.emit(run_one(T, args, device, timer), args.json_out)
+        for impl in impls:
+            print(f"moe_torch.py: {T} tokens, {impl}", file=sys.stderr, flush=True)
+            mi.emit(run_one(T, args, device, timer, impl), args.json_out)
 
 
 if __name__ == "__main__":

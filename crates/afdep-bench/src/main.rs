@@ -29,6 +29,7 @@ mod moe_gpu;
 mod report;
 mod report_png;
 mod safetensors_guard;
+mod shapes;
 mod tensor_file;
 
 #[cfg(test)]

@@ -12,10 +12,19 @@
 //! token count ([`inputs_path`]), for the peer scripts; `--write-outputs DIR` writes the
 //! outputs of the first strategy of `--dispatch` that runs (or of the oracle) per token count
 //! ([`outputs_path`]), for the peers' error columns.
+//!
+//! `--suite models|record` and `--shape NAME` run named shapes ([`crate::shapes`]), each at
+//! its own token counts (or `--tokens`) and timed runs (or `--iters`); their rows carry the
+//! shape's name, and their files go to `DIR/NAME/`. In a suite, a configuration that fails is
+//! a row with status `error` and the error in `note` (a shape the layer refuses is
+//! `unsupported`, as everywhere), the sweep goes on, and the command fails at the end.
+//! Every row has the achieved TFLOP/s and percent of 790 TFLOP/s of its forward and train
+//! step ([`crate::shapes`] documents the FLOP count).
 
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use afdep_core::oracle::layer;
@@ -32,6 +41,7 @@ use serde::Serialize;
 use tracing::{info, warn};
 
 use crate::Backend;
+use crate::shapes::{self, NamedShape, Suite};
 use crate::tensor_file::TensorFile;
 
 /// Token counts of the GPU sweep by default (the record's).
@@ -61,12 +71,36 @@ impl std::str::FromStr for DispatchList {
     }
 }
 
+/// The flags a named shape (`--suite`, `--shape`) replaces.
+const SHAPE_FLAGS: [&str; 7] = [
+    "input",
+    "d_model",
+    "width",
+    "experts",
+    "top_k",
+    "shared",
+    "no_renormalize",
+];
+
 /// Arguments of `afdep moe`.
 #[derive(Debug, Args)]
 pub struct MoeArgs {
     /// Where to run: `auto` takes the GPU when one is usable, else the CPU oracle.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
+    /// Run a suite of named shapes, each at its token counts (`--tokens` replaces them):
+    /// `models` (every shape of `--shape`), `record` (the record's shape).
+    #[arg(long, value_enum, conflicts_with_all = SHAPE_FLAGS)]
+    pub suite: Option<Suite>,
+    /// Run one named shape at its token counts (`--tokens` replaces them): record,
+    /// qwen3-30b-a3b, mixtral-8x7b, deepseek-v3, gpt-oss-120b, qwen1.5-moe-a2.7b,
+    /// olmoe-1b-7b.
+    #[arg(long, value_parser = shapes::lookup, conflicts_with_all = SHAPE_FLAGS, conflicts_with = "suite")]
+    pub shape: Option<NamedShape>,
+    /// With --suite or --shape: print one `NAME TOKENS ITERS` line per run (the shape, a
+    /// token count, the timed runs) and run nothing (for scripts: peers/run_suite.sh).
+    #[arg(long)]
+    pub list: bool,
     /// Token counts, comma-separated (`16k`, `1M` allowed) [default: 16384,131072,1048576 on
     /// the GPU, 16384 on the CPU]. Ignored with `--input`.
     #[arg(long)]
@@ -147,6 +181,9 @@ pub struct MoeRow {
     pub shared: usize,
     /// Tokens.
     pub tokens: usize,
+    /// The named shape (`--suite`, `--shape`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
     /// Implementation: `afdep` (the GPU layer) or `afdep-cpu-oracle`.
     #[serde(rename = "impl")]
     pub implementation: String,
@@ -156,6 +193,14 @@ pub struct MoeRow {
     pub fwd_ms: Option<f64>,
     /// Train-step time, ms (median); null when it did not run.
     pub train_ms: Option<f64>,
+    /// Achieved TFLOP/s of the forward ([`shapes::forward_flops`] / `fwd_ms`).
+    pub fwd_tflops: Option<f64>,
+    /// Achieved TFLOP/s of the train step ([`shapes::train_flops`] / `train_ms`).
+    pub train_tflops: Option<f64>,
+    /// `fwd_tflops` in percent of [`shapes::PEAK_TFLOPS`].
+    pub fwd_pct_peak: Option<f64>,
+    /// `train_tflops` in percent of [`shapes::PEAK_TFLOPS`].
+    pub train_pct_peak: Option<f64>,
     /// Max |a-b| / max |b| of the output against the reference path (null where not
     /// computed: the oracle's own rows, or a failed configuration).
     pub out_err: Option<f64>,
@@ -199,10 +244,15 @@ impl MoeRow {
             top_k: s.top_k,
             shared: s.shared,
             tokens,
+            shape: None,
             implementation: implementation.into(),
             dispatch: dispatch.into(),
             fwd_ms: None,
             train_ms: None,
+            fwd_tflops: None,
+            train_tflops: None,
+            fwd_pct_peak: None,
+            train_pct_peak: None,
             out_err: None,
             gx_err: None,
             gw_err: None,
@@ -216,13 +266,30 @@ impl MoeRow {
             note: None,
         }
     }
+
+    /// Fills the shape's name and the TFLOP/s columns from the times.
+    pub fn finish(&mut self, shape: Option<&str>) {
+        let s = LayerShape {
+            d_model: self.d_model,
+            width: self.width,
+            experts: self.experts,
+            top_k: self.top_k,
+            shared: self.shared,
+            renormalize: true,
+        };
+        self.shape = shape.map(str::to_string);
+        self.fwd_tflops = shapes::tflops(shapes::forward_flops(&s, self.tokens), self.fwd_ms);
+        self.train_tflops = shapes::tflops(shapes::train_flops(&s, self.tokens), self.train_ms);
+        self.fwd_pct_peak = shapes::pct_of_peak(self.fwd_tflops);
+        self.train_pct_peak = shapes::pct_of_peak(self.train_tflops);
+    }
 }
 
 /// The inputs of one token count.
 #[derive(Debug, Clone)]
 pub struct Inputs {
-    /// Parameters (and the shape).
-    pub params: LayerParams,
+    /// Parameters (and the shape), shared by the token counts of one shape.
+    pub params: Arc<LayerParams>,
     /// Tokens, T × H.
     pub x: Vec<bf16>,
     /// Upstream gradient, T × H.
@@ -235,10 +302,10 @@ pub struct Inputs {
 
 impl Inputs {
     /// The seeded inputs of `tokens` tokens (the same for every backend and the peers).
-    pub fn seeded(params: &LayerParams, tokens: usize, seed: u64) -> Self {
+    pub fn seeded(params: &Arc<LayerParams>, tokens: usize, seed: u64) -> Self {
         let h = params.shape.d_model;
         Inputs {
-            params: params.clone(),
+            params: Arc::clone(params),
             x: random_tokens(tokens, h, seed),
             dy: uniform_bf16(tokens * h, 1.0, seed, 200),
             tokens,
@@ -364,7 +431,7 @@ fn read_inputs(path: &Path, a: &MoeArgs) -> Result<Inputs> {
         uniform_bf16(tokens * shape.d_model, 1.0, a.seed, 200)
     };
     Ok(Inputs {
-        params,
+        params: Arc::new(params),
         x,
         dy,
         tokens,
@@ -372,8 +439,9 @@ fn read_inputs(path: &Path, a: &MoeArgs) -> Result<Inputs> {
     })
 }
 
-/// Writes the inputs (the tensors `--input` reads, plus metadata `seed` and `tokens`).
-pub fn write_inputs(path: &Path, inp: &Inputs) -> Result<()> {
+/// Writes the inputs (the tensors `--input` reads, plus metadata `seed`, `tokens` and, for a
+/// named shape, `shape`: the peers put it in their rows).
+pub fn write_inputs(path: &Path, inp: &Inputs, shape: Option<&str>) -> Result<()> {
     let s = inp.params.shape;
     let mut f = TensorFile::default();
     f.put_bf16("x", &[inp.tokens, s.d_model], &inp.x);
@@ -393,6 +461,9 @@ pub fn write_inputs(path: &Path, inp: &Inputs) -> Result<()> {
     f.metadata.insert("tokens".into(), inp.tokens.to_string());
     if let Some(seed) = inp.seed {
         f.metadata.insert("seed".into(), seed.to_string());
+    }
+    if let Some(n) = shape {
+        f.metadata.insert("shape".into(), n.to_string());
     }
     create_parent(path)?;
     f.write(path)
@@ -429,15 +500,70 @@ fn create_parent(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `DIR/NAME` for a named shape, else `DIR`: where a shape's input and output files go.
+pub fn shape_dir(dir: &Path, shape: Option<&str>) -> PathBuf {
+    match shape {
+        Some(n) => dir.join(n),
+        None => dir.to_path_buf(),
+    }
+}
+
+/// One shape of a run: seeded inputs at each of its token counts.
+#[derive(Debug, Clone)]
+struct Case {
+    /// The named shape's name.
+    name: Option<&'static str>,
+    shape: LayerShape,
+    tokens: Vec<usize>,
+    iters: usize,
+}
+
 /// Where the inputs come from.
 enum Source {
     /// One `--input` file.
     File(PathBuf),
-    /// Seeded, per token count.
-    Seeded {
-        params: Box<LayerParams>,
-        tokens: Vec<usize>,
-    },
+    /// Seeded, per shape and token count.
+    Seeded(Vec<Case>),
+}
+
+/// The shapes of a seeded run: the named ones, or the shape flags'.
+fn cases(a: &MoeArgs, gpu: bool, default_iters: usize) -> Result<Vec<Case>> {
+    let named: Vec<NamedShape> = match (a.suite, a.shape) {
+        (Some(s), _) => s.shapes(),
+        (None, Some(s)) => vec![s],
+        (None, None) => Vec::new(),
+    };
+    let given = a.tokens.as_ref().map(|t| t.0.clone());
+    let mut out = Vec::new();
+    if named.is_empty() {
+        let tokens = match given {
+            Some(t) => t,
+            None if gpu || a.inputs_only => GPU_TOKENS.to_vec(),
+            None => vec![CPU_TOKENS],
+        };
+        out.push(Case {
+            name: None,
+            shape: shape_of(a),
+            tokens,
+            iters: a.iters.unwrap_or(default_iters),
+        });
+    } else {
+        for n in named {
+            out.push(Case {
+                name: Some(n.name),
+                shape: n.layer(),
+                tokens: given.clone().unwrap_or_else(|| n.tokens.to_vec()),
+                iters: a.iters.unwrap_or(if gpu { n.iters } else { 1 }),
+            });
+        }
+    }
+    for c in &out {
+        c.shape.validate()?;
+        if c.tokens.contains(&0) {
+            bail!("--tokens: every token count must be at least 1");
+        }
+    }
+    Ok(out)
 }
 
 /// Where rows go: stdout, and the `--json-out` file.
@@ -479,36 +605,33 @@ pub fn run(a: MoeArgs) -> Result<()> {
     if a.stage_check && !gpu {
         warn!("--stage-check needs the GPU: skipped on the CPU oracle");
     }
-    let iters = a.iters.unwrap_or(if gpu { GPU_ITERS } else { 1 });
-    if iters == 0 {
+    let default_iters = if gpu { GPU_ITERS } else { 1 };
+    if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
     if a.dispatch.0.is_empty() {
         bail!("--dispatch needs at least one strategy");
     }
-    // The inputs: one file, or seeded ones per token count (made when they are needed).
-    let source = match &a.input {
-        Some(p) => Source::File(p.clone()),
-        None => {
-            let shape = shape_of(&a);
-            shape.validate()?;
-            let tokens = match &a.tokens {
-                Some(t) => t.0.clone(),
-                None if gpu || a.inputs_only => GPU_TOKENS.to_vec(),
-                None => vec![CPU_TOKENS],
-            };
-            if tokens.contains(&0) {
-                bail!("--tokens: every token count must be at least 1");
-            }
-            Source::Seeded {
-                params: Box::new(LayerParams::random(shape, a.seed)),
-                tokens,
+    let suite = a.suite.is_some() || a.shape.is_some();
+    if a.list {
+        if !suite {
+            bail!("--list needs --suite or --shape");
+        }
+        for c in cases(&a, true, GPU_ITERS)? {
+            for t in &c.tokens {
+                println!("{} {t} {}", c.name.unwrap_or("?"), c.iters);
             }
         }
+        return Ok(());
+    }
+    // The inputs: one file, or seeded ones per shape and token count (made when needed).
+    let source = match &a.input {
+        Some(p) => Source::File(p.clone()),
+        None => Source::Seeded(cases(&a, gpu, default_iters)?),
     };
     let runs = match &source {
         Source::File(_) => 1,
-        Source::Seeded { tokens, .. } => tokens.len(),
+        Source::Seeded(cases) => cases.iter().map(|c| c.tokens.len()).sum(),
     };
     if a.output.is_some() && runs != 1 {
         bail!("--output needs exactly one token count (use --write-outputs DIR for several)");
@@ -543,8 +666,9 @@ pub fn run(a: MoeArgs) -> Result<()> {
         bar: bar.clone(),
     };
 
-    let sweep = if gpu && !a.inputs_only {
+    let mut sweep = if gpu && !a.inputs_only {
         bar.set_message("opening the GPU");
+        let iters = a.iters.unwrap_or(default_iters);
         let s = crate::moe_gpu::GpuSweep::open(iters)
             .context("opening GPU 0 for the MoE layer (use --backend cpu to run the CPU oracle)")?;
         info!(device = s.device(), iters, "GPU layer sweep");
@@ -553,30 +677,61 @@ pub fn run(a: MoeArgs) -> Result<()> {
         None
     };
 
-    for i in 0..runs {
-        let (what, inp) = match &source {
-            Source::File(p) => {
+    // every run: (its shape, which of its token counts); the file's run has none
+    let work: Vec<(Option<&Case>, usize)> = match &source {
+        Source::File(_) => vec![(None, 0)],
+        Source::Seeded(cases) => cases
+            .iter()
+            .flat_map(|c| (0..c.tokens.len()).map(move |i| (Some(c), i)))
+            .collect(),
+    };
+    let mut params: Option<(LayerShape, Arc<LayerParams>)> = None;
+    let mut failed = 0usize;
+    for (case, i) in work {
+        let name = case.and_then(|c| c.name);
+        let iters = case.map_or(a.iters.unwrap_or(default_iters), |c| c.iters);
+        let (what, inp) = match (&source, case) {
+            (Source::File(p), _) => {
                 bar.set_message(format!("reading {}", p.display()));
                 (p.display().to_string(), read_inputs(p, &a)?)
             }
-            Source::Seeded { params, tokens } => {
-                let what = format!("{} tokens", tokens[i]);
+            (_, Some(c)) => {
+                let t = c.tokens[i];
+                let what = match c.name {
+                    Some(n) => format!("{n}, {t} tokens"),
+                    None => format!("{t} tokens"),
+                };
+                if params.as_ref().is_none_or(|(s, _)| *s != c.shape) {
+                    drop(params.take()); // free the previous shape's first
+                    bar.set_message(format!("{what}: making parameters"));
+                    let t0 = Instant::now();
+                    let p = Arc::new(LayerParams::random(c.shape, a.seed));
+                    info!(
+                        shape = c.name,
+                        secs = t0.elapsed().as_secs_f64(),
+                        "seeded parameters made"
+                    );
+                    params = Some((c.shape, p));
+                }
+                let p = &params.as_ref().expect("made above").1;
                 bar.set_message(format!("{what}: making inputs"));
                 let t0 = Instant::now();
-                let inp = Inputs::seeded(params, tokens[i], a.seed);
+                let inp = Inputs::seeded(p, t, a.seed);
                 info!(
-                    tokens = tokens[i],
+                    tokens = t,
                     secs = t0.elapsed().as_secs_f64(),
                     "seeded inputs made"
                 );
                 (what, inp)
             }
+            (Source::Seeded(_), None) => unreachable!("a seeded run has its case"),
         };
         if let Some(dir) = &a.write_inputs {
-            let p = inputs_path(dir, inp.tokens);
+            let p = inputs_path(&shape_dir(dir, name), inp.tokens);
             bar.set_message(format!("{what}: writing {}", p.display()));
-            write_inputs(&p, &inp)?;
-            info!(path = %p.display(), "inputs written");
+            let t0 = Instant::now();
+            write_inputs(&p, &inp, name)?;
+            info!(path = %p.display(), secs = t0.elapsed().as_secs_f64(), "inputs written");
         }
         if a.inputs_only {
             bar.inc(1);
@@ -584,11 +739,12 @@ pub fn run(a: MoeArgs) -> Result<()> {
         }
         let out_path = match (&a.output, &a.write_outputs) {
             (Some(p), _) => Some(p.clone()),
-            (None, Some(dir)) => Some(outputs_path(dir, inp.tokens)),
+            (None, Some(dir)) => Some(outputs_path(&shape_dir(dir, name), inp.tokens)),
             (None, None) => None,
         };
-        match &sweep {
+        match &mut sweep {
             Some(sweep) => {
+                sweep.set_iters(iters)?;
                 if a.stage_check {
                     bar.set_message(format!("{what}: GPU stage check"));
                     let row = crate::cuda_stages::run(&inp.params, &inp.x, inp.tokens)?;
@@ -606,13 +762,35 @@ pub fn run(a: MoeArgs) -> Result<()> {
                 let mut written = false;
                 for &d in &a.dispatch.0 {
                     let want = !written && out_path.is_some();
-                    info!(tokens = inp.tokens, dispatch = %d, "configuration starts");
+                    info!(shape = name, tokens = inp.tokens, dispatch = %d, "configuration starts");
                     let msg = |step: &str| bar.set_message(format!("{what}, {d}: {step}"));
-                    let mut o = sweep
-                        .run(&inp, d, !a.forward_only, want, &msg)
-                        .with_context(|| format!("the GPU layer, {what}, dispatch {d}"))?;
-                    o.row.seed = inp.seed;
-                    sink.emit(&o.row)?;
+                    let o = match sweep.run(&inp, d, !a.forward_only, want, &msg) {
+                        Ok(o) => o,
+                        Err(e) if suite => {
+                            // a suite goes on: the failure is this configuration's row
+                            warn!(shape = name, tokens = inp.tokens, dispatch = %d, "failed: {e}");
+                            failed += 1;
+                            let mut row = MoeRow::new(
+                                &inp.params.shape,
+                                inp.tokens,
+                                crate::moe_gpu::IMPL,
+                                d.name(),
+                                iters,
+                            );
+                            row.device = Some(sweep.device().to_string());
+                            row.status = "error".into();
+                            row.note = Some(e.to_string());
+                            crate::moe_gpu::Outcome { row, outputs: None }
+                        }
+                        Err(e) => {
+                            return Err(e)
+                                .with_context(|| format!("the GPU layer, {what}, dispatch {d}"));
+                        }
+                    };
+                    let mut row = o.row;
+                    row.seed = inp.seed;
+                    row.finish(name);
+                    sink.emit(&row)?;
                     if let (Some(p), Some(outs)) = (&out_path, &o.outputs) {
                         bar.set_message(format!("{what}: writing {}", p.display()));
                         write_outputs(p, &inp, outs)?;
@@ -623,7 +801,8 @@ pub fn run(a: MoeArgs) -> Result<()> {
                 }
             }
             None => {
-                let (row, outs) = run_cpu(&inp, &a, iters, &bar)?;
+                let (mut row, outs) = run_cpu(&inp, &a, iters, &bar)?;
+                row.finish(name);
                 sink.emit(&row)?;
                 if let Some(p) = &out_path {
                     write_outputs(p, &inp, &outs)?;
@@ -634,6 +813,9 @@ pub fn run(a: MoeArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if failed > 0 {
+        bail!("{failed} configurations failed: their rows have status `error` and the error in `note`");
+    }
     Ok(())
 }
 
@@ -696,9 +878,9 @@ mod tests {
             renormalize: false,
         };
         let p = LayerParams::random(shape, 5);
-        let inp = Inputs::seeded(&p, 7, 5);
+        let inp = Inputs::seeded(&Arc::new(p), 7, 5);
         let path = inputs_path(dir.path(), 7);
-        write_inputs(&path, &inp).unwrap();
+        write_inputs(&path, &inp, None).unwrap();
         let f = TensorFile::read(&path).unwrap();
         assert_eq!(f.metadata["seed"], "5");
         assert_eq!(f.metadata["renormalize"], "false");
@@ -710,7 +892,7 @@ mod tests {
         }
         let w = W::parse_from(["x"]);
         let back = read_inputs(&path, &w.a).unwrap();
-        assert_eq!(back.params, inp.params);
+        assert_eq!(*back.params, *inp.params);
         assert_eq!(back.x, inp.x);
         assert_eq!(back.dy, inp.dy);
         assert_eq!(back.tokens, 7);

@@ -136,6 +136,14 @@ impl GpuSweep {
         Ok(GpuSweep { ctx, device, timer })
     }
 
+    /// Times `iters` runs per measurement from now on (new events when that changes).
+    pub fn set_iters(&mut self, iters: usize) -> Result<(), LayerGpuError> {
+        if iters != self.timer.iters() {
+            self.timer = EventTimer::new(&self.ctx, iters)?;
+        }
+        Ok(())
+    }
+
     /// The GPU's name.
     pub fn device(&self) -> &str {
         &self.device

@@ -9,6 +9,14 @@
 //! (impl, dispatch, tokens) appears more than once, the last row wins (JSONL files are appended
 //! to).
 //!
+//! Rows are grouped into cells: (shape, tokens), the shape being the row's `shape` name
+//! (`afdep moe --suite` / `--shape`, and the peers' rows of its input files) or else its
+//! dimensions `H/W/E/K/S`; cells are listed in the order their shapes first appear, tokens
+//! ascending. The block opens with the suite table: per cell, afdep's best strategy and the
+//! best peer (the faster of the peers whose row is `ok`) in the forward and the train step,
+//! afdep's achieved TFLOP/s and percent of 790 ([`crate::shapes`]), the speed-up (best peer
+//! ms / afdep ms), the peak memories and afdep's statuses against the GPU reference.
+//!
 //! Output: a markdown block (printed, and written into a document between the marker comments
 //! [`BEGIN`] and [`END`], replacing the previous block and leaving the rest of the document as
 //! it is) and a PNG chart ([`crate::report_png`]). Every ratio is `peer_ms / afdep_ms`: above
@@ -126,6 +134,27 @@ pub enum MarkerError {
 pub struct Row {
     /// Tokens.
     pub tokens: usize,
+    /// The named shape (`afdep moe --suite`, `--shape`).
+    #[serde(default)]
+    pub shape: Option<String>,
+    /// Hidden size.
+    #[serde(default)]
+    pub d_model: Option<usize>,
+    /// Expert width.
+    #[serde(default)]
+    pub width: Option<usize>,
+    /// Experts.
+    #[serde(default)]
+    pub experts: Option<usize>,
+    /// Top-k.
+    #[serde(default)]
+    pub top_k: Option<usize>,
+    /// Shared width.
+    #[serde(default)]
+    pub shared: Option<usize>,
+    /// What happened, where the status needs explaining.
+    #[serde(default)]
+    pub note: Option<String>,
     /// Implementation (`afdep`, `torch_grouped_mm`, `jax_ragged_dot`, ...).
     #[serde(rename = "impl")]
     pub implementation: String,
@@ -153,6 +182,15 @@ pub struct Row {
     /// Peak device memory, GiB.
     #[serde(default)]
     pub peak_gib: Option<f64>,
+    /// The peer's output error against its own f32 oracle (peer rows).
+    #[serde(default)]
+    pub oracle_out_err: Option<f64>,
+    /// The peer's dx error against its own f32 oracle.
+    #[serde(default)]
+    pub oracle_gx_err: Option<f64>,
+    /// The peer's weight-gradient error against its own f32 oracle.
+    #[serde(default)]
+    pub oracle_gw_err: Option<f64>,
     /// Kernel digest (afdep rows).
     #[serde(default)]
     pub digest: Option<String>,
@@ -167,6 +205,59 @@ impl Row {
     }
     fn ok(&self) -> bool {
         self.status() == "ok"
+    }
+
+    /// The row's shape: its name, else `H/W/E/K/S`, else `?`.
+    pub fn shape_label(&self) -> String {
+        if let Some(n) = &self.shape {
+            return n.clone();
+        }
+        match (self.d_model, self.width, self.experts, self.top_k) {
+            (Some(h), Some(w), Some(e), Some(k)) => {
+                format!("{h}/{w}/{e}/{k}/{}", self.shared.unwrap_or(0))
+            }
+            _ => "?".into(),
+        }
+    }
+
+    /// The layer shape, when the row has its dimensions.
+    pub fn layer_shape(&self) -> Option<afdep_core::LayerShape> {
+        Some(afdep_core::LayerShape {
+            d_model: self.d_model?,
+            width: self.width?,
+            experts: self.experts?,
+            top_k: self.top_k?,
+            shared: self.shared.unwrap_or(0),
+            renormalize: true,
+        })
+    }
+
+    /// The cell of the row.
+    pub fn cell(&self) -> Cell {
+        Cell {
+            shape: self.shape_label(),
+            tokens: self.tokens,
+        }
+    }
+}
+
+/// One cell of the comparison: a shape at a token count.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cell {
+    /// [`Row::shape_label`].
+    pub shape: String,
+    /// Tokens.
+    pub tokens: usize,
+}
+
+#[cfg(test)]
+impl Cell {
+    /// A cell (for tests and lookups).
+    pub fn new(shape: &str, tokens: usize) -> Self {
+        Cell {
+            shape: shape.into(),
+            tokens,
+        }
     }
 }
 
@@ -201,6 +292,15 @@ pub enum Phase {
     Train,
 }
 
+/// FLOP of a phase at a row's shape, when the row has its dimensions.
+fn phase_flops(phase: Phase, r: &Row) -> Option<f64> {
+    let s = r.layer_shape()?;
+    Some(match phase {
+        Phase::Forward => crate::shapes::forward_flops(&s, r.tokens),
+        Phase::Train => crate::shapes::train_flops(&s, r.tokens),
+    })
+}
+
 impl Phase {
     /// Both, in table order.
     pub const BOTH: [Phase; 2] = [Phase::Forward, Phase::Train];
@@ -226,14 +326,14 @@ impl Phase {
 /// The rows of one comparison, indexed.
 #[derive(Debug, Clone, Default)]
 pub struct Comparison {
-    /// Token counts of afdep's rows, ascending.
-    pub tokens: Vec<usize>,
+    /// The cells of afdep's rows: shapes in the order they first appear, tokens ascending.
+    pub cells: Vec<Cell>,
     /// afdep's strategies, in the order they first appear.
     pub strategies: Vec<String>,
     /// The peers' `impl` names, in the order they first appear.
     pub peers: Vec<String>,
-    afdep: BTreeMap<(String, usize), Row>,
-    peer: BTreeMap<(String, usize), Row>,
+    afdep: BTreeMap<(String, Cell), Row>,
+    peer: BTreeMap<(String, Cell), Row>,
     /// Distinct kernel digests of afdep's rows.
     pub digests: Vec<String>,
     /// Distinct GPU names of afdep's rows (else the peers').
@@ -256,12 +356,15 @@ impl Comparison {
             ..Comparison::default()
         };
         let mut peer_devices = Vec::new();
+        let mut shapes: Vec<String> = Vec::new();
         for r in rows {
             if r.implementation == AFDEP_IMPL {
                 let d = r.dispatch.clone().unwrap_or_else(|| "?".into());
                 push_unique(&mut c.strategies, &d);
-                if !c.tokens.contains(&r.tokens) {
-                    c.tokens.push(r.tokens);
+                let cell = r.cell();
+                push_unique(&mut shapes, &cell.shape);
+                if !c.cells.contains(&cell) {
+                    c.cells.push(cell);
                 }
                 if let Some(g) = &r.digest {
                     push_unique(&mut c.digests, g);
@@ -269,7 +372,7 @@ impl Comparison {
                 if let Some(g) = &r.device {
                     push_unique(&mut c.devices, g);
                 }
-                c.afdep.insert((d, r.tokens), r);
+                c.afdep.insert((d, r.cell()), r);
             } else if r.implementation.starts_with("afdep-") {
                 c.skipped += 1;
             } else {
@@ -277,36 +380,93 @@ impl Comparison {
                 if let Some(g) = &r.device {
                     push_unique(&mut peer_devices, g);
                 }
-                c.peer.insert((r.implementation.clone(), r.tokens), r);
+                c.peer.insert((r.implementation.clone(), r.cell()), r);
             }
         }
-        c.tokens.sort_unstable();
+        let order = |s: &str| shapes.iter().position(|x| x == s).unwrap_or(usize::MAX);
+        c.cells
+            .sort_by(|a, b| (order(&a.shape), a.tokens).cmp(&(order(&b.shape), b.tokens)));
         if c.devices.is_empty() {
             c.devices = peer_devices;
         }
         c
     }
 
-    /// afdep's row of one strategy and token count.
-    pub fn afdep(&self, strategy: &str, tokens: usize) -> Option<&Row> {
-        self.afdep.get(&(strategy.to_string(), tokens))
+    /// afdep's row of one strategy in a cell.
+    pub fn afdep(&self, strategy: &str, cell: &Cell) -> Option<&Row> {
+        self.afdep.get(&(strategy.to_string(), cell.clone()))
     }
 
-    /// A peer's row at a token count.
-    pub fn peer(&self, peer: &str, tokens: usize) -> Option<&Row> {
-        self.peer.get(&(peer.to_string(), tokens))
+    /// A peer's row in a cell.
+    pub fn peer(&self, peer: &str, cell: &Cell) -> Option<&Row> {
+        self.peer.get(&(peer.to_string(), cell.clone()))
     }
 
     /// afdep's fastest strategy with status `ok` for a phase: (strategy, ms).
-    pub fn best(&self, phase: Phase, tokens: usize) -> Option<(&str, f64)> {
+    pub fn best(&self, phase: Phase, cell: &Cell) -> Option<(&str, f64)> {
         self.strategies
             .iter()
             .filter_map(|s| {
-                let r = self.afdep(s, tokens)?;
+                let r = self.afdep(s, cell)?;
                 let ms = phase.ms(r).filter(|_| r.ok())?;
                 Some((s.as_str(), ms))
             })
             .min_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// The fastest peer with status `ok` for a phase: (peer, ms).
+    pub fn best_peer(&self, phase: Phase, cell: &Cell) -> Option<(&str, f64)> {
+        self.peers
+            .iter()
+            .filter_map(|p| {
+                let r = self.peer(p, cell)?;
+                let ms = phase.ms(r).filter(|_| r.ok())?;
+                Some((p.as_str(), ms))
+            })
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+    }
+
+    /// afdep's statuses in a cell: `ok` when every strategy's is, else `n/m ok` and the others
+    /// (`strategy: status`), or the one status all share (`unsupported`, `oom`, ...).
+    pub fn afdep_status(&self, cell: &Cell) -> String {
+        let rows: Vec<(&String, &Row)> = self
+            .strategies
+            .iter()
+            .filter_map(|s| Some((s, self.afdep(s, cell)?)))
+            .collect();
+        let ok = rows.iter().filter(|(_, r)| r.ok()).count();
+        if ok == rows.len() {
+            return "ok".into();
+        }
+        let first = rows[0].1.status();
+        if ok == 0 && rows.iter().all(|(_, r)| r.status() == first) {
+            return first.to_string();
+        }
+        let bad: Vec<String> = rows
+            .iter()
+            .filter(|(_, r)| !r.ok())
+            .map(|(s, r)| format!("{s}: {}", r.status()))
+            .collect();
+        format!("{ok}/{} ok; {}", rows.len(), bad.join(", "))
+    }
+
+    /// The largest peak memory of afdep's strategies in a cell, GiB.
+    pub fn afdep_peak(&self, cell: &Cell) -> Option<f64> {
+        self.strategies
+            .iter()
+            .filter_map(|s| self.afdep(s, cell)?.peak_gib)
+            .filter(|v| v.is_finite())
+            .reduce(f64::max)
+    }
+
+    /// Whether the rows hold more than one shape.
+    pub fn many_shapes(&self) -> bool {
+        self.cells.iter().any(|c| c.shape != self.cells[0].shape)
+    }
+
+    /// Any afdep row of a cell (for its dimensions).
+    fn any_afdep(&self, cell: &Cell) -> Option<&Row> {
+        self.strategies.iter().find_map(|s| self.afdep(s, cell))
     }
 
     /// Whether any afdep row was read.
@@ -415,27 +575,29 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
          `block_until_ready`)."
     );
     m.push('\n');
+    suite_table(&mut m, c);
     for phase in Phase::BOTH {
         let _ = writeln!(m, "#### Best afdep strategy, {}\n", phase.title());
-        let mut head = "| tokens | afdep best ms |".to_string();
-        let mut rule = "|---|---|".to_string();
+        let mut head = "| shape | tokens | afdep best ms |".to_string();
+        let mut rule = "|---|---|---|".to_string();
         for p in &c.peers {
             let _ = write!(head, " {p} ms | ratio |");
             rule.push_str("---|---|");
         }
         let _ = writeln!(m, "{head}\n{rule}");
-        for &t in &c.tokens {
-            let best = c.best(phase, t);
+        for cell in &c.cells {
+            let best = c.best(phase, cell);
             let mut line = format!(
-                "| {} | {} |",
-                fmt_tokens(t),
+                "| {} | {} | {} |",
+                cell.shape,
+                fmt_tokens(cell.tokens),
                 best.map_or_else(
                     || "no ok row".into(),
                     |(s, ms)| format!("{} ({s})", fmt_ms(ms))
                 )
             );
             for p in &c.peers {
-                let r = c.peer(p, t);
+                let r = c.peer(p, cell);
                 let _ = write!(
                     line,
                     " {} | {} |",
@@ -449,8 +611,8 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
     }
 
     let _ = writeln!(m, "#### Every afdep strategy\n");
-    let mut head = "| tokens | dispatch | fwd ms | train ms |".to_string();
-    let mut rule = "|---|---|---|---|".to_string();
+    let mut head = "| shape | tokens | dispatch | fwd ms | train ms |".to_string();
+    let mut rule = "|---|---|---|---|---|".to_string();
     for p in &c.peers {
         let _ = write!(head, " fwd vs {p} | train vs {p} |");
         rule.push_str("---|---|");
@@ -458,17 +620,18 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
     head.push_str(" out_err | gx_err | gw_err | peak GiB | status |");
     rule.push_str("---|---|---|---|---|");
     let _ = writeln!(m, "{head}\n{rule}");
-    for &t in &c.tokens {
+    for cell in &c.cells {
         for s in &c.strategies {
-            let Some(r) = c.afdep(s, t) else { continue };
+            let Some(r) = c.afdep(s, cell) else { continue };
             let mut line = format!(
-                "| {} | {s} | {} | {} |",
-                fmt_tokens(t),
+                "| {} | {} | {s} | {} | {} |",
+                cell.shape,
+                fmt_tokens(cell.tokens),
                 fmt_opt(Phase::Forward.ms(r), fmt_ms),
                 fmt_opt(Phase::Train.ms(r), fmt_ms)
             );
             for p in &c.peers {
-                let pr = c.peer(p, t);
+                let pr = c.peer(p, cell);
                 for phase in Phase::BOTH {
                     let _ = write!(line, " {} |", ratio_cell(pr, phase.ms(r), phase));
                 }
@@ -490,24 +653,35 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
         let _ = writeln!(m, "#### Peers\n");
         let _ = writeln!(
             m,
-            "Errors of a peer are against afdep's outputs on the same inputs (null when \
-             they were not given).\n"
+            "A peer's errors are against the f32 function of the brief computed by the peer \
+             script itself (`oracle_*`, when present) and against afdep's outputs on the same \
+             inputs (`out_err`, `gx_err`, `gw_err`; null when they were not given).\n"
         );
         let _ = writeln!(
             m,
-            "| tokens | impl | fwd ms | train ms | out_err | gx_err | gw_err | peak GiB | status |\n\
-             |---|---|---|---|---|---|---|---|---|"
+            "| shape | tokens | impl | fwd ms | train ms | oracle out / dx / dw | out_err | gx_err | gw_err | peak GiB | status |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|"
         );
-        let mut tokens: Vec<usize> = c.peer.keys().map(|k| k.1).collect();
-        tokens.sort_unstable();
-        tokens.dedup();
-        for t in tokens {
+        let mut cells: Vec<Cell> = c.cells.clone();
+        for (_, cell) in c.peer.keys() {
+            if !cells.contains(cell) {
+                cells.push(cell.clone());
+            }
+        }
+        for cell in &cells {
             for p in &c.peers {
-                let Some(r) = c.peer(p, t) else { continue };
+                let Some(r) = c.peer(p, cell) else { continue };
+                let oracle = format!(
+                    "{} / {} / {}",
+                    fmt_err(r.oracle_out_err),
+                    fmt_err(r.oracle_gx_err),
+                    fmt_err(r.oracle_gw_err)
+                );
                 let _ = writeln!(
                     m,
-                    "| {} | {p} | {} | {} | {} | {} | {} | {} | {} |",
-                    fmt_tokens(t),
+                    "| {} | {} | {p} | {} | {} | {oracle} | {} | {} | {} | {} | {} |",
+                    cell.shape,
+                    fmt_tokens(cell.tokens),
                     fmt_opt(Phase::Forward.ms(r), fmt_ms),
                     fmt_opt(Phase::Train.ms(r), fmt_ms),
                     fmt_err(r.out_err),
@@ -531,6 +705,77 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
     m.push_str(END);
     m.push('\n');
     m
+}
+
+/// The suite table: per cell, afdep's best strategy against the best peer, both phases.
+fn suite_table(m: &mut String, c: &Comparison) {
+    let _ = writeln!(m, "#### Suite: afdep's best strategy and the best peer\n");
+    let _ = writeln!(
+        m,
+        "Speed-up = best peer ms / afdep ms (above 1: afdep is faster). TFLOP/s count the \
+         router, expert and shared GEMMs (`2·T·H·E + 6·T·K·H·W + 6·T·H·S` per forward; train \
+         step = 3 × forward), % is of {} TFLOP/s. Peak GiB: afdep's largest strategy / the best \
+         forward peer's process. Status: afdep's strategies against the GPU reference.\n",
+        crate::shapes::PEAK_TFLOPS
+    );
+    let _ = writeln!(
+        m,
+        "| shape | tokens | fwd ms (afdep) | fwd TFLOP/s (%) | best peer fwd ms | fwd speed-up | \
+         train ms (afdep) | train TFLOP/s (%) | best peer train ms | train speed-up | peak GiB \
+         afdep / peer | status |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for cell in &c.cells {
+        let mut line = format!("| {} | {} |", cell.shape, fmt_tokens(cell.tokens));
+        let dims = c.any_afdep(cell);
+        for phase in Phase::BOTH {
+            let best = c.best(phase, cell);
+            let peer = c.best_peer(phase, cell);
+            let rate = best.and_then(|(_, ms)| {
+                let t = crate::shapes::tflops(phase_flops(phase, dims?)?, Some(ms))?;
+                Some(format!(
+                    "{t:.0} ({:.0} %)",
+                    crate::shapes::pct_of_peak(Some(t))?
+                ))
+            });
+            let _ = write!(
+                line,
+                " {} | {} | {} | {} |",
+                best.map_or_else(
+                    || "no ok row".into(),
+                    |(s, ms)| format!("{} ({s})", fmt_ms(ms))
+                ),
+                rate.unwrap_or_else(|| "—".into()),
+                peer.map_or_else(|| "—".into(), |(p, ms)| format!("{} ({p})", fmt_ms(ms))),
+                match ratio(peer.map(|p| p.1), best.map(|b| b.1)) {
+                    Some(x) => format!("{x:.2}×"),
+                    None => "—".into(),
+                }
+            );
+        }
+        let peer_peak = c
+            .best_peer(Phase::Forward, cell)
+            .and_then(|(p, _)| c.peer(p, cell)?.peak_gib);
+        let mut status = c.afdep_status(cell);
+        if status != "ok" {
+            if let Some(n) = c
+                .strategies
+                .iter()
+                .filter_map(|s| c.afdep(s, cell))
+                .find_map(|r| r.note.as_deref().filter(|_| !r.ok()))
+            {
+                let short: String = n.chars().take(120).collect();
+                status = format!("{status}: {}", short.replace('|', "/"));
+            }
+        }
+        let _ = writeln!(
+            m,
+            "{line} {} / {} | {status} |",
+            fmt_opt(c.afdep_peak(cell), |x| format!("{x:.2}")),
+            fmt_opt(peer_peak, |x| format!("{x:.2}")),
+        );
+    }
+    m.push('\n');
 }
 
 /// `doc` with its generated block replaced by `block` (which holds its own markers); the block
@@ -689,6 +934,16 @@ mod tests {
     fn row(imp: &str, d: &str, t: usize, fwd: Option<f64>, train: Option<f64>, st: &str) -> Row {
         Row {
             tokens: t,
+            shape: None,
+            d_model: None,
+            width: None,
+            experts: None,
+            top_k: None,
+            shared: None,
+            note: None,
+            oracle_out_err: None,
+            oracle_gx_err: None,
+            oracle_gw_err: None,
             implementation: imp.into(),
             dispatch: Some(d.into()),
             fwd_ms: fwd,
@@ -752,10 +1007,15 @@ mod tests {
     fn best_skips_rows_that_are_not_ok() {
         let c = sample();
         // fused is faster but its errors are too large
-        assert_eq!(c.best(Phase::Forward, 16384), Some(("gather", 0.8)));
-        assert_eq!(c.best(Phase::Train, 16384), Some(("sorted", 3.0)));
-        assert_eq!(c.best(Phase::Forward, 131072), None);
-        assert_eq!(c.tokens, vec![16384, 131072]);
+        let (small, large) = (Cell::new("?", 16384), Cell::new("?", 131072));
+        assert_eq!(c.best(Phase::Forward, &small), Some(("gather", 0.8)));
+        assert_eq!(c.best(Phase::Train, &small), Some(("sorted", 3.0)));
+        assert_eq!(c.best(Phase::Forward, &large), None);
+        assert_eq!(c.cells, vec![small.clone(), large.clone()]);
+        assert_eq!(c.best_peer(Phase::Forward, &small), Some(("torch_grouped_mm", 1.6)));
+        assert_eq!(c.best_peer(Phase::Forward, &large), None);
+        assert_eq!(c.afdep_status(&small), "2/3 ok; fused: error_too_large");
+        assert_eq!(c.afdep_status(&large), "oom");
         assert_eq!(c.strategies, vec!["sorted", "fused", "gather"]);
         assert_eq!(c.peers, vec!["torch_grouped_mm", "jax_ragged_dot"]);
     }
@@ -811,7 +1071,10 @@ mod tests {
         cpu.implementation = "afdep-cpu-oracle".into();
         let c = Comparison::new(vec![rows[0].clone(), a, cpu], skipped);
         assert_eq!(c.skipped, 4);
-        assert_eq!(c.afdep("sorted", 16).unwrap().fwd_ms, Some(2.5));
+        assert_eq!(
+            c.afdep("sorted", &Cell::new("?", 16)).unwrap().fwd_ms,
+            Some(2.5)
+        );
     }
 
     #[test]
@@ -845,6 +1108,68 @@ mod tests {
             replace_block(&format!("{block}{block}"), &block),
             Err(MarkerError::Count { begins: 2, ends: 2 })
         ));
+    }
+
+    /// The committed sample of a suite run (made up numbers, the rows' real format).
+    const SUITE_ROWS: &str = include_str!("../tests/fixtures/suite-rows.jsonl");
+
+    #[test]
+    fn the_suite_table_has_one_row_per_cell() {
+        let (rows, skipped) = parse_rows(SUITE_ROWS);
+        assert_eq!(skipped, 0);
+        let c = Comparison::new(rows, skipped);
+        assert!(c.many_shapes());
+        let names: Vec<String> = c
+            .cells
+            .iter()
+            .map(|c| format!("{} {}", c.shape, c.tokens))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "record 16384",
+                "record 131072",
+                "mixtral-8x7b 4096",
+                "qwen1.5-moe-a2.7b 4096"
+            ]
+        );
+        let info = RunInfo {
+            date: "2026-12-04".into(),
+            commit: "abc".into(),
+            sources: vec![],
+        };
+        let m = markdown(&c, &info);
+        // record at 16k: best afdep fwd 1.0 ms (fused_gsum; sorted 1.2), 2·16384·(512·64 +
+        // 3·8·512·128 + 3·512·1024) FLOP / 1 ms = 104 TFLOP/s = 13 % of 790; best peer: compile
+        // 1.5 ms (eager 2.0) -> 1.50×; train 3.0 (sorted) vs eager 3.3 -> 1.10×
+        assert!(
+            m.contains(
+                "| record | 16,384 | 1.000 (fused_gsum) | 104 (13 %) | 1.500 (torch_compile) | 1.50× | \
+                 3.000 (sorted) | 104 (13 %) | 3.300 (torch_grouped_mm) | 1.10× | 0.50 / 0.90 | ok |"
+            ),
+            "{m}"
+        );
+        // a shape the layer refuses: its status and error, no times
+        assert!(
+            m.contains(
+                "| qwen1.5-moe-a2.7b | 4,096 | no ok row | — | 2.000 (torch_grouped_mm) | — | \
+                 no ok row | — | 6.000 (torch_grouped_mm) | — | — / 3.00 | unsupported: experts \
+                 must be a positive multiple of 8 |"
+            ),
+            "{m}"
+        );
+        // a peer that timed out gives no best peer; afdep's times stay
+        assert!(
+            m.contains("| mixtral-8x7b | 4,096 | 20.00 (sorted) |"),
+            "{m}"
+        );
+        assert!(m.contains("| mixtral-8x7b | 4,096 | torch_compile | — | — |"), "{m}");
+        // the peers' oracle errors are shown
+        assert!(m.contains("| 1.0e-3 / 2.0e-3 / 3.0e-3 |"), "{m}");
+        let dir = tempfile::tempdir().unwrap();
+        let png = dir.path().join("suite.png");
+        crate::report_png::draw(&png, &c, "suite").unwrap();
+        assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
     }
 
     #[test]

@@ -1,5 +1,8 @@
-//! The chart of `afdep report moe`: time per token count, log-log, forward and train step as
-//! two panels, one line per afdep strategy (solid, circles) and per peer (dashed, triangles).
+//! The chart of `afdep report moe`, forward and train step as two panels:
+//! - rows of one shape: time per token count, log-log, one line per afdep strategy (solid,
+//!   circles) and per peer (dashed, triangles);
+//! - rows of several shapes (a suite): per cell (shape, tokens) a bar of the speed-up of afdep's
+//!   best strategy over the best peer (best peer ms / afdep ms; a dashed line at 1), log scale.
 //!
 //! Drawn with plotters' bitmap backend; text through ab_glyph with DejaVu Sans embedded from
 //! the `dejavu` crate, so no system font, fontconfig or freetype is needed.
@@ -10,7 +13,7 @@ use std::sync::OnceLock;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use crate::report::{Comparison, Phase, ReportError};
+use crate::report::{Cell, Comparison, Phase, ReportError, ratio};
 
 /// Image size, pixels.
 const SIZE: (u32, u32) = (1600, 700);
@@ -57,11 +60,11 @@ fn series(c: &Comparison, phase: Phase) -> Vec<Series> {
     let mut out = Vec::new();
     for s in &c.strategies {
         let points = c
-            .tokens
+            .cells
             .iter()
-            .filter_map(|&t| {
-                let r = c.afdep(s, t)?;
-                Some((t as f64, phase.ms(r)?))
+            .filter_map(|cell| {
+                let r = c.afdep(s, cell)?;
+                Some((cell.tokens as f64, phase.ms(r)?))
             })
             .collect();
         out.push(Series {
@@ -72,11 +75,11 @@ fn series(c: &Comparison, phase: Phase) -> Vec<Series> {
     }
     for p in &c.peers {
         let points = c
-            .tokens
+            .cells
             .iter()
-            .filter_map(|&t| {
-                let r = c.peer(p, t)?;
-                Some((t as f64, phase.ms(r)?))
+            .filter_map(|cell| {
+                let r = c.peer(p, cell)?;
+                Some((cell.tokens as f64, phase.ms(r)?))
             })
             .collect();
         out.push(Series {
@@ -108,7 +111,98 @@ fn chart_err(path: &Path) -> impl Fn(String) -> ReportError + '_ {
     }
 }
 
-/// Draws the chart of `c` into `path` (PNG) with `title` above both panels.
+/// `record 16k`: a cell's label under its bar.
+fn cell_label(cell: &Cell) -> String {
+    format!("{} {}", cell.shape, tokens_label(cell.tokens as f64))
+}
+
+/// The speed-up bars of a suite: (cell index, best peer ms / afdep best ms).
+fn speedups(c: &Comparison, phase: Phase) -> Vec<(usize, f64)> {
+    c.cells
+        .iter()
+        .enumerate()
+        .filter_map(|(i, cell)| {
+            let a = c.best(phase, cell).map(|b| b.1);
+            let p = c.best_peer(phase, cell).map(|b| b.1);
+            Some((i, ratio(p, a)?))
+        })
+        .collect()
+}
+
+fn draw_speedups(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError> {
+    let err = chart_err(path);
+    let e = |x: &dyn std::fmt::Display| err(x.to_string());
+    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| e(&x))?;
+    let root = root.titled(title, ("sans-serif", 22)).map_err(|x| e(&x))?;
+    let panels = root.split_evenly((1, 2));
+    let n = c.cells.len();
+    for (area, phase) in panels.iter().zip(Phase::BOTH) {
+        let bars = speedups(c, phase);
+        let (lo, hi) = bars
+            .iter()
+            .fold((1.0f64, 1.0f64), |(a, b), &(_, v)| (a.min(v), b.max(v)));
+        let mut chart = ChartBuilder::on(area)
+            .caption(
+                format!("{}: best peer ms / afdep ms", phase.title()),
+                ("sans-serif", 20),
+            )
+            .margin(16)
+            .x_label_area_size(150)
+            .y_label_area_size(64)
+            .build_cartesian_2d(-0.5f64..n as f64 - 0.5, (lo / 1.5..hi * 1.5).log_scale())
+            .map_err(|x| e(&x))?;
+        let labels: Vec<String> = c.cells.iter().map(cell_label).collect();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n.max(1))
+            .x_label_formatter(&|v| {
+                let i = v.round();
+                if (v - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
+                    labels[i as usize].clone()
+                } else {
+                    String::new()
+                }
+            })
+            .x_label_style(
+                ("sans-serif", 13)
+                    .into_font()
+                    .transform(FontTransform::Rotate90),
+            )
+            .y_desc("speed-up (×)")
+            .y_label_formatter(&|v| format!("{v:.2}"))
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(|x| e(&x))?;
+        chart
+            .draw_series(bars.iter().map(|&(i, v)| {
+                let color = if v >= 1.0 {
+                    AFDEP_COLORS[1]
+                } else {
+                    PEER_COLORS[0]
+                };
+                Rectangle::new(
+                    [(i as f64 - 0.35, lo / 1.5), (i as f64 + 0.35, v)],
+                    color.filled(),
+                )
+            }))
+            .map_err(|x| e(&x))?;
+        chart
+            .draw_series(DashedLineSeries::new(
+                vec![(-0.5, 1.0), (n as f64 - 0.5, 1.0)],
+                8,
+                5,
+                BLACK.stroke_width(1),
+            ))
+            .map_err(|x| e(&x))?;
+    }
+    root.present().map_err(|x| e(&x))?;
+    Ok(())
+}
+
+/// Draws the chart of `c` into `path` (PNG) with `title` above both panels: the times per
+/// token count for one shape, the speed-ups per cell for several.
 pub fn draw(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError> {
     let err = chart_err(path);
     register_font().map_err(&err)?;
@@ -118,6 +212,14 @@ pub fn draw(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError>
             source,
         })?;
     }
+    if c.many_shapes() {
+        return draw_speedups(path, c, title);
+    }
+    draw_times(path, c, title)
+}
+
+fn draw_times(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError> {
+    let err = chart_err(path);
     let e = |x: &dyn std::fmt::Display| err(x.to_string());
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
@@ -138,8 +240,10 @@ pub fn draw(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError>
         } else {
             (lo / 2.0, hi * 2.0)
         };
-        let tmin = c.tokens.first().copied().unwrap_or(1) as f64;
-        let tmax = c.tokens.last().copied().unwrap_or(1) as f64;
+        let tokens: Vec<f64> = c.cells.iter().map(|x| x.tokens as f64).collect();
+        let tmin = tokens.iter().copied().fold(f64::INFINITY, f64::min).min(1e12);
+        let tmax = tokens.iter().copied().fold(1.0, f64::max);
+        let tmin = if tmin.is_finite() { tmin } else { 1.0 };
         let mut chart = ChartBuilder::on(area)
             .caption(format!("{} (median ms)", phase.title()), ("sans-serif", 20))
             .margin(16)
@@ -148,7 +252,7 @@ pub fn draw(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError>
             .build_cartesian_2d(
                 (tmin / 1.5..tmax * 1.5)
                     .log_scale()
-                    .with_key_points(c.tokens.iter().map(|&t| t as f64).collect::<Vec<_>>()),
+                    .with_key_points(tokens.clone()),
                 (lo..hi).log_scale(),
             )
             .map_err(|x| e(&x))?;

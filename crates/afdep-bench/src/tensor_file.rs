@@ -9,13 +9,50 @@
 //! - exchange inputs: per attention rank `r`: `x.r` (T_r × H, bf16), `topk_idx.r` (T_r × K,
 //!   i32), `topk_weights.r` (T_r × K, f32); optionally the experts `w1`, `w3`, `w2`;
 //! - exchange outputs: `y.r` (T_r × H) per attention rank.
+//!
+//! Tensors read as bf16 ([`TensorFile::bf16`]) may be stored as bf16, f32 or f16: f32 and f16
+//! are rounded to bf16 (to nearest even; the first conversion of a file is said once in the
+//! log, at `info`); any other dtype is a [`TensorError::Dtype`] naming the tensor and its dtype.
 
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
-use half::bf16;
+use anyhow::{Context, Result};
+use half::{bf16, f16};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use thiserror::Error;
+
+/// Why a tensor of a file cannot be read as asked.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum TensorError {
+    /// No tensor of that name.
+    #[error("tensor `{name}` is missing")]
+    Missing {
+        /// The tensor.
+        name: String,
+    },
+    /// The tensor's dtype is not one this read accepts.
+    #[error("tensor `{name}` is {dtype}: expected {expected}")]
+    Dtype {
+        /// The tensor.
+        name: String,
+        /// Its dtype, as the file names it.
+        dtype: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// The data does not hold shape × element size bytes.
+    #[error("tensor `{name}`: shape {shape:?} does not match {bytes} bytes")]
+    Size {
+        /// The tensor.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its bytes.
+        bytes: usize,
+    },
+}
 
 /// One tensor held in memory.
 #[derive(Debug, Clone)]
@@ -35,6 +72,10 @@ pub struct TensorFile {
     pub tensors: HashMap<String, Tensor>,
     /// The file's `__metadata__`.
     pub metadata: HashMap<String, String>,
+    /// The file it was read from.
+    pub path: Option<PathBuf>,
+    /// Whether a conversion to bf16 was logged already.
+    said_conversion: Cell<bool>,
 }
 
 fn dtype_size(d: Dtype) -> usize {
@@ -69,6 +110,8 @@ impl TensorFile {
         Ok(TensorFile {
             tensors,
             metadata: meta.metadata().clone().unwrap_or_default(),
+            path: Some(path.to_path_buf()),
+            said_conversion: Cell::new(false),
         })
     }
 
@@ -94,40 +137,78 @@ impl TensorFile {
         self.tensors.contains_key(name)
     }
 
-    fn get(&self, name: &str, dtype: Dtype) -> Result<&Tensor> {
-        let t = self
-            .tensors
-            .get(name)
-            .with_context(|| format!("tensor `{name}` is missing"))?;
-        if t.dtype != dtype {
-            bail!("tensor `{name}` is {:?}, expected {dtype:?}", t.dtype);
+    /// The tensor `name` if its dtype is one of `dtypes` and its size matches its shape.
+    fn get_any(
+        &self,
+        name: &str,
+        dtypes: &[Dtype],
+        expected: &'static str,
+    ) -> Result<&Tensor, TensorError> {
+        let t = self.tensors.get(name).ok_or_else(|| TensorError::Missing {
+            name: name.to_string(),
+        })?;
+        if !dtypes.contains(&t.dtype) {
+            return Err(TensorError::Dtype {
+                name: name.to_string(),
+                dtype: format!("{:?}", t.dtype),
+                expected,
+            });
         }
         let n: usize = t.shape.iter().product();
-        if n * dtype_size(dtype) != t.bytes.len() {
-            bail!(
-                "tensor `{name}`: shape {:?} does not match {} bytes",
-                t.shape,
-                t.bytes.len()
-            );
+        if n * dtype_size(t.dtype) != t.bytes.len() {
+            return Err(TensorError::Size {
+                name: name.to_string(),
+                shape: t.shape.clone(),
+                bytes: t.bytes.len(),
+            });
         }
         Ok(t)
     }
 
-    /// A bf16 tensor: its shape and values.
+    fn get(&self, name: &str, dtype: Dtype, expected: &'static str) -> Result<&Tensor> {
+        Ok(self.get_any(name, &[dtype], expected)?)
+    }
+
+    /// A tensor as bf16: its shape and values. Stored as bf16, f32 or f16 (rounded to bf16,
+    /// to nearest even; the file's first conversion is logged once); any other dtype is a
+    /// [`TensorError::Dtype`].
     pub fn bf16(&self, name: &str) -> Result<(Vec<usize>, Vec<bf16>)> {
-        let t = self.get(name, Dtype::BF16)?;
-        Ok((
-            t.shape.clone(),
-            t.bytes
+        let t = self.get_any(
+            name,
+            &[Dtype::BF16, Dtype::F32, Dtype::F16],
+            "BF16 (or F32 / F16, converted to bf16)",
+        )?;
+        let v: Vec<bf16> = match t.dtype {
+            Dtype::BF16 => t
+                .bytes
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]))
                 .collect(),
-        ))
+            Dtype::F16 => t
+                .bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32()))
+                .collect(),
+            _ => t
+                .bytes
+                .chunks_exact(4)
+                .map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+        };
+        if t.dtype != Dtype::BF16 && !self.said_conversion.replace(true) {
+            tracing::info!(
+                file = %self.path.as_deref().map_or_else(|| "-".into(), |p| p.display().to_string()),
+                first = name,
+                dtype = ?t.dtype,
+                "converting f32 / f16 tensors to bf16 (round to nearest even); said once per file"
+            );
+        }
+        Ok((t.shape.clone(), v))
     }
 
     /// An i32 tensor.
     pub fn i32(&self, name: &str) -> Result<(Vec<usize>, Vec<i32>)> {
-        let t = self.get(name, Dtype::I32)?;
+        let t = self.get(name, Dtype::I32, "I32")?;
         Ok((
             t.shape.clone(),
             t.bytes
@@ -139,7 +220,7 @@ impl TensorFile {
 
     /// An f32 tensor.
     pub fn f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let t = self.get(name, Dtype::F32)?;
+        let t = self.get(name, Dtype::F32, "F32")?;
         Ok((
             t.shape.clone(),
             t.bytes
@@ -213,5 +294,56 @@ mod tests {
         assert_eq!(g.metadata["top_k"], "2");
         assert!(g.f32("x").is_err());
         assert!(g.bf16("nope").is_err());
+    }
+
+    #[test]
+    fn f32_and_f16_read_as_bf16_other_dtypes_are_typed_errors() {
+        let mut f = TensorFile::default();
+        let vals = [1.0f32, -2.5, 3.140625, 1e-3, 65504.0, 1.00390625];
+        f.put(
+            "a32",
+            Dtype::F32,
+            &[2, 3],
+            vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        );
+        f.put(
+            "a16",
+            Dtype::F16,
+            &[6],
+            vals.iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+        );
+        f.put("i8", Dtype::I8, &[2], vec![1, 2]);
+        f.put("f64", Dtype::F64, &[1], 1.0f64.to_le_bytes().to_vec());
+        let want: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(f.bf16("a32").unwrap(), (vec![2, 3], want.clone()));
+        // f16 first (exact for these), then to bf16
+        let want16: Vec<bf16> = vals
+            .iter()
+            .map(|&v| bf16::from_f32(f16::from_f32(v).to_f32()))
+            .collect();
+        assert_eq!(f.bf16("a16").unwrap().1, want16);
+        // 1.00390625 = 1 + 2^-8 is a tie in bf16: to even (1.0)
+        assert_eq!(f.bf16("a32").unwrap().1[5], bf16::from_f32(1.0));
+        for (name, dt) in [("i8", "I8"), ("f64", "F64")] {
+            let e = f.bf16(name).unwrap_err();
+            let te = e.downcast_ref::<TensorError>().expect("a typed error");
+            assert!(
+                matches!(te, TensorError::Dtype { name: n, dtype, .. } if n == name && dtype == dt),
+                "{te}"
+            );
+            assert!(e.to_string().contains(name) && e.to_string().contains(dt));
+        }
+        assert_eq!(
+            *f.bf16("zz").unwrap_err().downcast_ref::<TensorError>().unwrap(),
+            TensorError::Missing { name: "zz".into() }
+        );
+        // a size that disagrees with the shape
+        f.tensors.get_mut("a32").unwrap().bytes.pop();
+        assert!(matches!(
+            f.bf16("a32").unwrap_err().downcast_ref::<TensorError>(),
+            Some(TensorError::Size { .. })
+        ));
     }
 }

@@ -354,6 +354,151 @@ fn moe_writes_the_seeded_inputs_and_outputs_per_token_count() {
     assert_eq!(again[0]["tokens"], 37);
 }
 
+/// Rewrites every bf16 tensor of a safetensors file as `to` (F32 or F16); `keep` stays bf16.
+fn convert_file(src: &Path, dst: &Path, to: Dtype, keep: &[&str]) {
+    let buf = std::fs::read(src).unwrap();
+    let st = SafeTensors::deserialize(&buf).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&buf).unwrap();
+    let mut t = Vec::new();
+    for (name, v) in st.tensors() {
+        let vals: Vec<f32> = v
+            .data()
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        let bytes: Vec<u8> = match to {
+            _ if keep.contains(&name.as_str()) => v.data().to_vec(),
+            Dtype::F32 => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Dtype::F16 => vals
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            _ => unreachable!(),
+        };
+        let dt = if keep.contains(&name.as_str()) {
+            Dtype::BF16
+        } else {
+            to
+        };
+        t.push((name.clone(), dt, v.shape().to_vec(), bytes));
+    }
+    write(dst, t, meta.metadata().clone().unwrap_or_default());
+}
+
+#[test]
+fn f32_and_f16_inputs_are_converted_other_dtypes_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let mut args = vec!["moe", "--tokens", "21", "--inputs-only", "--write-inputs", d];
+    args.extend(SMALL);
+    afdep(&args);
+    let src = dir.path().join("moe-inputs-21.safetensors");
+    let run = |input: &Path, out: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_afdep"))
+            .args(["moe", "--backend", "cpu", "--input"])
+            .arg(input)
+            .arg("--output")
+            .arg(out)
+            .env("RUST_LOG", "afdep=info")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (std::fs::read(out).unwrap(), String::from_utf8_lossy(&o.stderr).to_string())
+    };
+    let (want, log) = run(&src, &dir.path().join("o-bf16.safetensors"));
+    assert!(!log.contains("converting"), "{log}");
+    // bf16 values are exact in f32 and (these, small) in f16: the same outputs, bit for bit
+    for (dt, name) in [(Dtype::F32, "f32"), (Dtype::F16, "f16")] {
+        let conv = dir.path().join(format!("in-{name}.safetensors"));
+        convert_file(&src, &conv, dt, &["w2"]);
+        let (got, log) = run(&conv, &dir.path().join(format!("o-{name}.safetensors")));
+        for t in ["y", "dx", "dw1", "dwr"] {
+            assert_eq!(read_bf16(&got, t), read_bf16(&want, t), "{name}: {t}");
+        }
+        assert_eq!(log.matches("converting f32 / f16 tensors").count(), 1, "{log}");
+    }
+    // another dtype: a typed error naming the tensor and the dtype
+    let bad = dir.path().join("bad.safetensors");
+    let buf = std::fs::read(&src).unwrap();
+    let st = SafeTensors::deserialize(&buf).unwrap();
+    let mut t = Vec::new();
+    for (name, v) in st.tensors() {
+        if name == "w3" {
+            let n: usize = v.shape().iter().product();
+            t.push((name.clone(), Dtype::F64, v.shape().to_vec(), vec![0u8; 8 * n]));
+        } else {
+            t.push((name.clone(), v.dtype(), v.shape().to_vec(), v.data().to_vec()));
+        }
+    }
+    write(&bad, t, HashMap::new());
+    let err = afdep_fails(&["moe", "--backend", "cpu", "--input", bad.to_str().unwrap()]);
+    assert!(err.contains("tensor `w3` is F64"), "{err}");
+}
+
+#[test]
+fn named_shapes_list_run_and_write_their_own_folders() {
+    // the suite's runs, for scripts
+    let list = afdep(&["moe", "--suite", "models", "--list"]);
+    let lines: Vec<&str> = list.lines().collect();
+    assert_eq!(lines.len(), 3 + 6 * 2, "{list}");
+    assert_eq!(lines[0], "record 16384 10");
+    assert_eq!(lines[2], "record 1048576 10");
+    assert!(lines.contains(&"qwen1.5-moe-a2.7b 4096 10"), "{list}");
+    assert!(lines.contains(&"deepseek-v3 16384 5"), "{list}");
+    assert_eq!(
+        afdep(&["moe", "--shape", "olmoe-1b-7b", "--tokens", "8", "--iters", "2", "--list"]),
+        "olmoe-1b-7b 8 2\n"
+    );
+    // one named shape on the CPU: its name, its dims, TFLOP/s; its files under DIR/NAME
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let rows = rows_of(&afdep(&[
+        "moe",
+        "--backend",
+        "cpu",
+        "--shape",
+        "record",
+        "--tokens",
+        "16",
+        "--write-inputs",
+        d,
+    ]));
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(r["shape"], "record");
+    assert_eq!((r["d_model"].as_u64(), r["shared"].as_u64()), (Some(512), Some(1024)));
+    let fwd = r["fwd_ms"].as_f64().unwrap();
+    let flops = 2.0 * 16.0 * (512.0 * 64.0 + 3.0 * 8.0 * 512.0 * 128.0 + 3.0 * 512.0 * 1024.0);
+    let tf = r["fwd_tflops"].as_f64().unwrap();
+    assert!((tf - flops / (fwd * 1e-3) / 1e12).abs() <= 1e-9 * tf.max(1.0), "{r}");
+    let pct = r["fwd_pct_peak"].as_f64().unwrap();
+    assert!((pct - 100.0 * tf / 790.0).abs() < 1e-9, "{r}");
+    assert!(r["train_tflops"].as_f64().is_some());
+    let f = dir.path().join("record").join("moe-inputs-16.safetensors");
+    let buf = std::fs::read(&f).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&buf).unwrap();
+    assert_eq!(meta.metadata().as_ref().unwrap()["shape"], "record");
+    // plain runs keep their rows as they were: no shape name
+    let mut args = vec!["moe", "--backend", "cpu", "--tokens", "8", "--forward-only"];
+    args.extend(SMALL);
+    let plain = rows_of(&afdep(&args));
+    assert!(plain[0].get("shape").is_none(), "{}", plain[0]);
+    assert!(plain[0]["train_tflops"].is_null());
+    // bad names and conflicting flags are errors
+    for (args, want) in [
+        (vec!["--shape", "llama"], "unknown shape `llama`"),
+        (vec!["--suite", "models", "--d-model", "64"], "cannot be used with"),
+        (vec!["--shape", "record", "--suite", "record"], "cannot be used with"),
+        (vec!["--list"], "--list needs --suite or --shape"),
+        (vec!["--suite", "nope"], "nope"),
+    ] {
+        let mut a = vec!["moe", "--backend", "cpu"];
+        a.extend(args.iter().copied());
+        let err = afdep_fails(&a);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn inputs_only_writes_and_runs_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -479,8 +624,17 @@ fn peers_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../peers")
 }
 
+/// Whether a missing dependency must fail a test instead of skipping it: `AFDEP_REQUIRE_GPU`
+/// (the GPU machine's flag) or `AFDEP_REQUIRE_PEERS`, set to anything but empty or `0`.
+fn required() -> Option<&'static str> {
+    ["AFDEP_REQUIRE_PEERS", "AFDEP_REQUIRE_GPU"]
+        .into_iter()
+        .find(|k| std::env::var(k).is_ok_and(|v| !v.is_empty() && v != "0"))
+}
+
 /// The Python to run the peer scripts with: `AFDEP_PEER_PYTHON`, else `python3`; `None` (the
-/// test skips) when it cannot import `modules`.
+/// test skips, printing `SKIP: <reason>`) when it cannot import `modules`, unless [`required`]
+/// says so: then the test fails.
 fn python_with(modules: &str) -> Option<String> {
     let py = std::env::var("AFDEP_PEER_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
@@ -488,11 +642,48 @@ fn python_with(modules: &str) -> Option<String> {
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
-        Some(py)
-    } else {
-        println!("SKIP: {py} cannot import {modules} (set AFDEP_PEER_PYTHON)");
-        None
+        return Some(py);
     }
+    let why = format!("{py} cannot import {modules} (set AFDEP_PEER_PYTHON)");
+    if let Some(flag) = required() {
+        panic!("{flag} is set, but {why}");
+    }
+    println!("SKIP: {why}");
+    None
+}
+
+#[test]
+fn a_missing_peer_module_skips_unless_required() {
+    let exe = std::env::current_exe().unwrap();
+    let run = |flag: Option<&str>| {
+        let mut c = Command::new(&exe);
+        c.args(["--exact", "python_with_a_missing_module", "--nocapture"])
+            .env("AFDEP_RUN_PROBE", "1")
+            .env_remove("AFDEP_REQUIRE_GPU")
+            .env_remove("AFDEP_REQUIRE_PEERS");
+        if let Some(f) = flag {
+            c.env(f, "1");
+        }
+        c.output().unwrap()
+    };
+    let free = run(None);
+    let text = String::from_utf8_lossy(&free.stdout);
+    assert!(free.status.success() && text.contains("SKIP: "), "{text}");
+    for flag in ["AFDEP_REQUIRE_GPU", "AFDEP_REQUIRE_PEERS"] {
+        let o = run(Some(flag));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success(), "{flag}: {text}");
+        assert!(text.contains(&format!("{flag} is set")), "{text}");
+    }
+}
+
+/// The probe of [`a_missing_peer_module_skips_unless_required`] (does nothing unless it runs it).
+#[test]
+fn python_with_a_missing_module() {
+    if std::env::var("AFDEP_RUN_PROBE").is_err() {
+        return;
+    }
+    assert!(python_with("afdep_no_such_module_xyz").is_none());
 }
 
 #[test]
@@ -563,7 +754,12 @@ fn the_peers_reader_reads_what_afdep_writes() {
 
 /// Runs a peer script on afdep's inputs and the oracle's outputs (CPU); its errors must be
 /// within the GPU layer's tolerances and its routes the oracle's.
-fn peer_matches_the_oracle(py: &str, script: &str, extra: &[&str], shape_args: &[&str]) {
+fn peer_matches_the_oracle(
+    py: &str,
+    script: &str,
+    extra: &[&str],
+    shape_args: &[&str],
+) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
     let mut args = vec!["moe", "--backend", "cpu", "--tokens", "200"];
@@ -609,6 +805,7 @@ fn peer_matches_the_oracle(py: &str, script: &str, extra: &[&str], shape_args: &
     for f in ["fwd_ms", "train_ms"] {
         assert!(r[f].as_f64().is_some_and(|v| v > 0.0), "{r}");
     }
+    r.clone()
 }
 
 #[test]
@@ -616,7 +813,59 @@ fn the_torch_peer_computes_the_oracles_function() {
     let Some(py) = python_with("numpy, torch") else {
         return;
     };
-    peer_matches_the_oracle(&py, "moe_torch.py", &["--device", "cpu"], &SMALL);
+    // its own f32 oracle (hand-written backward) against autograd in f64
+    let out = Command::new(&py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join("moe_torch.py"))
+        .arg("--self-test")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // the peer against afdep's outputs and against its oracle; no host sync when timed
+    let r = peer_matches_the_oracle(
+        &py,
+        "moe_torch.py",
+        &["--device", "cpu", "--check-syncs"],
+        &SMALL,
+    );
+    assert_eq!(r["syncs_checked"], true);
+    for (f, tol) in [
+        ("oracle_out_err", afdep_moe::accuracy::OUT_TOL),
+        ("oracle_gx_err", afdep_moe::accuracy::DX_TOL),
+        ("oracle_gw_err", afdep_moe::accuracy::GRAD_TOL),
+    ] {
+        let e = r[f].as_f64().unwrap_or(f64::INFINITY);
+        assert!(e <= tol, "{f} = {e} > {tol}: {r}");
+    }
+    // the check can fail: a step that syncs (planted) is an error row
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let mut args = vec!["moe", "--tokens", "50", "--inputs-only", "--write-inputs", d];
+    args.extend(SMALL);
+    afdep(&args);
+    let out = Command::new(&py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join("moe_torch.py"))
+        .args(["--inputs", d, "--device", "cpu", "--iters", "1", "--warmups", "0"])
+        .args(["--check-syncs", "--debug-inject-sync", "--no-oracle"])
+        .output()
+        .unwrap();
+    let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["status"], "error", "{}", rows[0]);
+    assert!(
+        rows[0]["note"]
+            .as_str()
+            .unwrap()
+            .contains("host synchronisation inside the timed region: Tensor.item"),
+        "{}",
+        rows[0]
+    );
     peer_matches_the_oracle(
         &py,
         "moe_torch.py",

@@ -25,12 +25,28 @@ pub fn rng(seed: u64, stream: u64) -> ChaCha8Rng {
     r
 }
 
+/// Values drawn per task of [`uniform_bf16`] (each task seeks its generator to its first one).
+const DRAW_CHUNK: usize = 1 << 20;
+
 /// `n` bf16 values uniform in `[-scale, scale)`.
+///
+/// Value `i` is drawn from the 32-bit word `i` of the generator [`rng`]`(seed, stream)` (one
+/// word per value: `gen_range` over `-1.0..1.0` in f32 never rejects), so chunks of
+/// [`DRAW_CHUNK`] values are drawn in parallel, each generator seeked to its chunk's first
+/// word, and the result is the sequential draw's, bit for bit (a test checks it).
 pub fn uniform_bf16(n: usize, scale: f32, seed: u64, stream: u64) -> Vec<bf16> {
-    let mut r = rng(seed, stream);
-    (0..n)
-        .map(|_| bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale))
-        .collect()
+    use rayon::prelude::*;
+    let mut out = vec![bf16::ZERO; n];
+    out.par_chunks_mut(DRAW_CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut r = rng(seed, stream);
+            r.set_word_pos((c * DRAW_CHUNK) as u128);
+            for v in chunk {
+                *v = bf16::from_f32(r.gen_range(-1.0f32..1.0) * scale);
+            }
+        });
+    out
 }
 
 /// Rewrites the 128-channel groups of `x` (rows of `hidden`, a multiple of 128) into inputs
@@ -108,6 +124,17 @@ pub fn max_rel_err(a: &[bf16], b: &[bf16]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parallel_draws_are_the_sequential_draw() {
+        let n = 2 * DRAW_CHUNK + 12_345;
+        let mut r = rng(11, 4);
+        let want: Vec<bf16> = (0..n)
+            .map(|_| bf16::from_f32(r.gen_range(-1.0f32..1.0) * 0.5))
+            .collect();
+        assert_eq!(uniform_bf16(n, 0.5, 11, 4), want);
+        assert!(uniform_bf16(0, 1.0, 1, 1).is_empty());
+    }
 
     #[test]
     fn seeded_values_repeat_and_streams_differ() {

@@ -141,6 +141,7 @@ fn random_offences_first_one_wins() {
     let mut v = RouteValidator::new(&ctx).unwrap();
     // Many offences of mixed classes in one table; a large table with K = 1 also runs the
     // scan's grid-stride loop (more tokens than 4096 blocks × 256 threads).
+    let mut ran = 0;
     for &(t, k) in &[
         (1000usize, 8usize),
         (16384, 6),
@@ -150,6 +151,7 @@ fn random_offences_first_one_wins() {
         if t > common::max_tokens() {
             continue;
         }
+        ran += 1;
         let e = 96;
         let rules = RouteRules {
             experts: e,
@@ -173,6 +175,11 @@ fn random_offences_first_one_wins() {
             );
         }
     }
+    assert!(
+        ran > 0,
+        "AFDEP_TEST_MAX_TOKENS = {} leaves this sweep no case (the smallest is 1000 tokens)",
+        common::max_tokens()
+    );
 }
 
 #[test]

@@ -135,6 +135,7 @@ fn router_layer_matches_the_oracle() {
         }
     }
     println!("{cases} cases compared, {left_out} above AFDEP_TEST_MAX_TOKENS left out");
+    common::assert_sweep_ran("router_layer_matches_the_oracle", cases, left_out);
     assert!(
         bad.is_empty(),
         "{} failures:\n{}",
@@ -148,6 +149,7 @@ fn router_layer_matches_the_oracle() {
 #[test]
 fn given_routes_match_the_oracle() {
     let Some((_g, ctx)) = gpu() else { return };
+    let mut cases = 0;
     let mut left_out = 0;
     let mut bad = Vec::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
@@ -179,6 +181,7 @@ fn given_routes_match_the_oracle() {
                         let got = read(&ctx, &layer);
                         let what = format!("given {d} T={t} H={h} W={w} E={e} K={k} S={s}");
                         bad.extend(compare(&what, &sh, &got, &out, &grads));
+                        cases += 1;
                     }
                 }
             }
@@ -187,6 +190,7 @@ fn given_routes_match_the_oracle() {
     if left_out > 0 {
         println!("{left_out} cases above AFDEP_TEST_MAX_TOKENS left out");
     }
+    common::assert_sweep_ran("given_routes_match_the_oracle", cases, left_out);
     assert!(
         bad.is_empty(),
         "{} failures:\n{}",

@@ -20,13 +20,28 @@ pub fn max_tokens() -> usize {
         .unwrap_or(usize::MAX)
 }
 
-/// [`TOKENS`] up to [`max_tokens`].
+/// [`TOKENS`] up to [`max_tokens`]; a sweep must run at least one case, so a limit below the
+/// smallest count fails the test instead of letting it pass having checked nothing.
 pub fn tokens() -> Vec<usize> {
-    TOKENS
+    let v: Vec<usize> = TOKENS
         .iter()
         .copied()
         .filter(|&t| t <= max_tokens())
-        .collect()
+        .collect();
+    assert!(
+        !v.is_empty(),
+        "AFDEP_TEST_MAX_TOKENS = {} leaves this sweep no token count (the smallest is {}): \
+         a sweep that runs no case cannot pass",
+        max_tokens(),
+        TOKENS[0]
+    );
+    v
+}
+
+/// Whether `AFDEP_REQUIRE_GPU` is set (to anything but empty or `0`): a missing GPU, driver or
+/// library then fails a test instead of skipping it.
+pub fn require_gpu() -> bool {
+    std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
 /// Whether a test at `t` tokens runs under [`max_tokens`]; prints `SKIP: <reason>` if not.
@@ -53,7 +68,7 @@ pub fn gpu() -> Option<GpuContext> {
     match GpuContext::new(0) {
         Ok(c) => Some(c),
         Err(KernelError::NoDriver { why }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
+            if require_gpu() {
                 panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
             }
             println!("SKIP: {why}");

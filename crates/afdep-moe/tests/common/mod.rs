@@ -41,6 +41,17 @@ pub fn max_tokens() -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// Fails a sweep that compared no case (`AFDEP_TEST_MAX_TOKENS` below all of its token counts):
+/// a test that checked nothing must not pass. `left_out` is how many the limit removed.
+pub fn assert_sweep_ran(what: &str, cases: usize, left_out: usize) {
+    assert!(
+        cases > 0,
+        "{what}: no case ran ({left_out} left out by AFDEP_TEST_MAX_TOKENS = {}): a sweep that \
+         runs no case cannot pass",
+        max_tokens()
+    );
+}
+
 /// A layer shape with renormalised top-k weights.
 pub fn shape(h: usize, w: usize, e: usize, k: usize, s: usize) -> LayerShape {
     LayerShape {
