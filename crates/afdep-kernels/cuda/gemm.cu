@@ -28,7 +28,9 @@
 // - KSUM: group g owns the K-rows offsets[g] .. offsets[g+1]; its output is an M x N matrix
 //   C_g = sum_r A(r, :)^T B(r, :) (weight gradients). The K range of a group is split in
 //   `splits` chunks; each chunk writes an f32 partial, summed in split order by
-//   afdep_gemm_reduce (deterministic, no atomics).
+//   afdep_gemm_reduce (deterministic, no atomics). With one chunk (splits == 1, the host's
+//   choice wherever the tiles alone fill the GPU) the tile's sum is final and is stored as
+//   bf16 into the gradient itself (c2, and c3 from column b_split on): no partials, no reduce.
 //
 // Block: 256 threads = two warpgroups; a 128 x 128 output tile, warpgroup w computes rows
 // 64w .. 64w + 63 with one m64n128k16 wgmma per 16 of K. Pipeline: STAGES shared-memory stages
@@ -381,36 +383,52 @@ static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, 
     }
 }
 
-// KSUM operand (MN-major [r][m], rows gathered through idx/div): tile rows are K-rows
-// r0 .. r0 + BK - 1 (< rend), columns c0 .. c0 + 127 (< lim).
-static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, u64 idx, u32 div, u32 s,
-                                                 u64 r0, u64 rend, u32 c0, u32 lim) {
+// KSUM operand (MN-major [r][m], rows gathered through idx/div). A stage is BK K-rows r0 ..
+// r0 + BK - 1 (< rend) by 128 columns c0 .. c0 + 127 (< lim); thread chunk i of a stage is
+// K-row (threadIdx.x + i * AFDEP_BLOCK) / 16 of it.
+//
+// ksum_rows resolves the source row of each of the thread's chunks (~0: past rend); the k-loop
+// resolves the rows of the next stage one stage early, so the gather index's global load is in
+// flight while the current stage multiplies instead of stalling the thread right before its
+// cp.async (measured: the gathered dW2 ran at half the rate of the contiguous dW13,
+// docs/perf/moe.md 2026-12-04).
+static __device__ __forceinline__ void ksum_rows(u64 idx, u32 div, u64 r0, u64 rend,
+                                                 u64 (&rows)[LOADS]) {
+#pragma unroll
+    for (int i = 0; i < LOADS; i++) {
+        const u64 rr = r0 + (threadIdx.x + i * AFDEP_BLOCK) / 16;
+        rows[i] = rr < rend ? (idx ? (u64)(__ldg((const u32*)idx + rr) / div) : rr) : ~0ull;
+    }
+}
+static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, const u64 (&rows)[LOADS],
+                                                 u32 s, u32 c0, u32 lim) {
 #pragma unroll
     for (int i = 0; i < LOADS; i++) {
         const u32 id = threadIdx.x + i * AFDEP_BLOCK;
         const u32 r = id / 16, c = id % 16;
-        const u64 rr = r0 + r;
         const u32 cc = c0 + c * 8;
-        const bool ok = rr < rend && cc < lim;
-        const u16* src = base;
-        if (ok) {
-            const u64 row = idx ? (u64)(((const u32*)idx)[rr] / div) : rr;
-            src = base + row * ld + cc;
-        }
-        cp_async16(s + mnmaj_off(r, c), src, ok);
+        const bool ok = rows[i] != ~0ull && cc < lim;
+        cp_async16(s + mnmaj_off(r, c), ok ? base + rows[i] * ld + cc : base, ok);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Epilogues of ROWS problems. v0, v1: the accumulator pair at (row, col), (row, col + 1);
-// for SWIGLU / DSWIGLU the pair from the second half (b2's columns) is u0, u1.
+// for SWIGLU / DSWIGLU the pair from the second half (b2's columns) is u0, u1. Per row, read
+// once by the caller: w, the row's router weight (1 without weights), and srow, the element
+// offset of the row's token in the scatter accumulator (SCATTER).
+
+// Adds the pair (v0, v1) to dst[0..1] with one vector reduction (sm_90: red.global.add.v2.f32;
+// dst is 8-byte aligned: even column, even row stride).
+static __device__ __forceinline__ void red_add_f32x2(float* dst, float v0, float v1) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+}
 
 template <int EPI>
 static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u32 col, float v0,
-                                                float v1, float u0, float u1, float& gpart) {
+                                                float v1, float u0, float u1, float w, u64 srow,
+                                                float& gpart) {
     if (EPI == AFDEP_EPI_STORE) {
-        float w = 1.0f;
-        if (p.weights) w = ((const float*)p.weights)[((const u32*)p.r_idx)[row]];
         u32* c = (u32*)((u16*)p.c + row * p.ldc + col);
         *c = pack_bf16(__fmul_rn(w, v0), __fmul_rn(w, v1));
     } else if (EPI == AFDEP_EPI_ACC_BF16) {
@@ -423,11 +441,7 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
         o.y = __fadd_rn(o.y, v1);
         *a = o;
     } else if (EPI == AFDEP_EPI_SCATTER) {
-        const u32 slot = ((const u32*)p.r_idx)[row];
-        const float w = p.weights ? ((const float*)p.weights)[slot] : 1.0f;
-        float* dst = (float*)p.aux + (u64)(slot / p.r_div) * p.ldc + col;
-        atomicAdd(dst, __fmul_rn(w, v0));
-        atomicAdd(dst + 1, __fmul_rn(w, v1));
+        red_add_f32x2((float*)p.aux + srow + col, __fmul_rn(w, v0), __fmul_rn(w, v1));
     } else if (EPI == AFDEP_EPI_SWIGLU) {
         // v = a = x·W1, u = b = x·W3; h = silu(a) * b.
         const float h0 = __fmul_rn(__fmul_rn(v0, sigmoidf_(v0)), u0);
@@ -442,8 +456,6 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
         const u64 o = row * p.ldc + col;
         const float2 a = unpack_bf16(*(const u32*)((const u16*)p.c2 + o));
         const float2 b = unpack_bf16(*(const u32*)((const u16*)p.c3 + o));
-        float w = 1.0f;
-        if (p.weights) w = ((const float*)p.weights)[((const u32*)p.r_idx)[row]];
         float da[2], db[2], hw[2];
         const float av[2] = {a.x, a.y}, bv[2] = {b.x, b.y}, gv[2] = {v0, v1};
 #pragma unroll
@@ -630,6 +642,13 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p, const Tma
             const u64 row = row_glob[r];
             float gpart = 0.0f;
             if (row != ~0ull) {
+                float w = 1.0f;
+                u64 srow = 0;
+                if (p.r_idx) {
+                    const u32 slot = ((const u32*)p.r_idx)[row];
+                    if (p.weights) w = ((const float*)p.weights)[slot];
+                    if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
+                }
 #pragma unroll
                 for (int j = 0; j < (DUAL_N ? 8 : 16); j++) {
                     const u32 col = n0 + j * 8 + 2 * tq;
@@ -640,7 +659,7 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p, const Tma
                         u0 = acc[4 * (j + 8) + 2 * hr];
                         u1 = acc[4 * (j + 8) + 2 * hr + 1];
                     }
-                    epi_rows<EPI>(p, row, col, v0, v1, u0, u1, gpart);
+                    epi_rows<EPI>(p, row, col, v0, v1, u0, u1, w, srow, gpart);
                 }
             }
             if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
@@ -685,13 +704,40 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
 
         __syncthreads();  // the previous tile's last stage reads are done
         float acc[64];
+        // Source rows of the stage loaded next (ra, rb: of k-tile `next`), resolved one call
+        // ahead; the loader is called for k-tiles 0, 1, 2, ... in order.
+        u64 ra[LOADS], rb[LOADS];
+        ksum_rows(p.a_idx, p.a_div, kb, ke, ra);
+        ksum_rows(p.b_idx, p.b_div, kb, ke, rb);
         k_loop<false, false>(p, base, 0u, 0u, phases, dead, ktiles, acc, wg, [&](u32 slot, u32 kt) {
             const u32 sa = base + slot * STAGE_BYTES;
-            const u64 r0 = kb + (u64)kt * BK;
-            load_ksum((const u16*)p.a, p.lda, p.a_idx, p.a_div, sa, r0, ke, m0, p.m);
-            load_ksum((const u16*)p.b, p.ldb, p.b_idx, p.b_div, sa + TILE_BYTES, r0, ke, n0, p.n);
+            load_ksum((const u16*)p.a, p.lda, ra, sa, m0, p.m);
+            load_ksum((const u16*)p.b, p.ldb, rb, sa + TILE_BYTES, n0, p.n);
+            const u64 r1 = kb + (u64)(kt + 1) * BK;
+            ksum_rows(p.a_idx, p.a_div, r1, ke, ra);
+            ksum_rows(p.b_idx, p.b_div, r1, ke, rb);
         });
 
+        if (p.splits == 1 && p.c2) {
+            // One chunk: the sum is final; bf16 straight into the gradient (columns from
+            // b_split on into c3 when it is given), no f32 partial and no reduce.
+            const u32 n1 = p.c3 ? p.b_split : p.n;
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const u32 m = m0 + wg * 64 + warp * 16 + gq + hr * 8;
+                if (m >= p.m) continue;
+                const u64 row = (u64)g * p.m + m;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const u32 n = n0 + j * 8 + 2 * tq;
+                    if (n >= p.n) continue;
+                    const u32 v = pack_bf16(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+                    if (n < n1) *(u32*)((u16*)p.c2 + row * n1 + n) = v;
+                    else *(u32*)((u16*)p.c3 + row * (p.n - n1) + (n - n1)) = v;
+                }
+            }
+            continue;
+        }
         float* ws = (float*)p.c + ((u64)g * p.splits + s) * (u64)p.m * p.n;
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {

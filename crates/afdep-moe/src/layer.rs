@@ -339,13 +339,15 @@ impl MoeLayer {
             s13: splits_for(tiles(h, 2 * s), tokens, sms),
             wr: splits_for(tiles(h, router_ld), tokens, sms),
         };
+        // f32 partials only for the products split in chunks (one chunk stores bf16 directly).
+        let part = |n: usize, len: usize| if n > 1 { n * len } else { 0 };
         let ws_len = if train {
             [
-                e * splits.w2 * w * h,
-                e * splits.w13 * h * 2 * w,
-                splits.s2 * s * h,
-                splits.s13 * h * 2 * s,
-                splits.wr * h * router_ld,
+                part(splits.w2, e * w * h),
+                part(splits.w13, e * h * 2 * w),
+                part(splits.s2, s * h),
+                part(splits.s13, h * 2 * s),
+                part(splits.wr, h * router_ld),
             ]
             .into_iter()
             .max()

@@ -784,10 +784,12 @@ pub struct KOperand<'a> {
 }
 
 /// Weight gradients: for each group `g` (rows `r` of `groups`), `C_g = Σ_r a_rᵀ b_r`, an `m × n`
-/// matrix, summed in f32 over `splits` chunks of rows (each an f32 partial in `ws`, at least
-/// `groups × splits × m × n`), then cast once to bf16 into `out` (`groups × m × n`), or, with
-/// `out2 = Some((c2, n1))`, columns `< n1` into `out` (`groups × m × n1`) and the rest into
-/// `c2` (`groups × m × (n − n1)`).
+/// matrix, cast once to bf16 into `out` (`groups × m × n`), or, with `out2 = Some((c2, n1))`,
+/// columns `< n1` into `out` (`groups × m × n1`) and the rest into `c2` (`groups × m × (n −
+/// n1)`). With `splits > 1` the rows of each group are summed in f32 over `splits` chunks
+/// (each an f32 partial in `ws`, at least `groups × splits × m × n`), then reduced in chunk
+/// order; with `splits = 1` the GEMM stores the bf16 gradient directly (`ws` is not used and
+/// may be empty).
 #[allow(clippy::too_many_arguments)]
 pub fn wgrad(
     ctx: &GpuContext,
@@ -805,44 +807,11 @@ pub fn wgrad(
     let mm = mult("m", m, 8)?;
     let nn = mult("n", n, 8)?;
     let splits = splits.clamp(1, 1 << 16);
-    need("workspace", ws, gcount * splits * m * n)?;
-    let stream = ctx.stream();
-    {
-        let mut ptrs = Ptrs::new(stream);
-        let mut p = GemmProblem {
-            a: ptrs.r(a.buf),
-            b: ptrs.r(b.buf),
-            lda: a.ld as u64,
-            ldb: b.ld as u64,
-            m: mm,
-            n: nn,
-            splits: splits as u32,
-            ..Default::default()
-        };
-        set_groups(&mut p, &mut ptrs, &groups)?;
-        if let Groups::Dense { rows } = groups {
-            p.k = as_u32("rows", rows)?;
-            p.m = mm;
-        }
-        if let Some(g) = a.gather {
-            p.a_idx = ptrs.r(g.index);
-            p.a_div = as_u32("gather divisor", g.div.max(1))?;
-        } else if a.gather.is_none() && matches!(groups, Groups::Dense { .. }) {
-            need("A", a.buf, groups.capacity().saturating_sub(1) * a.ld + m)?;
-        }
-        if let Some(g) = b.gather {
-            p.b_idx = ptrs.r(g.index);
-            p.b_div = as_u32("gather divisor", g.div.max(1))?;
-        }
-        p.c = ptrs.w(ws);
-        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
-        launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None)?;
-    }
     let (o2, n1) = match out2 {
         Some((o2, n1)) => {
-            if n1 == 0 || n1 >= n {
+            if n1 == 0 || n1 >= n || n1 % 8 != 0 {
                 return Err(KernelError::Shape(format!(
-                    "split column {n1} outside 1..{n}"
+                    "split column {n1} outside 1..{n} or not a multiple of 8"
                 )));
             }
             need("second output", o2, gcount * m * (n - n1))?;
@@ -854,6 +823,29 @@ pub fn wgrad(
             (None, n)
         }
     };
+    let direct = splits == 1;
+    if !direct {
+        need("workspace", ws, gcount * splits * m * n)?;
+    }
+    let stream = ctx.stream();
+    if direct {
+        let mut ptrs = Ptrs::new(stream);
+        let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, 1)?;
+        p.c2 = ptrs.w(out);
+        if let Some(o2) = o2 {
+            p.c3 = ptrs.w(o2);
+            p.b_split = as_u32("split column", n1)?;
+        }
+        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64;
+        return launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None);
+    }
+    {
+        let mut ptrs = Ptrs::new(stream);
+        let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, splits)?;
+        p.c = ptrs.w(ws);
+        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
+        launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None)?;
+    }
     let f = ctx.function(KernelId::GemmReduce, 0, 0)?;
     let total = (gcount * m * n) as u64;
     let gr = as_u32("groups", gcount)?;
@@ -878,6 +870,44 @@ pub fn wgrad(
     unsafe { bld.launch(grid(total.div_ceil(u64::from(BLOCK)).min(1 << 16))?) }
         .map_err(launch_err(KernelId::GemmReduce))?;
     Ok(())
+}
+
+/// The k-sum problem of [`wgrad`] without its outputs: operands, sizes, groups, gathers.
+fn ksum_problem<'a>(
+    ptrs: &mut Ptrs<'a>,
+    groups: &Groups<'a>,
+    a: KOperand<'a>,
+    b: KOperand<'a>,
+    mm: u32,
+    nn: u32,
+    splits: usize,
+) -> Result<GemmProblem, KernelError> {
+    let mut p = GemmProblem {
+        a: ptrs.r(a.buf),
+        b: ptrs.r(b.buf),
+        lda: a.ld as u64,
+        ldb: b.ld as u64,
+        m: mm,
+        n: nn,
+        splits: splits as u32,
+        ..Default::default()
+    };
+    set_groups(&mut p, ptrs, groups)?;
+    if let Groups::Dense { rows } = *groups {
+        p.k = as_u32("rows", rows)?;
+        p.m = mm;
+    }
+    if let Some(g) = a.gather {
+        p.a_idx = ptrs.r(g.index);
+        p.a_div = as_u32("gather divisor", g.div.max(1))?;
+    } else if matches!(groups, Groups::Dense { .. }) {
+        need("A", a.buf, groups.capacity().saturating_sub(1) * a.ld + mm as usize)?;
+    }
+    if let Some(g) = b.gather {
+        p.b_idx = ptrs.r(g.index);
+        p.b_div = as_u32("gather divisor", g.div.max(1))?;
+    }
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -1,0 +1,241 @@
+//! The grouped GEMM's weight-gradient (k-sum) and scatter paths against a host f64 GEMM on
+//! fresh random bf16 inputs of odd sizes: M and N multiples of 8 but not of the 128-wide tile,
+//! groups of 0, 1, 37, 129 and 300 rows (the empty ones must come out as exact zeros), rows
+//! gathered through an index with a divisor, the `[dW1 | dW3]` column split, one chunk (the
+//! direct bf16 store) and several chunks (f32 partials and the reduce). Outputs are poisoned
+//! (NaN) first; NaN never passes.
+//!
+//! Tolerance per element: the bf16 rounding of the output (half an ulp, 2^-9 relative, taken as
+//! 2^-8) plus the f32 accumulation (K terms, each rounding 2^-24 relative of the running sum:
+//! bounded by 2^-16 · Σ|a·b| for the group sizes here).
+
+mod common;
+
+use afdep_kernels::KernelError;
+use afdep_kernels::ops::gemm::{self, Gather, Groups, KOperand, RowWeights, RowsOut};
+use afdep_kernels::ops::{download, poison, zeros};
+use common::{gpu, rng};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+fn rand_bf16(r: &mut ChaCha8Rng, n: usize) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(r.gen_range(-1.0f32..1.0)))
+        .collect()
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(ctx: &afdep_kernels::GpuContext, v: &[T]) -> CudaSlice<T> {
+    ctx.stream()
+        .clone_htod(v)
+        .map_err(KernelError::driver("uploading"))
+        .unwrap()
+}
+
+/// Checks `got` against `want` within `2^-8 |want| + 2^-16 mag` per element.
+fn check(what: &str, got: &[f32], want: &[f64], mag: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f64;
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let tol = w.abs() / 256.0 + m / 65536.0;
+        let d = (f64::from(g) - w).abs();
+        assert!(
+            d <= tol,
+            "{what}: element {i}: got {g}, want {w} (|diff| {d:.3e} > tol {tol:.3e})"
+        );
+        if m == 0.0 {
+            assert!(g == 0.0, "{what}: element {i} of an empty sum is {g}, not 0");
+        }
+        worst = worst.max(d / (w.abs() + 1e-30).max(m / 256.0));
+    }
+    println!("{what}: {} elements, worst scaled error {worst:.2e}", got.len());
+}
+
+/// Weight gradients C_g = Σ_{r in g} A[r]ᵀ B[row_b(r)] over expert groups with empty groups,
+/// B rows gathered (slot → slot / div), the column split at n1, for 1 and 3 chunks.
+#[test]
+fn wgrad_matches_a_host_gemm() {
+    let Some(ctx) = gpu() else { return };
+    let mut r = rng(17);
+    // (m, n, n1, group sizes, div)
+    let cases: [(usize, usize, usize, &[usize], usize); 3] = [
+        (72, 264, 136, &[0, 37, 300, 0, 129], 2),
+        (136, 40, 24, &[1, 0, 257], 1),
+        (256, 256, 128, &[0, 0], 3),
+    ];
+    for (m, n, n1, sizes, div) in cases {
+        let g = sizes.len();
+        let rows: usize = sizes.iter().sum();
+        let mut offsets = vec![0u64];
+        for &s in sizes {
+            offsets.push(offsets.last().unwrap() + s as u64);
+        }
+        let lda = m + 8;
+        let ldb = n + 16;
+        let brows = rows.div_ceil(div).max(1) + 3;
+        let a = rand_bf16(&mut r, rows.max(1) * lda);
+        let b = rand_bf16(&mut r, brows * ldb);
+        // B row of sum row j: index[j] / div, a permutation of 0..rows scaled into range.
+        let mut index: Vec<u32> = (0..rows as u32).collect();
+        for i in (1..index.len()).rev() {
+            let j = r.gen_range(0..=i);
+            index.swap(i, j);
+        }
+        let index = if index.is_empty() { vec![0] } else { index };
+
+        let mut want = vec![0f64; g * m * n];
+        let mut mag = vec![0f64; g * m * n];
+        for e in 0..g {
+            for row in offsets[e] as usize..offsets[e + 1] as usize {
+                let brow = index[row] as usize / div;
+                for i in 0..m {
+                    let av = f64::from(a[row * lda + i].to_f32());
+                    for j in 0..n {
+                        let p = av * f64::from(b[brow * ldb + j].to_f32());
+                        want[(e * m + i) * n + j] += p;
+                        mag[(e * m + i) * n + j] += p.abs();
+                    }
+                }
+            }
+        }
+        let (ad, bd, idd, od) = (up(&ctx, &a), up(&ctx, &b), up(&ctx, &index), up(&ctx, &offsets));
+        for splits in [1usize, 3] {
+            let mut ws = zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
+            let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
+            let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
+            poison(&ctx, &mut out).unwrap();
+            poison(&ctx, &mut out2).unwrap();
+            gemm::wgrad(
+                &ctx,
+                Groups::Experts {
+                    offsets: &od,
+                    experts: g,
+                    capacity: rows,
+                },
+                KOperand {
+                    buf: &ad,
+                    ld: lda,
+                    gather: None,
+                },
+                KOperand {
+                    buf: &bd,
+                    ld: ldb,
+                    gather: Some(Gather {
+                        index: &idd,
+                        div,
+                    }),
+                },
+                m,
+                n,
+                splits,
+                &mut ws,
+                &mut out,
+                Some((&mut out2, n1)),
+            )
+            .unwrap();
+            let o1 = download(&ctx, &out).unwrap();
+            let o2 = download(&ctx, &out2).unwrap();
+            let mut got = vec![0f32; g * m * n];
+            for e in 0..g {
+                for i in 0..m {
+                    for j in 0..n {
+                        got[(e * m + i) * n + j] = if j < n1 {
+                            o1[(e * m + i) * n1 + j].to_f32()
+                        } else {
+                            o2[(e * m + i) * (n - n1) + j - n1].to_f32()
+                        };
+                    }
+                }
+            }
+            check(
+                &format!("wgrad m {m} n {n} n1 {n1} groups {sizes:?} splits {splits}"),
+                &got,
+                &want,
+                &mag,
+            );
+        }
+    }
+}
+
+/// The down-projection scattered into token order with the router weight: acc[token] +=
+/// w_slot · h_r·W2_e, onto an accumulator that starts at random values (the add is checked,
+/// not only the product), groups with 0 rows, hidden not a multiple of the tile.
+#[test]
+fn down_scatter_matches_a_host_gemm() {
+    let Some(ctx) = gpu() else { return };
+    let mut r = rng(71);
+    let (tokens, top_k, width, hidden) = (97usize, 3usize, 40usize, 136usize);
+    let sizes = [0usize, 100, 1, 0, 190];
+    let g = sizes.len();
+    let rows: usize = sizes.iter().sum();
+    assert_eq!(rows, tokens * top_k);
+    let mut offsets = vec![0u64];
+    for s in sizes {
+        offsets.push(offsets.last().unwrap() + s as u64);
+    }
+    // row → slot: a permutation of the slots.
+    let mut row_slot: Vec<u32> = (0..rows as u32).collect();
+    for i in (1..rows).rev() {
+        let j = r.gen_range(0..=i);
+        row_slot.swap(i, j);
+    }
+    let weights: Vec<f32> = (0..rows).map(|_| r.gen_range(0.0f32..1.0)).collect();
+    let h = rand_bf16(&mut r, rows * width);
+    let w2 = rand_bf16(&mut r, g * width * hidden);
+    let acc0: Vec<f32> = (0..tokens * hidden).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+    let mut want: Vec<f64> = acc0.iter().map(|&v| f64::from(v)).collect();
+    let mut mag: Vec<f64> = acc0.iter().map(|&v| f64::from(v).abs()).collect();
+    for e in 0..g {
+        for row in offsets[e] as usize..offsets[e + 1] as usize {
+            let slot = row_slot[row] as usize;
+            let (t, w) = (slot / top_k, f64::from(weights[slot]));
+            for j in 0..hidden {
+                let mut s = 0f64;
+                let mut sm = 0f64;
+                for k in 0..width {
+                    let p = f64::from(h[row * width + k].to_f32())
+                        * f64::from(w2[(e * width + k) * hidden + j].to_f32());
+                    s += p;
+                    sm += p.abs();
+                }
+                want[t * hidden + j] += w * s;
+                mag[t * hidden + j] += w * sm;
+            }
+        }
+    }
+    let (hd, w2d, od, rsd, wd) = (
+        up(&ctx, &h),
+        up(&ctx, &w2),
+        up(&ctx, &offsets),
+        up(&ctx, &row_slot),
+        up(&ctx, &weights),
+    );
+    let mut acc = up(&ctx, &acc0);
+    gemm::down(
+        &ctx,
+        Groups::Experts {
+            offsets: &od,
+            experts: g,
+            capacity: rows,
+        },
+        &hd,
+        &w2d,
+        width,
+        hidden,
+        RowsOut::Scatter {
+            acc: &mut acc,
+            weights: RowWeights {
+                row_slot: &rsd,
+                weights: &wd,
+                top_k,
+            },
+            weighted: true,
+        },
+    )
+    .unwrap();
+    let got = download(&ctx, &acc).unwrap();
+    // f32 accumulators: the tolerance's bf16 term is far above the f32 error; keep it, the
+    // magnitude term covers the order of the atomic adds.
+    check("down scatter", &got, &want, &mag);
+}
