@@ -129,6 +129,17 @@ pub fn route_error(py: Python<'_>, e: &CoreRouteError) -> PyErr {
             set(&err, py, "owned", *owned);
             "dummy"
         }
+        CoreRouteError::NonFiniteLogit {
+            token,
+            expert,
+            value,
+            ..
+        } => {
+            set(&err, py, "token", *token);
+            set(&err, py, "expert", *expert);
+            set(&err, py, "value", *value);
+            "non_finite_logit"
+        }
         CoreRouteError::NonFiniteWeight {
             token, slot, value, ..
         } => {

@@ -21,7 +21,7 @@ class ConfigError(AfdepError):
 class RouteError(AfdepError):
     """A rejected route (nothing ran; outputs are not returned).
 
-    ``kind`` is one of duplicate, negative, wide, dummy, non_finite_weight, over_capacity,
+    ``kind`` is one of duplicate, negative, wide, dummy, non_finite_logit, non_finite_weight, over_capacity,
     non_finite_payload, malformed; ``rank`` the attention rank (0 for the layer); the other
     attributes are None where the kind has no such field. ``reporter``: the exchange rank that
     raised it (exchange only)."""
