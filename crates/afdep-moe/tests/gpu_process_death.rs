@@ -26,7 +26,7 @@ use afdep_core::oracle::exchange as reference;
 use afdep_moe::{DeviceExperts, DeviceRoundOptions, ExchangeError, FusedEngine, RoundArm};
 use afdep_transport::{
     Bootstrap, ENV_JOB_ID, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, NvlinkIpc, NvlinkOptions,
-    TransportError,
+    Transport, TransportError,
 };
 use exchange_common::{serial, sources};
 
@@ -76,9 +76,13 @@ fn typed_end(e: &ExchangeError) -> Option<(&'static str, Option<usize>)> {
     }
 }
 
+/// The mark of a rank process's report lines (libtest may print `test NAME ... ` before the
+/// first one on the same line).
+const MARK: &str = "@@ ";
+
 fn say(line: String) {
     let mut o = std::io::stdout().lock();
-    let _ = writeln!(o, "{line}");
+    let _ = writeln!(o, "{MARK}{line}");
     let _ = o.flush();
 }
 
@@ -92,7 +96,7 @@ fn child(spec: &str) -> ! {
     let boot = Bootstrap::from_env(TIMEOUT).expect("the launch environment");
     let rank = boot.rank();
     let opts = NvlinkOptions {
-        staging_bytes: 1 << 20,
+        staging_bytes: 4 << 20,
         workspace_bytes: FusedEngine::workspace_bytes(&c).div_ceil(256) * 256,
         timeout: TIMEOUT,
     };
@@ -107,6 +111,8 @@ fn child(spec: &str) -> ! {
     let g = graph.then(|| eng.capture(RoundArm::Auto).expect("capture"));
     for i in 0.. {
         if limit > 0 && i == limit {
+            // nobody exits (unmapping its memory) while a peer's last round may still read it
+            eng.transport_mut().barrier().expect("the final barrier");
             say(format!("DONE rank {rank}"));
             std::process::exit(0);
         }
@@ -218,6 +224,8 @@ impl Group {
             }
             match self.rx.recv_timeout(left.min(Duration::from_millis(100))) {
                 Ok((r, line)) => {
+                    let Some(at) = line.find(MARK) else { continue };
+                    let line = line[at + MARK.len()..].to_string();
                     let s = &mut self.seen[r];
                     if line.starts_with("ROUND ") {
                         s.rounds += 1;
@@ -245,6 +253,36 @@ impl Group {
             }
         }
         true
+    }
+
+    /// [`watch`](Group::watch), but failing at once when a rank process exits with an error
+    /// first (a set-up failure), instead of waiting out the deadline.
+    fn watch_running(&mut self, what: &str, deadline: Instant, until: impl Fn(&[Seen]) -> bool) {
+        loop {
+            let step = (Instant::now() + Duration::from_millis(500)).min(deadline);
+            if self.watch(step, &until) {
+                return;
+            }
+            let mut ended = 0;
+            for (r, k) in self.kids.iter_mut().enumerate() {
+                if let Some(st) = k.try_wait().unwrap() {
+                    ended += 1;
+                    if !st.success() {
+                        panic!(
+                            "{what}: rank {r} ended ({st}) before the rounds: {:?}",
+                            self.seen
+                        );
+                    }
+                }
+            }
+            let drain = Instant::now() + Duration::from_millis(500);
+            if ended == self.kids.len() && !self.watch(drain, &until) {
+                panic!("{what}: every rank ended, not done: {:?}", self.seen);
+            }
+            if Instant::now() >= deadline {
+                panic!("{what}: not done within {SETUP:?}: {:?}", self.seen);
+            }
+        }
     }
 
     /// Waits for rank `r`'s exit until `deadline`; its status, or `None` if still running.
@@ -312,11 +350,10 @@ fn death(test: &str, topo: &str, mode: &str, victim: Victim) {
     };
     assert_ne!(dead, 0);
     let mut g = Group::spawn(test, &format!("{topo}/{mode}/0"), world);
-    let started = g.watch(Instant::now() + SETUP, |s| s.iter().all(|s| s.rounds >= 3));
-    assert!(
-        started,
-        "{topo} {mode}: the group did not run 3 rounds in {SETUP:?}: {:?}",
-        g.seen
+    g.watch_running(
+        &format!("{topo} {mode}: the first 3 rounds"),
+        Instant::now() + SETUP,
+        |s| s.iter().all(|s| s.rounds >= 3),
     );
     // in the middle of the next rounds
     std::thread::sleep(Duration::from_millis(3));
@@ -351,11 +388,10 @@ fn death(test: &str, topo: &str, mode: &str, victim: Victim) {
     drop(g);
     // a new group on the same GPU
     let mut h = Group::spawn(test, &format!("{topo}/{mode}/4"), world);
-    let ok = h.watch(Instant::now() + SETUP, |s| s.iter().all(|s| s.done));
-    assert!(
-        ok,
-        "{topo} {mode}: the new group did not finish: {:?}",
-        h.seen
+    h.watch_running(
+        &format!("{topo} {mode}: the new group"),
+        Instant::now() + SETUP,
+        |s| s.iter().all(|s| s.done),
     );
     for r in 0..world {
         let st = h.wait(r, Instant::now() + Duration::from_secs(10));

@@ -909,7 +909,10 @@ impl BootstrapListener {
             let mut i = 0;
             while i < pending.len() {
                 let out = match pending[i].pump() {
-                    Outcome::Waiting if pending[i].since.elapsed() >= hello_wait => {
+                    // a peer that trickles its bytes is as late as a silent one
+                    Outcome::Waiting | Outcome::Progress
+                        if pending[i].since.elapsed() >= hello_wait =>
+                    {
                         Outcome::Stray(HandshakeFault::Silent {
                             waited: pending[i].since.elapsed(),
                             got: pending[i].buf.len() as u64,

@@ -246,7 +246,7 @@ pub enum HandshakeFault {
         /// Bytes received.
         got: u64,
     },
-    /// No complete hello arrived in time.
+    /// No complete hello arrived in time (nothing, or too little too slowly).
     #[error("silent peer: expected a hello within {waited:?}, got {got} bytes")]
     Silent {
         /// How long it was given.

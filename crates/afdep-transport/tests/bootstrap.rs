@@ -753,3 +753,47 @@ fn the_job_comes_from_the_environment_by_default() {
         assert_eq!(res.unwrap().as_str(), JobId::UNNAMED);
     }
 }
+
+#[test]
+fn a_peer_that_trickles_its_hello_is_dropped_as_silent() {
+    // hello wait: 500 ms; the peer sends a valid hello one byte per 40 ms (2 s in all)
+    let timeout = Duration::from_secs(1);
+    let listener = Bootstrap::listen(localhost0(), 2, timeout)
+        .unwrap()
+        .with_job(job("slow"));
+    let addr = listener.local_addr();
+    let (root, leaf, from) = std::thread::scope(|sc| {
+        let root = sc.spawn(move || listener.accept());
+        let mut s = TcpStream::connect(addr).unwrap();
+        let from = s.local_addr().unwrap();
+        let trickle = sc.spawn(move || {
+            for b in hello(VERSION, 1, 2, "slow") {
+                if s.write_all(&[b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(40));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(700));
+        let leaf = Bootstrap::connect_as(addr, 1, 2, timeout, job("slow"));
+        let root = root.join().unwrap();
+        trickle.join().unwrap();
+        (root, leaf, from)
+    });
+    leaf.unwrap();
+    let root = root.unwrap();
+    match root.rejected() {
+        [
+            TransportError::Handshake {
+                addr,
+                fault: HandshakeFault::Silent { waited, got },
+                ..
+            },
+        ] => {
+            assert_eq!(*addr, from);
+            assert!(*waited >= Duration::from_millis(500), "{waited:?}");
+            assert!(*got > 0 && *got < 60, "{got} bytes");
+        }
+        other => panic!("{other:#?}"),
+    }
+}
