@@ -173,6 +173,9 @@ def main():
         "median_step_ms_after_10": {
             k: 1e3 * statistics.median(v[1][10:] or v[1]) for k, v in runs.items()
         },
+        "max_abs_loss_difference": max(
+            abs(a - b) for a, b in zip(runs["afdep"][0], runs["pytorch"][0])
+        ),
         "log_vocab": math.log(args.vocab),
         "corpus_entropy_mean": corpus.entropy,
     }
@@ -187,12 +190,17 @@ def main():
         print(f"matplotlib is not installed: wrote {out / 'train_moe.csv'} (no PNG)")
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, v in runs.items():
+    for (k, v), style in zip(runs.items(), ("-", "--")):
         ms = summary["median_step_ms_after_10"][k]
-        ax.plot(v[0], label=f"{k} MoE (median step {ms:.1f} ms)", linewidth=1.2)
+        ax.plot(v[0], style, label=f"{k} MoE (median step {ms:.1f} ms)", linewidth=1.2)
+    ax.axhline(corpus.entropy, color="gray", linewidth=0.8, label="corpus entropy (the floor)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
-    ax.set_title(f"MoE LM on {summary['device']}: afdep.MoE vs plain PyTorch ({moe_dtype})")
+    ax.set_title(
+        f"MoE LM on {summary['device']}: afdep.MoE vs plain PyTorch ({moe_dtype}); "
+        f"max |Δloss| {summary['max_abs_loss_difference']:.2g}",
+        fontsize=10,
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
