@@ -45,11 +45,17 @@ fn check(what: &str, got: &[f32], want: &[f64], mag: &[f64]) {
             "{what}: element {i}: got {g}, want {w} (|diff| {d:.3e} > tol {tol:.3e})"
         );
         if m == 0.0 {
-            assert!(g == 0.0, "{what}: element {i} of an empty sum is {g}, not 0");
+            assert!(
+                g == 0.0,
+                "{what}: element {i} of an empty sum is {g}, not 0"
+            );
         }
         worst = worst.max(d / (w.abs() + 1e-30).max(m / 256.0));
     }
-    println!("{what}: {} elements, worst scaled error {worst:.2e}", got.len());
+    println!(
+        "{what}: {} elements, worst scaled error {worst:.2e}",
+        got.len()
+    );
 }
 
 /// Weight gradients C_g = Σ_{r in g} A[r]ᵀ B[row_b(r)] over expert groups with empty groups,
@@ -99,9 +105,15 @@ fn wgrad_matches_a_host_gemm() {
                 }
             }
         }
-        let (ad, bd, idd, od) = (up(&ctx, &a), up(&ctx, &b), up(&ctx, &index), up(&ctx, &offsets));
+        let (ad, bd, idd, od) = (
+            up(&ctx, &a),
+            up(&ctx, &b),
+            up(&ctx, &index),
+            up(&ctx, &offsets),
+        );
         for splits in [1usize, 3] {
-            let mut ws = zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
+            let mut ws =
+                zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
             let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
             let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
             poison(&ctx, &mut out).unwrap();
@@ -121,10 +133,7 @@ fn wgrad_matches_a_host_gemm() {
                 KOperand {
                     buf: &bd,
                     ld: ldb,
-                    gather: Some(Gather {
-                        index: &idd,
-                        div,
-                    }),
+                    gather: Some(Gather { index: &idd, div }),
                 },
                 m,
                 n,
@@ -183,7 +192,9 @@ fn down_scatter_matches_a_host_gemm() {
     let weights: Vec<f32> = (0..rows).map(|_| r.gen_range(0.0f32..1.0)).collect();
     let h = rand_bf16(&mut r, rows * width);
     let w2 = rand_bf16(&mut r, g * width * hidden);
-    let acc0: Vec<f32> = (0..tokens * hidden).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+    let acc0: Vec<f32> = (0..tokens * hidden)
+        .map(|_| r.gen_range(-1.0f32..1.0))
+        .collect();
     let mut want: Vec<f64> = acc0.iter().map(|&v| f64::from(v)).collect();
     let mut mag: Vec<f64> = acc0.iter().map(|&v| f64::from(v).abs()).collect();
     for e in 0..g {

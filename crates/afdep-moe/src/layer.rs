@@ -255,7 +255,7 @@ pub struct MoeLayer {
     gsum: CudaSlice<f32>,
     /// dlogits, T × E (train, router).
     dlogits: CudaSlice<bf16>,
-    /// Weight-gradient partials.
+    /// Weight-gradient f32 partials (only for products split in chunks; else empty).
     ws: CudaSlice<f32>,
     splits: Splits,
 }
