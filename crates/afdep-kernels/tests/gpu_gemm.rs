@@ -1,4 +1,5 @@
-//! The grouped GEMM's weight-gradient (k-sum) and scatter paths against a host f64 GEMM on
+//! The grouped GEMM's weight-gradient (k-sum), scatter, SwiGLU up-projection and data-gradient
+//! paths against a host f64 GEMM on
 //! fresh random bf16 inputs of odd sizes: M and N multiples of 8 but not of the 128-wide tile,
 //! groups of 0, 1, 37, 129 and 300 rows (the empty ones must come out as exact zeros), rows
 //! gathered through an index with a divisor, the `[dW1 | dW3]` column split, one chunk (the
@@ -45,11 +46,17 @@ fn check(what: &str, got: &[f32], want: &[f64], mag: &[f64]) {
             "{what}: element {i}: got {g}, want {w} (|diff| {d:.3e} > tol {tol:.3e})"
         );
         if m == 0.0 {
-            assert!(g == 0.0, "{what}: element {i} of an empty sum is {g}, not 0");
+            assert!(
+                g == 0.0,
+                "{what}: element {i} of an empty sum is {g}, not 0"
+            );
         }
         worst = worst.max(d / (w.abs() + 1e-30).max(m / 256.0));
     }
-    println!("{what}: {} elements, worst scaled error {worst:.2e}", got.len());
+    println!(
+        "{what}: {} elements, worst scaled error {worst:.2e}",
+        got.len()
+    );
 }
 
 /// Weight gradients C_g = Σ_{r in g} A[r]ᵀ B[row_b(r)] over expert groups with empty groups,
@@ -99,9 +106,15 @@ fn wgrad_matches_a_host_gemm() {
                 }
             }
         }
-        let (ad, bd, idd, od) = (up(&ctx, &a), up(&ctx, &b), up(&ctx, &index), up(&ctx, &offsets));
+        let (ad, bd, idd, od) = (
+            up(&ctx, &a),
+            up(&ctx, &b),
+            up(&ctx, &index),
+            up(&ctx, &offsets),
+        );
         for splits in [1usize, 3] {
-            let mut ws = zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
+            let mut ws =
+                zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
             let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
             let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
             poison(&ctx, &mut out).unwrap();
@@ -121,10 +134,7 @@ fn wgrad_matches_a_host_gemm() {
                 KOperand {
                     buf: &bd,
                     ld: ldb,
-                    gather: Some(Gather {
-                        index: &idd,
-                        div,
-                    }),
+                    gather: Some(Gather { index: &idd, div }),
                 },
                 m,
                 n,
@@ -183,7 +193,9 @@ fn down_scatter_matches_a_host_gemm() {
     let weights: Vec<f32> = (0..rows).map(|_| r.gen_range(0.0f32..1.0)).collect();
     let h = rand_bf16(&mut r, rows * width);
     let w2 = rand_bf16(&mut r, g * width * hidden);
-    let acc0: Vec<f32> = (0..tokens * hidden).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+    let acc0: Vec<f32> = (0..tokens * hidden)
+        .map(|_| r.gen_range(-1.0f32..1.0))
+        .collect();
     let mut want: Vec<f64> = acc0.iter().map(|&v| f64::from(v)).collect();
     let mut mag: Vec<f64> = acc0.iter().map(|&v| f64::from(v).abs()).collect();
     for e in 0..g {
@@ -238,4 +250,168 @@ fn down_scatter_matches_a_host_gemm() {
     // f32 accumulators: the tolerance's bf16 term is far above the f32 error; keep it, the
     // magnitude term covers the order of the atomic adds.
     check("down scatter", &got, &want, &mag);
+}
+
+/// Expert groups of `sizes` rows: the device offsets and the host ones.
+fn groups_of(ctx: &afdep_kernels::GpuContext, sizes: &[usize]) -> (CudaSlice<u64>, Vec<u64>) {
+    let mut offsets = vec![0u64];
+    for &s in sizes {
+        offsets.push(offsets.last().unwrap() + s as u64);
+    }
+    (up(ctx, &offsets), offsets)
+}
+
+/// The up-projection with SwiGLU at widths and hiddens that are multiples of 8 but not of the
+/// tile (N tails inside a 64-column half, K tails inside a 32-wide k-tile): h, and the a, b
+/// the train step stores, against a host f64 GEMM; groups of 0 and 1 rows; outputs poisoned.
+#[test]
+fn up_swiglu_odd_sizes_match_a_host_gemm() {
+    let Some(ctx) = gpu() else { return };
+    let mut r = rng(23);
+    for (hidden, width) in [(136usize, 40usize), (72, 24), (264, 136)] {
+        let sizes = [0usize, 37, 1, 130];
+        let g = sizes.len();
+        let rows: usize = sizes.iter().sum();
+        let (od, offsets) = groups_of(&ctx, &sizes);
+        let x = rand_bf16(&mut r, rows * hidden);
+        let w1 = rand_bf16(&mut r, g * hidden * width);
+        let w3 = rand_bf16(&mut r, g * hidden * width);
+        let n = rows * width;
+        let (mut wa, mut wb, mut wh) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+        let (mut ma, mut mb, mut mh) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+        for e in 0..g {
+            for row in offsets[e] as usize..offsets[e + 1] as usize {
+                for j in 0..width {
+                    let (mut a, mut b, mut sa, mut sb) = (0f64, 0f64, 0f64, 0f64);
+                    for k in 0..hidden {
+                        let xv = f64::from(x[row * hidden + k].to_f32());
+                        let pa = xv * f64::from(w1[(e * hidden + k) * width + j].to_f32());
+                        let pb = xv * f64::from(w3[(e * hidden + k) * width + j].to_f32());
+                        a += pa;
+                        b += pb;
+                        sa += pa.abs();
+                        sb += pb.abs();
+                    }
+                    let s = 1.0 / (1.0 + (-a).exp());
+                    let i = row * width + j;
+                    (wa[i], wb[i], wh[i]) = (a, b, a * s * b);
+                    (ma[i], mb[i]) = (sa, sb);
+                    // h's error from a's and b's: |dh/da| <= 1.1 |b|, |dh/db| = |silu(a)|,
+                    // plus f32 rounding of the two products.
+                    mh[i] = 1.1 * b.abs() * sa + (a * s).abs() * sb + (a * s * b).abs() * 1e-3;
+                }
+            }
+        }
+        let (xd, w1d, w3d) = (up(&ctx, &x), up(&ctx, &w1), up(&ctx, &w3));
+        let mut h = zeros::<bf16>(&ctx, n).unwrap();
+        let mut a = zeros::<bf16>(&ctx, n).unwrap();
+        let mut b = zeros::<bf16>(&ctx, n).unwrap();
+        poison(&ctx, &mut h).unwrap();
+        poison(&ctx, &mut a).unwrap();
+        poison(&ctx, &mut b).unwrap();
+        gemm::up_swiglu(
+            &ctx,
+            Groups::Experts {
+                offsets: &od,
+                experts: g,
+                capacity: rows,
+            },
+            &xd,
+            None,
+            &w1d,
+            &w3d,
+            hidden,
+            width,
+            &mut h,
+            Some(&mut a),
+            Some(&mut b),
+        )
+        .unwrap();
+        let f = |v: Vec<bf16>| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let what = format!("up_swiglu hidden {hidden} width {width}");
+        check(
+            &format!("{what} a"),
+            &f(download(&ctx, &a).unwrap()),
+            &wa,
+            &ma,
+        );
+        check(
+            &format!("{what} b"),
+            &f(download(&ctx, &b).unwrap()),
+            &wb,
+            &mb,
+        );
+        check(
+            &format!("{what} h"),
+            &f(download(&ctx, &h).unwrap()),
+            &wh,
+            &mh,
+        );
+    }
+}
+
+/// The data gradient `[da | db]·[W1 | W3]ᵀ` with K switching from W1 to W3 at a width that is
+/// not a multiple of the k-tile (the cp.async split) and at one that is (the TMA boxes), hidden
+/// not a multiple of the tile; groups of 0 rows; output poisoned.
+#[test]
+fn dx_odd_sizes_match_a_host_gemm() {
+    let Some(ctx) = gpu() else { return };
+    let mut r = rng(29);
+    for (hidden, width) in [(136usize, 40usize), (72, 64), (40, 24)] {
+        let sizes = [5usize, 0, 129, 0];
+        let g = sizes.len();
+        let rows: usize = sizes.iter().sum();
+        let (od, offsets) = groups_of(&ctx, &sizes);
+        let dab = rand_bf16(&mut r, rows * 2 * width);
+        let w1 = rand_bf16(&mut r, g * hidden * width);
+        let w3 = rand_bf16(&mut r, g * hidden * width);
+        let mut want = vec![0f64; rows * hidden];
+        let mut mag = vec![0f64; rows * hidden];
+        for e in 0..g {
+            for row in offsets[e] as usize..offsets[e + 1] as usize {
+                for j in 0..hidden {
+                    for k in 0..width {
+                        let p1 = f64::from(dab[row * 2 * width + k].to_f32())
+                            * f64::from(w1[(e * hidden + j) * width + k].to_f32());
+                        let p3 = f64::from(dab[row * 2 * width + width + k].to_f32())
+                            * f64::from(w3[(e * hidden + j) * width + k].to_f32());
+                        want[row * hidden + j] += p1 + p3;
+                        mag[row * hidden + j] += p1.abs() + p3.abs();
+                    }
+                }
+            }
+        }
+        let (dd, w1d, w3d) = (up(&ctx, &dab), up(&ctx, &w1), up(&ctx, &w3));
+        let mut out = zeros::<bf16>(&ctx, rows * hidden).unwrap();
+        poison(&ctx, &mut out).unwrap();
+        gemm::dx(
+            &ctx,
+            Groups::Experts {
+                offsets: &od,
+                experts: g,
+                capacity: rows,
+            },
+            &dd,
+            &w1d,
+            Some(&w3d),
+            width,
+            hidden,
+            RowsOut::Store {
+                out: &mut out,
+                weights: None,
+            },
+        )
+        .unwrap();
+        let got: Vec<f32> = download(&ctx, &out)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        check(
+            &format!("dx hidden {hidden} width {width}"),
+            &got,
+            &want,
+            &mag,
+        );
+    }
 }

@@ -273,7 +273,7 @@ pub struct MoeLayer {
     wr_pad: CudaSlice<bf16>,
     /// dWr of H × `router_ld` before it is cut back to H × E (as `wr_pad`).
     gwr_pad: CudaSlice<bf16>,
-    /// Weight-gradient partials.
+    /// Weight-gradient f32 partials (only for products split in chunks; else empty).
     ws: CudaSlice<f32>,
     splits: Splits,
 }

@@ -7,8 +7,9 @@
 //!   down-projections and the data gradients, each with its epilogue (SwiGLU, weighted store,
 //!   scatter into token order, accumulate, SwiGLU backward);
 //! - **k-sum** ([`wgrad`]): per group an `M × N` product over the group's rows (weight
-//!   gradients), split in a fixed number of chunks whose f32 partials are summed in chunk order
-//!   (deterministic, no atomics).
+//!   gradients), stored as bf16 straight from the accumulators when it is one chunk, or split
+//!   in a fixed number of chunks whose f32 partials are summed in chunk order (deterministic,
+//!   no atomics).
 //!
 //! Operand loads: the dense operands (the weights, and A where its rows are contiguous) are
 //! loaded by TMA from tensor maps the launchers encode per call ([`super::tma`]); gathered
@@ -901,7 +902,11 @@ fn ksum_problem<'a>(
         p.a_idx = ptrs.r(g.index);
         p.a_div = as_u32("gather divisor", g.div.max(1))?;
     } else if matches!(groups, Groups::Dense { .. }) {
-        need("A", a.buf, groups.capacity().saturating_sub(1) * a.ld + mm as usize)?;
+        need(
+            "A",
+            a.buf,
+            groups.capacity().saturating_sub(1) * a.ld + mm as usize,
+        )?;
     }
     if let Some(g) = b.gather {
         p.b_idx = ptrs.r(g.index);
