@@ -804,9 +804,15 @@ pub fn run(a: MoeArgs) -> Result<()> {
                 let (mut row, outs) = run_cpu(&inp, &a, iters, &bar)?;
                 row.finish(name);
                 sink.emit(&row)?;
+                let Some(outs) = outs else {
+                    bail!("the CPU oracle at {} tokens: {}", inp.tokens, row.status);
+                };
                 if let Some(p) = &out_path {
                     write_outputs(p, &inp, &outs)?;
                     info!(path = %p.display(), "outputs written");
+                }
+                if row.status != "ok" {
+                    bail!("the CPU oracle at {} tokens: {}", inp.tokens, row.status);
                 }
                 bar.inc(1);
             }
@@ -819,22 +825,35 @@ pub fn run(a: MoeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The CPU oracle on one token count: (row, outputs of the last run).
+/// The CPU oracle on one token count: (row, outputs of the last run). Inputs the oracle
+/// refuses (a non-finite router logit: [`afdep_core::RouteError::NonFiniteLogit`]) give a row
+/// whose status names the token and no outputs; a non-finite output value (from non-finite
+/// expert weights, which propagate) gives a row whose status names the first one. The caller
+/// emits the row and fails on any status but `ok`.
 fn run_cpu(
     inp: &Inputs,
     a: &MoeArgs,
     iters: usize,
     bar: &ProgressBar,
-) -> Result<(MoeRow, LayerOutputs)> {
+) -> Result<(MoeRow, Option<LayerOutputs>)> {
     let s = inp.params.shape;
     bar.set_message(format!("cpu oracle, {} tokens", inp.tokens));
     let mut fwd = Vec::new();
     let mut train = Vec::new();
     let mut y = Vec::new();
     let mut grads = None;
+    let mut row = MoeRow::new(&s, inp.tokens, "afdep-cpu-oracle", "reference", iters);
+    row.seed = inp.seed;
     for _ in 0..iters {
         let t = Instant::now();
-        y = layer::forward(&inp.params, &inp.x, inp.tokens)?.out;
+        y = match layer::forward(&inp.params, &inp.x, inp.tokens) {
+            Ok(f) => f.out,
+            Err(layer::LayerError::Route(e)) => {
+                row.status = e.to_string();
+                return Ok((row, None));
+            }
+            Err(e) => return Err(e.into()),
+        };
         fwd.push(t.elapsed().as_secs_f64() * 1e3);
         if !a.forward_only {
             let t = Instant::now();
@@ -843,14 +862,21 @@ fn run_cpu(
             grads = Some(g);
         }
     }
-    let nan = y.iter().any(|v| v.is_nan());
-    let mut row = MoeRow::new(&s, inp.tokens, "afdep-cpu-oracle", "reference", iters);
     row.fwd_ms = afdep_moe::timing::median(&fwd);
     row.train_ms = afdep_moe::timing::median(&train);
-    row.status = if nan { "nan in output" } else { "ok" }.into();
-    row.seed = inp.seed;
+    let h = s.d_model;
+    row.status = match y.iter().position(|v| !v.is_finite()) {
+        None => "ok".into(),
+        Some(i) => format!(
+            "non-finite output: token {} channel {} is {} (non-finite values in the expert \
+             weights propagate)",
+            i / h,
+            i % h,
+            y[i]
+        ),
+    };
     let outs = LayerOutputs::of_oracle(&inp.params, &inp.x, y, grads);
-    Ok((row, outs))
+    Ok((row, Some(outs)))
 }
 
 #[cfg(test)]
