@@ -334,7 +334,10 @@ mod tests {
             assert!(e.to_string().contains(name) && e.to_string().contains(dt));
         }
         assert_eq!(
-            *f.bf16("zz").unwrap_err().downcast_ref::<TensorError>().unwrap(),
+            *f.bf16("zz")
+                .unwrap_err()
+                .downcast_ref::<TensorError>()
+                .unwrap(),
             TensorError::Missing { name: "zz".into() }
         );
         // a size that disagrees with the shape
