@@ -384,8 +384,7 @@ impl Comparison {
             }
         }
         let order = |s: &str| shapes.iter().position(|x| x == s).unwrap_or(usize::MAX);
-        c.cells
-            .sort_by(|a, b| (order(&a.shape), a.tokens).cmp(&(order(&b.shape), b.tokens)));
+        c.cells.sort_by_key(|a| (order(&a.shape), a.tokens));
         if c.devices.is_empty() {
             c.devices = peer_devices;
         }
