@@ -34,7 +34,9 @@ tolerances (moe_inputs.ORACLE_TOL; ``--no-oracle`` skips it).
 through ``torch.cuda.set_sync_debug_mode("error")``, on the CPU by making the calls that
 synchronise on a GPU (``Tensor.item``, ``.cpu``, ``.tolist``, ``.numpy``, ``nonzero``,
 ``bincount``, ``unique``, ``masked_select``, ``Tensor.__bool__``) raise; the row's status is
-``error`` with the call in ``note``. Each measurement is the median (element n // 2 of the sorted times, as afdep
+``error`` with the call in ``note`` (the test mode). ``--check-syncs count`` (the suite's)
+counts them into the row's ``host_syncs`` instead (``set_sync_debug_mode("warn")``), so that a
+sync costs the check, not the measurement. Each measurement is the median (element n // 2 of the sorted times, as afdep
 reports it) of ``--iters`` runs, each between its own pair of CUDA events, created before the
 runs and recorded back to back with no host sync in between, after ``--warmups`` runs. Then one
 more train step gives the outputs that are compared with afdep's (``--afdep-outputs DIR``,
@@ -59,6 +61,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_inputs as mi  # noqa: E402
@@ -132,10 +135,11 @@ def max_rel_err(a, b, chunk=1 << 16):
 class Timer:
     """Median ms of ``iters`` runs after ``warmups``: CUDA events on a GPU, else wall clock."""
 
-    def __init__(self, device, iters, warmups, check_syncs=False):
+    def __init__(self, device, iters, warmups, check_syncs=None):
         self.cuda = device.type == "cuda"
         self.iters, self.warmups = iters, warmups
-        self.check_syncs = check_syncs
+        self.check_syncs = check_syncs  # None, "error" or "count"
+        self.syncs = 0  # host synchronisations counted in timed runs ("count")
         if self.cuda:
             self.events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                            for _ in range(iters)]
@@ -145,7 +149,7 @@ class Timer:
             fn()
         if self.cuda:
             torch.cuda.synchronize()
-            with no_syncs(self.check_syncs, True):
+            with no_syncs(self.check_syncs, True, self):
                 for a, b in self.events:
                     a.record()
                     fn()
@@ -153,7 +157,7 @@ class Timer:
             torch.cuda.synchronize()
             return mi.median([a.elapsed_time(b) for a, b in self.events])
         ts = []
-        with no_syncs(self.check_syncs, False):
+        with no_syncs(self.check_syncs, False, self):
             for _ in range(self.iters):
                 t0 = time.perf_counter()
                 fn()
@@ -172,28 +176,42 @@ SYNCING = [(torch.Tensor, n) for n in ("item", "cpu", "tolist", "numpy", "nonzer
 
 
 @contextlib.contextmanager
-def no_syncs(enabled, cuda):
-    """Inside: a host synchronisation raises (``--check-syncs``)."""
-    if not enabled:
+def no_syncs(mode, cuda, counter):
+    """Inside, a host synchronisation raises HostSync (``mode`` "error") or is counted in
+    ``counter.syncs`` (``mode`` "count"); ``mode`` None checks nothing."""
+    if not mode:
         yield
         return
     if cuda:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        if mode == "error":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            return
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counter.syncs += sum("synchroniz" in str(w.message) for w in seen)
         return
     saved = [(owner, name, getattr(owner, name)) for owner, name in SYNCING]
 
-    def refuse(what):
-        def f(*_a, **_k):
-            raise HostSync(f"host synchronisation inside the timed region: {what}")
-        return f
+    def refuse(what, f):
+        def g(*a, **k):
+            if mode == "error":
+                raise HostSync(f"host synchronisation inside the timed region: {what}")
+            counter.syncs += 1
+            return f(*a, **k)
+        return g
 
     try:
-        for owner, name, _ in saved:
-            setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}"))
+        for owner, name, f in saved:
+            setattr(owner, name, refuse(f"{getattr(owner, '__name__', owner)}.{name}", f))
         yield
     finally:
         for owner, name, f in saved:
@@ -213,7 +231,7 @@ def run_one(T, args, device, timer, impl="eager"):
                digest=None,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                torch=torch.__version__, iters=args.iters, seed=inp.seed, err_vs=None,
-               syncs_checked=bool(args.check_syncs))
+               syncs_checked=args.check_syncs or None, host_syncs=None)
     state = {}
     try:
         if device.type == "cuda":
@@ -225,6 +243,7 @@ def run_one(T, args, device, timer, impl="eager"):
         k, rn = inp.top_k, inp.renormalize
         opts = {"inject_sync": True} if args.debug_inject_sync else None
         fn = moe if impl == "eager" else torch.compile(moe)
+        timer.syncs = 0
         with torch.no_grad():
             row["fwd_ms"] = timer.time(lambda: fn(x, P, k, rn, opts))
         if not args.no_train:
@@ -255,6 +274,8 @@ def run_one(T, args, device, timer, impl="eager"):
             torch.cuda.synchronize()
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row["status"] = "ok"
+        if args.check_syncs == "count":
+            row["host_syncs"] = timer.syncs
         if not args.no_oracle:
             grads = None if args.no_train else {n: t.grad for n, t in P.items()}
             e = oracle_errors(x.detach(), {n: t.detach() for n, t in P.items()},
@@ -466,8 +487,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--impls", default="eager",
                     help="comma-separated: eager (torch_grouped_mm), compile (torch_compile)")
-    ap.add_argument("--check-syncs", action="store_true",
-                    help="fail a row whose timed runs synchronise with the host")
+    ap.add_argument("--check-syncs", nargs="?", const="error", choices=["error", "count"],
+                    help="host syncs in the timed runs: fail the row (error, the default) or "
+                         "count them into host_syncs (count)")
     ap.add_argument("--no-oracle", action="store_true",
                     help="skip the comparison with the f32 oracle computed here")
     ap.add_argument("--debug-inject-sync", action="store_true", help=argparse.SUPPRESS)

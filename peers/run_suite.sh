@@ -5,7 +5,8 @@
 #        --dispatch, errors against the GPU reference path), which writes the inputs it timed;
 #     2. peers/moe_torch.py on those inputs, one process: eager `torch._grouped_mm` and
 #        `torch.compile` of the same layer (`--impls eager,compile`), each judged against the
-#        f32 oracle the script computes itself, with --check-syncs (no host sync when timed);
+#        f32 oracle the script computes itself, with --check-syncs count (host syncs in the
+#        timed runs counted into the rows' host_syncs: 0 expected);
 #     3. peers/moe_jax.py, one process, for the shapes of --jax-shapes;
 #     4. the cell's input file deleted (disk use: one cell's inputs, at most 22.5 GB at
 #        deepseek-v3);
@@ -13,15 +14,19 @@
 #   docs/perf/moe.md, the block between its marker comments) and OUTDIR/moe.png.
 #
 #   run_suite.sh BUNDLE OUTDIR [--suite models|record] [--shapes NAME,..] [--dispatch D,..]
-#                [--peers torch,jax] [--jax-shapes NAME,..|all|none] [--iters N]
+#                [--peers torch,jax|none] [--jax-shapes NAME,..|all|none] [--iters N]
 #                [--budget SECONDS] [--peer-timeout SECONDS] [--afdep-timeout SECONDS]
-#                [--append] [--work DIR] [--python PY]
+#                [--append] [--work DIR] [--python PY] [--tokens T,..] [--backend cuda|cpu]
+#                [--torch-impls eager,compile]
 #
-# Time: --budget (default 480 s) bounds the loop: a cell that would start after it is not run
-# and gets rows with status `skipped` ("budget"); the report is written either way. A peer
-# process is killed after --peer-timeout (default 150 s; its missing rows say `timeout`),
+# Time: --budget (default 420 s) bounds the whole loop: a cell that would start after it is
+# not run (its rows say `skipped`), and every process is killed at the latest 60 s after it
+# (its missing rows say `timeout`), so the loop ends within budget + 60 s and the report is
+# written either way. A peer process is also killed after --peer-timeout (default 150 s),
 # afdep's after --afdep-timeout (default 240 s). --append keeps the rows already in OUTDIR (to
 # finish a suite over two calls: the second with --shapes of the cells the first skipped).
+# --tokens replaces every shape's token counts; --backend cpu (tests: the CPU oracle, peers on
+# the CPU) is not a measurement.
 # BUNDLE is the folder of `cargo xtask gpu-test --bundle BUNDLE`. OUTDIR gets afdep.jsonl,
 # torch.jsonl, jax.jsonl, moe.md, moe.png and run.log.
 set -uo pipefail
@@ -31,7 +36,8 @@ usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 bundle=$(cd "$1" && pwd) || { echo "no bundle folder $1" >&2; exit 2; }
 out=$2; shift 2
 suite=models; only=""; dispatch=""; peers=torch,jax; jax_shapes=record; iters=""
-budget=480; peer_timeout=150; afdep_timeout=240; append=0; work=""
+budget=420; grace=60; peer_timeout=150; afdep_timeout=240; append=0; work=""
+tokens=""; backend=cuda; torch_impls=eager,compile
 python=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,6 +53,9 @@ while [ $# -gt 0 ]; do
     --append) append=1; shift;;
     --work) work=$2; shift 2;;
     --python) python=$2; shift 2;;
+    --tokens) tokens=$2; shift 2;;
+    --backend) backend=$2; shift 2;;
+    --torch-impls) torch_impls=$2; shift 2;;
     -h|--help) usage;;
     *) echo "unknown argument $1" >&2; usage;;
   esac
@@ -76,13 +85,16 @@ has() { [[ ",$1," == *",$2,"* ]]; }
 
 say "$(date -u +%Y-%m-%dT%H:%M:%SZ) bundle $bundle (commit $commit), kernels $("$afdep" kernels --digest 2>/dev/null || echo unknown)"
 say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi not available')"
-cells=$("$afdep" moe --suite "$suite" --list) || { say "afdep moe --suite $suite --list failed"; exit 2; }
+tflag=(); [ -n "$tokens" ] && tflag=(--tokens "$tokens")
+cells=$("$afdep" moe --suite "$suite" "${tflag[@]}" --list) || { say "afdep moe --suite $suite --list failed"; exit 2; }
+torch_dev=(); jax_dev=()
+[ "$backend" = cpu ] && { torch_dev=(--device cpu); jax_dev=(--platform cpu); }
 say "suite $suite, peers $peers (jax on: $jax_shapes), budget ${budget}s, peer timeout ${peer_timeout}s, work $work"
 
-# a row for a cell that produced none: file impl shape tokens status note
+# a row for a cell that produced none: file impl shape tokens status note [dispatch]
 missing_row() {
   printf '{"shape":"%s","tokens":%s,"impl":"%s","dispatch":"%s","fwd_ms":null,"train_ms":null,"status":"%s","note":"%s"}\n' \
-    "$3" "$4" "$2" "${6:-sorted}" "$5" "$7" >> "$1"
+    "$3" "$4" "$2" "${7:-sorted}" "$5" "$6" >> "$1"
 }
 # whether FILE has a row of IMPL at (shape, tokens)
 has_row() { grep -F "\"impl\": \"$2\"" "$1" 2>/dev/null | grep -F "\"shape\": \"$3\"" | grep -qF "\"tokens\": $4,"; }
@@ -90,6 +102,8 @@ has_afdep_row() { grep -F '"impl":"afdep"' "$1" 2>/dev/null | grep -F "\"shape\"
 
 start=$(date +%s)
 rc_all=0
+# the time limit of a process: its own, or what is left until budget + grace, if less
+limit() { local left=$(( start + budget + grace - $(date +%s) )); if [ $left -lt "$1" ]; then echo $(( left > 1 ? left : 1 )); else echo "$1"; fi; }
 while read -r name t cell_iters; do
   [ -z "$name" ] && continue
   if [ -n "$only" ] && ! has "$only" "$name"; then continue; fi
@@ -103,14 +117,15 @@ while read -r name t cell_iters; do
   say "$name, $t tokens: afdep (${elapsed}s into the suite)"
   s=$(date +%s)
   dflag=(); [ -n "$dispatch" ] && dflag=(--dispatch "$dispatch")
-  timeout --kill-after=10 "$afdep_timeout" "$afdep" moe --backend cuda --shape "$name" --tokens "$t" \
+  lim=$(limit "$afdep_timeout")
+  timeout --kill-after=10 "$lim" "$afdep" moe --backend "$backend" --shape "$name" --tokens "$t" \
     --iters "$it" "${dflag[@]}" --write-inputs "$work" --json-out "$out/afdep.jsonl" \
     > /dev/null 2> >(tee -a "$log" >&2)
   rc=$?
   say "$name, $t tokens: afdep rc=$rc, $(( $(date +%s) - s ))s"
   [ $rc -ne 0 ] && rc_all=1
   if ! has_afdep_row "$out/afdep.jsonl" "$name" "$t"; then
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${afdep_timeout}s"; else st=error; why="afdep exited with rc=$rc and no row (see run.log)"; fi
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${lim}s"; else st=error; why="afdep exited with rc=$rc and no row (see run.log)"; fi
     missing_row "$out/afdep.jsonl" afdep "$name" "$t" "$st" "$why" sorted
   fi
   inputs="$work/$name/moe-inputs-$t.safetensors"
@@ -119,27 +134,29 @@ while read -r name t cell_iters; do
     continue
   fi
   if has "$peers" torch; then
-    s=$(date +%s)
-    timeout --kill-after=10 "$peer_timeout" "$python" "$peerdir/moe_torch.py" --inputs "$work/$name" \
-      --tokens "$t" --iters "$it" --impls eager,compile --check-syncs --json-out "$out/torch.jsonl" \
-      > /dev/null 2> >(tee -a "$log" >&2)
+    s=$(date +%s); lim=$(limit "$peer_timeout")
+    timeout --kill-after=10 "$lim" "$python" "$peerdir/moe_torch.py" --inputs "$work/$name" \
+      --tokens "$t" --iters "$it" --impls "$torch_impls" --check-syncs count --json-out "$out/torch.jsonl" \
+      "${torch_dev[@]}" > /dev/null 2> >(tee -a "$log" >&2)
     rc=$?
     say "$name, $t tokens: torch rc=$rc, $(( $(date +%s) - s ))s"
-    for impl in torch_grouped_mm torch_compile; do
+    want=(); has "$torch_impls" eager && want+=(torch_grouped_mm); has "$torch_impls" compile && want+=(torch_compile)
+    for impl in "${want[@]}"; do
       if ! has_row "$out/torch.jsonl" "$impl" "$name" "$t"; then
-        if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${peer_timeout}s"; else st=error; why="the process exited with rc=$rc and no row (see run.log)"; fi
+        if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${lim}s"; else st=error; why="the process exited with rc=$rc and no row (see run.log)"; fi
         missing_row "$out/torch.jsonl" "$impl" "$name" "$t" "$st" "$why"
       fi
     done
   fi
   if has "$peers" jax && { [ "$jax_shapes" = all ] || has "$jax_shapes" "$name"; }; then
-    s=$(date +%s)
-    timeout --kill-after=10 "$peer_timeout" "$python" "$peerdir/moe_jax.py" --inputs "$work/$name" \
-      --tokens "$t" --iters "$it" --json-out "$out/jax.jsonl" > /dev/null 2> >(tee -a "$log" >&2)
+    s=$(date +%s); lim=$(limit "$peer_timeout")
+    timeout --kill-after=10 "$lim" "$python" "$peerdir/moe_jax.py" --inputs "$work/$name" \
+      --tokens "$t" --iters "$it" --json-out "$out/jax.jsonl" "${jax_dev[@]}" \
+      > /dev/null 2> >(tee -a "$log" >&2)
     rc=$?
     say "$name, $t tokens: jax rc=$rc, $(( $(date +%s) - s ))s"
     if ! has_row "$out/jax.jsonl" jax_ragged_dot "$name" "$t"; then
-      if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${peer_timeout}s"; else st=error; why="the process exited with rc=$rc and no row (see run.log)"; fi
+      if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then st=timeout; why="killed after ${lim}s"; else st=error; why="the process exited with rc=$rc and no row (see run.log)"; fi
       missing_row "$out/jax.jsonl" jax_ragged_dot "$name" "$t" "$st" "$why"
     fi
   fi

@@ -6,7 +6,8 @@
 //! `afdep` binary and the benchmark programs (`DIR/bin/`) and `DIR/run.sh`, so that a GPU
 //! machine without Rust runs the whole matrix with `DIR/run.sh` and gets `summary.txt` /
 //! `summary.json` and one log per test binary (see docs/gpu.md). The bundle also carries the
-//! peer scripts (`DIR/peers/`, with `run_moe_comparison.sh`), `DIR/docs/perf/moe.md` (the
+//! peer scripts (`DIR/peers/`, with `run_moe_comparison.sh` and `run_suite.sh`, the shape
+//! suite with its peers), `DIR/docs/perf/moe.md` (the
 //! document the comparison's report updates), `DIR/docs/perf/exchange_gpu_run.sh` (the
 //! single-GPU exchange latency table) and `DIR/commit.txt` (the commit it was built
 //! from, `-dirty` when the work tree had changes).
@@ -227,10 +228,12 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))?;
-        std::fs::set_permissions(
-            dir.join("peers").join("run_moe_comparison.sh"),
-            std::fs::Permissions::from_mode(0o755),
-        )?;
+        for script in ["run_moe_comparison.sh", "run_suite.sh"] {
+            std::fs::set_permissions(
+                dir.join("peers").join(script),
+                std::fs::Permissions::from_mode(0o755),
+            )?;
+        }
         std::fs::set_permissions(
             perf.join("exchange_gpu_run.sh"),
             std::fs::Permissions::from_mode(0o755),
@@ -253,4 +256,53 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RUN_SH;
+    use std::process::Command;
+
+    /// `run.sh --count-results LOG`: "passed failed ignored" of the binary's own closing line.
+    fn counts(log: &str) -> String {
+        let dir = std::env::temp_dir().join(format!("afdep-xtask-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (script, file) = (dir.join("run.sh"), dir.join("t.log"));
+        std::fs::write(&script, RUN_SH).unwrap();
+        std::fs::write(&file, log).unwrap();
+        let o = Command::new("bash")
+            .arg(&script)
+            .arg("--count-results")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    #[test]
+    fn every_test_is_counted_once() {
+        // a 5-test binary whose tests start child test processes: only its own last line counts
+        let log = "running 5 tests\n\
+                   test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 4 filtered out\n\
+                   test a ... SKIP: no GPU\n\
+                   test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 4 filtered out\n\
+                   test result: FAILED. 4 passed; 1 failed; 1 ignored; 0 measured; 0 filtered out; \
+                   finished in 3.2s\n";
+        assert_eq!(counts(log), "4 1 1");
+        assert_eq!(
+            counts("test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured\n"),
+            "0 0 0"
+        );
+        // no closing line (a crash, a kill): one failure, nothing passed
+        assert_eq!(counts("thread 'main' panicked\n"), "0 1 0");
+    }
+
+    #[test]
+    fn ignored_tests_run_unless_left_out() {
+        assert!(RUN_SH.contains("ignored=--include-ignored"));
+        assert!(RUN_SH.contains("--skip-ignored) ignored=\"\""));
+        assert!(RUN_SH.contains("ignored tests were left out"));
+    }
 }

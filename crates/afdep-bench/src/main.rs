@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! afdep moe       [--backend auto|cpu|cuda] [--tokens N,..] [--dispatch D,..] [--iters N]
-//!                 [shape flags] [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
+//!                 [shape flags | --shape NAME | --suite models|record] [--list]
+//!                 [--json-out F] [--write-inputs DIR] [--write-outputs DIR] ...
 //! afdep report moe --rows A.jsonl B.jsonl .. [--md FILE] [--png FILE] [--commit C]
 //! afdep exchange  [--backend auto|cpu|cuda] [--config FILE] [--transport loopback|tcp|nvlink|nccl|ucx]
 //!                 [--arm payload-first|count-first|count-first-source|auto] [--graph]

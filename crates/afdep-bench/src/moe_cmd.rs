@@ -820,7 +820,9 @@ pub fn run(a: MoeArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     if failed > 0 {
-        bail!("{failed} configurations failed: their rows have status `error` and the error in `note`");
+        bail!(
+            "{failed} configurations failed: their rows have status `error` and the error in `note`"
+        );
     }
     Ok(())
 }

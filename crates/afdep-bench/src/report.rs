@@ -384,8 +384,7 @@ impl Comparison {
             }
         }
         let order = |s: &str| shapes.iter().position(|x| x == s).unwrap_or(usize::MAX);
-        c.cells
-            .sort_by(|a, b| (order(&a.shape), a.tokens).cmp(&(order(&b.shape), b.tokens)));
+        c.cells.sort_by_key(|a| (order(&a.shape), a.tokens));
         if c.devices.is_empty() {
             c.devices = peer_devices;
         }
@@ -1012,7 +1011,10 @@ mod tests {
         assert_eq!(c.best(Phase::Train, &small), Some(("sorted", 3.0)));
         assert_eq!(c.best(Phase::Forward, &large), None);
         assert_eq!(c.cells, vec![small.clone(), large.clone()]);
-        assert_eq!(c.best_peer(Phase::Forward, &small), Some(("torch_grouped_mm", 1.6)));
+        assert_eq!(
+            c.best_peer(Phase::Forward, &small),
+            Some(("torch_grouped_mm", 1.6))
+        );
         assert_eq!(c.best_peer(Phase::Forward, &large), None);
         assert_eq!(c.afdep_status(&small), "2/3 ok; fused: error_too_large");
         assert_eq!(c.afdep_status(&large), "oom");
@@ -1163,7 +1165,10 @@ mod tests {
             m.contains("| mixtral-8x7b | 4,096 | 20.00 (sorted) |"),
             "{m}"
         );
-        assert!(m.contains("| mixtral-8x7b | 4,096 | torch_compile | — | — |"), "{m}");
+        assert!(
+            m.contains("| mixtral-8x7b | 4,096 | torch_compile | — | — |"),
+            "{m}"
+        );
         // the peers' oracle errors are shown
         assert!(m.contains("| 1.0e-3 / 2.0e-3 / 3.0e-3 |"), "{m}");
         let dir = tempfile::tempdir().unwrap();

@@ -17,6 +17,8 @@ use crate::report::{Cell, Comparison, Phase, ReportError, ratio};
 
 /// Image size, pixels.
 const SIZE: (u32, u32) = (1600, 700);
+/// Image size of a suite's speed-up chart (panels stacked: room for 15 cells' labels).
+const SUITE_SIZE: (u32, u32) = (2200, 1000);
 
 fn register_font() -> Result<(), String> {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
@@ -132,10 +134,10 @@ fn speedups(c: &Comparison, phase: Phase) -> Vec<(usize, f64)> {
 fn draw_speedups(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportError> {
     let err = chart_err(path);
     let e = |x: &dyn std::fmt::Display| err(x.to_string());
-    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+    let root = BitMapBackend::new(path, SUITE_SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
     let root = root.titled(title, ("sans-serif", 22)).map_err(|x| e(&x))?;
-    let panels = root.split_evenly((1, 2));
+    let panels = root.split_evenly((2, 1));
     let n = c.cells.len();
     for (area, phase) in panels.iter().zip(Phase::BOTH) {
         let bars = speedups(c, phase);
@@ -148,7 +150,7 @@ fn draw_speedups(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportE
                 ("sans-serif", 20),
             )
             .margin(16)
-            .x_label_area_size(150)
+            .x_label_area_size(40)
             .y_label_area_size(64)
             .build_cartesian_2d(-0.5f64..n as f64 - 0.5, (lo / 1.5..hi * 1.5).log_scale())
             .map_err(|x| e(&x))?;
@@ -165,11 +167,7 @@ fn draw_speedups(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportE
                     String::new()
                 }
             })
-            .x_label_style(
-                ("sans-serif", 13)
-                    .into_font()
-                    .transform(FontTransform::Rotate90),
-            )
+            .x_label_style(("sans-serif", 12))
             .y_desc("speed-up (×)")
             .y_label_formatter(&|v| format!("{v:.2}"))
             .label_style(("sans-serif", 14))
@@ -186,6 +184,16 @@ fn draw_speedups(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportE
                     [(i as f64 - 0.35, lo / 1.5), (i as f64 + 0.35, v)],
                     color.filled(),
                 )
+            }))
+            .map_err(|x| e(&x))?;
+        // the value on each bar; a cell without a ratio (no ok row on one side) says so
+        chart
+            .draw_series((0..n).map(|i| {
+                let (text, y) = match bars.iter().find(|b| b.0 == i) {
+                    Some(&(_, v)) => (format!("{v:.2}×"), v),
+                    None => ("no ratio".to_string(), 1.0),
+                };
+                Text::new(text, (i as f64 - 0.3, y), ("sans-serif", 13))
             }))
             .map_err(|x| e(&x))?;
         chart
@@ -241,7 +249,11 @@ fn draw_times(path: &Path, c: &Comparison, title: &str) -> Result<(), ReportErro
             (lo / 2.0, hi * 2.0)
         };
         let tokens: Vec<f64> = c.cells.iter().map(|x| x.tokens as f64).collect();
-        let tmin = tokens.iter().copied().fold(f64::INFINITY, f64::min).min(1e12);
+        let tmin = tokens
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min)
+            .min(1e12);
         let tmax = tokens.iter().copied().fold(1.0, f64::max);
         let tmin = if tmin.is_finite() { tmin } else { 1.0 };
         let mut chart = ChartBuilder::on(area)

@@ -61,7 +61,6 @@ impl NamedShape {
             renormalize: true,
         }
     }
-
 }
 
 const K: usize = 1024;
@@ -174,7 +173,10 @@ pub fn lookup(name: &str) -> Result<NamedShape, String> {
         .copied()
         .ok_or_else(|| {
             let names: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
-            format!("unknown shape `{name}`: the shapes are {}", names.join(", "))
+            format!(
+                "unknown shape `{name}`: the shapes are {}",
+                names.join(", ")
+            )
         })
 }
 
@@ -214,12 +216,28 @@ mod tests {
     #[test]
     fn the_table_is_the_issues() {
         let want = [
-            ("record", 512, 128, 64, 8, 1024, vec![16_384, 131_072, 1_048_576]),
+            (
+                "record",
+                512,
+                128,
+                64,
+                8,
+                1024,
+                vec![16_384, 131_072, 1_048_576],
+            ),
             ("qwen3-30b-a3b", 2048, 768, 128, 8, 0, vec![4096, 32_768]),
             ("mixtral-8x7b", 4096, 14336, 8, 2, 0, vec![4096, 16_384]),
             ("deepseek-v3", 7168, 2048, 256, 8, 2048, vec![4096, 16_384]),
             ("gpt-oss-120b", 2880, 2880, 128, 4, 0, vec![4096, 16_384]),
-            ("qwen1.5-moe-a2.7b", 2048, 1408, 60, 4, 5632, vec![4096, 16_384]),
+            (
+                "qwen1.5-moe-a2.7b",
+                2048,
+                1408,
+                60,
+                4,
+                5632,
+                vec![4096, 16_384],
+            ),
             ("olmoe-1b-7b", 2048, 1024, 64, 8, 0, vec![4096, 32_768]),
         ];
         assert_eq!(SHAPES.len(), want.len());

@@ -299,7 +299,7 @@ mod tests {
     #[test]
     fn f32_and_f16_read_as_bf16_other_dtypes_are_typed_errors() {
         let mut f = TensorFile::default();
-        let vals = [1.0f32, -2.5, 3.140625, 1e-3, 65504.0, 1.00390625];
+        let vals = [1.0f32, -2.5, 3.140625, 1e-3, 65504.0, 1.0 + 1.0 / 256.0];
         f.put(
             "a32",
             Dtype::F32,
@@ -324,7 +324,7 @@ mod tests {
             .map(|&v| bf16::from_f32(f16::from_f32(v).to_f32()))
             .collect();
         assert_eq!(f.bf16("a16").unwrap().1, want16);
-        // 1.00390625 = 1 + 2^-8 is a tie in bf16: to even (1.0)
+        // 1 + 2^-8 is a tie in bf16: to even (1.0)
         assert_eq!(f.bf16("a32").unwrap().1[5], bf16::from_f32(1.0));
         for (name, dt) in [("i8", "I8"), ("f64", "F64")] {
             let e = f.bf16(name).unwrap_err();
@@ -336,7 +336,10 @@ mod tests {
             assert!(e.to_string().contains(name) && e.to_string().contains(dt));
         }
         assert_eq!(
-            *f.bf16("zz").unwrap_err().downcast_ref::<TensorError>().unwrap(),
+            *f.bf16("zz")
+                .unwrap_err()
+                .downcast_ref::<TensorError>()
+                .unwrap(),
             TensorError::Missing { name: "zz".into() }
         );
         // a size that disagrees with the shape

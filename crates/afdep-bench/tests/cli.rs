@@ -389,7 +389,14 @@ fn convert_file(src: &Path, dst: &Path, to: Dtype, keep: &[&str]) {
 fn f32_and_f16_inputs_are_converted_other_dtypes_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    let mut args = vec!["moe", "--tokens", "21", "--inputs-only", "--write-inputs", d];
+    let mut args = vec![
+        "moe",
+        "--tokens",
+        "21",
+        "--inputs-only",
+        "--write-inputs",
+        d,
+    ];
     args.extend(SMALL);
     afdep(&args);
     let src = dir.path().join("moe-inputs-21.safetensors");
@@ -403,7 +410,10 @@ fn f32_and_f16_inputs_are_converted_other_dtypes_are_errors() {
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        (std::fs::read(out).unwrap(), String::from_utf8_lossy(&o.stderr).to_string())
+        (
+            std::fs::read(out).unwrap(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
     };
     let (want, log) = run(&src, &dir.path().join("o-bf16.safetensors"));
     assert!(!log.contains("converting"), "{log}");
@@ -415,7 +425,11 @@ fn f32_and_f16_inputs_are_converted_other_dtypes_are_errors() {
         for t in ["y", "dx", "dw1", "dwr"] {
             assert_eq!(read_bf16(&got, t), read_bf16(&want, t), "{name}: {t}");
         }
-        assert_eq!(log.matches("converting f32 / f16 tensors").count(), 1, "{log}");
+        assert_eq!(
+            log.matches("converting f32 / f16 tensors").count(),
+            1,
+            "{log}"
+        );
     }
     // another dtype: a typed error naming the tensor and the dtype
     let bad = dir.path().join("bad.safetensors");
@@ -425,9 +439,19 @@ fn f32_and_f16_inputs_are_converted_other_dtypes_are_errors() {
     for (name, v) in st.tensors() {
         if name == "w3" {
             let n: usize = v.shape().iter().product();
-            t.push((name.clone(), Dtype::F64, v.shape().to_vec(), vec![0u8; 8 * n]));
+            t.push((
+                name.clone(),
+                Dtype::F64,
+                v.shape().to_vec(),
+                vec![0u8; 8 * n],
+            ));
         } else {
-            t.push((name.clone(), v.dtype(), v.shape().to_vec(), v.data().to_vec()));
+            t.push((
+                name.clone(),
+                v.dtype(),
+                v.shape().to_vec(),
+                v.data().to_vec(),
+            ));
         }
     }
     write(&bad, t, HashMap::new());
@@ -446,7 +470,16 @@ fn named_shapes_list_run_and_write_their_own_folders() {
     assert!(lines.contains(&"qwen1.5-moe-a2.7b 4096 10"), "{list}");
     assert!(lines.contains(&"deepseek-v3 16384 5"), "{list}");
     assert_eq!(
-        afdep(&["moe", "--shape", "olmoe-1b-7b", "--tokens", "8", "--iters", "2", "--list"]),
+        afdep(&[
+            "moe",
+            "--shape",
+            "olmoe-1b-7b",
+            "--tokens",
+            "8",
+            "--iters",
+            "2",
+            "--list"
+        ]),
         "olmoe-1b-7b 8 2\n"
     );
     // one named shape on the CPU: its name, its dims, TFLOP/s; its files under DIR/NAME
@@ -466,11 +499,17 @@ fn named_shapes_list_run_and_write_their_own_folders() {
     assert_eq!(rows.len(), 1);
     let r = &rows[0];
     assert_eq!(r["shape"], "record");
-    assert_eq!((r["d_model"].as_u64(), r["shared"].as_u64()), (Some(512), Some(1024)));
+    assert_eq!(
+        (r["d_model"].as_u64(), r["shared"].as_u64()),
+        (Some(512), Some(1024))
+    );
     let fwd = r["fwd_ms"].as_f64().unwrap();
     let flops = 2.0 * 16.0 * (512.0 * 64.0 + 3.0 * 8.0 * 512.0 * 128.0 + 3.0 * 512.0 * 1024.0);
     let tf = r["fwd_tflops"].as_f64().unwrap();
-    assert!((tf - flops / (fwd * 1e-3) / 1e12).abs() <= 1e-9 * tf.max(1.0), "{r}");
+    assert!(
+        (tf - flops / (fwd * 1e-3) / 1e12).abs() <= 1e-9 * tf.max(1.0),
+        "{r}"
+    );
     let pct = r["fwd_pct_peak"].as_f64().unwrap();
     assert!((pct - 100.0 * tf / 790.0).abs() < 1e-9, "{r}");
     assert!(r["train_tflops"].as_f64().is_some());
@@ -487,8 +526,14 @@ fn named_shapes_list_run_and_write_their_own_folders() {
     // bad names and conflicting flags are errors
     for (args, want) in [
         (vec!["--shape", "llama"], "unknown shape `llama`"),
-        (vec!["--suite", "models", "--d-model", "64"], "cannot be used with"),
-        (vec!["--shape", "record", "--suite", "record"], "cannot be used with"),
+        (
+            vec!["--suite", "models", "--d-model", "64"],
+            "cannot be used with",
+        ),
+        (
+            vec!["--shape", "record", "--suite", "record"],
+            "cannot be used with",
+        ),
         (vec!["--list"], "--list needs --suite or --shape"),
         (vec!["--suite", "nope"], "nope"),
     ] {
@@ -671,7 +716,11 @@ fn a_missing_peer_module_skips_unless_required() {
     assert!(free.status.success() && text.contains("SKIP: "), "{text}");
     for flag in ["AFDEP_REQUIRE_GPU", "AFDEP_REQUIRE_PEERS"] {
         let o = run(Some(flag));
-        let text = String::from_utf8_lossy(&o.stdout);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
         assert!(!o.status.success(), "{flag}: {text}");
         assert!(text.contains(&format!("{flag} is set")), "{text}");
     }
@@ -833,7 +882,7 @@ fn the_torch_peer_computes_the_oracles_function() {
         &["--device", "cpu", "--check-syncs"],
         &SMALL,
     );
-    assert_eq!(r["syncs_checked"], true);
+    assert_eq!(r["syncs_checked"], "error");
     for (f, tol) in [
         ("oracle_out_err", afdep_moe::accuracy::OUT_TOL),
         ("oracle_gx_err", afdep_moe::accuracy::DX_TOL),
@@ -845,13 +894,29 @@ fn the_torch_peer_computes_the_oracles_function() {
     // the check can fail: a step that syncs (planted) is an error row
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    let mut args = vec!["moe", "--tokens", "50", "--inputs-only", "--write-inputs", d];
+    let mut args = vec![
+        "moe",
+        "--tokens",
+        "50",
+        "--inputs-only",
+        "--write-inputs",
+        d,
+    ];
     args.extend(SMALL);
     afdep(&args);
     let out = Command::new(&py)
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .arg(peers_dir().join("moe_torch.py"))
-        .args(["--inputs", d, "--device", "cpu", "--iters", "1", "--warmups", "0"])
+        .args([
+            "--inputs",
+            d,
+            "--device",
+            "cpu",
+            "--iters",
+            "1",
+            "--warmups",
+            "0",
+        ])
         .args(["--check-syncs", "--debug-inject-sync", "--no-oracle"])
         .output()
         .unwrap();
@@ -866,6 +931,31 @@ fn the_torch_peer_computes_the_oracles_function() {
         "{}",
         rows[0]
     );
+    // counted instead (the suite's mode): the row keeps its times and says how many
+    let out = Command::new(&py)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(peers_dir().join("moe_torch.py"))
+        .args([
+            "--inputs",
+            d,
+            "--device",
+            "cpu",
+            "--iters",
+            "2",
+            "--warmups",
+            "0",
+        ])
+        .args([
+            "--check-syncs",
+            "count",
+            "--debug-inject-sync",
+            "--no-oracle",
+        ])
+        .output()
+        .unwrap();
+    let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(rows[0]["status"], "ok", "{}", rows[0]);
+    assert!(rows[0]["host_syncs"].as_u64().unwrap() >= 2, "{}", rows[0]);
     peer_matches_the_oracle(
         &py,
         "moe_torch.py",
@@ -910,4 +1000,118 @@ fn the_jax_peer_computes_the_oracles_function() {
             "--no-renormalize",
         ],
     );
+}
+
+/// `peers/run_suite.sh` end to end on the CPU: a bundle whose `bin/afdep` runs this build (the
+/// CPU oracle, its rows named as the GPU layer's so that the report takes them), the record
+/// shape at 16 tokens, the torch peer when this Python has torch: rows per cell, the input file
+/// deleted after its peers, the report and the chart written.
+#[test]
+fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = dir.path().join("bundle");
+    std::fs::create_dir_all(b.join("bin")).unwrap();
+    std::fs::create_dir_all(b.join("docs/perf")).unwrap();
+    std::fs::create_dir_all(b.join("peers")).unwrap();
+    for f in [
+        "run_suite.sh",
+        "moe_torch.py",
+        "moe_inputs.py",
+        "moe_jax.py",
+    ] {
+        std::fs::copy(peers_dir().join(f), b.join("peers").join(f)).unwrap();
+    }
+    std::fs::write(b.join("docs/perf/moe.md"), "# MoE\n\nhand-written\n").unwrap();
+    std::fs::write(b.join("commit.txt"), "test\n").unwrap();
+    let stand_in = b.join("bin/afdep");
+    std::fs::write(
+        &stand_in,
+        "#!/usr/bin/env bash\n\
+         out=\"\"; prev=\"\"\n\
+         for a in \"$@\"; do [ \"$prev\" = --json-out ] && out=$a; prev=$a; done\n\
+         \"$AFDEP_REAL\" \"$@\"; rc=$?\n\
+         [ -n \"$out\" ] && [ -f \"$out\" ] && sed -i 's/\"impl\":\"afdep-cpu-oracle\"/\"impl\":\"afdep\"/' \"$out\"\n\
+         exit $rc\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&stand_in, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let torch = python_with("numpy, torch");
+    let py = torch
+        .clone()
+        .unwrap_or_else(|| std::env::var("AFDEP_PEER_PYTHON").unwrap_or("python3".into()));
+    let out = dir.path().join("out");
+    let work = dir.path().join("work");
+    let o = Command::new("bash")
+        .arg(b.join("peers/run_suite.sh"))
+        .arg(&b)
+        .arg(&out)
+        .args([
+            "--suite",
+            "record",
+            "--tokens",
+            "16",
+            "--backend",
+            "cpu",
+            "--iters",
+            "1",
+        ])
+        .args(["--torch-impls", "eager", "--python", &py, "--work"])
+        .arg(&work)
+        .args(["--peers", if torch.is_some() { "torch" } else { "none" }])
+        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{log}");
+    let afdep_rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
+    assert_eq!(afdep_rows.len(), 1, "{afdep_rows:?}");
+    assert_eq!(afdep_rows[0]["shape"], "record");
+    assert_eq!(afdep_rows[0]["tokens"], 16);
+    let torch_rows = rows_of(&std::fs::read_to_string(out.join("torch.jsonl")).unwrap());
+    if torch.is_some() {
+        assert_eq!(torch_rows.len(), 1, "{torch_rows:?}");
+        assert_eq!(torch_rows[0]["shape"], "record");
+        assert_eq!(torch_rows[0]["status"], "ok", "{}", torch_rows[0]);
+        assert_eq!(torch_rows[0]["host_syncs"], 0, "{}", torch_rows[0]);
+    } else {
+        assert!(torch_rows.is_empty());
+    }
+    // the cell's inputs are gone after its peers ran
+    assert!(!work.join("record/moe-inputs-16.safetensors").exists());
+    let md = std::fs::read_to_string(out.join("moe.md")).unwrap();
+    assert!(md.starts_with("# MoE\n\nhand-written\n"), "{md}");
+    assert!(md.contains("| record | 16 |"), "{md}");
+    assert!(
+        std::fs::read(out.join("moe.png"))
+            .unwrap()
+            .starts_with(b"\x89PNG")
+    );
+    assert!(log.contains("record, 16 tokens: afdep rc=0"), "{log}");
+
+    // a spent budget: the cell is not run, its row says so, the report is still written
+    let o = Command::new("bash")
+        .arg(b.join("peers/run_suite.sh"))
+        .arg(&b)
+        .arg(&out)
+        .args([
+            "--suite",
+            "record",
+            "--tokens",
+            "16",
+            "--backend",
+            "cpu",
+            "--budget",
+            "0",
+        ])
+        .args(["--peers", "none"])
+        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["status"], "skipped");
+    let md = std::fs::read_to_string(out.join("moe.md")).unwrap();
+    assert!(md.contains("| record | 16 | no ok row |"), "{md}");
 }

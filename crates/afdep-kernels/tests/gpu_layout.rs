@@ -99,3 +99,39 @@ fn layout_matches_core_on_skewed_routes() {
     check(&ctx, &all_masked, 64, "all masked");
     check(&ctx, &Routes::empty(8), 128, "empty");
 }
+
+/// A token limit below every count of the sweep fails it (`common::tokens`), on any machine:
+/// this binary runs itself with `AFDEP_TEST_MAX_TOKENS=0` on the probe below.
+#[test]
+fn a_sweep_left_without_cases_fails() {
+    let run = |limit: &str| {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tokens_probe", "--nocapture"])
+            .env("AFDEP_TOKENS_PROBE", "1")
+            .env("AFDEP_TEST_MAX_TOKENS", limit)
+            .output()
+            .unwrap()
+    };
+    let none = run("0");
+    let text =
+        String::from_utf8_lossy(&none.stderr).to_string() + &String::from_utf8_lossy(&none.stdout);
+    assert!(!none.status.success(), "{text}");
+    assert!(text.contains("leaves this sweep no token count"), "{text}");
+    let seven = run("7");
+    assert!(seven.status.success());
+    assert!(String::from_utf8_lossy(&seven.stdout).contains("probe: [1, 7]"));
+}
+
+/// `common::tokens` is `TOKENS` up to the limit (also the probe of
+/// [`a_sweep_left_without_cases_fails`], which runs it under limits of its own).
+#[test]
+fn tokens_probe() {
+    let want: Vec<usize> = common::TOKENS
+        .into_iter()
+        .filter(|&t| t <= common::max_tokens())
+        .collect();
+    assert_eq!(tokens(), want);
+    if std::env::var("AFDEP_TOKENS_PROBE").is_ok() {
+        println!("probe: {want:?}");
+    }
+}
