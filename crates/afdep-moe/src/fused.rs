@@ -128,7 +128,7 @@
 //! typed [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
 //! device experts ([`DeviceExperts`]), the combine from the compact view and the routes, over
 //! capacity-sized buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with
-//! the arm chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
+//! the arm chosen on the device each round ([`RoundArm::Auto`](crate::RoundArm::Auto)): `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 
