@@ -16,7 +16,7 @@
 //!   `repeats_faster`: the repeats in which the arm beat payload-first.
 //!
 //! An arm whose engine does not have it (the child exits with
-//! [`EXIT_UNSUPPORTED`](crate::exchange_cmd::EXIT_UNSUPPORTED)) gets one summary row per token
+//! [`crate::exchange_cmd::EXIT_UNSUPPORTED`]) gets one summary row per token
 //! count with status `unsupported` and the child's reason, and is not started again; any other
 //! failure of a child stops the runner with the child's error.
 //!

@@ -24,7 +24,7 @@
 //! Every field is optional: a command-line flag given overrides the file, and a field neither
 //! sets keeps the command's default. Unknown fields are errors (a misspelt knob must not be
 //! silently ignored); every error names the file and the field ([`ConfigFileError`]), and the
-//! values are then checked by [`ExchangeConfig::validate`], whose errors name the field too.
+//! values are then checked by [`ExchangeConfig::validate`](afdep_core::ExchangeConfig::validate), whose errors name the field too.
 
 use std::path::{Path, PathBuf};
 

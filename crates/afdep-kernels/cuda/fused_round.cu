@@ -79,20 +79,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     if (tid != 0) return;
     u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
     if (src_index != AFDEP_NO_SOURCE && best != ~0ull) {
-        word[1] = src_index;
-        if (best == 0) {
-            word[0] = AFDEP_ROUTE_OVER_CAPACITY;
-            word[2] = afdep_sat_u32(tokens);
-            word[5] = afdep_sat_u32(cap);
-        } else {
-            const u64 t = (best - 1) / K;
-            const Offence o = afdep_check_token(idx, w, t, experts, owned);
-            word[0] = o.cls;
-            word[2] = afdep_sat_u32(t);
-            word[3] = o.slot;
-            word[4] = o.value;
-            word[5] = o.extra;
-        }
+        afdep_route_word(word, best, src_index, tokens, cap, idx, w, experts, owned);
     } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
         // valid routes: the payload check's word (zero when every travelling row is finite)
 #pragma unroll

@@ -64,21 +64,7 @@ extern "C" __global__ void afdep_validate_word(const i32* __restrict__ idx,
         word[4] = logits != nullptr ? __float_as_uint(logits[t * logit_experts + e]) : 0x7fc00000u;
         *routerp = 0;
     } else if (inv != 0) {
-        const u64 key = ~inv;
-        word[1] = rank;
-        if (key == 0) {
-            word[0] = AFDEP_ROUTE_OVER_CAPACITY;
-            word[2] = afdep_sat_u32(tokens);
-            word[5] = afdep_sat_u32(capacity);
-        } else {
-            const u64 t = (key - 1) / K;
-            const Offence o = afdep_check_token(idx, w, t, experts, owned);
-            word[0] = o.cls;
-            word[2] = afdep_sat_u32(t);
-            word[3] = o.slot;
-            word[4] = o.value;
-            word[5] = o.extra;
-        }
+        afdep_route_word(word, ~inv, rank, tokens, capacity, idx, w, experts, owned);
     }
 #pragma unroll
     for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) state[i] = word[i];

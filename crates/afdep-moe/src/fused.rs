@@ -128,12 +128,12 @@
 //! typed [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
 //! device experts ([`DeviceExperts`]), the combine from the compact view and the routes, over
 //! capacity-sized buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with
-//! the arm chosen on the device each round ([`RoundArm::Auto`]): `fused/device_round.rs`.
+//! the arm chosen on the device each round ([`RoundArm::Auto`](crate::RoundArm::Auto)): `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 
 use afdep_core::fp8;
-use afdep_core::layout::{FfnPlan, compact_slots, payload_first_slabs};
+use afdep_core::layout::{FfnPlan, SourceCounts, compact_slots, payload_first_slabs};
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
@@ -442,14 +442,10 @@ impl FusedEngine {
         let cfg = self.cfg.clone();
         let topo = cfg.topology;
         let p = cfg.placement();
-        let (h, k) = (cfg.hidden, cfg.top_k);
         let nf = p.ffn_ranks;
-        let ns = topo.attention_count();
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
-        let geo = self.geo;
         let timeout_ns = self.transport.timeout().as_nanos().min(u64::MAX as u128) as u64;
-        let knobs = cfg.knobs;
         let mut times = PhaseTimes::default();
         if let Some(ev) = &mut self.events {
             ev.last = None;
@@ -480,112 +476,218 @@ impl FusedEngine {
             DispatchArm::PayloadFirst => None,
             _ => self.count_first_dispatch(arm, input, &plans, timeout_ns)?,
         };
-        let pf = arm == DispatchArm::PayloadFirst;
-        let mut send = None;
-        if let (true, Some(s), Some(inp)) = (pf, src_index, input) {
-            let mw = fk::meta_words(k);
-            let (mut token, mut dst_rank, mut slab_row, mut meta) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
-            for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
-                let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
-                let mut next = vec![0u64; p.experts_per_rank];
-                for (i, &t) in slab.iter().enumerate() {
-                    token.push(t);
-                    dst_rank.push(topo.ffn_rank(f) as u32);
-                    slab_row.push(i as u32);
-                    let start = meta.len();
-                    meta.extend_from_slice(&[t, 0]);
-                    meta.extend(ids[i * k..(i + 1) * k].iter().map(|&l| l as u32));
-                    meta.extend(ws[i * k..(i + 1) * k].iter().map(|w| w.to_bits()));
-                    for &l in &ids[i * k..(i + 1) * k] {
-                        let row = if l == MASKED {
-                            fk::NO_ROW
-                        } else {
-                            let l = l as usize;
-                            let r = plans[f].block_start(l, s) + next[l];
-                            next[l] += 1;
-                            r
-                        };
-                        meta.extend_from_slice(&[row as u32, (row >> 32) as u32]);
-                    }
-                    debug_assert_eq!(meta.len() - start, mw);
-                }
-            }
-            let rows = token.len();
-            let x = upload(&self.gpu, &inp.x)?;
-            let token_d = upload(&self.gpu, &token)?;
-            let dst_d = upload(&self.gpu, &dst_rank)?;
-            let row_d = upload(&self.gpu, &slab_row)?;
-            let meta_d = upload(&self.gpu, &meta)?;
-            // the host vectors above must live until the copies ran
-            self.gpu.synchronize()?;
-            send = Some((inp.routes.tokens, x, token_d, dst_d, row_d, meta_d, rows));
-        }
         let mut expand = None;
-        let mut fp8_bufs: Option<(CudaSlice<u8>, CudaSlice<f32>)> = None;
-        if let (true, Some(f)) = (pf, ffn_index) {
-            let total = plans[f].total_rows() as usize;
-            let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
-            poison(&self.gpu, &mut expanded)?;
-            if cfg.payload == PayloadKind::Fp8E4m3 {
-                let mut q: CudaSlice<u8> = zeros(&self.gpu, total * h)?;
-                let mut sc: CudaSlice<f32> = zeros(&self.gpu, total * fp8::scales_per_row(h))?;
-                poison(&self.gpu, &mut q)?;
-                poison(&self.gpu, &mut sc)?;
-                fp8_bufs = Some((q, sc));
-            }
-            let starts = upload(&self.gpu, &plans[f].slab_offsets)?;
-            self.gpu.synchronize()?;
-            expand = Some((f, total, expanded, starts));
-        }
-        if pf {
+        if arm == DispatchArm::PayloadFirst {
+            let send = match (src_index, input) {
+                (Some(s), Some(inp)) => Some(self.pf_send_list(s, inp, &plans)?),
+                _ => None,
+            };
+            expand = match ffn_index {
+                Some(f) => Some(self.pf_expand_buffers(f, &plans[f])?),
+                None => None,
+            };
             self.phase_start(Phase::Dispatch)?;
+            if let Some(send) = &send {
+                self.pf_dispatch(send)?;
+            }
+            if let Some(ex) = &mut expand {
+                self.pf_copy_epilogue(ex, &plans[ex.f], round, timeout_ns)?;
+            }
+            self.phase_end(Phase::Dispatch)?;
+            if expand.is_some() {
+                self.check_fault()?;
+            } else {
+                self.gpu.synchronize()?;
+            }
+            drop(send);
         }
-        if let Some((tokens, x, token_d, dst_d, row_d, meta_d, rows)) = &send {
-            // sources: rows into their slabs in every FFN rank's workspace, then the flags
-            let dispatch = match cfg.payload {
-                PayloadKind::Bf16 => fk::dispatch,
-                PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
-            };
-            dispatch(
+
+        // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
+        let mut received = None;
+        let mut y_rows: Vec<bf16> = Vec::new();
+        let rx = match (ffn_index, cf_received, expand) {
+            (Some(_), Some(rx), _) => Some(rx),
+            (Some(_), None, Some(ex)) => Some(self.pf_received(&ex, &plans[ex.f], &sources)?),
+            _ => None,
+        };
+        times.dispatch = t1.elapsed();
+        if let (Some(f), Some(rx)) = (ffn_index, rx) {
+            let t2 = Instant::now();
+            y_rows = apply_experts(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
+            times.experts = t2.elapsed();
+            received = Some(rx);
+        }
+
+        // 5. combine: host preparation (the plan numbers, the routes, the poisoned output), then
+        // the partial sums (FFN ranks) and the sums of the partials (sources)
+        let t3 = Instant::now();
+        let combined = self.host_planned_combine(arm, input, &plans, &y_rows, timeout_ns)?;
+        times.combine = t3.elapsed();
+        if let Some(ev) = &mut self.events {
+            ev.last = Some(ev.read()?);
+        }
+        Ok(RoundOutput {
+            combined,
+            received,
+            times,
+        })
+    }
+
+    /// A source's payload-first send list: per row bound for an FFN rank its token, destination
+    /// rank, slab row and metadata (token, local ids, weights, expanded rows from the host
+    /// plans), uploaded with the rows (the stream is waited for: the host vectors go).
+    fn pf_send_list(
+        &self,
+        s: usize,
+        inp: &SourceInput,
+        plans: &[FfnPlan],
+    ) -> Result<PfSend, ExchangeError> {
+        let p = self.cfg.placement();
+        let topo = self.cfg.topology;
+        let k = self.cfg.top_k;
+        let mw = fk::meta_words(k);
+        let (mut token, mut dst_rank, mut slab_row, mut meta) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
+        for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
+            let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
+            let mut next = vec![0u64; p.experts_per_rank];
+            for (i, &t) in slab.iter().enumerate() {
+                token.push(t);
+                dst_rank.push(topo.ffn_rank(f) as u32);
+                slab_row.push(i as u32);
+                let start = meta.len();
+                meta.extend_from_slice(&[t, 0]);
+                meta.extend(ids[i * k..(i + 1) * k].iter().map(|&l| l as u32));
+                meta.extend(ws[i * k..(i + 1) * k].iter().map(|w| w.to_bits()));
+                for &l in &ids[i * k..(i + 1) * k] {
+                    let row = if l == MASKED {
+                        fk::NO_ROW
+                    } else {
+                        let l = l as usize;
+                        let r = plans[f].block_start(l, s) + next[l];
+                        next[l] += 1;
+                        r
+                    };
+                    meta.extend_from_slice(&[row as u32, (row >> 32) as u32]);
+                }
+                debug_assert_eq!(meta.len() - start, mw);
+            }
+        }
+        let rows = token.len();
+        let x = upload(&self.gpu, &inp.x)?;
+        let token_d = upload(&self.gpu, &token)?;
+        let dst_d = upload(&self.gpu, &dst_rank)?;
+        let row_d = upload(&self.gpu, &slab_row)?;
+        let meta_d = upload(&self.gpu, &meta)?;
+        // the host vectors above must live until the copies ran
+        self.gpu.synchronize()?;
+        Ok(PfSend {
+            tokens: inp.routes.tokens,
+            x,
+            token: token_d,
+            dst_rank: dst_d,
+            slab_row: row_d,
+            meta: meta_d,
+            rows,
+        })
+    }
+
+    /// FFN rank `f`'s payload-first expanded buffers, poisoned (fp8: also the codes and
+    /// scales), and its slab starts on the device.
+    fn pf_expand_buffers(&self, f: usize, plan: &FfnPlan) -> Result<PfExpand, ExchangeError> {
+        let h = self.cfg.hidden;
+        let total = plan.total_rows() as usize;
+        let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
+        poison(&self.gpu, &mut expanded)?;
+        let mut fp8_bufs = None;
+        if self.cfg.payload == PayloadKind::Fp8E4m3 {
+            let mut q: CudaSlice<u8> = zeros(&self.gpu, total * h)?;
+            let mut sc: CudaSlice<f32> = zeros(&self.gpu, total * fp8::scales_per_row(h))?;
+            poison(&self.gpu, &mut q)?;
+            poison(&self.gpu, &mut sc)?;
+            fp8_bufs = Some((q, sc));
+        }
+        let starts = upload(&self.gpu, &plan.slab_offsets)?;
+        self.gpu.synchronize()?;
+        Ok(PfExpand {
+            f,
+            total,
+            expanded,
+            starts,
+            fp8: fp8_bufs,
+        })
+    }
+
+    /// A source's payload-first dispatch kernels: rows into their slabs in every FFN rank's
+    /// workspace, then the dispatch flags.
+    fn pf_dispatch(&self, send: &PfSend) -> Result<(), ExchangeError> {
+        let dispatch = match self.cfg.payload {
+            PayloadKind::Bf16 => fk::dispatch,
+            PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
+        };
+        dispatch(
+            &self.gpu,
+            &send.x,
+            send.tokens,
+            &SendList {
+                token: &send.token,
+                dst_rank: &send.dst_rank,
+                slab_row: &send.slab_row,
+                meta: &send.meta,
+                rows: send.rows,
+            },
+            self.cfg.top_k,
+            self.peers,
+            self.rank(),
+            &self.geo.slab,
+            self.cfg.knobs.transport_sms,
+        )?;
+        fk::signal(
+            &self.gpu,
+            self.peers,
+            &self.ffn_ranks,
+            self.cfg.placement().ffn_ranks,
+            DISPATCH_FLAGS,
+            self.rank(),
+            self.ws + CONTROL,
+        )?;
+        Ok(())
+    }
+
+    /// An FFN rank's payload-first copy epilogue: waits for every source's flag, then expands
+    /// the slabs (fp8: the codes and scales of the expanded layout beside the dequantised rows).
+    fn pf_copy_epilogue(
+        &self,
+        ex: &mut PfExpand,
+        plan: &FfnPlan,
+        round: u32,
+        timeout_ns: u64,
+    ) -> Result<(), ExchangeError> {
+        let (k, geo, knobs) = (self.cfg.top_k, self.geo, self.cfg.knobs);
+        let src = EpilogueSources {
+            rank: &self.src_ranks,
+            slab_starts: &ex.starts,
+            sources: self.cfg.topology.attention_count(),
+            total: plan.total_tokens(),
+        };
+        match self.cfg.payload {
+            PayloadKind::Bf16 => fk::copy_epilogue(
                 &self.gpu,
-                x,
-                *tokens,
-                &SendList {
-                    token: token_d,
-                    dst_rank: dst_d,
-                    slab_row: row_d,
-                    meta: meta_d,
-                    rows: *rows,
-                },
-                k,
-                self.peers,
-                rank,
-                &geo.slab,
-                knobs.transport_sms,
-            )?;
-            fk::signal(
-                &self.gpu,
-                self.peers,
-                &self.ffn_ranks,
-                nf,
+                self.ws,
+                &src,
                 DISPATCH_FLAGS,
-                rank,
-                self.ws + CONTROL,
-            )?;
-        }
-        // fp8: the codes and scales of the expanded layout beside the dequantised rows
-        let g = fp8::scales_per_row(h);
-        if let Some((_, total, expanded, starts)) = &mut expand {
-            // FFN ranks: the copy epilogue (waits for every source's flag)
-            let src = EpilogueSources {
-                rank: &self.src_ranks,
-                slab_starts: starts,
-                sources: ns,
-                total: plans[ffn_index.expect("an FFN rank")].total_tokens(),
-            };
-            match cfg.payload {
-                PayloadKind::Bf16 => fk::copy_epilogue(
+                &geo.slab,
+                k,
+                round,
+                timeout_ns,
+                self.ws + ERROR_WORD,
+                &mut ex.expanded,
+                ex.total,
+                knobs.epilogue_sm_cap,
+            )?,
+            PayloadKind::Fp8E4m3 => {
+                let (q, sc) = ex.fp8.as_mut().expect("prepared with the expanded buffer");
+                fk::copy_epilogue_fp8(
                     &self.gpu,
                     self.ws,
                     &src,
@@ -595,121 +697,104 @@ impl FusedEngine {
                     round,
                     timeout_ns,
                     self.ws + ERROR_WORD,
-                    expanded,
-                    *total,
+                    Fp8Expanded {
+                        q,
+                        scales: sc,
+                        dequant: &mut ex.expanded,
+                    },
+                    ex.total,
                     knobs.epilogue_sm_cap,
-                )?,
-                PayloadKind::Fp8E4m3 => {
-                    let (q, sc) = fp8_bufs
-                        .as_mut()
-                        .expect("prepared with the expanded buffer");
-                    fk::copy_epilogue_fp8(
-                        &self.gpu,
-                        self.ws,
-                        &src,
-                        DISPATCH_FLAGS,
-                        &geo.slab,
-                        k,
-                        round,
-                        timeout_ns,
-                        self.ws + ERROR_WORD,
-                        Fp8Expanded {
-                            q,
-                            scales: sc,
-                            dequant: expanded,
-                        },
-                        *total,
-                        knobs.epilogue_sm_cap,
-                    )?;
-                }
+                )?;
             }
         }
-        if pf {
-            self.phase_end(Phase::Dispatch)?;
-            if expand.is_some() {
-                self.check_fault()?;
-            } else {
-                self.gpu.synchronize()?;
-            }
-        }
-        drop(send);
+        Ok(())
+    }
 
-        // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
-        let mut received = None;
-        let mut y_rows: Vec<bf16> = Vec::new();
-        if let (Some(f), Some(rx)) = (ffn_index, cf_received) {
-            times.dispatch = t1.elapsed();
-            let t2 = Instant::now();
-            y_rows = apply_experts(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
-            times.experts = t2.elapsed();
-            received = Some(rx);
-        } else if let Some((f, _, expanded, _)) = expand {
-            let plan = plans[f].clone();
-            let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &expanded)?;
-            let mut fp8_rx = match &fp8_bufs {
-                None => None,
-                Some((q, sc)) => Some(Fp8Received {
-                    expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
-                    expanded_scales: afdep_kernels::ops::download(&self.gpu, sc)?,
-                    compact_q: Vec::new(),
-                    compact_scales: Vec::new(),
-                }),
-            };
-            // the compact collect view: the slabs themselves (fp8: the codes and scales as
-            // stored, and their dequantised rows)
-            let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let payload = fk::slab_payload_bytes(cfg.payload, h);
-            for (s, c) in sources.iter().enumerate() {
-                let n = c.ffn_tokens[f] as usize;
-                let src_rank = topo.attention_ranks().start + s;
-                let off = geo.slab.slab_off
-                    + (src_rank as u64 * geo.slab.cap as u64) * geo.slab.row_bytes;
-                let bytes = self.read_ws(off, n * geo.slab.row_bytes as usize)?;
-                for row in bytes.chunks(geo.slab.row_bytes as usize) {
-                    match fp8_rx.as_mut() {
-                        None => compact_x
-                            .extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h])),
-                        Some(rx) => {
-                            let q = &row[..h];
-                            let at = h.div_ceil(16) * 16;
-                            let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
-                            let mut deq = vec![bf16::ZERO; h];
-                            fp8::dequantise_row(q, &sc, &mut deq);
-                            compact_x.extend(deq);
-                            rx.compact_q.extend_from_slice(q);
-                            rx.compact_scales.extend(sc);
-                        }
+    /// What a payload-first round delivered to FFN rank `ex.f`: the expanded rows read back and
+    /// the compact collect view, the slabs themselves (fp8: the codes and scales as stored, and
+    /// their dequantised rows).
+    fn pf_received(
+        &self,
+        ex: &PfExpand,
+        plan: &FfnPlan,
+        sources: &[SourceCounts],
+    ) -> Result<FfnReceived, ExchangeError> {
+        let (h, k) = (self.cfg.hidden, self.cfg.top_k);
+        let g = fp8::scales_per_row(h);
+        let geo = self.geo;
+        let f = ex.f;
+        let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &ex.expanded)?;
+        let mut fp8_rx = match &ex.fp8 {
+            None => None,
+            Some((q, sc)) => Some(Fp8Received {
+                expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
+                expanded_scales: afdep_kernels::ops::download(&self.gpu, sc)?,
+                compact_q: Vec::new(),
+                compact_scales: Vec::new(),
+            }),
+        };
+        let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let payload = fk::slab_payload_bytes(self.cfg.payload, h);
+        for (s, c) in sources.iter().enumerate() {
+            let n = c.ffn_tokens[f] as usize;
+            let src_rank = self.cfg.topology.attention_ranks().start + s;
+            let off =
+                geo.slab.slab_off + (src_rank as u64 * geo.slab.cap as u64) * geo.slab.row_bytes;
+            let bytes = self.read_ws(off, n * geo.slab.row_bytes as usize)?;
+            for row in bytes.chunks(geo.slab.row_bytes as usize) {
+                match fp8_rx.as_mut() {
+                    None => {
+                        compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]))
                     }
-                    let m: Vec<u32> = bytemuck::pod_collect_to_vec(
-                        &row[payload..payload + 4 * fk::meta_words(k)],
-                    );
-                    compact_tokens.push((s as u32, m[0]));
-                    compact_ids.extend(m[2..2 + k].iter().map(|&v| v as i32));
-                    compact_weights.extend(m[2 + k..2 + 2 * k].iter().map(|&v| f32::from_bits(v)));
+                    Some(rx) => {
+                        let q = &row[..h];
+                        let at = h.div_ceil(16) * 16;
+                        let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+                        let mut deq = vec![bf16::ZERO; h];
+                        fp8::dequantise_row(q, &sc, &mut deq);
+                        compact_x.extend(deq);
+                        rx.compact_q.extend_from_slice(q);
+                        rx.compact_scales.extend(sc);
+                    }
                 }
+                let m: Vec<u32> =
+                    bytemuck::pod_collect_to_vec(&row[payload..payload + 4 * fk::meta_words(k)]);
+                compact_tokens.push((s as u32, m[0]));
+                compact_ids.extend(m[2..2 + k].iter().map(|&v| v as i32));
+                compact_weights.extend(m[2 + k..2 + 2 * k].iter().map(|&v| f32::from_bits(v)));
             }
-            times.dispatch = t1.elapsed();
-
-            let t2 = Instant::now();
-            y_rows = apply_experts(&cfg, rank, f, &plan, &expanded_h, expert)?;
-            times.experts = t2.elapsed();
-            received = Some(FfnReceived {
-                plan,
-                expanded: expanded_h,
-                compact_tokens,
-                compact_x,
-                compact_ids,
-                compact_weights,
-                fp8: fp8_rx,
-            });
-        } else {
-            times.dispatch = t1.elapsed();
         }
+        Ok(FfnReceived {
+            plan: plan.clone(),
+            expanded: expanded_h,
+            compact_tokens,
+            compact_x,
+            compact_ids,
+            compact_weights,
+            fp8: fp8_rx,
+        })
+    }
 
-        // 5. combine: host preparation (the plan numbers, the routes, the poisoned output), then
-        // the partial sums (FFN ranks) and the sums of the partials (sources)
-        let t3 = Instant::now();
+    /// The combine of a host-planned round: host preparation (an FFN rank's plan numbers and
+    /// expert outputs, a source's routes and poisoned output), then the partial sums (FFN ranks)
+    /// and the sums of the partials (sources). Returns a source's combined rows.
+    fn host_planned_combine(
+        &mut self,
+        arm: DispatchArm,
+        input: Option<&SourceInput>,
+        plans: &[FfnPlan],
+        y_rows: &[bf16],
+        timeout_ns: u64,
+    ) -> Result<Option<Vec<bf16>>, ExchangeError> {
+        let rank = self.rank();
+        let cfg = self.cfg.clone();
+        let topo = cfg.topology;
+        let p = cfg.placement();
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        let (nf, ns) = (p.ffn_ranks, topo.attention_count());
+        let (src_index, ffn_index) = (topo.attention_index(rank), topo.ffn_index(rank));
+        let (geo, knobs) = (self.geo, cfg.knobs);
         let mut back = None;
         if let Some(f) = ffn_index {
             // the compact view's row offsets and (streaming: its rows are block positions) the
@@ -717,7 +802,7 @@ impl FusedEngine {
             let plan = &plans[f];
             let mut numbers = plan.slab_offsets.clone();
             numbers.extend_from_slice(&plan.block_starts);
-            let y = upload(&self.gpu, &y_rows)?;
+            let y = upload(&self.gpu, y_rows)?;
             let nums = upload(&self.gpu, &numbers)?;
             self.gpu.synchronize()?;
             back = Some((y, nums, plan.total_rows() as usize, plan.slab_offsets[ns]));
@@ -799,15 +884,7 @@ impl FusedEngine {
             self.gpu.synchronize()?;
         }
         drop(back);
-        times.combine = t3.elapsed();
-        if let Some(ev) = &mut self.events {
-            ev.last = Some(ev.read()?);
-        }
-        Ok(RoundOutput {
-            combined,
-            received,
-            times,
-        })
+        Ok(combined)
     }
 
     /// Turns phase timing on or off (see [`DevicePhaseTimes`]). Collective in effect: with
@@ -884,6 +961,32 @@ impl ExchangeEngine for FusedEngine {
     fn device_times(&self) -> Option<DevicePhaseTimes> {
         self.last_device_times()
     }
+}
+
+/// A source's payload-first send list on the device ([`FusedEngine::pf_send_list`]).
+struct PfSend {
+    /// The source's token count.
+    tokens: usize,
+    x: CudaSlice<bf16>,
+    token: CudaSlice<u32>,
+    dst_rank: CudaSlice<u32>,
+    slab_row: CudaSlice<u32>,
+    meta: CudaSlice<u32>,
+    /// Send rows.
+    rows: usize,
+}
+
+/// An FFN rank's payload-first expanded buffers ([`FusedEngine::pf_expand_buffers`]).
+struct PfExpand {
+    /// The FFN index.
+    f: usize,
+    /// Expanded rows.
+    total: usize,
+    expanded: CudaSlice<bf16>,
+    /// The slab starts (the plan's slab offsets).
+    starts: CudaSlice<u64>,
+    /// fp8: the expanded codes and scales.
+    fp8: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
 }
 
 /// The two timed phases of a round.

@@ -4,7 +4,7 @@
 //!
 //! 1. **status + counts** (one all-gather): each attention rank validates its routes and
 //!    publishes its error word ([`RouteError::to_word`](afdep_core::RouteError::to_word), zero when valid) and its
-//!    [`SourceCounts`](afdep_core::layout::SourceCounts). If any word is non-zero, every rank returns
+//!    [`SourceCounts`]. If any word is non-zero, every rank returns
 //!    [`ExchangeError::Route`] with the error of the lowest-numbered rejecting rank, before any
 //!    row moves; the next round starts clean.
 //! 2. **plans**: every rank computes every FFN rank's [`FfnPlan`] from the gathered counts, so

@@ -50,7 +50,7 @@ pub struct TransportOptions {
     /// `rank % device count`.
     pub device: Option<usize>,
     /// TCP and UCX: device buffers staged through host memory
-    /// ([`DeviceStaged`](crate::DeviceStaged), cargo feature `cuda`) instead of host buffers.
+    /// (`DeviceStaged`, cargo feature `cuda`) instead of host buffers.
     pub device_buffers: bool,
     /// NvlinkIpc: rank r on device r, and [`Unavailable`](TransportError::Unavailable) when the
     /// machine has fewer GPUs than ranks (without it, ranks may share a GPU).
@@ -83,7 +83,7 @@ impl Default for TransportOptions {
 
 impl TransportOptions {
     /// The device of `rank` of `world` ranks on a machine with `devices` GPUs (see the
-    /// [module docs](self)), or [`Unavailable`](TransportError::Unavailable) naming what is
+    /// module docs), or [`Unavailable`](TransportError::Unavailable) naming what is
     /// missing.
     pub fn device_of(
         &self,

@@ -85,7 +85,7 @@ impl fmt::Display for ArmArg {
 /// The exchange engine a run uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EngineKind {
-    /// [`StagedEngine`]: host-driven, any transport.
+    /// [`StagedEngine`](afdep_moe::StagedEngine): host-driven, any transport.
     Staged,
     /// [`FusedEngine`]: GPU-initiated stores over NVLink-IPC.
     Fused,
@@ -102,7 +102,7 @@ impl EngineKind {
 
     /// The dispatch arms this engine runs today. The staged engine's one protocol is
     /// payload-first (per-source slabs, then the copy epilogue on the FFN rank). When the fused
-    /// engine gains an arm, listing it here (and passing it on in [`select_arm`]) is the change.
+    /// engine gains an arm, listing it here (and passing it on in [`select_arm`](super::ranks::select_arm)) is the change.
     pub fn arms(self) -> &'static [ArmArg] {
         match self {
             EngineKind::Staged => &[ArmArg::PayloadFirst],

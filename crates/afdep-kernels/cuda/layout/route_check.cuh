@@ -63,3 +63,27 @@ static __device__ __forceinline__ Offence afdep_check_token(const i32* __restric
     return o;
 }
 
+// The error word of a source's winning offence key (validate.cu and fused_round.cu): key 0 is
+// over capacity (`tokens` > `capacity`), key 1 + t K + slot the first offence of token t, rebuilt
+// here from the routes. word[0] is the class, word[1] the rank; the other words as in
+// afdep_core::RouteError::to_word. Words the offence does not use are left as they are.
+static __device__ __forceinline__ void afdep_route_word(u32 (&word)[AFDEP_ROUTE_ERROR_WORDS],
+                                                        u64 key, u32 rank, u64 tokens,
+                                                        u64 capacity, const i32* __restrict__ idx,
+                                                        const float* __restrict__ w, u64 experts,
+                                                        u64 owned) {
+    word[1] = rank;
+    if (key == 0) {
+        word[0] = AFDEP_ROUTE_OVER_CAPACITY;
+        word[2] = afdep_sat_u32(tokens);
+        word[5] = afdep_sat_u32(capacity);
+    } else {
+        const u64 t = (key - 1) / AFDEP_TOP_K;
+        const Offence o = afdep_check_token(idx, w, t, experts, owned);
+        word[0] = o.cls;
+        word[2] = afdep_sat_u32(t);
+        word[3] = o.slot;
+        word[4] = o.value;
+        word[5] = o.extra;
+    }
+}

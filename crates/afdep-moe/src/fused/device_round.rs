@@ -114,11 +114,13 @@
 //! oracle's fp8 exchange: experts on `bf16(f32(q) · scale)`); [`RoundOutput::received`] holds
 //! the codes and scales of both views. Combine is bf16 out, f32 sums.
 
+use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
 use afdep_kernels::ops::fused as fk;
-use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
+use afdep_kernels::ops::fused::SlabGeometry;
+use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
 use afdep_kernels::ops::fused_round::{
     self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
     PlanView, RoundControl,
@@ -808,7 +810,6 @@ impl FusedEngine {
     /// control block when the round takes no other arm, else with the gate of its arms among
     /// the round's ([`arm_gate`]).
     fn launch_device_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
-        use DispatchArm as A;
         let rank = self.rank();
         let cfg = &self.cfg;
         let topo = cfg.topology;
@@ -929,205 +930,38 @@ impl FusedEngine {
                 err,
             )?;
         }
+        let l = Launch {
+            gpu,
+            cfg,
+            rank,
+            ws,
+            peers,
+            ctl,
+            err,
+            timeout_ns,
+            a,
+            slab,
+            ret_off: self.geo.ret_off,
+            src_ranks: &self.src_ranks,
+            ffn_ranks: &self.ffn_ranks,
+            round_arms,
+            gates,
+        };
         // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
         if let (Some(src), Some(b)) = (&cf_src, d.src.as_ref()) {
-            for row_arm in DispatchArm::ALL {
-                let Some(c) = gate(arm_bit(row_arm)) else {
-                    continue;
-                };
-                let mode = match row_arm {
-                    A::CountFirstSource => CfMode::Source,
-                    A::CountFirst => CfMode::Stream {
-                        gate: knobs.payload_gate,
-                    },
-                    A::PayloadFirst => CfMode::Stream { gate: false },
-                };
-                cf::dispatch(
-                    gpu,
-                    &b.x,
-                    src,
-                    k,
-                    &self.ffn_ranks,
-                    nf,
-                    epr,
-                    peers,
-                    ws,
-                    &slab,
-                    &a,
-                    rank,
-                    mode,
-                    c,
-                    timeout_ns,
-                    err,
-                    knobs.transport_sms,
-                )?;
-            }
-            if let Some(c) = gate(PF | SRC) {
-                fk::signal(gpu, peers, &self.ffn_ranks, nf, DISPATCH_FLAGS, rank, c)?;
-            }
+            l.dispatch_rows(src, b)?;
         }
-        // 5. FFN: the epilogue (payload-first: every source's flag, then the plan; the source
-        // arm: every source's flag; streaming and payload-first: the epilogue)
+        // 5. FFN: the epilogue
         if ffn_index.is_some() {
-            if let Some(c) = gate(PF) {
-                cf::wait(
-                    gpu,
-                    ws,
-                    &self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    c,
-                    timeout_ns,
-                    err,
-                    fk::fault::DISPATCH_WAIT,
-                )?;
-                cf::plan(
-                    gpu,
-                    ws,
-                    peers,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    &a,
-                    rank,
-                    c,
-                    timeout_ns,
-                    err,
-                )?;
-            }
-            if let Some(c) = gate(SRC) {
-                cf::wait(
-                    gpu,
-                    ws,
-                    &self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    c,
-                    timeout_ns,
-                    err,
-                    cf::fault::SOURCE_WAIT,
-                )?;
-                if cfg.payload == PayloadKind::Fp8E4m3 {
-                    cf::dequant(gpu, ws, ns, epr, h, &a, c, k, knobs.epilogue_sm_cap)?;
-                }
-            }
-            if let Some(c) = gate(PF | CF) {
-                cf::stream_epilogue(
-                    gpu,
-                    ws,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    k,
-                    &slab,
-                    &a,
-                    knobs.warps_per_unit,
-                    knobs.min_rows_per_unit,
-                    c,
-                    timeout_ns,
-                    err,
-                    knobs.epilogue_sm_cap,
-                )?;
-            }
+            l.epilogue()?;
         }
         // 6. FFN: snapshot, experts, the combine's partial sums, combine flags
-        if let Some(fb) = d.ffn.as_mut() {
-            if let Some(snap) = fb.snapshot.as_mut() {
-                let first = topo.attention_ranks().start as u64;
-                let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
-                let bytes = ns * slab.cap as usize * slab.row_bytes as usize;
-                if bytes > 0 {
-                    let (dst, _rec) = afdep_kernels::cudarc::driver::DevicePtrMut::device_ptr_mut(
-                        snap,
-                        gpu.stream(),
-                    );
-                    // SAFETY: [ws + off, + bytes) is the sources' slabs in this rank's workspace
-                    // (the geometry fits it, checked at set-up) and the snapshot holds `bytes`
-                    // (allocated for them); the copy is ordered on this rank's stream.
-                    unsafe {
-                        cures::memcpy_dtod_async(dst, ws + off, bytes, gpu.stream().cu_stream())
-                    }
-                    .map_err(KernelError::driver("copying the slabs"))?;
-                }
-            }
-            let pv = PlanView {
-                ws,
-                plan_off: a.plan,
-                epr,
-                sources: ns,
-                exp_off: a.expanded,
-                exp_rows: a.exp_rows,
-                hidden: h,
-            };
-            match (fb.identity, fb.swiglu.as_mut()) {
-                (true, _) => {}
-                (false, None) => {
-                    fr::experts(gpu, &pv, ctl, &fb.scale, &mut fb.y, knobs.transport_sms)?
-                }
-                (false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
-            }
-            let y = if fb.identity {
-                ws + a.expanded
-            } else {
-                super::device_address(gpu, &fb.y)
-            };
-            // the compact view's rows hold block positions, except the source arm's (final
-            // rows): one launch per kind, each gated to its arms
-            let plan = ws + a.plan;
-            let eps = (epr * ns) as u64;
-            let f = ffn_index.expect("an FFN rank's buffers");
-            for (arms, block_starts) in [(PF | CF, Some(plan + 8 * eps)), (SRC, None)] {
-                let Some(c) = gate(arms) else {
-                    continue;
-                };
-                let view = fk::CompactView {
-                    ws,
-                    slab,
-                    meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
-                    sources: ns,
-                    slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
-                    block_starts,
-                    max_rows: (ns * cap) as u64,
-                };
-                fk::combine_reduce(
-                    gpu,
-                    &view,
-                    &self.src_ranks,
-                    c,
-                    peers,
-                    y,
-                    a.exp_rows as usize,
-                    self.geo.ret_off,
-                    f,
-                    k,
-                    knobs.transport_sms,
-                )?;
-            }
-            fk::signal(gpu, peers, &self.src_ranks, ns, COMBINE_FLAGS, rank, ctl)?;
+        if let (Some(f), Some(fb)) = (ffn_index, d.ffn.as_mut()) {
+            l.ffn_combine(f, fb)?;
         }
         // 7. source: the combine
         if let Some(b) = d.src.as_mut() {
-            fk::combine(
-                gpu,
-                ws,
-                &self.ffn_ranks,
-                nf,
-                COMBINE_FLAGS,
-                self.geo.ret_off,
-                &fk::CombineRoutes {
-                    idx: &b.idx,
-                    experts_per_rank: epr,
-                    capacity: cap,
-                    tokens: cap,
-                },
-                k,
-                h,
-                ctl,
-                timeout_ns,
-                err,
-                &mut b.out,
-                knobs.transport_sms,
-            )?;
+            l.source_combine(b)?;
         }
         Ok(())
     }
@@ -1268,6 +1102,275 @@ impl FusedEngine {
             received,
             times,
         })
+    }
+}
+
+/// What the launches of one device round share ([`FusedEngine::launch_device_round`]): the
+/// rank's stream, workspace, peers, control block, areas and the round's arm gates.
+struct Launch<'a> {
+    gpu: &'a GpuContext,
+    cfg: &'a ExchangeConfig,
+    rank: usize,
+    ws: u64,
+    peers: u64,
+    ctl: u64,
+    err: u64,
+    timeout_ns: u64,
+    a: CfAreas,
+    slab: SlabGeometry,
+    ret_off: u64,
+    src_ranks: &'a CudaSlice<u32>,
+    ffn_ranks: &'a CudaSlice<u32>,
+    round_arms: u32,
+    gates: u64,
+}
+
+impl Launch<'_> {
+    /// The control block of a kernel of the arms `arms` (`None`: not launched in this round).
+    fn gate(&self, arms: u32) -> Option<u64> {
+        arm_gate(self.ctl, self.gates, self.round_arms, arms)
+    }
+
+    /// Source: the rows (one launch per arm the round may take), then the dispatch flags.
+    fn dispatch_rows(&self, src: &CfSource<'_>, b: &SourceBufs) -> Result<(), ExchangeError> {
+        use DispatchArm as A;
+        let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
+        let p = cfg.placement();
+        let (k, nf, epr) = (cfg.top_k, p.ffn_ranks, p.experts_per_rank);
+        for row_arm in DispatchArm::ALL {
+            let Some(c) = self.gate(arm_bit(row_arm)) else {
+                continue;
+            };
+            let mode = match row_arm {
+                A::CountFirstSource => CfMode::Source,
+                A::CountFirst => CfMode::Stream {
+                    gate: knobs.payload_gate,
+                },
+                A::PayloadFirst => CfMode::Stream { gate: false },
+            };
+            cf::dispatch(
+                gpu,
+                &b.x,
+                src,
+                k,
+                self.ffn_ranks,
+                nf,
+                epr,
+                self.peers,
+                self.ws,
+                &self.slab,
+                &self.a,
+                self.rank,
+                mode,
+                c,
+                self.timeout_ns,
+                self.err,
+                knobs.transport_sms,
+            )?;
+        }
+        if let Some(c) = self.gate(PF | SRC) {
+            fk::signal(
+                gpu,
+                self.peers,
+                self.ffn_ranks,
+                nf,
+                DISPATCH_FLAGS,
+                self.rank,
+                c,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// FFN: the epilogue (payload-first: every source's flag, then the plan; the source arm:
+    /// every source's flag; streaming and payload-first: the epilogue).
+    fn epilogue(&self) -> Result<(), ExchangeError> {
+        let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
+        let p = cfg.placement();
+        let (h, k) = (cfg.hidden, cfg.top_k);
+        let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
+        let (ws, peers, rank, a) = (self.ws, self.peers, self.rank, &self.a);
+        let (timeout_ns, err) = (self.timeout_ns, self.err);
+        if let Some(c) = self.gate(PF) {
+            cf::wait(
+                gpu,
+                ws,
+                self.src_ranks,
+                ns,
+                DISPATCH_FLAGS,
+                c,
+                timeout_ns,
+                err,
+                fk::fault::DISPATCH_WAIT,
+            )?;
+            cf::plan(
+                gpu,
+                ws,
+                peers,
+                self.src_ranks,
+                ns,
+                epr,
+                a,
+                rank,
+                c,
+                timeout_ns,
+                err,
+            )?;
+        }
+        if let Some(c) = self.gate(SRC) {
+            cf::wait(
+                gpu,
+                ws,
+                self.src_ranks,
+                ns,
+                DISPATCH_FLAGS,
+                c,
+                timeout_ns,
+                err,
+                cf::fault::SOURCE_WAIT,
+            )?;
+            if cfg.payload == PayloadKind::Fp8E4m3 {
+                cf::dequant(gpu, ws, ns, epr, h, a, c, k, knobs.epilogue_sm_cap)?;
+            }
+        }
+        if let Some(c) = self.gate(PF | CF) {
+            cf::stream_epilogue(
+                gpu,
+                ws,
+                self.src_ranks,
+                ns,
+                epr,
+                k,
+                &self.slab,
+                a,
+                knobs.warps_per_unit,
+                knobs.min_rows_per_unit,
+                c,
+                timeout_ns,
+                err,
+                knobs.epilogue_sm_cap,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// FFN rank `f`: the snapshot of the compact view, the experts, the combine's partial sums
+    /// (one launch per kind of compact view, each gated to its arms) and the combine flags.
+    fn ffn_combine(&self, f: usize, fb: &mut FfnBufs) -> Result<(), ExchangeError> {
+        let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
+        let p = cfg.placement();
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
+        let (ws, slab, a) = (self.ws, self.slab, &self.a);
+        if let Some(snap) = fb.snapshot.as_mut() {
+            let first = cfg.topology.attention_ranks().start as u64;
+            let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
+            let bytes = ns * slab.cap as usize * slab.row_bytes as usize;
+            if bytes > 0 {
+                let (dst, _rec) =
+                    afdep_kernels::cudarc::driver::DevicePtrMut::device_ptr_mut(snap, gpu.stream());
+                // SAFETY: [ws + off, + bytes) is the sources' slabs in this rank's workspace
+                // (the geometry fits it, checked at set-up) and the snapshot holds `bytes`
+                // (allocated for them); the copy is ordered on this rank's stream.
+                unsafe { cures::memcpy_dtod_async(dst, ws + off, bytes, gpu.stream().cu_stream()) }
+                    .map_err(KernelError::driver("copying the slabs"))?;
+            }
+        }
+        let pv = PlanView {
+            ws,
+            plan_off: a.plan,
+            epr,
+            sources: ns,
+            exp_off: a.expanded,
+            exp_rows: a.exp_rows,
+            hidden: h,
+        };
+        match (fb.identity, fb.swiglu.as_mut()) {
+            (true, _) => {}
+            (false, None) => fr::experts(
+                gpu,
+                &pv,
+                self.ctl,
+                &fb.scale,
+                &mut fb.y,
+                knobs.transport_sms,
+            )?,
+            (false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
+        }
+        let y = if fb.identity {
+            ws + a.expanded
+        } else {
+            super::device_address(gpu, &fb.y)
+        };
+        // the compact view's rows hold block positions, except the source arm's (final
+        // rows): one launch per kind, each gated to its arms
+        let plan = ws + a.plan;
+        let eps = (epr * ns) as u64;
+        for (arms, block_starts) in [(PF | CF, Some(plan + 8 * eps)), (SRC, None)] {
+            let Some(c) = self.gate(arms) else {
+                continue;
+            };
+            let view = fk::CompactView {
+                ws,
+                slab,
+                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                sources: ns,
+                slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
+                block_starts,
+                max_rows: (ns * cap) as u64,
+            };
+            fk::combine_reduce(
+                gpu,
+                &view,
+                self.src_ranks,
+                c,
+                self.peers,
+                y,
+                a.exp_rows as usize,
+                self.ret_off,
+                f,
+                k,
+                knobs.transport_sms,
+            )?;
+        }
+        fk::signal(
+            gpu,
+            self.peers,
+            self.src_ranks,
+            ns,
+            COMBINE_FLAGS,
+            self.rank,
+            self.ctl,
+        )?;
+        Ok(())
+    }
+
+    /// Source: the combine (waits for every FFN rank's flag, then sums the partials).
+    fn source_combine(&self, b: &mut SourceBufs) -> Result<(), ExchangeError> {
+        let cfg = self.cfg;
+        let p = cfg.placement();
+        fk::combine(
+            self.gpu,
+            self.ws,
+            self.ffn_ranks,
+            p.ffn_ranks,
+            COMBINE_FLAGS,
+            self.ret_off,
+            &fk::CombineRoutes {
+                idx: &b.idx,
+                experts_per_rank: p.experts_per_rank,
+                capacity: cfg.capacity,
+                tokens: cfg.capacity,
+            },
+            cfg.top_k,
+            cfg.hidden,
+            self.ctl,
+            self.timeout_ns,
+            self.err,
+            &mut b.out,
+            cfg.knobs.transport_sms,
+        )?;
+        Ok(())
     }
 }
 
