@@ -84,7 +84,7 @@
 //! is in flight: the fused kernels are loaded at set-up ([`FusedEngine::new`] ends with a
 //! barrier), per-round buffers come from cudarc's stream-ordered allocator, and callers should
 //! drop the engines only once every rank has finished its last round (freeing device memory may
-//! wait for the whole device; the tests join every rank's thread first).
+//! wait for the whole device; [`run_group`](crate::run_group) does so).
 //!
 //! Each phase's host preparation (send lists, the combine's plan numbers, their uploads, the
 //! poisoned output buffers) is done before the phase's first kernel, so that the phase's kernels
