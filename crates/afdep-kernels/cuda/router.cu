@@ -46,6 +46,7 @@ static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 // ahead; wr (small, L2-resident) straight into shared memory. Tails in tokens, hidden and E are
 // zero-filled on load and predicated on store.
 
+#ifndef AFDEP_EMU  // the CPU emulator (crates/afdep-kernels/emu) has no tensor cores
 #define RM_M 128
 #define RM_K 64
 #define RM_E16 ((E + 15) / 16 * 16)
@@ -168,6 +169,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 2)
         }
     }
 }
+#endif  // AFDEP_EMU
 
 // ---------------------------------------------------------------------------------------------
 // SIMT logits (any hidden size: the fallback when x rows are not 16-byte aligned).

@@ -35,7 +35,7 @@ fn main() {
         writeln!(b, "#define afdep_router_logits afdep_router_logits_{s}\n#define afdep_router_topk afdep_router_topk_{s}").unwrap();
         writeln!(b, "#include \"router.cu\"").unwrap();
         writeln!(b, "extern \"C\" void emu_router_logits_{s}(const u16* x, const u16* wr, float* l, u32 t, u32 h) {{ emu_launch({{(t + 63) / 64, ({e} + 63) / 64, 1}}, {{256, 1, 1}}, [&] {{ afdep_router_logits_{s}(x, wr, l, t, h); }}); }}").unwrap();
-        writeln!(b, "extern \"C\" void emu_router_topk_{s}(const float* l, i32* idx, float* w, u32 t, u32 r) {{ emu_launch({{(t + 7) / 8, 1, 1}}, {{256, 1, 1}}, [&] {{ afdep_router_topk_{s}(l, idx, w, t, r); }}); }}").unwrap();
+        writeln!(b, "extern \"C\" void emu_router_topk_{s}(const float* l, i32* idx, float* w, u32 t, u32 r) {{ emu_launch({{(t + 7) / 8, 1, 1}}, {{256, 1, 1}}, [&] {{ afdep_router_topk_{s}(l, idx, w, t, r, nullptr); }}); }}").unwrap();
         tu(format!("router_{s}"), b);
     }
     for k in [1, 2, 6, 8] {
@@ -45,7 +45,7 @@ fn main() {
         writeln!(b, "#define afdep_validate_scan afdep_validate_scan_{s}\n#define afdep_validate_word afdep_validate_word_{s}").unwrap();
         writeln!(b, "#define afdep_check_token afdep_check_token_{s}\n#define Offence Offence_{s}").unwrap();
         writeln!(b, "#include \"validate.cu\"").unwrap();
-        writeln!(b, "extern \"C\" void emu_validate_{s}(const i32* idx, const float* w, u32* st, u64 t, u64 e, u64 o, u64 c, u32 rank, u32 blocks) {{ emu_launch({{blocks, 1, 1}}, {{256, 1, 1}}, [&] {{ afdep_validate_scan_{s}(idx, w, st, t, e, o, c); }}); emu_launch({{1, 1, 1}}, {{32, 1, 1}}, [&] {{ afdep_validate_word_{s}(idx, w, st, t, e, o, c, rank); }}); }}").unwrap();
+        writeln!(b, "extern \"C\" void emu_validate_{s}(const i32* idx, const float* w, u32* st, u64 t, u64 e, u64 o, u64 c, u32 rank, u32 blocks) {{ emu_launch({{blocks, 1, 1}}, {{256, 1, 1}}, [&] {{ afdep_validate_scan_{s}(idx, w, st, t, e, o, c); }}); emu_launch({{1, 1, 1}}, {{32, 1, 1}}, [&] {{ afdep_validate_word_{s}(idx, w, st, t, e, o, c, rank, nullptr, e); }}); }}").unwrap();
         writeln!(b, "#define afdep_permute afdep_permute_{s}\n#define afdep_unpermute afdep_unpermute_{s}").unwrap();
         writeln!(b, "#undef K\n#include \"permute.cu\"").unwrap();
         writeln!(b, "extern \"C\" void emu_permute_{s}(const u16* x, const u32* rs, const u64* tot, u16* xs, u64 mr, u32 h) {{ emu_launch({{(u32)((mr + 7) / 8), 1, 1}}, {{256, 1, 1}}, [&] {{ afdep_permute_{s}(x, rs, tot, xs, mr, h); }}); }}").unwrap();

@@ -22,7 +22,9 @@ extern dim3 gridDim, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+// The emulator has no tensor cores: router.cu leaves its mma kernel out.
+#define AFDEP_EMU 1
 
 struct EmuBlock {
     std::barrier<>* block_bar;
@@ -60,6 +62,13 @@ static inline unsigned __match_any_sync(unsigned, int v) {
         if (emu_block->xchg[emu_warp() * 32 + l] == (uint64_t)(uint32_t)v) m |= 1u << l;
     emu_warp_sync();
     return m;
+}
+static inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
 }
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }

@@ -59,7 +59,7 @@ mod tests {
         Routes { tokens: t, top_k: k, idx, weights: w }
     }
 
-    fn run_validate(f: ValidateFn, routes: &Routes, rules: &RouteRules, rank: usize, state: &mut [u32; 8]) -> [u32; 6] {
+    fn run_validate(f: ValidateFn, routes: &Routes, rules: &RouteRules, rank: usize, state: &mut [u32; 10]) -> [u32; 6] {
         let blocks = (routes.tokens.div_ceil(256)).clamp(1, 4096) as u32;
         unsafe { f(routes.idx.as_ptr(), routes.weights.as_ptr(), state.as_mut_ptr(), routes.tokens as u64, rules.experts as u64, rules.owned as u64, rules.capacity as u64, rank as u32, blocks) };
         let mut w = [0; 6];
@@ -72,7 +72,7 @@ mod tests {
     fn validate_matches_core() {
         let fs: [(usize, ValidateFn); 4] = [(1, emu_validate_k1), (2, emu_validate_k2), (6, emu_validate_k6), (8, emu_validate_k8)];
         let mut r = ChaCha8Rng::seed_from_u64(1);
-        let mut state = [0u32; 8];
+        let mut state = [0u32; 10];
         let mut classes = [0usize; 8];
         for (k, f) in fs {
             for &t in &[1usize, 7, 1000, 3000] {
