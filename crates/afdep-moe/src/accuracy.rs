@@ -32,7 +32,7 @@
 //! largest row, is measured against the largest value anywhere. So the GPU tests judge every
 //! **group** on its own scale ([`max_group_err`]): `out` and `dx` per token (rows of `H`), the
 //! routed experts' weight gradients per expert (`dW1`, `dW3`, `dW2` blocks of `H·W`), the
-//! router's per expert (columns of `dWr`, [`max_col_err`]), the shared expert's per output row.
+//! shared expert's per output row (the router's `dWr` as a whole: see below).
 //! The tolerances above hold per group with the same derivation: every element of a group is
 //! one sum whose bf16 roundings are relative to its own terms, and a group's largest magnitude
 //! is at least the size of its typical term (its elements are many independent sums of the
@@ -50,6 +50,16 @@
 //! own largest magnitude and [`FLOOR`] (1/32) of the tensor's largest
 //! ([`max_group_err`]): a group at least 1/32 of the tensor is judged entirely on its own scale,
 //! a smaller one still 32 times more strictly than by the whole-tensor metric.
+//!
+//! **The router's gradient** (`dWr`) is judged over the whole tensor, not per expert column.
+//! Its column `e` sums `x_t · p_te·(g_te − Σ_j p_tj·g_tj)` over tokens: every term is a
+//! difference whose bf16 rounding error scales with the `g`s, not with the difference, so a
+//! column's error relative to its own largest value is unbounded where the difference cancels.
+//! On the H200 (2026-12-04, merged `54d4e73`) such columns measured 2.0–4.0e-2 per column at
+//! T = 1 and 33 with K = E or small E (every strategy alike, the router backward being
+//! shared), while the tensor stayed within its tolerance. A per-column check needs the terms'
+//! scale, `|X|ᵀ·(P ⊙ (|G| + |ḡ|))` from the reference, which the reference does not yet
+//! return; [`max_col_err`] is kept for it.
 
 use half::bf16;
 
@@ -178,7 +188,8 @@ pub fn layer_grouping(name: &str, shape: &afdep_core::LayerShape) -> Option<(Gro
     Some(match name {
         "out" => (Grouping::Rows(h), OUT_TOL),
         "dx" => (Grouping::Rows(h), DX_TOL),
-        "dwr" => (Grouping::Cols(e), GRAD_TOL),
+        // the router's gradient: one group, the whole tensor (see "The router's gradient")
+        "dwr" => (Grouping::Rows(h * e), GRAD_TOL),
         "dw1" | "dw3" | "dw2" => (Grouping::Rows(h * w), GRAD_TOL),
         "ds1" | "ds3" => (Grouping::Rows(s.max(1)), GRAD_TOL),
         "ds2" => (Grouping::Rows(h), GRAD_TOL),
@@ -217,6 +228,7 @@ impl Grouping {
             (Grouping::Cols(_), _) => "expert",
             (_, "out" | "dx") => "token",
             (_, "dw1" | "dw3" | "dw2") => "expert",
+            (_, "dwr") => "tensor",
             _ => "row",
         }
     }
@@ -351,12 +363,15 @@ mod tests {
         assert!(e.contains("token 1 of 2"), "{e}");
         let e = check_layer_tensor("dw1", &sh, &got, &want).unwrap_err();
         assert!(e.contains("expert 1 of 2"), "{e}");
-        // dWr is H × E: expert 1 is column 1
+        // dWr is judged over the whole tensor: a 20 % error on a small column passes, one of
+        // 2 % of the tensor's largest fails
         let want_r = v(&[1.0, 0.01, 1.0, 0.01]);
         let mut got_r = want_r.clone();
         got_r[3] = bf16::from_f32(0.012);
+        assert!(check_layer_tensor("dwr", &sh, &got_r, &want_r).is_ok());
+        got_r[2] = bf16::from_f32(1.03);
         let e = check_layer_tensor("dwr", &sh, &got_r, &want_r).unwrap_err();
-        assert!(e.contains("expert 1 of 2"), "{e}");
+        assert!(e.contains("tensor 0 of 1"), "{e}");
         assert!(check_layer_tensor("out", &sh, &[], &[]).is_ok());
         assert!(check_layer_tensor("nope", &sh, &got, &want).is_err());
     }
