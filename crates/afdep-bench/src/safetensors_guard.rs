@@ -1,7 +1,7 @@
 //! A check of a safetensors file's data offsets before the `safetensors` crate parses it:
 //! version 0.4 adds the largest end offset to the header length without overflow checks (a
 //! panic in debug builds, a wrapped sum in release builds) when a header names offsets near
-//! `u64::MAX`. The fuzz tests found it ([`crate::fuzz_inputs`]); this refuses such files with a
+//! `u64::MAX`. The fuzz tests found it (the `fuzz_inputs` tests); this refuses such files with a
 //! clear error first.
 
 use anyhow::{Result, bail};

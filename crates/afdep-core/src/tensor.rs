@@ -32,7 +32,7 @@ const DRAW_CHUNK: usize = 1 << 20;
 ///
 /// Value `i` is drawn from the 32-bit word `i` of the generator [`rng`]`(seed, stream)` (one
 /// word per value: `gen_range` over `-1.0..1.0` in f32 never rejects), so chunks of
-/// [`DRAW_CHUNK`] values are drawn in parallel, each generator seeked to its chunk's first
+/// `DRAW_CHUNK` values are drawn in parallel, each generator seeked to its chunk's first
 /// word, and the result is the sequential draw's, bit for bit (a test checks it).
 pub fn uniform_bf16(n: usize, scale: f32, seed: u64, stream: u64) -> Vec<bf16> {
     use rayon::prelude::*;

@@ -1,11 +1,11 @@
 //! `afdep._native`: the native part of the `afdep` Python package (PyO3, abi3 for CPython
 //! 3.11 and later).
 //!
-//! It is kept thin: one function, [`layer_step`], runs the MoE layer's forward or train step
+//! It is kept thin: one function, `layer_step`, runs the MoE layer's forward or train step
 //! on tensors borrowed through DLPack capsules (CPU tensors on afdep-core's oracle, CUDA tensors
 //! on afdep-moe's `MoeLayer`, queued on the caller's stream), and afdep's typed errors become
 //! Python exceptions with their fields as attributes. The torch-facing code (`afdep.MoE`, its
-//! `torch.autograd.Function`) is Python, in `python/afdep/`. [`exchange`] is the AFD exchange
+//! `torch.autograd.Function`) is Python, in `python/afdep/`. `exchange` is the AFD exchange
 //! (one `ExchangeRank` per process over the staged engine) and its oracle.
 
 mod cpu;

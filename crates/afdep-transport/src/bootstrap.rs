@@ -24,7 +24,7 @@
 //! [`connect_as`](Bootstrap::connect_as) / [`with_job`](BootstrapListener::with_job); ranks
 //! started without one belong to the job [`JobId::UNNAMED`]). Rank 0 handles the connections
 //! that wait for their hello side by side (a silent one does not delay the others) and reads at
-//! most a header and [4 KiB](handshake) from each. A connection whose first bytes are not the
+//! most a header and 4 KiB (`handshake`) from each. A connection whose first bytes are not the
 //! magic, whose hello is of another protocol version or job, oversized, truncated, malformed,
 //! or missing after the hello wait (half the timeout, at most 5 s), or that is the oldest of 64
 //! pending connections when another arrives, is a *stray*: rank 0 records
