@@ -46,10 +46,15 @@
 //! the other experts' terms; at one token, a shared-expert row of `dS2` is `h_s·dy` with `h_s`
 //! a single dot product that may cancel to 1e-3 of its terms (seen on the H200: 25 % "error"
 //! on such a row, 2.0 and `+∞` on noise columns of `dWr`). Their rounding errors scale with the
-//! terms, which are of the tensor's scale. So a group is measured against the larger of its
-//! own largest magnitude and [`FLOOR`] (1/32) of the tensor's largest
-//! ([`max_group_err`]): a group at least 1/32 of the tensor is judged entirely on its own scale,
-//! a smaller one still 32 times more strictly than by the whole-tensor metric.
+//! terms, which are of the tensor's scale. So the shared expert's gradients (`dS1`, `dS3`,
+//! `dS2` rows) are measured against the larger of a row's own largest magnitude and [`FLOOR`]
+//! (1/32) of the tensor's largest ([`max_group_err_floored`]): a row at least 1/32 of the
+//! tensor is judged entirely on its own scale, a smaller one still 32 times more strictly than
+//! by the whole-tensor metric. The 1/32 is a choice, not a derivation, and the `dS2` row seen
+//! at 25 % is not explained by the roundings above (a row of `dS2` at one token is `h_s·dy`,
+//! whose relative error is that of `h_s`, about 3u): it stays an open question (issue 17).
+//! `out`, `dx` and the routed experts' gradients have no floor: every group on its own scale,
+//! and an all-zero reference group must be exactly zero.
 //!
 //! **The router's gradient** (`dWr`) is judged over the whole tensor, not per expert column.
 //! Its column `e` sums `x_t · p_te·(g_te − Σ_j p_tj·g_tj)` over tokens: every term is a
@@ -108,11 +113,17 @@ impl GroupErr {
 pub const FLOOR: f64 = 1.0 / 32.0;
 
 /// `max|a − b|` of every consecutive group of `group_len` elements of `a` against `b`, over the
-/// larger of the group's `max|b|` and [`FLOOR`] times the whole tensor's `max|b|`; the worst
-/// group (the first of equal errors). NaN or infinity in `a` gives `+∞`; a nonzero group
-/// against an all-zero reference tensor `+∞`; two all-zero groups 0. `group_len` must divide
-/// the length (a token's row of `H`, an expert's `H·W` block).
+/// group's own `max|b|`; the worst group (the first of equal errors). NaN or infinity in `a`
+/// gives `+∞`; a nonzero group against an all-zero reference group `+∞`; two all-zero groups
+/// 0. `group_len` must divide the length (a token's row of `H`, an expert's `H·W` block).
 pub fn max_group_err(a: &[bf16], b: &[bf16], group_len: usize) -> GroupErr {
+    max_group_err_floored(a, b, group_len, 0.0)
+}
+
+/// [`max_group_err`] with a cancellation floor: a group's scale is the larger of its own
+/// `max|b|` and `floor` times the whole tensor's `max|b|` (the shared expert's gradients, with
+/// [`FLOOR`]; see the module).
+pub fn max_group_err_floored(a: &[bf16], b: &[bf16], group_len: usize, floor: f64) -> GroupErr {
     assert_eq!(a.len(), b.len(), "compared tensors differ in length");
     assert!(
         group_len > 0 && a.len() % group_len == 0,
@@ -130,7 +141,7 @@ pub fn max_group_err(a: &[bf16], b: &[bf16], group_len: usize) -> GroupErr {
         .fold(0.0, f64::max);
     for (g, (x, y)) in a.chunks(group_len).zip(b.chunks(group_len)).enumerate() {
         let mut diff = 0f64;
-        let mut scale = FLOOR * global;
+        let mut scale = floor * global;
         let mut bad = false;
         for (&p, &q) in x.iter().zip(y) {
             let (p, q) = (f64::from(p.to_f32()), f64::from(q.to_f32()));
@@ -191,8 +202,8 @@ pub fn layer_grouping(name: &str, shape: &afdep_core::LayerShape) -> Option<(Gro
         // the router's gradient: one group, the whole tensor (see "The router's gradient")
         "dwr" => (Grouping::Rows(h * e), GRAD_TOL),
         "dw1" | "dw3" | "dw2" => (Grouping::Rows(h * w), GRAD_TOL),
-        "ds1" | "ds3" => (Grouping::Rows(s.max(1)), GRAD_TOL),
-        "ds2" => (Grouping::Rows(h), GRAD_TOL),
+        "ds1" | "ds3" => (Grouping::RowsFloored(s.max(1)), GRAD_TOL),
+        "ds2" => (Grouping::RowsFloored(h), GRAD_TOL),
         _ => return None,
     })
 }
@@ -202,6 +213,8 @@ pub fn layer_grouping(name: &str, shape: &afdep_core::LayerShape) -> Option<(Gro
 pub enum Grouping {
     /// Consecutive groups of this many elements.
     Rows(usize),
+    /// Consecutive groups of this many elements, with the cancellation floor [`FLOOR`].
+    RowsFloored(usize),
     /// The columns of a matrix with this many columns.
     Cols(usize),
 }
@@ -218,6 +231,7 @@ impl Grouping {
         }
         match self {
             Grouping::Rows(n) => max_group_err(a, b, n),
+            Grouping::RowsFloored(n) => max_group_err_floored(a, b, n, FLOOR),
             Grouping::Cols(n) => max_col_err(a, b, n),
         }
     }
@@ -308,27 +322,32 @@ mod tests {
         assert!(max_rel_err(&a, &b) < 2e-3, "whole-tensor metric hides it");
         let g = max_group_err(&a, &b, 2);
         assert_eq!((g.group, g.groups), (1, 3));
-        // 0.1 / max(0.5, 100 / 32): 3.25 %, caught (the whole-tensor metric reads 0.1 %)
-        assert!((g.err - 0.0325).abs() < 1e-3, "{g:?}");
+        // 0.1 / 0.5: 20 %, caught (the whole-tensor metric reads 0.1 %)
+        assert!((g.err - 0.2).abs() < 5e-3, "{g:?}");
         assert!(!g.within(GRAD_TOL));
-        // a zero reference group is judged on the floor (1/32 of the tensor's largest)
+        // a zero reference group must be exactly zero
         let b0 = v(&[1.0, 2.0, 0.0, 0.0]);
         assert_eq!(max_group_err(&b0, &b0, 2).err, 0.0);
         let a0 = v(&[1.0, 2.0, 0.0, 0.01]);
         let g = max_group_err(&a0, &b0, 2);
         assert_eq!(g.group, 1);
+        assert_eq!(g.err, f64::INFINITY);
+        // with the floor (the shared expert's gradients): judged on 1/32 of the largest
+        let g = max_group_err_floored(&a0, &b0, 2, FLOOR);
         assert!((g.err - 0.16).abs() < 1e-3, "{g:?}");
         // a nonzero result against an all-zero reference
         let z = v(&[0.0, 0.0]);
         assert_eq!(max_group_err(&v(&[0.0, 1e-6]), &z, 1).err, f64::INFINITY);
-        // cancellation: a group at 1/1000 of the tensor with a 25 % error reads 0.8 %
+        // cancellation, with the floor: a group at 1/1000 of the tensor with a 25 % error
+        // reads 0.8 % (without the floor it fails)
         let b1 = v(&[1.0, 1.0, 1e-3, 1e-3]);
         let a1 = v(&[1.0, 1.0, 1.25e-3, 1e-3]);
-        assert!(max_group_err(&a1, &b1, 2).within(GRAD_TOL));
-        // ... a group at 1/100 with a 20 % error still fails
+        assert!(max_group_err_floored(&a1, &b1, 2, FLOOR).within(GRAD_TOL));
+        assert!(!max_group_err(&a1, &b1, 2).within(GRAD_TOL));
+        // ... a group at 1/100 with a 20 % error fails even with the floor
         let b2 = v(&[1.0, 1.0, 1e-2, 1e-2]);
         let a2 = v(&[1.0, 1.0, 1.2e-2, 1e-2]);
-        assert!(!max_group_err(&a2, &b2, 2).within(GRAD_TOL));
+        assert!(!max_group_err_floored(&a2, &b2, 2, FLOOR).within(GRAD_TOL));
         // NaN anywhere fails
         let an = v(&[1.0, 2.0, f32::NAN, 0.0]);
         assert!(!max_group_err(&an, &b0, 2).within(1.0));

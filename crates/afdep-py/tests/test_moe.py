@@ -164,11 +164,18 @@ def test_every_output_is_written(device):
 
 
 def test_trains_like_pytorch(device):
-    """Ten SGD steps of afdep.MoE and of the plain-PyTorch copy stay together (f32 on the CPU)."""
+    """Ten SGD steps of afdep.MoE and of the plain-PyTorch copy stay together.
+
+    On the CPU (f32) the parameters' *updates* are compared, so a wrong or missing gradient
+    fails (the updates are small next to the parameters). In bf16 on CUDA an update of this
+    size is below the parameters' resolution, so there the final parameters are compared: a
+    smoke test of the autograd wiring; the gradients themselves are judged by the gradient
+    tests above."""
     case = cases(device)["odd" if device == "cpu" else "odd_tokens"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     m, x = build(case, device, dtype, seed=9)
     ref = ReferenceMoE(m)
+    start = [p.detach().clone() for p in m.parameters()]
     target = torch.randn_like(x)
     opt_a = torch.optim.SGD(m.parameters(), lr=0.05)
     opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -178,9 +185,16 @@ def test_trains_like_pytorch(device):
             loss = ((mod(x).float() - target.float()) ** 2).mean()
             loss.backward()
             opt.step()
-    tol = (1e-3, 1e-4) if device == "cpu" else (2**-6, 2**-5)
-    for (name, a), b in zip(m.named_parameters(), ref.parameters()):
-        assert_close(name, a, b, tol)
+    if device == "cpu":
+        moved = 0.0
+        for (name, a), b, p0 in zip(m.named_parameters(), ref.parameters(), start):
+            upd_a, upd_b = a.detach() - p0, b.detach() - p0
+            moved = max(moved, upd_b.abs().max().item())
+            assert_close(name + " update", upd_a, upd_b, (1e-3, 1e-3))
+        assert moved > 0.0, "the reference did not move: the test would not see a gradient bug"
+    else:
+        for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+            assert_close(name, a, b, (2**-6, 2**-5))
     sd = m.state_dict()
     assert set(sd) == set(afdep._moe.PARAM_NAMES)
 

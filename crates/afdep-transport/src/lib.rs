@@ -106,8 +106,8 @@ pub use bootstrap::{
 pub use device::{DeviceBuffer, DeviceStaged};
 pub use error::{HandshakeFault, TransportError};
 
-/// Entry points of the fuzz tests (`tests/fuzz_bootstrap.rs`) and of the cargo-fuzz targets in
-/// `fuzz/`: each runs decoders on arbitrary bytes and panics only when an invariant breaks.
+/// Entry points of the fuzz tests (`tests/fuzz_bootstrap.rs`; a coverage-guided fuzzer could
+/// call them too): each runs decoders on arbitrary bytes and panics only when an invariant breaks.
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::bootstrap::fuzz_decoders as bootstrap_decoders;

@@ -276,8 +276,8 @@ impl Welcome {
 }
 
 /// Runs every decoder of the bootstrap's messages on `data` and checks their invariants; panics
-/// only when one is violated (a fuzzing finding). Used by the proptest fuzz tests and by the
-/// cargo-fuzz target in `fuzz/`.
+/// only when one is violated (a fuzzing finding). Used by the proptest fuzz tests
+/// (`tests/fuzz_bootstrap.rs`).
 #[doc(hidden)]
 pub fn fuzz_decoders(data: &[u8]) {
     // the handshake reader, fed the bytes in two pieces as a socket might deliver them
