@@ -40,8 +40,8 @@ static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 // ---------------------------------------------------------------------------------------------
 // Tensor-core logits: logits[t, e] = sum_h x[t, h] * wr[h, e] with mma.sync m16n8k16 (bf16 in,
 // f32 accumulate). Block tile RM_M = 128 tokens (8 warps x 16 rows) x RM_N experts (E rounded
-// up to 16, at most 128: wider E takes several column blocks, adjacent in the grid so that
-// they share the x tile in L2), k-step RM_K = 64. The x tile is loaded with 16-byte vectors
+// up to 16, then to a power of two, at most 128: wider E takes several column blocks, adjacent
+// in the grid so that they share the x tile in L2), k-step RM_K = 64. The x tile is loaded with 16-byte vectors
 // (hidden % 8 == 0, x 16-byte aligned: checked by the launcher) into registers one k-step
 // ahead; wr (small, L2-resident) straight into shared memory. Tails in tokens, hidden and E are
 // zero-filled on load and predicated on store.
@@ -50,7 +50,10 @@ static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 #define RM_M 128
 #define RM_K 64
 #define RM_E16 ((E + 15) / 16 * 16)
-#define RM_N (RM_E16 < 128 ? RM_E16 : 128)
+// Column tile: a power of two from 16 to 128 (an E in between takes the next one, its extra
+// columns zero-filled and not stored): the tile shapes the register budget of two blocks per SM
+// was checked for (an E of 96 as a 96-column tile spilled 8 bytes under NVRTC 13.0).
+#define RM_N (RM_E16 <= 16 ? 16 : RM_E16 <= 32 ? 32 : RM_E16 <= 64 ? 64 : 128)
 #define RM_NCH ((RM_E16 + RM_N - 1) / RM_N)
 #define RM_AS (RM_K + 8)  // shared row stride of the x tile (elements): conflict-free ldmatrix
 #define RM_BS (RM_N + 8)  // shared row stride of the wr tile

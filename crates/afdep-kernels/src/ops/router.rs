@@ -34,7 +34,8 @@ const LOGITS_TILE: u32 = 64;
 /// Tokens per block of the tensor-core logits kernel (`RM_M`).
 const MMA_TOKENS: u32 = 128;
 /// Most experts per block of the tensor-core logits kernel (`RM_N`): wider routers take
-/// `ceil(round_up(E, 16) / 128)` column blocks per token block.
+/// `ceil(round_up(E, 16) / 128)` column blocks per token block (the kernel's column tile is 128
+/// wide whenever E is above 64, so the count is the same).
 const MMA_EXPERTS: u32 = 128;
 
 fn check_spec(experts: usize, top_k: usize) -> Result<(u32, u32), KernelError> {
