@@ -1,7 +1,10 @@
 //! The layer on CUDA tensors: afdep-moe's [`MoeLayer`] through
 //! [`afdep_moe::external::run_on_stream`], ordered on the caller's stream (PyTorch's current
-//! stream). One [`GpuContext`] per device and one layer per (shape, tokens, dispatch, train)
-//! are built on first use and kept for the life of the process.
+//! stream). One [`GpuContext`] per device is built on first use and kept for the life of the
+//! process; layers (one per shape, token count, dispatch and train flag) are kept in a cache of
+//! at most [`MAX_LAYERS`] per device, the least recently used dropped first, so a model whose
+//! batch sizes vary does not hold device memory for every size it ever saw. Dropping a layer
+//! is safe at any point between calls: each call waits for its step before it returns.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -18,9 +21,13 @@ use crate::step::Step;
 
 type LayerKey = (LayerShape, usize, Dispatch, bool);
 
+/// Layers kept per device (see the module).
+pub const MAX_LAYERS: usize = 8;
+
 struct Device {
     ctx: GpuContext,
-    layers: HashMap<LayerKey, MoeLayer>,
+    /// The cached layers, most recently used last.
+    layers: Vec<(LayerKey, MoeLayer)>,
 }
 
 fn devices() -> &'static Mutex<HashMap<usize, Device>> {
@@ -49,18 +56,24 @@ pub fn run(
                 .map_err(|e| gpu_error(py, &afdep_moe::LayerGpuError::Kernel(e)))?;
             v.insert(Device {
                 ctx,
-                layers: HashMap::new(),
+                layers: Vec::new(),
             })
         }
     };
     let key = (shape, tokens, dispatch, train);
-    let layer = match dev.layers.entry(key) {
-        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => v.insert(
-            MoeLayer::new(&dev.ctx, shape, tokens, dispatch, train)
-                .map_err(|e| gpu_error(py, &e))?,
-        ),
+    let entry = match dev.layers.iter().position(|(k, _)| *k == key) {
+        Some(i) => dev.layers.remove(i),
+        None => {
+            if dev.layers.len() >= MAX_LAYERS {
+                dev.layers.remove(0);
+            }
+            let layer = MoeLayer::new(&dev.ctx, shape, tokens, dispatch, train)
+                .map_err(|e| gpu_error(py, &e))?;
+            (key, layer)
+        }
     };
+    dev.layers.push(entry);
+    let layer = &mut dev.layers.last_mut().expect("the layer was just pushed").1;
     let ptr = |v: &crate::dlpack::View| v.ptr as u64;
     let borrowed = BorrowedStep {
         x: ptr(&step.x),
