@@ -4,11 +4,25 @@
 //! full one from time to time, a hot expert every other replay, masked slots; the auto arm's
 //! bucket at 64 tokens, so both arms are taken). Every 1,000th replay is checked bit for bit
 //! against the oracle (the device expert's host twin), every replay's combined output is
-//! hashed, and the host's resident memory (`/proc/self/statm`) and the device's free memory
-//! (`cuMemGetInfo`) are recorded after a warm-up of 1,000 replays and at the end: both must be
-//! flat (growth at most 8 MiB of host memory, 2 MiB of device memory, i.e. nothing per
-//! replay). The summary line `SOAK ...` gives replays, checked replays, mismatches (must be
-//! 0), the hash, the arms taken, memory at start and end and the time per replay.
+//! hashed. Memory is judged at three quiescent points (every rank thread waits on a barrier at
+//! the top of a replay, so no replay's buffers are alive): after a warm-up of 1,000 replays,
+//! half way, and at the end.
+//!
+//! - The Rust heap, counted exactly by this binary's global allocator: the live allocations
+//!   (allocations minus frees, every thread of the process, the library's included) must not
+//!   grow by more than [`HEAP_SLACK_ALLOCS`] nor the live bytes by more than
+//!   [`HEAP_SLACK_BYTES`]. A leak of one allocation per replay grows the count by 49,000.
+//! - The host's resident memory (`/proc/self/statm`, after `malloc_trim(0)` gives freed pages
+//!   back): it covers the CUDA driver's own host allocations, which the counter cannot see,
+//!   but it also moves with the allocator's arenas (four threads allocating inputs of random
+//!   sizes: 3.5–18 MiB of growth were seen over the first 49,000 replays with a flat heap).
+//!   So it is judged as a plateau: growth over the second half at most [`RSS_SLACK`], which a
+//!   leak of about 170 bytes per replay would exceed.
+//! - The device's free memory (`cuMemGetInfo`): at most [`DEVICE_SLACK`] less at the end.
+//!
+//! The summary line `SOAK ...` gives replays, checked replays, mismatches (must be 0), the
+//! hash, the arms taken, the heap, the resident memory and the device's free memory at the
+//! three points, and the time per replay.
 //!
 //! `AFDEP_SOAK_REPLAYS` sets the replays per payload (default 50,000: 100,000 in all). Expected
 //! time on an H200: about 0.3–0.9 ms per replay (the replay, its input upload and output
@@ -18,6 +32,9 @@
 
 mod exchange_common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use afdep_core::oracle::exchange::{self as reference, SourceInput};
@@ -34,8 +51,92 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 const CHECK_EVERY: usize = 1000;
 /// Replays before the memory baseline (one-time allocations: module loads, allocator growth).
 const WARM_UP: usize = 1000;
-const HOST_SLACK: u64 = 8 << 20;
+/// Live Rust allocations the process may gain between the warm-up and the end (lazily built
+/// one-time state such as a tracing callsite); a per-replay leak gains one per replay.
+const HEAP_SLACK_ALLOCS: i64 = 64;
+/// Live Rust heap bytes the process may gain between the warm-up and the end.
+const HEAP_SLACK_BYTES: i64 = 256 << 10;
+/// Resident-memory growth allowed over the second half (24,500 replays at the default).
+const RSS_SLACK: u64 = 4 << 20;
+/// Device memory that may go between the warm-up and the end.
 const DEVICE_SLACK: u64 = 2 << 20;
+
+/// The process's live Rust allocations and bytes, counted by [`Counting`].
+static LIVE_ALLOCS: AtomicI64 = AtomicI64::new(0);
+static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
+
+/// The system allocator with two counters: live allocations and live bytes.
+struct Counting;
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged and only
+// adds relaxed atomic counter updates, which neither allocate nor touch the memory.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+            LIVE_BYTES.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+            LIVE_BYTES.fetch_add(layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE_ALLOCS.fetch_sub(1, Ordering::Relaxed);
+        LIVE_BYTES.fetch_sub(layout.size() as i64, Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded under the caller's contract.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+unsafe extern "C" {
+    /// glibc: give the arenas' free pages back to the system.
+    fn malloc_trim(pad: usize) -> i32;
+}
+
+/// Memory at one quiescent point of the soak.
+#[derive(Debug, Clone, Copy, Default)]
+struct Memory {
+    allocs: i64,
+    heap_bytes: i64,
+    rss: u64,
+    device_free: u64,
+}
+
+impl Memory {
+    /// Read at a point where no replay's buffers are alive (the caller's barrier), with this
+    /// thread's context current.
+    fn now() -> Memory {
+        // SAFETY: malloc_trim only releases free memory of glibc's arenas; no Rust object
+        // is touched.
+        unsafe { malloc_trim(0) };
+        Memory {
+            allocs: LIVE_ALLOCS.load(Ordering::SeqCst),
+            heap_bytes: LIVE_BYTES.load(Ordering::SeqCst),
+            rss: rss(),
+            device_free: device_free(),
+        }
+    }
+}
 
 fn replays() -> usize {
     std::env::var("AFDEP_SOAK_REPLAYS")
@@ -143,7 +244,8 @@ struct Tally {
     mismatches: usize,
     hash: u64,
     arms: [usize; 3],
-    memory: Option<((u64, u64), (u64, u64))>,
+    /// Memory after the warm-up, half way and at the end (rank 0 reads it).
+    memory: [Memory; 3],
 }
 
 fn soak(payload: PayloadKind) {
@@ -167,12 +269,16 @@ fn soak(payload: PayloadKind) {
     let experts = DeviceExperts::index_scale(c.experts);
     let t0 = Instant::now();
     let mut keep = Vec::new();
+    // the quiescent points: every rank thread at the top of replay WARM_UP and n / 2 and after
+    // its last replay; rank 0 reads the memory between two waits
+    let barrier = Barrier::new(world);
+    let checkpoints = [WARM_UP, (WARM_UP + n) / 2, n];
     let tallies: Vec<Tally> = std::thread::scope(|sc| {
         let hs: Vec<_> = g
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
-                let (c, pool, experts) = (&c, &pool, &experts);
+                let (c, pool, experts, barrier) = (&c, &pool, &experts, &barrier);
                 sc.spawn(move || {
                     let mut eng = FusedEngine::new(c.clone(), t).expect("set-up");
                     eng.prepare_device(DeviceRoundOptions {
@@ -186,12 +292,19 @@ fn soak(payload: PayloadKind) {
                         hash: 0xcbf2_9ce4_8422_2325,
                         ..Tally::default()
                     };
-                    let mut start = (0, 0);
-                    for i in 0..n {
-                        if i == WARM_UP && rank == 0 {
+                    let quiesce = |i: usize, tally: &mut Tally, eng: &mut FusedEngine| {
+                        let Some(point) = checkpoints.iter().position(|&p| p == i) else {
+                            return;
+                        };
+                        barrier.wait();
+                        if rank == 0 {
                             eng.transport_mut().context().bind_to_thread().unwrap();
-                            start = (rss(), device_free());
+                            tally.memory[point] = Memory::now();
                         }
+                        barrier.wait();
+                    };
+                    for i in 0..n {
+                        quiesce(i, &mut tally, &mut eng);
                         let mine = me.map(|s| source_input(c, pool, i, s));
                         let out = eng
                             .replay(&graph, mine.as_ref())
@@ -215,10 +328,7 @@ fn soak(payload: PayloadKind) {
                             }
                         }
                     }
-                    if rank == 0 {
-                        eng.transport_mut().context().bind_to_thread().unwrap();
-                        tally.memory = Some((start, (rss(), device_free())));
-                    }
+                    quiesce(n, &mut tally, &mut eng);
                     (tally, eng, graph)
                 })
             })
@@ -242,18 +352,28 @@ fn soak(payload: PayloadKind) {
     let hash = tallies[..attention]
         .iter()
         .fold(0u64, |h, t| h.rotate_left(17) ^ t.hash);
-    let ((rss0, dev0), (rss1, dev1)) = tallies[0].memory.expect("rank 0 measured");
+    let [m0, m1, m2] = tallies[0].memory;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
         "SOAK 3A:1F {payload}: replays {n}, checked {checked} (every {CHECK_EVERY}th and the last, \
          per source), mismatches {mismatches}, hash {hash:#018x}, arms taken (payload-first, \
-         count-first, source) {:?}, host RSS start {:.1} MiB end {:.1} MiB, device free start \
-         {:.1} MiB end {:.1} MiB, {:.1} s ({:.0} us per replay)",
+         count-first, source) {:?}; after replays {WARM_UP} / {} / {n}: live Rust allocations \
+         {} / {} / {} ({} / {} / {} bytes), host RSS {:.1} / {:.1} / {:.1} MiB, device free \
+         {:.1} / {:.1} / {:.1} MiB; {:.1} s ({:.0} us per replay)",
         tallies[0].arms,
-        mib(rss0),
-        mib(rss1),
-        mib(dev0),
-        mib(dev1),
+        checkpoints[1],
+        m0.allocs,
+        m1.allocs,
+        m2.allocs,
+        m0.heap_bytes,
+        m1.heap_bytes,
+        m2.heap_bytes,
+        mib(m0.rss),
+        mib(m1.rss),
+        mib(m2.rss),
+        mib(m0.device_free),
+        mib(m1.device_free),
+        mib(m2.device_free),
         took.as_secs_f64(),
         took.as_secs_f64() * 1e6 / n as f64
     );
@@ -265,13 +385,31 @@ fn soak(payload: PayloadKind) {
         tallies[0].arms
     );
     assert!(
-        rss1 <= rss0 + HOST_SLACK,
-        "host memory grew from {rss0} to {rss1} bytes over {} replays",
+        m2.allocs - m0.allocs <= HEAP_SLACK_ALLOCS,
+        "live Rust allocations grew from {} to {} over {} replays",
+        m0.allocs,
+        m2.allocs,
         n - WARM_UP
     );
     assert!(
-        dev1 + DEVICE_SLACK >= dev0,
-        "free device memory fell from {dev0} to {dev1} bytes over {} replays",
+        m2.heap_bytes - m0.heap_bytes <= HEAP_SLACK_BYTES,
+        "the live Rust heap grew from {} to {} bytes over {} replays",
+        m0.heap_bytes,
+        m2.heap_bytes,
+        n - WARM_UP
+    );
+    assert!(
+        m2.rss <= m1.rss + RSS_SLACK,
+        "host memory grew from {} to {} bytes over the second half ({} replays)",
+        m1.rss,
+        m2.rss,
+        n - checkpoints[1]
+    );
+    assert!(
+        m2.device_free + DEVICE_SLACK >= m0.device_free,
+        "free device memory fell from {} to {} bytes over {} replays",
+        m0.device_free,
+        m2.device_free,
         n - WARM_UP
     );
 }
