@@ -20,7 +20,18 @@ count_results() {
   if [ -z "$last" ]; then echo "0 1 0"; return; fi
   echo "$(sed -nE 's/.* ([0-9]+) passed.*/\1/p' <<< "$last") $(sed -nE 's/.* ([0-9]+) failed.*/\1/p' <<< "$last") $(sed -nE 's/.* ([0-9]+) ignored.*/\1/p' <<< "$last")"
 }
+# The binary's own `SKIP: reason` lines: test binaries that start copies of themselves as child
+# processes (one per rank) relay the children's output into the log, each child between its own
+# `running N tests` and `test result:` lines, and a child's SKIP is not one of this binary's
+# tests. So only the lines at nesting depth 1 count (under --nocapture a SKIP can follow
+# libtest's `test name ... ` on the same line).
+skip_lines() {
+  awk '/^running [0-9]+ tests?$/ { depth++ }
+       depth <= 1 && /SKIP: / { sub(/.*SKIP: /, "SKIP: "); print }
+       /^test result: / { depth-- }' "$1"
+}
 [ "${1:-}" = "--count-results" ] && { count_results "$2"; exit 0; }
+[ "${1:-}" = "--skip-lines" ] && { skip_lines "$2"; exit 0; }
 logs="$here/logs"; sanitize=""; filter=""; limit=600; ignored=--include-ignored
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -58,8 +69,7 @@ for t in "$here"/tests/*; do
   fi
   secs=$(( $(date +%s) - start ))
   read -r p f i <<< "$(count_results "$log")"
-  # under --nocapture a SKIP line can follow libtest's "test name ... " on the same line
-  s=$(grep -oE 'SKIP: .*' "$log" | wc -l)
+  s=$(skip_lines "$log" | wc -l)
   # compute-sanitizer exits 255 when a binary made no CUDA call at all (every test skipped by
   # size); that is not an error if libtest passed
   if [ -n "$sanitize" ] && [ $rc -eq 255 ] && grep -q 'terminated before first instrumented API call' "$log" \
@@ -72,7 +82,7 @@ for t in "$here"/tests/*; do
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "    stopped by --timeout $limit s" >> "$log"
   line="$name: rc=$rc passed=$p failed=$f skipped=$s ignored=$i (${secs}s)"
   echo "$line" | tee -a "$summary"
-  grep -oE 'SKIP: .*' "$log" | sort | uniq -c | sed 's/^/    /' | tee -a "$summary"
+  skip_lines "$log" | sort | uniq -c | sed 's/^/    /' | tee -a "$summary"
   grep -E '\.\.\. FAILED$' "$log" | sed 's/^/    /' | tee -a "$summary"
   [ $first -eq 0 ] && echo "," >> "$json"; first=0
   printf '{"binary":"%s","rc":%d,"passed":%d,"failed":%d,"skipped":%d,"ignored":%d,"seconds":%d}' "$name" $rc $p $f $s $i $secs >> "$json"

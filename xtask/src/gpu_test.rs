@@ -265,14 +265,22 @@ mod tests {
 
     /// `run.sh --count-results LOG`: "passed failed ignored" of the binary's own closing line.
     fn counts(log: &str) -> String {
-        let dir = std::env::temp_dir().join(format!("afdep-xtask-{}", std::process::id()));
+        script_on(log, "--count-results")
+    }
+
+    /// `run.sh FLAG LOG`'s output for a log holding `log`.
+    fn script_on(log: &str, flag: &str) -> String {
+        // one directory per call: the tests run in parallel threads of one process
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("afdep-xtask-{}-{call}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let (script, file) = (dir.join("run.sh"), dir.join("t.log"));
         std::fs::write(&script, RUN_SH).unwrap();
         std::fs::write(&file, log).unwrap();
         let o = Command::new("bash")
             .arg(&script)
-            .arg("--count-results")
+            .arg(flag)
             .arg(&file)
             .output()
             .unwrap();
@@ -297,6 +305,26 @@ mod tests {
         );
         // no closing line (a crash, a kill): one failure, nothing passed
         assert_eq!(counts("thread 'main' panicked\n"), "0 1 0");
+    }
+
+    #[test]
+    fn only_the_binarys_own_skips_count() {
+        // two children (one per rank) relayed into the parent's log, one of them skipping, and
+        // one skipped test of the parent itself (on libtest's line, as under --nocapture)
+        let log = "running 3 tests\n\
+                   test parent_spawns ... \n\
+                   running 1 test\n\
+                   running 1 test\n\
+                   test child ... SKIP: child without a GPU\n\
+                   test result: ok. 1 passed; 0 failed; 0 ignored\n\
+                   test child ... ok\n\
+                   test result: ok. 1 passed; 0 failed; 0 ignored\n\
+                   ok\n\
+                   test no_device ... SKIP: no GPU\n\
+                   ok\n\
+                   test result: ok. 3 passed; 0 failed; 0 ignored\n";
+        assert_eq!(script_on(log, "--skip-lines"), "SKIP: no GPU");
+        assert_eq!(counts(log), "3 0 0");
     }
 
     #[test]
