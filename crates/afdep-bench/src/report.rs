@@ -426,13 +426,17 @@ impl Comparison {
     }
 
     /// afdep's statuses in a cell: `ok` when every strategy's is, else `n/m ok` and the others
-    /// (`strategy: status`), or the one status all share (`unsupported`, `oom`, ...).
+    /// (`strategy: status`), or the one status all share (`unsupported`, `oom`, ...);
+    /// `missing` when the cell has no afdep row at all (a run cut short).
     pub fn afdep_status(&self, cell: &Cell) -> String {
         let rows: Vec<(&String, &Row)> = self
             .strategies
             .iter()
             .filter_map(|s| Some((s, self.afdep(s, cell)?)))
             .collect();
+        if rows.is_empty() {
+            return "missing".into();
+        }
         let ok = rows.iter().filter(|(_, r)| r.ok()).count();
         if ok == rows.len() {
             return "ok".into();
@@ -1017,6 +1021,8 @@ mod tests {
         );
         assert_eq!(c.best_peer(Phase::Forward, &large), None);
         assert_eq!(c.afdep_status(&small), "2/3 ok; fused: error_too_large");
+        // a cell without afdep rows (a suite cut short) is missing, not ok
+        assert_eq!(c.afdep_status(&Cell::new("?", 7)), "missing");
         assert_eq!(c.afdep_status(&large), "oom");
         assert_eq!(c.strategies, vec!["sorted", "fused", "gather"]);
         assert_eq!(c.peers, vec!["torch_grouped_mm", "jax_ragged_dot"]);
