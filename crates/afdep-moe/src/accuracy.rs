@@ -29,8 +29,8 @@
 //! sum over tokens, and there the worst case reaches `2^-10` at 16,384 tokens and `2^-4` at a
 //! million, which the tolerances do not cover. What the tests rely on instead is the typical
 //! size: the errors are of random sign, so they grow like `√k·2^-24` (`2^-14` at a million
-//! terms), and both sides sum in blocks (the GPU in per-tile f32 fragments, the oracle per row
-//! of the reduction), which only shortens the chains. So at large token counts the weight
+//! terms), and the GPU sums in blocks (per-tile f32 fragments, then across tiles), which only
+//! shortens its chains. So at large token counts the weight
 //! gradients' tolerances rest on this statistical argument, not on a bound, and a test that
 //! failed there would first be checked against an f64 reference.
 //!
