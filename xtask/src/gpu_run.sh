@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The afdep GPU test matrix, self-contained: run every test binary of this bundle, write one
 # log per binary under LOGDIR (default: ./logs next to this script) and a summary.
-#   run.sh [--logs DIR] [--sanitize memcheck|racecheck] [--filter NAME] [--timeout SECS]
-#          [--skip-ignored]
+#   run.sh [--logs DIR] [--sanitize memcheck|racecheck] [--filter NAME] [--only A,B,..]
+#          [--except A,B,..] [--timeout SECS] [--skip-ignored]
+# --filter keeps the binaries whose name contains NAME; --only keeps, --except leaves out,
+# the binaries named exactly (comma-separated).
 # --timeout bounds each binary's run (default 600 s); a binary stopped by it counts as failed
 # (rc 124 in the summary). The #[ignore]d tests (the long ones, e.g. the 1M-token reference
 # test) run too (`--include-ignored`) unless --skip-ignored, and then the summary says how many
@@ -32,12 +34,14 @@ skip_lines() {
 }
 [ "${1:-}" = "--count-results" ] && { count_results "$2"; exit 0; }
 [ "${1:-}" = "--skip-lines" ] && { skip_lines "$2"; exit 0; }
-logs="$here/logs"; sanitize=""; filter=""; limit=600; ignored=--include-ignored
+logs="$here/logs"; sanitize=""; filter=""; only=""; except=""; limit=600; ignored=--include-ignored
 while [ $# -gt 0 ]; do
   case "$1" in
     --logs) logs=$2; shift 2;;
     --sanitize) sanitize=$2; shift 2;;
     --filter) filter=$2; shift 2;;
+    --only) only=$2; shift 2;;
+    --except) except=$2; shift 2;;
     --timeout) limit=$2; shift 2;;
     --skip-ignored) ignored=""; shift;;
     *) echo "unknown argument $1" >&2; exit 2;;
@@ -60,6 +64,8 @@ tp=0; tf=0; ts=0; ti=0; bins_failed=0
 for t in "$here"/tests/*; do
   name=$(basename "$t")
   [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && continue
+  [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
+  [ -n "$except" ] && [[ ",$except," == *",$name,"* ]] && continue
   log="$logs/$name.log"
   start=$(date +%s)
   if [ -n "$sanitize" ]; then
