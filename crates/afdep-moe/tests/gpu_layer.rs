@@ -29,7 +29,7 @@ use afdep_kernels::cudarc::driver::sys;
 use afdep_kernels::ops::download;
 use afdep_moe::accuracy::check_layer_tensor;
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-use common::{gpu, hot_routes, max_tokens, shape};
+use common::{gpu, hot_routes, in_shard, max_tokens, shape};
 use rand::SeedableRng;
 
 /// The GPU results of one train step.
@@ -88,11 +88,13 @@ fn router_layer_matches_the_oracle() {
     let mut left_out = 0;
     let mut bad = Vec::new();
     let mut cases = 0;
+    let mut case = 0;
     for &(h, w, s) in &[(96usize, 96usize, 0usize), (96, 96, 160), (512, 128, 1024)] {
         for &e in &[8usize, 64] {
             for &k in &[1usize, 2, 8] {
                 for &t in &[1usize, 33, 1000] {
-                    if t > max_tokens() {
+                    case += 1;
+                    if t > max_tokens() || !in_shard(case - 1) {
                         left_out += 1;
                         continue;
                     }
@@ -134,7 +136,9 @@ fn router_layer_matches_the_oracle() {
             }
         }
     }
-    println!("{cases} cases compared, {left_out} above AFDEP_TEST_MAX_TOKENS left out");
+    println!(
+        "{cases} cases compared, {left_out} left out (above AFDEP_TEST_MAX_TOKENS or in another AFDEP_TEST_SHARD)"
+    );
     common::assert_sweep_ran("router_layer_matches_the_oracle", cases, left_out);
     assert!(
         bad.is_empty(),
@@ -150,6 +154,7 @@ fn router_layer_matches_the_oracle() {
 fn given_routes_match_the_oracle() {
     let Some((_g, ctx)) = gpu() else { return };
     let mut cases = 0;
+    let mut case = 0;
     let mut left_out = 0;
     let mut bad = Vec::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
@@ -160,7 +165,8 @@ fn given_routes_match_the_oracle() {
             for &k in &[1usize, 2, 8] {
                 for &t in &[1usize, 33, 1000] {
                     let routes = hot_routes(&mut rng, t, k, e);
-                    if t > max_tokens() {
+                    case += 1;
+                    if t > max_tokens() || !in_shard(case - 1) {
                         left_out += 1;
                         continue;
                     }
@@ -188,7 +194,9 @@ fn given_routes_match_the_oracle() {
         }
     }
     if left_out > 0 {
-        println!("{left_out} cases above AFDEP_TEST_MAX_TOKENS left out");
+        println!(
+            "{left_out} cases left out (above AFDEP_TEST_MAX_TOKENS or in another AFDEP_TEST_SHARD)"
+        );
     }
     common::assert_sweep_ran("given_routes_match_the_oracle", cases, left_out);
     assert!(
@@ -423,10 +431,11 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
 fn odd_sweep(cases: &[(usize, usize, usize, usize, usize)], tokens: &[usize]) {
     let Some((_g, ctx)) = gpu() else { return };
     let mut bad = Vec::new();
-    let (mut ran, mut left_out) = (0, 0);
+    let (mut ran, mut left_out, mut case) = (0, 0, 0);
     for (i, &(h, w, e, k, s)) in cases.iter().enumerate() {
         for &t in tokens {
-            if t > max_tokens() {
+            case += 1;
+            if t > max_tokens() || !in_shard(case - 1) {
                 left_out += 1;
                 continue;
             }
@@ -435,9 +444,12 @@ fn odd_sweep(cases: &[(usize, usize, usize, usize, usize)], tokens: &[usize]) {
         }
     }
     println!(
-        "{ran} shapes × token counts compared, {left_out} above AFDEP_TEST_MAX_TOKENS left out"
+        "{ran} shapes × token counts compared, {left_out} left out (AFDEP_TEST_MAX_TOKENS, AFDEP_TEST_SHARD)"
     );
-    assert!(ran > 0, "AFDEP_TEST_MAX_TOKENS left no case to run");
+    assert!(
+        ran > 0,
+        "AFDEP_TEST_MAX_TOKENS and AFDEP_TEST_SHARD left no case to run"
+    );
     assert!(
         bad.is_empty(),
         "{} failures:\n{}",

@@ -41,14 +41,39 @@ pub fn max_tokens() -> usize {
         .unwrap_or(usize::MAX)
 }
 
+/// `AFDEP_TEST_SHARD=i/n`: a sweep runs only its cases whose index (in the sweep's loop
+/// order, counting every case, also those `AFDEP_TEST_MAX_TOKENS` leaves out) is `i` modulo
+/// `n`; unset, every case. It splits a sweep over processes, for the sanitizers: a whole
+/// `gpu_layer` sweep under racecheck does not finish in one. A malformed value panics with
+/// what it expected, so a typo cannot turn a sweep into a no-op.
+pub fn in_shard(case: usize) -> bool {
+    let Ok(v) = std::env::var("AFDEP_TEST_SHARD") else {
+        return true;
+    };
+    let parsed = v
+        .split_once('/')
+        .and_then(|(i, n)| {
+            Some((
+                i.trim().parse::<usize>().ok()?,
+                n.trim().parse::<usize>().ok()?,
+            ))
+        })
+        .filter(|&(i, n)| n > 0 && i < n);
+    let Some((i, n)) = parsed else {
+        panic!("AFDEP_TEST_SHARD={v:?}: expected i/n with 0 <= i < n");
+    };
+    case % n == i
+}
+
 /// Fails a sweep that compared no case (`AFDEP_TEST_MAX_TOKENS` below all of its token counts):
 /// a test that checked nothing must not pass. `left_out` is how many the limit removed.
 pub fn assert_sweep_ran(what: &str, cases: usize, left_out: usize) {
     assert!(
         cases > 0,
         "{what}: no case ran ({left_out} left out by AFDEP_TEST_MAX_TOKENS = {}): a sweep that \
-         runs no case cannot pass",
-        max_tokens()
+         runs no case cannot pass (AFDEP_TEST_SHARD {:?})",
+        max_tokens(),
+        std::env::var("AFDEP_TEST_SHARD").ok()
     );
 }
 
