@@ -52,136 +52,301 @@ pub const RUNTIME_TOP_K: [u32; 4] = [1, 2, 6, 8];
 /// The expert counts the runtime compiles for (`cargo xtask kernels` builds all of them).
 pub const RUNTIME_EXPERTS: [u32; 3] = [64, 96, 128];
 
-/// One `.cu` file: a module of one or more kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SourceFile {
+/// Defines the kernel registry from one table: [`SourceFile`] (with its file name, embedded text
+/// and the constants it is specialised by), [`KernelId`] (with its entry point) and the mapping
+/// between them. Each row of the table is a source file followed by the kernels it defines, so a
+/// kernel cannot be added without naming its file and entry point, and every `match` the macro
+/// writes is exhaustive.
+macro_rules! kernel_registry {
+    (
+        $(
+            $(#[$file_meta:meta])*
+            $file:ident = $file_name:literal, experts: $experts:literal, top_k: $top_k:literal {
+                $(
+                    $(#[$kernel_meta:meta])*
+                    $kernel:ident = $entry:literal
+                ),* $(,)?
+            }
+        )*
+    ) => {
+        /// One `.cu` file: a module of one or more kernels.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum SourceFile {
+            $( $(#[$file_meta])* $file, )*
+        }
+
+        impl SourceFile {
+            /// Every source file.
+            pub const ALL: [SourceFile; [$(stringify!($file)),*].len()] = [$(SourceFile::$file),*];
+
+            /// The file name (also the NVRTC program name).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( SourceFile::$file => $file_name, )*
+                }
+            }
+
+            /// The embedded text.
+            pub fn text(self) -> &'static str {
+                match self {
+                    $( SourceFile::$file => include_str!(concat!("../cuda/", $file_name)), )*
+                }
+            }
+
+            /// Whether the module is specialised by the number of experts.
+            pub fn uses_experts(self) -> bool {
+                match self {
+                    $( SourceFile::$file => $experts, )*
+                }
+            }
+
+            /// Whether the module is specialised by top-k.
+            pub fn uses_top_k(self) -> bool {
+                match self {
+                    $( SourceFile::$file => $top_k, )*
+                }
+            }
+        }
+
+        /// A kernel: its source file and its entry point.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum KernelId {
+            $( $( $(#[$kernel_meta])* $kernel, )* )*
+        }
+
+        impl KernelId {
+            /// Every kernel, grouped by source file.
+            pub const ALL: [KernelId; [$($(stringify!($kernel)),*),*].len()] =
+                [$($(KernelId::$kernel),*),*];
+
+            /// The source file that defines the kernel.
+            pub fn source(self) -> SourceFile {
+                match self {
+                    $( $( KernelId::$kernel => SourceFile::$file, )* )*
+                }
+            }
+
+            /// The `extern "C"` entry name.
+            pub fn entry(self) -> &'static str {
+                match self {
+                    $( $( KernelId::$kernel => $entry, )* )*
+                }
+            }
+        }
+    };
+}
+
+kernel_registry! {
     /// `router.cu`: logits GEMM and softmax/top-k (specialised by experts and top-k).
-    Router,
+    Router = "router.cu", experts: true, top_k: true {
+        /// `logits = x·Wr` in f32 (SIMT tiles, bf16 inputs, any hidden size).
+        RouterLogits = "afdep_router_logits",
+        /// `logits = x·Wr` in f32 on tensor cores (mma.sync; hidden a multiple of 8).
+        RouterLogitsMma = "afdep_router_logits_mma",
+        /// Softmax, top-k with ties to the lower id, renormalisation.
+        RouterTopk = "afdep_router_topk",
+    }
     /// `validate.cu`: route validation into the error word (specialised by top-k).
-    Validate,
+    Validate = "validate.cu", experts: false, top_k: true {
+        /// Route validation, pass 1: the first offending (token, slot) by an atomic on its key.
+        ValidateRoutes = "afdep_validate_scan",
+        /// Route validation, pass 2: writes the error word of the winning offence.
+        ValidateWord = "afdep_validate_word",
+    }
     /// `layout.cu`: per-expert counts, offsets and the counting sort (specialised by experts).
-    Layout,
+    Layout = "layout.cu", experts: true, top_k: false {
+        /// Layout: per-block, per-expert slot counts.
+        ExpertCounts = "afdep_layout_count",
+        /// Layout: per-expert scan of the block counts and the expert totals.
+        ExpertScanBlocks = "afdep_layout_scan_blocks",
+        /// Layout: 64-bit exclusive offsets of the experts.
+        ExpertOffsets = "afdep_layout_scan_experts",
+        /// Layout: the stable scatter of slots to rows.
+        ExpertScatter = "afdep_layout_scatter",
+    }
     /// `permute.cu`: permute and weighted un-permute (specialised by top-k).
-    Permute,
+    Permute = "permute.cu", experts: false, top_k: true {
+        /// Gather token rows into expert order.
+        Permute = "afdep_permute",
+        /// Weighted sum of expert rows back into token order.
+        Unpermute = "afdep_unpermute",
+    }
     /// `gemm.cu`: the grouped GEMMs of the MoE layer (not specialised).
-    Gemm,
+    Gemm = "gemm.cu", experts: false, top_k: false {
+        /// Grouped GEMM: forward up-projection with SwiGLU.
+        GemmUpSwiglu = "afdep_gemm_up_swiglu",
+        /// Grouped GEMM: down-projection into rows.
+        GemmDownStore = "afdep_gemm_down_store",
+        /// Grouped GEMM: down-projection scattered into token order.
+        GemmDownScatter = "afdep_gemm_down_scatter",
+        /// Grouped GEMM: down-projection added to an accumulator, cast to bf16.
+        GemmDownAcc = "afdep_gemm_down_acc",
+        /// Grouped GEMM: dy·W2ᵀ with the SwiGLU backward.
+        GemmDhDswiglu = "afdep_gemm_dh_dswiglu",
+        /// Grouped GEMM: data gradient into rows.
+        GemmDxStore = "afdep_gemm_dx_store",
+        /// Grouped GEMM: data gradient scattered into token order.
+        GemmDxScatter = "afdep_gemm_dx_scatter",
+        /// Grouped GEMM: data gradient added in place (f32).
+        GemmDxAdd = "afdep_gemm_dx_add",
+        /// Grouped GEMM: data gradient added to an accumulator, cast to bf16.
+        GemmDxAcc = "afdep_gemm_dx_acc",
+        /// Grouped GEMM: weight-gradient partials.
+        GemmWgrad = "afdep_gemm_wgrad",
+        /// Sum of weight-gradient partials in split order.
+        GemmReduce = "afdep_gemm_reduce",
+    }
     /// `moe.cu`: combine, cast and router backward (specialised by experts and top-k).
-    Moe,
+    Moe = "moe.cu", experts: true, top_k: true {
+        /// Routed combine into an f32 accumulator.
+        MoeCombine = "afdep_moe_combine",
+        /// f32 to bf16.
+        MoeCast = "afdep_moe_cast",
+        /// Strided bf16 column copy with zero padding (the router's matrices padded to 16-byte
+        /// rows for the GEMMs, and back).
+        MoeCopyCols = "afdep_moe_copy_cols",
+        /// Router backward: softmax and renormalisation.
+        RouterBackward = "afdep_router_backward",
+    }
     /// `reference.cu`: the simple GPU reference path of the MoE layer (not specialised: every
     /// shape is a run-time value).
-    Reference,
+    Reference = "reference.cu", experts: false, top_k: false {
+        /// Reference: exact bf16 transpose of a batch of matrices.
+        RefTranspose = "afdep_ref_transpose",
+        /// Reference: the first slot the route rules reject.
+        RefCheckRoutes = "afdep_ref_check_routes",
+        /// Reference: router logits, one thread per element.
+        RefLogits = "afdep_ref_logits",
+        /// Reference: the independent check of the router's top-k choice.
+        RefTopkCheck = "afdep_ref_topk_check",
+        /// Reference: softmax in place, one thread per token.
+        RefSoftmax = "afdep_ref_softmax",
+        /// Reference: slot weights (recomputed from the probabilities, or given).
+        RefWeights = "afdep_ref_weights",
+        /// Reference: per-(chunk, expert) slot counts of the row lists.
+        RefRowsCount = "afdep_ref_rows_count",
+        /// Reference: per-expert scan of the chunk counts.
+        RefRowsScan = "afdep_ref_rows_scan",
+        /// Reference: expert offsets of the row lists.
+        RefRowsOffsets = "afdep_ref_rows_offsets",
+        /// Reference: the stable scatter of slots into the row lists.
+        RefRowsScatter = "afdep_ref_rows_scatter",
+        /// Reference: routed experts' a, b and h.
+        RefExpertUp = "afdep_ref_expert_up",
+        /// Reference: the shared expert's a, b and h.
+        RefSharedUp = "afdep_ref_shared_up",
+        /// Reference: the layer output.
+        RefCombine = "afdep_ref_combine",
+        /// Reference: routed experts' unweighted dy·W2ᵀ.
+        RefExpertDh = "afdep_ref_expert_dh",
+        /// Reference: the router's per-slot <dy, y>.
+        RefRouterG = "afdep_ref_router_g",
+        /// Reference: routed experts' SwiGLU backward, in place.
+        RefExpertDab = "afdep_ref_expert_dab",
+        /// Reference: the shared expert's dh and SwiGLU backward, in place.
+        RefSharedDab = "afdep_ref_shared_dab",
+        /// Reference: the router backward to the logits.
+        RefRouterDlogits = "afdep_ref_router_dlogits",
+        /// Reference: the data gradient.
+        RefDx = "afdep_ref_dx",
+        /// Reference: routed experts' dW2.
+        RefGradW2 = "afdep_ref_grad_w2",
+        /// Reference: routed experts' dW1 and dW3.
+        RefGradW13 = "afdep_ref_grad_w13",
+        /// Reference: the shared expert's dS2.
+        RefGradS2 = "afdep_ref_grad_s2",
+        /// Reference: the shared expert's dS1 and dS3.
+        RefGradS13 = "afdep_ref_grad_s13",
+        /// Reference: the router's dWr.
+        RefGradWr = "afdep_ref_grad_wr",
+        /// Reference: statistics of the error metric of two tensors.
+        RefErrStats = "afdep_ref_err_stats",
+    }
     /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table (bf16, and fp8
     /// quantised on the way) and the flag signal of the fused exchange (not specialised).
-    FusedDispatch,
+    FusedDispatch = "fused_dispatch.cu", experts: false, top_k: false {
+        /// `afdep_fused_dispatch`: a source's rows into its slabs in the FFN ranks' workspaces.
+        FusedDispatch = "afdep_fused_dispatch",
+        /// `afdep_fused_signal`: raises this rank's flag in peers' workspaces.
+        FusedSignal = "afdep_fused_signal",
+        /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
+        /// while stored.
+        FusedDispatchFp8 = "afdep_fused_dispatch_fp8",
+    }
     /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
-    FusedEpilogue,
+    FusedEpilogue = "fused_epilogue.cu", experts: false, top_k: true {
+        /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
+        FusedCopyEpilogue = "afdep_fused_copy_epilogue",
+        /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
+        /// dequantised rows).
+        FusedCopyEpilogueFp8 = "afdep_fused_copy_epilogue_fp8",
+    }
     /// `fused_combine.cu`: the combine's two halves, the FFN ranks' partial sums and the sources'
     /// fixed-order sum (specialised by top-k).
-    FusedCombine,
+    FusedCombine = "fused_combine.cu", experts: false, top_k: true {
+        /// `afdep_fused_combine_reduce`: an FFN rank's f32 partial sum of each token's slots into
+        /// its source's return area.
+        FusedCombineReduce = "afdep_fused_combine_reduce",
+        /// `afdep_fused_combine`: waits for the FFN ranks, adds their partials in the fixed order.
+        FusedCombine = "afdep_fused_combine",
+    }
     /// `fused_counts.cu`: count-first counts on the device, their publication, the FFN rank's
     /// plan and offsets, a bounded flag wait (specialised by top-k).
-    FusedCounts,
+    FusedCounts = "fused_counts.cu", experts: false, top_k: true {
+        /// Count-first: a source's counts, block positions and compact rows from its routes.
+        CfCounts = "afdep_cf_counts",
+        /// Count-first: a source's counts stored into each FFN rank's workspace, then its flag.
+        CfPublishCounts = "afdep_cf_publish_counts",
+        /// Count-first: an FFN rank's plan (prefix sums) and each source's published offsets.
+        CfPlan = "afdep_cf_plan",
+        /// Count-first: a bounded wait for a set of flags.
+        CfWait = "afdep_cf_wait",
+    }
     /// `fused_cf_dispatch.cu`: count-first row stores of a source, source arm and streaming
     /// (specialised by top-k).
-    FusedCfDispatch,
+    FusedCfDispatch = "fused_cf_dispatch.cu", experts: false, top_k: true {
+        /// Count-first: a source's row stores (source arm or streaming).
+        CfDispatch = "afdep_cf_dispatch",
+        /// `afdep_cf_dispatch_fp8`: [`KernelId::CfDispatch`] with fp8 payloads, quantised while
+        /// stored.
+        CfDispatchFp8 = "afdep_cf_dispatch_fp8",
+    }
     /// `fused_stream_epilogue.cu`: the count-first streaming epilogue (specialised by top-k).
-    FusedStreamEpilogue,
+    FusedStreamEpilogue = "fused_stream_epilogue.cu", experts: false, top_k: true {
+        /// Count-first: the streaming epilogue.
+        CfStreamEpilogue = "afdep_cf_stream_epilogue",
+        /// `afdep_cf_stream_epilogue_fp8`: the streaming epilogue of fp8 payloads (codes, scales
+        /// and dequantised rows).
+        CfStreamEpilogueFp8 = "afdep_cf_stream_epilogue_fp8",
+        /// `afdep_cf_dequant`: the source arm's fp8 expanded rows dequantised on the FFN rank.
+        CfDequant = "afdep_cf_dequant",
+    }
     /// `fused_round.cu`: the device round: round control, device route validation with the
     /// verdict shared among ranks, the fp8 payload check, the device expert (specialised by
     /// top-k).
-    FusedRound,
+    FusedRound = "fused_round.cu", experts: false, top_k: true {
+        /// Device round: round + 1, device route validation, the verdict shared among ranks.
+        RoundBegin = "afdep_round_begin",
+        /// Device round: round + 1 of a host-validated round.
+        RoundBump = "afdep_round_bump",
+        /// Device round: the reproducible device expert (a per-expert scale).
+        RoundExperts = "afdep_round_experts",
+        /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
+        RoundCheckPayload = "afdep_round_check_payload",
+    }
     /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device
     /// functions (not specialised).
-    Fp8,
+    Fp8 = "fp8.cu", experts: false, top_k: false {
+        /// `afdep_fp8_encode`: f32 values to e4m3 codes.
+        Fp8Encode = "afdep_fp8_encode",
+        /// `afdep_fp8_decode`: e4m3 codes to f32 values.
+        Fp8Decode = "afdep_fp8_decode",
+        /// `afdep_fp8_quantise_rows`: bf16 rows to codes, scales and dequantised rows.
+        Fp8QuantiseRows = "afdep_fp8_quantise_rows",
+    }
 }
 
 impl SourceFile {
-    /// Every source file.
-    pub const ALL: [SourceFile; 15] = [
-        SourceFile::Router,
-        SourceFile::Validate,
-        SourceFile::Layout,
-        SourceFile::Permute,
-        SourceFile::Gemm,
-        SourceFile::Moe,
-        SourceFile::Reference,
-        SourceFile::FusedDispatch,
-        SourceFile::FusedEpilogue,
-        SourceFile::FusedCombine,
-        SourceFile::FusedCounts,
-        SourceFile::FusedCfDispatch,
-        SourceFile::FusedStreamEpilogue,
-        SourceFile::FusedRound,
-        SourceFile::Fp8,
-    ];
-
-    /// The file name (also the NVRTC program name).
-    pub fn name(self) -> &'static str {
-        match self {
-            SourceFile::Router => "router.cu",
-            SourceFile::Validate => "validate.cu",
-            SourceFile::Layout => "layout.cu",
-            SourceFile::Permute => "permute.cu",
-            SourceFile::Gemm => "gemm.cu",
-            SourceFile::Moe => "moe.cu",
-            SourceFile::Reference => "reference.cu",
-            SourceFile::FusedDispatch => "fused_dispatch.cu",
-            SourceFile::FusedEpilogue => "fused_epilogue.cu",
-            SourceFile::FusedCombine => "fused_combine.cu",
-            SourceFile::FusedCounts => "fused_counts.cu",
-            SourceFile::FusedCfDispatch => "fused_cf_dispatch.cu",
-            SourceFile::FusedStreamEpilogue => "fused_stream_epilogue.cu",
-            SourceFile::FusedRound => "fused_round.cu",
-            SourceFile::Fp8 => "fp8.cu",
-        }
-    }
-
-    /// The embedded text.
-    pub fn text(self) -> &'static str {
-        match self {
-            SourceFile::Router => include_str!("../cuda/router.cu"),
-            SourceFile::Validate => include_str!("../cuda/validate.cu"),
-            SourceFile::Layout => include_str!("../cuda/layout.cu"),
-            SourceFile::Permute => include_str!("../cuda/permute.cu"),
-            SourceFile::Gemm => include_str!("../cuda/gemm.cu"),
-            SourceFile::Moe => include_str!("../cuda/moe.cu"),
-            SourceFile::Reference => include_str!("../cuda/reference.cu"),
-            SourceFile::FusedDispatch => include_str!("../cuda/fused_dispatch.cu"),
-            SourceFile::FusedEpilogue => include_str!("../cuda/fused_epilogue.cu"),
-            SourceFile::FusedCombine => include_str!("../cuda/fused_combine.cu"),
-            SourceFile::FusedCounts => include_str!("../cuda/fused_counts.cu"),
-            SourceFile::FusedCfDispatch => include_str!("../cuda/fused_cf_dispatch.cu"),
-            SourceFile::FusedStreamEpilogue => include_str!("../cuda/fused_stream_epilogue.cu"),
-            SourceFile::FusedRound => include_str!("../cuda/fused_round.cu"),
-            SourceFile::Fp8 => include_str!("../cuda/fp8.cu"),
-        }
-    }
-
-    /// Whether the module is specialised by the number of experts.
-    pub fn uses_experts(self) -> bool {
-        matches!(
-            self,
-            SourceFile::Router | SourceFile::Layout | SourceFile::Moe
-        )
-    }
-
-    /// Whether the module is specialised by top-k.
-    pub fn uses_top_k(self) -> bool {
-        matches!(
-            self,
-            SourceFile::Router
-                | SourceFile::Validate
-                | SourceFile::Permute
-                | SourceFile::Moe
-                | SourceFile::FusedEpilogue
-                | SourceFile::FusedCombine
-                | SourceFile::FusedCounts
-                | SourceFile::FusedCfDispatch
-                | SourceFile::FusedStreamEpilogue
-                | SourceFile::FusedRound
-        )
-    }
-
     /// The kernels the file defines.
     pub fn kernels(self) -> impl Iterator<Item = KernelId> {
         KernelId::ALL
@@ -190,391 +355,7 @@ impl SourceFile {
     }
 }
 
-/// A kernel: its source file and its entry point.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KernelId {
-    /// `logits = x·Wr` in f32 (SIMT tiles, bf16 inputs, any hidden size).
-    RouterLogits,
-    /// `logits = x·Wr` in f32 on tensor cores (mma.sync; hidden a multiple of 8).
-    RouterLogitsMma,
-    /// Softmax, top-k with ties to the lower id, renormalisation.
-    RouterTopk,
-    /// Route validation, pass 1: the first offending (token, slot) by an atomic on its key.
-    ValidateRoutes,
-    /// Route validation, pass 2: writes the error word of the winning offence.
-    ValidateWord,
-    /// Layout: per-block, per-expert slot counts.
-    ExpertCounts,
-    /// Layout: per-expert scan of the block counts and the expert totals.
-    ExpertScanBlocks,
-    /// Layout: 64-bit exclusive offsets of the experts.
-    ExpertOffsets,
-    /// Layout: the stable scatter of slots to rows.
-    ExpertScatter,
-    /// Gather token rows into expert order.
-    Permute,
-    /// Weighted sum of expert rows back into token order.
-    Unpermute,
-    /// Grouped GEMM: forward up-projection with SwiGLU.
-    GemmUpSwiglu,
-    /// Grouped GEMM: down-projection into rows.
-    GemmDownStore,
-    /// Grouped GEMM: down-projection scattered into token order.
-    GemmDownScatter,
-    /// Grouped GEMM: down-projection added to an accumulator, cast to bf16.
-    GemmDownAcc,
-    /// Grouped GEMM: dy·W2ᵀ with the SwiGLU backward.
-    GemmDhDswiglu,
-    /// Grouped GEMM: data gradient into rows.
-    GemmDxStore,
-    /// Grouped GEMM: data gradient scattered into token order.
-    GemmDxScatter,
-    /// Grouped GEMM: data gradient added in place (f32).
-    GemmDxAdd,
-    /// Grouped GEMM: data gradient added to an accumulator, cast to bf16.
-    GemmDxAcc,
-    /// Grouped GEMM: weight-gradient partials.
-    GemmWgrad,
-    /// Sum of weight-gradient partials in split order.
-    GemmReduce,
-    /// Routed combine into an f32 accumulator.
-    MoeCombine,
-    /// f32 to bf16.
-    MoeCast,
-    /// Strided bf16 column copy with zero padding (the router's matrices padded to 16-byte
-    /// rows for the GEMMs, and back).
-    MoeCopyCols,
-    /// Router backward: softmax and renormalisation.
-    RouterBackward,
-    /// Reference: exact bf16 transpose of a batch of matrices.
-    RefTranspose,
-    /// Reference: the first slot the route rules reject.
-    RefCheckRoutes,
-    /// Reference: router logits, one thread per element.
-    RefLogits,
-    /// Reference: the independent check of the router's top-k choice.
-    RefTopkCheck,
-    /// Reference: softmax in place, one thread per token.
-    RefSoftmax,
-    /// Reference: slot weights (recomputed from the probabilities, or given).
-    RefWeights,
-    /// Reference: per-(chunk, expert) slot counts of the row lists.
-    RefRowsCount,
-    /// Reference: per-expert scan of the chunk counts.
-    RefRowsScan,
-    /// Reference: expert offsets of the row lists.
-    RefRowsOffsets,
-    /// Reference: the stable scatter of slots into the row lists.
-    RefRowsScatter,
-    /// Reference: routed experts' a, b and h.
-    RefExpertUp,
-    /// Reference: the shared expert's a, b and h.
-    RefSharedUp,
-    /// Reference: the layer output.
-    RefCombine,
-    /// Reference: routed experts' unweighted dy·W2ᵀ.
-    RefExpertDh,
-    /// Reference: the router's per-slot <dy, y>.
-    RefRouterG,
-    /// Reference: routed experts' SwiGLU backward, in place.
-    RefExpertDab,
-    /// Reference: the shared expert's dh and SwiGLU backward, in place.
-    RefSharedDab,
-    /// Reference: the router backward to the logits.
-    RefRouterDlogits,
-    /// Reference: the data gradient.
-    RefDx,
-    /// Reference: routed experts' dW2.
-    RefGradW2,
-    /// Reference: routed experts' dW1 and dW3.
-    RefGradW13,
-    /// Reference: the shared expert's dS2.
-    RefGradS2,
-    /// Reference: the shared expert's dS1 and dS3.
-    RefGradS13,
-    /// Reference: the router's dWr.
-    RefGradWr,
-    /// Reference: statistics of the error metric of two tensors.
-    RefErrStats,
-    /// `afdep_fused_dispatch`: a source's rows into its slabs in the FFN ranks' workspaces.
-    FusedDispatch,
-    /// `afdep_fused_signal`: raises this rank's flag in peers' workspaces.
-    FusedSignal,
-    /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
-    FusedCopyEpilogue,
-    /// `afdep_fused_combine_reduce`: an FFN rank's f32 partial sum of each token's slots into
-    /// its source's return area.
-    FusedCombineReduce,
-    /// `afdep_fused_combine`: waits for the FFN ranks, adds their partials in the fixed order.
-    FusedCombine,
-    /// Count-first: a source's counts, block positions and compact rows from its routes.
-    CfCounts,
-    /// Count-first: a source's counts stored into each FFN rank's workspace, then its flag.
-    CfPublishCounts,
-    /// Count-first: an FFN rank's plan (prefix sums) and each source's published offsets.
-    CfPlan,
-    /// Count-first: a bounded wait for a set of flags.
-    CfWait,
-    /// Count-first: a source's row stores (source arm or streaming).
-    CfDispatch,
-    /// Count-first: the streaming epilogue.
-    CfStreamEpilogue,
-    /// Device round: round + 1, device route validation, the verdict shared among ranks.
-    RoundBegin,
-    /// Device round: round + 1 of a host-validated round.
-    RoundBump,
-    /// Device round: the reproducible device expert (a per-expert scale).
-    RoundExperts,
-    /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
-    /// while stored.
-    FusedDispatchFp8,
-    /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
-    /// dequantised rows).
-    FusedCopyEpilogueFp8,
-    /// `afdep_cf_dispatch_fp8`: [`KernelId::CfDispatch`] with fp8 payloads, quantised while
-    /// stored.
-    CfDispatchFp8,
-    /// `afdep_cf_stream_epilogue_fp8`: the streaming epilogue of fp8 payloads (codes, scales
-    /// and dequantised rows).
-    CfStreamEpilogueFp8,
-    /// `afdep_cf_dequant`: the source arm's fp8 expanded rows dequantised on the FFN rank.
-    CfDequant,
-    /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
-    RoundCheckPayload,
-    /// `afdep_fp8_encode`: f32 values to e4m3 codes.
-    Fp8Encode,
-    /// `afdep_fp8_decode`: e4m3 codes to f32 values.
-    Fp8Decode,
-    /// `afdep_fp8_quantise_rows`: bf16 rows to codes, scales and dequantised rows.
-    Fp8QuantiseRows,
-}
-
 impl KernelId {
-    /// Every kernel.
-    pub const ALL: [KernelId; 74] = [
-        KernelId::RouterLogits,
-        KernelId::RouterLogitsMma,
-        KernelId::RouterTopk,
-        KernelId::ValidateRoutes,
-        KernelId::ValidateWord,
-        KernelId::ExpertCounts,
-        KernelId::ExpertScanBlocks,
-        KernelId::ExpertOffsets,
-        KernelId::ExpertScatter,
-        KernelId::Permute,
-        KernelId::Unpermute,
-        KernelId::GemmUpSwiglu,
-        KernelId::GemmDownStore,
-        KernelId::GemmDownScatter,
-        KernelId::GemmDownAcc,
-        KernelId::GemmDhDswiglu,
-        KernelId::GemmDxStore,
-        KernelId::GemmDxScatter,
-        KernelId::GemmDxAdd,
-        KernelId::GemmDxAcc,
-        KernelId::GemmWgrad,
-        KernelId::GemmReduce,
-        KernelId::MoeCombine,
-        KernelId::MoeCast,
-        KernelId::MoeCopyCols,
-        KernelId::RouterBackward,
-        KernelId::RefTranspose,
-        KernelId::RefCheckRoutes,
-        KernelId::RefLogits,
-        KernelId::RefTopkCheck,
-        KernelId::RefSoftmax,
-        KernelId::RefWeights,
-        KernelId::RefRowsCount,
-        KernelId::RefRowsScan,
-        KernelId::RefRowsOffsets,
-        KernelId::RefRowsScatter,
-        KernelId::RefExpertUp,
-        KernelId::RefSharedUp,
-        KernelId::RefCombine,
-        KernelId::RefExpertDh,
-        KernelId::RefRouterG,
-        KernelId::RefExpertDab,
-        KernelId::RefSharedDab,
-        KernelId::RefRouterDlogits,
-        KernelId::RefDx,
-        KernelId::RefGradW2,
-        KernelId::RefGradW13,
-        KernelId::RefGradS2,
-        KernelId::RefGradS13,
-        KernelId::RefGradWr,
-        KernelId::RefErrStats,
-        KernelId::FusedDispatch,
-        KernelId::FusedSignal,
-        KernelId::FusedCopyEpilogue,
-        KernelId::FusedCombineReduce,
-        KernelId::FusedCombine,
-        KernelId::CfCounts,
-        KernelId::CfPublishCounts,
-        KernelId::CfPlan,
-        KernelId::CfWait,
-        KernelId::CfDispatch,
-        KernelId::CfStreamEpilogue,
-        KernelId::RoundBegin,
-        KernelId::RoundBump,
-        KernelId::RoundExperts,
-        KernelId::FusedDispatchFp8,
-        KernelId::FusedCopyEpilogueFp8,
-        KernelId::CfDispatchFp8,
-        KernelId::CfStreamEpilogueFp8,
-        KernelId::CfDequant,
-        KernelId::RoundCheckPayload,
-        KernelId::Fp8Encode,
-        KernelId::Fp8Decode,
-        KernelId::Fp8QuantiseRows,
-    ];
-
-    /// The source file that defines the kernel.
-    pub fn source(self) -> SourceFile {
-        match self {
-            KernelId::RouterLogits | KernelId::RouterLogitsMma | KernelId::RouterTopk => {
-                SourceFile::Router
-            }
-            KernelId::ValidateRoutes | KernelId::ValidateWord => SourceFile::Validate,
-            KernelId::ExpertCounts
-            | KernelId::ExpertScanBlocks
-            | KernelId::ExpertOffsets
-            | KernelId::ExpertScatter => SourceFile::Layout,
-            KernelId::Permute | KernelId::Unpermute => SourceFile::Permute,
-            KernelId::MoeCombine
-            | KernelId::MoeCast
-            | KernelId::MoeCopyCols
-            | KernelId::RouterBackward => SourceFile::Moe,
-            KernelId::RefTranspose
-            | KernelId::RefCheckRoutes
-            | KernelId::RefLogits
-            | KernelId::RefTopkCheck
-            | KernelId::RefSoftmax
-            | KernelId::RefWeights
-            | KernelId::RefRowsCount
-            | KernelId::RefRowsScan
-            | KernelId::RefRowsOffsets
-            | KernelId::RefRowsScatter
-            | KernelId::RefExpertUp
-            | KernelId::RefSharedUp
-            | KernelId::RefCombine
-            | KernelId::RefExpertDh
-            | KernelId::RefRouterG
-            | KernelId::RefExpertDab
-            | KernelId::RefSharedDab
-            | KernelId::RefRouterDlogits
-            | KernelId::RefDx
-            | KernelId::RefGradW2
-            | KernelId::RefGradW13
-            | KernelId::RefGradS2
-            | KernelId::RefGradS13
-            | KernelId::RefGradWr
-            | KernelId::RefErrStats => SourceFile::Reference,
-            KernelId::FusedDispatch | KernelId::FusedSignal | KernelId::FusedDispatchFp8 => {
-                SourceFile::FusedDispatch
-            }
-            KernelId::FusedCopyEpilogue | KernelId::FusedCopyEpilogueFp8 => {
-                SourceFile::FusedEpilogue
-            }
-            KernelId::Fp8Encode | KernelId::Fp8Decode | KernelId::Fp8QuantiseRows => {
-                SourceFile::Fp8
-            }
-            KernelId::FusedCombineReduce | KernelId::FusedCombine => SourceFile::FusedCombine,
-            KernelId::CfCounts
-            | KernelId::CfPublishCounts
-            | KernelId::CfPlan
-            | KernelId::CfWait => SourceFile::FusedCounts,
-            KernelId::CfDispatch | KernelId::CfDispatchFp8 => SourceFile::FusedCfDispatch,
-            KernelId::CfStreamEpilogue | KernelId::CfStreamEpilogueFp8 | KernelId::CfDequant => {
-                SourceFile::FusedStreamEpilogue
-            }
-            KernelId::RoundCheckPayload
-            | KernelId::RoundBegin
-            | KernelId::RoundBump
-            | KernelId::RoundExperts => SourceFile::FusedRound,
-            _ => SourceFile::Gemm,
-        }
-    }
-
-    /// The `extern "C"` entry name.
-    pub fn entry(self) -> &'static str {
-        match self {
-            KernelId::RouterLogits => "afdep_router_logits",
-            KernelId::RouterLogitsMma => "afdep_router_logits_mma",
-            KernelId::RouterTopk => "afdep_router_topk",
-            KernelId::ValidateRoutes => "afdep_validate_scan",
-            KernelId::ValidateWord => "afdep_validate_word",
-            KernelId::ExpertCounts => "afdep_layout_count",
-            KernelId::ExpertScanBlocks => "afdep_layout_scan_blocks",
-            KernelId::ExpertOffsets => "afdep_layout_scan_experts",
-            KernelId::ExpertScatter => "afdep_layout_scatter",
-            KernelId::Permute => "afdep_permute",
-            KernelId::Unpermute => "afdep_unpermute",
-            KernelId::GemmUpSwiglu => "afdep_gemm_up_swiglu",
-            KernelId::GemmDownStore => "afdep_gemm_down_store",
-            KernelId::GemmDownScatter => "afdep_gemm_down_scatter",
-            KernelId::GemmDownAcc => "afdep_gemm_down_acc",
-            KernelId::GemmDhDswiglu => "afdep_gemm_dh_dswiglu",
-            KernelId::GemmDxStore => "afdep_gemm_dx_store",
-            KernelId::GemmDxScatter => "afdep_gemm_dx_scatter",
-            KernelId::GemmDxAdd => "afdep_gemm_dx_add",
-            KernelId::GemmDxAcc => "afdep_gemm_dx_acc",
-            KernelId::GemmWgrad => "afdep_gemm_wgrad",
-            KernelId::GemmReduce => "afdep_gemm_reduce",
-            KernelId::MoeCombine => "afdep_moe_combine",
-            KernelId::MoeCast => "afdep_moe_cast",
-            KernelId::MoeCopyCols => "afdep_moe_copy_cols",
-            KernelId::RouterBackward => "afdep_router_backward",
-            KernelId::RefTranspose => "afdep_ref_transpose",
-            KernelId::RefCheckRoutes => "afdep_ref_check_routes",
-            KernelId::RefLogits => "afdep_ref_logits",
-            KernelId::RefTopkCheck => "afdep_ref_topk_check",
-            KernelId::RefSoftmax => "afdep_ref_softmax",
-            KernelId::RefWeights => "afdep_ref_weights",
-            KernelId::RefRowsCount => "afdep_ref_rows_count",
-            KernelId::RefRowsScan => "afdep_ref_rows_scan",
-            KernelId::RefRowsOffsets => "afdep_ref_rows_offsets",
-            KernelId::RefRowsScatter => "afdep_ref_rows_scatter",
-            KernelId::RefExpertUp => "afdep_ref_expert_up",
-            KernelId::RefSharedUp => "afdep_ref_shared_up",
-            KernelId::RefCombine => "afdep_ref_combine",
-            KernelId::RefExpertDh => "afdep_ref_expert_dh",
-            KernelId::RefRouterG => "afdep_ref_router_g",
-            KernelId::RefExpertDab => "afdep_ref_expert_dab",
-            KernelId::RefSharedDab => "afdep_ref_shared_dab",
-            KernelId::RefRouterDlogits => "afdep_ref_router_dlogits",
-            KernelId::RefDx => "afdep_ref_dx",
-            KernelId::RefGradW2 => "afdep_ref_grad_w2",
-            KernelId::RefGradW13 => "afdep_ref_grad_w13",
-            KernelId::RefGradS2 => "afdep_ref_grad_s2",
-            KernelId::RefGradS13 => "afdep_ref_grad_s13",
-            KernelId::RefGradWr => "afdep_ref_grad_wr",
-            KernelId::RefErrStats => "afdep_ref_err_stats",
-            KernelId::FusedDispatch => "afdep_fused_dispatch",
-            KernelId::FusedSignal => "afdep_fused_signal",
-            KernelId::FusedCopyEpilogue => "afdep_fused_copy_epilogue",
-            KernelId::FusedCombineReduce => "afdep_fused_combine_reduce",
-            KernelId::FusedCombine => "afdep_fused_combine",
-            KernelId::CfCounts => "afdep_cf_counts",
-            KernelId::CfPublishCounts => "afdep_cf_publish_counts",
-            KernelId::CfPlan => "afdep_cf_plan",
-            KernelId::CfWait => "afdep_cf_wait",
-            KernelId::CfDispatch => "afdep_cf_dispatch",
-            KernelId::CfStreamEpilogue => "afdep_cf_stream_epilogue",
-            KernelId::FusedDispatchFp8 => "afdep_fused_dispatch_fp8",
-            KernelId::FusedCopyEpilogueFp8 => "afdep_fused_copy_epilogue_fp8",
-            KernelId::CfDispatchFp8 => "afdep_cf_dispatch_fp8",
-            KernelId::CfStreamEpilogueFp8 => "afdep_cf_stream_epilogue_fp8",
-            KernelId::CfDequant => "afdep_cf_dequant",
-            KernelId::RoundCheckPayload => "afdep_round_check_payload",
-            KernelId::Fp8Encode => "afdep_fp8_encode",
-            KernelId::Fp8Decode => "afdep_fp8_decode",
-            KernelId::Fp8QuantiseRows => "afdep_fp8_quantise_rows",
-            KernelId::RoundBegin => "afdep_round_begin",
-            KernelId::RoundBump => "afdep_round_bump",
-            KernelId::RoundExperts => "afdep_round_experts",
-        }
-    }
-
     /// The kernel whose entry name is `entry`.
     pub fn from_entry(entry: &str) -> Option<KernelId> {
         KernelId::ALL.into_iter().find(|k| k.entry() == entry)

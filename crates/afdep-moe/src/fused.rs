@@ -29,17 +29,17 @@
 //! 4. **experts** (FFN, host in a host-planned round: the expanded rows are read back, the
 //!    [`ExpertFn`] applied per local expert, the outputs uploaded; on the device in a device
 //!    round, below).
-//! 5. **combine**, split at the brief's fixed order. FFN rank f (`afdep_fused_combine_reduce`):
-//!    for every compact row of the round (source s, token t; its slab metadata names the
-//!    token's slots on f, their weights and expanded rows) the partial `P_f[t] = Σ_{k ascending,
-//!    expert on f} w_k · y_k` in f32 (each product and sum rounded), stored as `hidden` f32 into
-//!    row (f, t) of the return area in s's workspace; then f's combine flag is raised in every
-//!    source. The source (`afdep_fused_combine`) waits (bounded) for every FFN rank's flag and
-//!    adds the partials of the FFN ranks that own a slot of the token, ascending, in f32, cast
-//!    to bf16 once: the same operations in the same order as one sum, so bit-identical to the
-//!    oracle and the staged engine. One f32 row per (token, FFN rank) travels back instead of
-//!    one bf16 row per slot: a quarter of the bytes when all 8 slots of a token are on one FFN
-//!    rank (3A:1F), about the same at 2 slots per rank.
+//! 5. **combine**, split at the fixed order (docs/design.md, "Specification: AFD exchange"). FFN
+//!    rank f (`afdep_fused_combine_reduce`): for every compact row of the round (source s, token t;
+//!    its slab metadata names the token's slots on f, their weights and expanded rows) the partial
+//!    `P_f[t] = Σ_{k ascending, expert on f} w_k · y_k` in f32 (each product and sum rounded),
+//!    stored as `hidden` f32 into row (f, t) of the return area in s's workspace; then f's combine
+//!    flag is raised in every source. The source (`afdep_fused_combine`) waits (bounded) for every
+//!    FFN rank's flag and adds the partials of the FFN ranks that own a slot of the token,
+//!    ascending, in f32, cast to bf16 once: the same operations in the same order as one sum, so
+//!    bit-identical to the oracle and the staged engine. One f32 row per (token, FFN rank) travels
+//!    back instead of one bf16 row per slot: a quarter of the bytes when all 8 slots of a token are
+//!    on one FFN rank (3A:1F), about the same at 2 slots per rank.
 //!
 //! # Workspace (bytes from every rank's workspace base, the same on every rank)
 //!
@@ -65,7 +65,8 @@
 //! nothing when the round's verdict is not go; a host-planned round starts with
 //! `afdep_round_bump` (round + 1, its token count), a device round with `afdep_round_begin`.
 //!
-//! [`FusedEngine::workspace_bytes`] gives the size an [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
+//! [`FusedEngine::workspace_bytes`] gives the size an
+//! [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
 //!
 //! # Ordering, waits and the SM budget
 //!
@@ -128,7 +129,8 @@
 //! typed [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
 //! device experts ([`DeviceExperts`]), the combine from the compact view and the routes, over
 //! capacity-sized buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with
-//! the arm chosen on the device each round ([`RoundArm::Auto`](crate::RoundArm::Auto)): `fused/device_round.rs`.
+//! the arm chosen on the device each round ([`RoundArm::Auto`](crate::RoundArm::Auto)):
+//! `fused/device_round.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -208,6 +210,26 @@ fn geometry(cfg: &ExchangeConfig) -> Geometry {
 }
 
 /// The fused engine of one rank; see the [module docs](self).
+///
+/// # Launch invariant
+///
+/// The `// SAFETY:` comments of the kernel launches here and in `fused/` rely on this, set up by
+/// [`FusedEngine::new`] and kept for the engine's life (the terms are those of
+/// `afdep_kernels::ops::fused`, "Safety of the launchers"):
+/// - `ws` and `peers` are this rank's workspace and the device peer table of `transport`
+///   (`workspace_peers()[rank]`, `workspace_peer_table()`), valid in `gpu`'s context (the
+///   transport's device) until the transport is dropped, whose drop waits for the rank's stream;
+/// - every rank's workspace holds at least `geometry(cfg).bytes` bytes (checked in `new`; the
+///   transport gives every rank the same size) and is 256-byte aligned (checked), and
+///   `geometry` places every area inside it, each 256-byte aligned: the flags at
+///   `DISPATCH_FLAGS` and `COMBINE_FLAGS` (`MAX_WORLD` u32 each), the error word at
+///   `ERROR_WORD`, the control block at `CONTROL`, the slabs, the return areas, the count-first
+///   areas and the status area; so `ws + CONTROL` is a live control block and
+///   `ws + ERROR_WORD` a live error word;
+/// - the world is at most `MAX_WORLD`, and `src_ranks` and `ffn_ranks` hold the group's attention
+///   and FFN ranks, ascending (all below the world);
+/// - every launch is on `gpu`'s one stream, so a kernel sees what an earlier one wrote (the plan
+///   before the epilogues that read it, the counts before their publication).
 pub struct FusedEngine {
     cfg: ExchangeConfig,
     transport: NvlinkIpc,
@@ -460,11 +482,15 @@ impl FusedEngine {
         let arm = self.arm_for(&tokens);
         self.last_arm = arm;
         // the device's round (every kernel reads it from the control block) follows the host's
-        afdep_kernels::ops::fused_round::bump(
-            &self.gpu,
-            self.ws + CONTROL,
-            input.map_or(0, |i| i.routes.tokens),
-        )?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws + CONTROL` is this
+        // workspace's live control block.
+        unsafe {
+            afdep_kernels::ops::fused_round::bump(
+                &self.gpu,
+                self.ws + CONTROL,
+                input.map_or(0, |i| i.routes.tokens),
+            )
+        }?;
         times.counts = t0.elapsed();
         debug!(rank, round, %arm, "fused round");
 
@@ -625,32 +651,43 @@ impl FusedEngine {
             PayloadKind::Bf16 => fk::dispatch,
             PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
         };
-        dispatch(
-            &self.gpu,
-            &send.x,
-            send.tokens,
-            &SendList {
-                token: &send.token,
-                dst_rank: &send.dst_rank,
-                slab_row: &send.slab_row,
-                meta: &send.meta,
-                rows: send.rows,
-            },
-            self.cfg.top_k,
-            self.peers,
-            self.rank(),
-            &self.geo.slab,
-            self.cfg.knobs.transport_sms,
-        )?;
-        fk::signal(
-            &self.gpu,
-            self.peers,
-            &self.ffn_ranks,
-            self.cfg.placement().ffn_ranks,
-            DISPATCH_FLAGS,
-            self.rank(),
-            self.ws + CONTROL,
-        )?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
+        // table; `send` comes from the host plan of this round (`dst_rank` FFN ranks below the
+        // world, slab rows below the capacity, tokens below `send.tokens`); every workspace holds
+        // the slabs `geo.slab`.
+        unsafe {
+            dispatch(
+                &self.gpu,
+                &send.x,
+                send.tokens,
+                &SendList {
+                    token: &send.token,
+                    dst_rank: &send.dst_rank,
+                    slab_row: &send.slab_row,
+                    meta: &send.meta,
+                    rows: send.rows,
+                },
+                self.cfg.top_k,
+                self.peers,
+                self.rank(),
+                &self.geo.slab,
+                self.cfg.knobs.transport_sms,
+            )
+        }?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control block
+        // `self.ws + CONTROL` are live; `ffn_ranks` holds the FFN ranks, every workspace
+        // `MAX_WORLD` flags at `DISPATCH_FLAGS`.
+        unsafe {
+            fk::signal(
+                &self.gpu,
+                self.peers,
+                &self.ffn_ranks,
+                self.cfg.placement().ffn_ranks,
+                DISPATCH_FLAGS,
+                self.rank(),
+                self.ws + CONTROL,
+            )
+        }?;
         Ok(())
     }
 
@@ -671,40 +708,52 @@ impl FusedEngine {
             total: plan.total_tokens(),
         };
         match self.cfg.payload {
-            PayloadKind::Bf16 => fk::copy_epilogue(
-                &self.gpu,
-                self.ws,
-                &src,
-                DISPATCH_FLAGS,
-                &geo.slab,
-                k,
-                round,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                &mut ex.expanded,
-                ex.total,
-                knobs.epilogue_sm_cap,
-            )?,
+            PayloadKind::Bf16 => {
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
+                // word are live and hold the slabs `geo.slab` and the flags at `DISPATCH_FLAGS`;
+                // `src` is the host plan's: attention ranks, slab rows below the capacity.
+                unsafe {
+                    fk::copy_epilogue(
+                        &self.gpu,
+                        self.ws,
+                        &src,
+                        DISPATCH_FLAGS,
+                        &geo.slab,
+                        k,
+                        round,
+                        timeout_ns,
+                        self.ws + ERROR_WORD,
+                        &mut ex.expanded,
+                        ex.total,
+                        knobs.epilogue_sm_cap,
+                    )
+                }?
+            }
             PayloadKind::Fp8E4m3 => {
                 let (q, sc) = ex.fp8.as_mut().expect("prepared with the expanded buffer");
-                fk::copy_epilogue_fp8(
-                    &self.gpu,
-                    self.ws,
-                    &src,
-                    DISPATCH_FLAGS,
-                    &geo.slab,
-                    k,
-                    round,
-                    timeout_ns,
-                    self.ws + ERROR_WORD,
-                    Fp8Expanded {
-                        q,
-                        scales: sc,
-                        dequant: &mut ex.expanded,
-                    },
-                    ex.total,
-                    knobs.epilogue_sm_cap,
-                )?;
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
+                // word are live and hold the slabs `geo.slab` and the flags at `DISPATCH_FLAGS`;
+                // `src` is the host plan's: attention ranks, slab rows below the capacity.
+                unsafe {
+                    fk::copy_epilogue_fp8(
+                        &self.gpu,
+                        self.ws,
+                        &src,
+                        DISPATCH_FLAGS,
+                        &geo.slab,
+                        k,
+                        round,
+                        timeout_ns,
+                        self.ws + ERROR_WORD,
+                        Fp8Expanded {
+                            q,
+                            scales: sc,
+                            dequant: &mut ex.expanded,
+                        },
+                        ex.total,
+                        knobs.epilogue_sm_cap,
+                    )
+                }?;
             }
         }
         Ok(())
@@ -829,51 +878,70 @@ impl FusedEngine {
                     .then_some(base + 8 * (ns as u64 + 1)),
                 max_rows: *compact,
             };
-            fk::combine_reduce(
-                &self.gpu,
-                &view,
-                &self.src_ranks,
-                self.ws + CONTROL,
-                self.peers,
-                device_address(&self.gpu, y),
-                *rows,
-                geo.ret_off,
-                f,
-                k,
-                knobs.transport_sms,
-            )?;
-            fk::signal(
-                &self.gpu,
-                self.peers,
-                &self.src_ranks,
-                ns,
-                COMBINE_FLAGS,
-                rank,
-                self.ws + CONTROL,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control
+            // block `self.ws + CONTROL` are live; `view`'s plan numbers are the host plan's in
+            // `nums` (`ns + 1` slab offsets, then the block starts), whose counts keep rows below
+            // the capacity, and `y` holds its `rows` expanded rows; both live in `back` until after
+            // the stream is synchronised below; every workspace holds the return areas at
+            // `geo.ret_off`.
+            unsafe {
+                fk::combine_reduce(
+                    &self.gpu,
+                    &view,
+                    &self.src_ranks,
+                    self.ws + CONTROL,
+                    self.peers,
+                    device_address(&self.gpu, y),
+                    *rows,
+                    geo.ret_off,
+                    f,
+                    k,
+                    knobs.transport_sms,
+                )
+            }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control
+            // block `self.ws + CONTROL` are live; `src_ranks` holds the attention ranks, every
+            // workspace `MAX_WORLD` flags at `COMBINE_FLAGS`.
+            unsafe {
+                fk::signal(
+                    &self.gpu,
+                    self.peers,
+                    &self.src_ranks,
+                    ns,
+                    COMBINE_FLAGS,
+                    rank,
+                    self.ws + CONTROL,
+                )
+            }?;
         }
         if let Some((t, idx, out)) = &mut sums {
-            fk::combine(
-                &self.gpu,
-                self.ws,
-                &self.ffn_ranks,
-                nf,
-                COMBINE_FLAGS,
-                geo.ret_off,
-                &fk::CombineRoutes {
-                    idx,
-                    experts_per_rank: p.experts_per_rank,
-                    capacity: cfg.capacity,
-                    tokens: *t,
-                },
-                k,
-                h,
-                self.ws + CONTROL,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                out,
-                knobs.transport_sms,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, its control block
+            // (token count `t`, set by this round's `bump`) and its error word are live; the
+            // workspace holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at
+            // `geo.ret_off`.
+            unsafe {
+                fk::combine(
+                    &self.gpu,
+                    self.ws,
+                    &self.ffn_ranks,
+                    nf,
+                    COMBINE_FLAGS,
+                    geo.ret_off,
+                    &fk::CombineRoutes {
+                        idx,
+                        experts_per_rank: p.experts_per_rank,
+                        capacity: cfg.capacity,
+                        tokens: *t,
+                    },
+                    k,
+                    h,
+                    self.ws + CONTROL,
+                    timeout_ns,
+                    self.ws + ERROR_WORD,
+                    out,
+                    knobs.transport_sms,
+                )
+            }?;
         }
         self.phase_end(Phase::Combine)?;
         let mut combined = None;

@@ -1,6 +1,6 @@
 //! Fault injection into the fused exchange kernels (cargo feature `fault-injection`; tests
-//! only): the typed faults of the reference record's fault suite and their payload-first and
-//! combine counterparts.
+//! only): the typed faults of the reference record's fault suite (docs/design.md, "The reference
+//! record") and their payload-first and combine counterparts.
 //!
 //! A fault is a set of **points** (`cuda/common/fault.cuh`): a point either delays a store or a
 //! flag release (spinning on `%globaltimer`: the protocol must absorb it, so results stay
@@ -97,7 +97,14 @@ pub fn points_in(file: SourceFile) -> u32 {
         SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | SKIP_OFFSET_WAIT,
         SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT,
         SourceFile::FusedRound => LATE_STATUS,
-        _ => 0,
+        SourceFile::Router
+        | SourceFile::Validate
+        | SourceFile::Layout
+        | SourceFile::Permute
+        | SourceFile::Gemm
+        | SourceFile::Moe
+        | SourceFile::Reference
+        | SourceFile::Fp8 => 0,
     }
 }
 

@@ -26,6 +26,26 @@
 //! codes and scales into the expanded layout along with the dequantised bf16 rows. The payload
 //! kind is a compile-time constant of the kernels (one entry per kind); the slab row layout of
 //! each is [`slab_payload_bytes`] + the metadata.
+//!
+//! # Safety of the launchers
+//!
+//! The launchers of this module, [`super::fused_cf`] and [`super::fused_round`] take device
+//! addresses (`u64`) the kernels read and write, in this rank's workspace and, through the peer
+//! table, in other ranks' workspaces. What the buffers passed as `CudaSlice`s need is checked;
+//! what the addresses need only the caller can promise, so these launchers are `unsafe fn`. Their
+//! `# Safety` sections use these terms, each valid in `ctx`'s context and not freed or reused
+//! until the launched work has finished on `ctx`'s stream:
+//!
+//! - a **live workspace** `ws`: the base of this rank's workspace, 256-byte aligned, large
+//!   enough for every area the geometry arguments name (the slabs of a [`SlabGeometry`], the
+//!   count-first areas of a [`super::fused_cf::CfAreas`], flag areas of one `u32` per rank at the
+//!   flag offsets, return areas at `ret_off`), laid out the same in every rank's workspace;
+//! - a **live peer table** `peers`: a `u64[world]` whose entry r is the base of rank r's
+//!   workspace mapped into this context, each a live workspace of the same layout; every rank a
+//!   launcher is given (a rank list, `me`) is below `world`;
+//! - a **live control block** `ctl`: a round control block of `CTL_WORDS` `u32`
+//!   ([`super::fused_round`]: the control block in the workspace or one of its arm gates);
+//! - a **live error word** `err`: a writable `u32[4]`.
 
 use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -75,12 +95,12 @@ pub const fn slab_row_bytes_for(payload: PayloadKind, hidden: usize, k: usize) -
 }
 
 /// Loads every fused kernel (payload-first with bf16 and fp8 payloads, count-first
-/// ([`super::fused_cf`]) and the device round ([`super::fused_round`])) for `top_k` now (module compiled or read from the cache, and each
-/// function loaded with `cuFuncLoad`), so that no launch during a round loads one lazily: with
-/// CUDA's lazy loading, loading a kernel may synchronise the context, which would deadlock
-/// against a kernel of another rank on the same GPU that spins waiting for this rank's stores
-/// (the CUDA programming guide's lazy-loading caveat). Call it on every rank, then a barrier,
-/// before the first round.
+/// ([`super::fused_cf`]) and the device round ([`super::fused_round`])) for `top_k` now (module
+/// compiled or read from the cache, and each function loaded with `cuFuncLoad`), so that no launch
+/// during a round loads one lazily: with CUDA's lazy loading, loading a kernel may synchronise the
+/// context, which would deadlock against a kernel of another rank on the same GPU that spins
+/// waiting for this rank's stores (the CUDA programming guide's lazy-loading caveat). Call it on
+/// every rank, then a barrier, before the first round.
 pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     let k = as_u32("top_k", top_k)?;
     for id in [
@@ -183,8 +203,16 @@ pub struct SendList<'a> {
 /// Payload-first dispatch (`afdep_fused_dispatch`): stores every send row (payload of `x`,
 /// `tokens × hidden`, then metadata) into this source's (`me`) slab of its destination, through
 /// `peers` (the device address of the peer table). At most `blocks` blocks.
+///
+/// # Safety
+///
+/// `peers` is a live peer table ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); every `send.dst_rank` entry is below its
+/// world, every `send.slab_row` entry below `geo.cap`, every `send.token` entry below `tokens`, and
+/// every workspace holds the slabs of `geo` for every rank (`geo.slab_off + world × cap ×
+/// row_bytes` bytes).
 #[allow(clippy::too_many_arguments)]
-pub fn dispatch(
+pub unsafe fn dispatch(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,
     tokens: usize,
@@ -213,8 +241,15 @@ pub fn dispatch(
 /// row is quantised while it is stored (codes, then `hidden / 128` scales, then the metadata;
 /// [`slab_row_bytes_for`]). `hidden` must be a multiple of 128 and every row that is sent
 /// finite (the engine checks it on the host: `RouteError::NonFinitePayload`).
+///
+/// # Safety
+///
+/// As for [`dispatch`]: `peers` is a live peer table ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); every `send.dst_rank` entry is below its
+/// world, every `send.slab_row` entry below `geo.cap`, every `send.token` entry below `tokens`, and
+/// every workspace holds the slabs of `geo` for every rank.
 #[allow(clippy::too_many_arguments)]
-pub fn dispatch_fp8(
+pub unsafe fn dispatch_fp8(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,
     tokens: usize,
@@ -320,7 +355,13 @@ fn dispatch_payload(
 /// ([`super::fused_round`]) at `flag_off` in the workspace of every rank of `ranks`
 /// (`afdep_fused_signal`, release at system scope), after everything this stream did before;
 /// nothing when the round is skipped.
-pub fn signal(
+///
+/// # Safety
+///
+/// `peers` is a live peer table and `ctl` a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the first `n` entries of `ranks` are
+/// below the peer table's world and every workspace holds `world` u32 flags at `flag_off`.
+pub unsafe fn signal(
     ctx: &GpuContext,
     peers: u64,
     ranks: &CudaSlice<u32>,
@@ -370,8 +411,16 @@ pub struct EpilogueSources<'a> {
 /// every slab row's payload to the expanded rows its metadata names (`expanded` holds
 /// `expanded_rows × hidden`; the caller's metadata names rows below that, and a row past them
 /// is not written). A timeout records [`fault::DISPATCH_WAIT`] in `err`.
+///
+/// # Safety
+///
+/// `ws` is a live workspace and `err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `geo` and `world`
+/// u32 flags at `flag_off`; every `src.rank` entry is below the world, and the slab rows that
+/// `src.slab_starts` counts for each source are below `geo.cap` and hold the metadata its dispatch
+/// stored.
 #[allow(clippy::too_many_arguments)]
-pub fn copy_epilogue(
+pub unsafe fn copy_epilogue(
     ctx: &GpuContext,
     ws: u64,
     src: &EpilogueSources<'_>,
@@ -439,8 +488,16 @@ pub struct Fp8Expanded<'a> {
 /// wait, then every slab row's codes, scales and dequantised values to the expanded rows its
 /// metadata names (`out` holds `expanded_rows` of each; a row past them is not written). A
 /// timeout records [`fault::DISPATCH_WAIT`] in `err`.
+///
+/// # Safety
+///
+/// As for [`copy_epilogue`]: `ws` is a live workspace and `err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `geo` and `world`
+/// u32 flags at `flag_off`; every `src.rank` entry is below the world, and the slab rows that
+/// `src.slab_starts` counts for each source are below `geo.cap` and hold the metadata its dispatch
+/// stored.
 #[allow(clippy::too_many_arguments)]
-pub fn copy_epilogue_fp8(
+pub unsafe fn copy_epilogue_fp8(
     ctx: &GpuContext,
     ws: u64,
     src: &EpilogueSources<'_>,
@@ -541,8 +598,19 @@ pub struct CompactView {
 /// a buffer of the caller's or the expanded area of its workspace), slots ascending,
 /// each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t) 4 hidden`
 /// of workspace `peers[src_ranks[s]]`. Nothing when the control block `ctl`'s verdict is not go.
+///
+/// # Safety
+///
+/// `view.ws` is a live workspace, `peers` a live peer table and `ctl` a live control block
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); `view.slab_offsets` (and
+/// `view.block_starts` when `Some`) is the device address of a live `u64[sources + 1]`
+/// (`u64[experts_per_rank × sources]`) whose counts keep every source's rows below `view.slab.cap`;
+/// the metadata of those rows names expanded rows below `y_rows`; `y` is the device address of
+/// `y_rows × hidden` live bf16; every `src_ranks` entry (at least `view.sources`) is below the
+/// world, and every workspace holds `ffns × cap` return rows of `hidden` f32 at `ret_off` with
+/// `ffn` below `ffns`.
 #[allow(clippy::too_many_arguments)]
-pub fn combine_reduce(
+pub unsafe fn combine_reduce(
     ctx: &GpuContext,
     view: &CompactView,
     src_ranks: &CudaSlice<u32>,
@@ -630,8 +698,15 @@ pub struct CombineRoutes<'a> {
 /// the token (return area at `ret_off`, by FFN index), ascending, summed in f32, cast once. A
 /// timeout records [`fault::COMBINE_WAIT`] in `err`. `ffn_ranks` (ascending) holds `ffns`
 /// ranks.
+///
+/// # Safety
+///
+/// `ws` is a live workspace, `ctl` a live control block (its token count at most
+/// `routes.tokens`) and `err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds `world` u32 flags at
+/// `flag_off` and `ffns × routes.capacity` return rows of `hidden` f32 at `ret_off`.
 #[allow(clippy::too_many_arguments)]
-pub fn combine(
+pub unsafe fn combine(
     ctx: &GpuContext,
     ws: u64,
     ffn_ranks: &CudaSlice<u32>,

@@ -104,7 +104,12 @@ pub struct CfSource<'a> {
 /// The counts kernel (`afdep_cf_counts`): fills `src.slot_pos`, `src.tok_row` and
 /// `src.counts` from `src.idx` (every expert id -1 or below `ffns × epr`) for the token count of
 /// the control block at `ctl` (nothing when the round is skipped). At most `blocks` blocks.
-pub fn counts(
+///
+/// # Safety
+///
+/// `ctl` is a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)) whose token count is at most `src.tokens`.
+pub unsafe fn counts(
     ctx: &GpuContext,
     src: &CfSource<'_>,
     ctl: u64,
@@ -134,8 +139,8 @@ pub fn counts(
     // SAFETY: afdep_cf_counts(const i32* idx, const u32* ctl, u32 nf, u32 epr, u32* slot_pos,
     // u32* tok_row, u64* counts) with K compiled in: reads the caller's live control block,
     // whose token count the caller keeps at most src.tokens; warp w < nf epr + nf reads idx
-    // (tokens × K, checked) and writes slot_pos entries of its expert's slots (tokens × K, checked),
-    // tok_row[t nf + f] (tokens × nf, checked) and counts[w] (nf epr + nf, checked).
+    // (tokens × K, checked) and writes slot_pos entries of its expert's slots (tokens × K,
+    // checked), tok_row[t nf + f] (tokens × nf, checked) and counts[w] (nf epr + nf, checked).
     unsafe { b.launch(grid((ffns * epr + ffns) as u64, blocks)) }
         .map_err(launch_err(KernelId::CfCounts))?;
     Ok(())
@@ -145,8 +150,15 @@ pub fn counts(
 /// gets its local experts' counts and this source's distinct tokens for it in row `me` of its
 /// counts area, then this source's count flag there is raised to the round of the control
 /// block at `ctl` (nothing when the round is skipped).
+///
+/// # Safety
+///
+/// `peers` is a live peer table and `ctl` a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the first `ffns` entries of `ffn_ranks`
+/// and `me` are below the world, and every workspace holds the count-first areas of `areas` (a
+/// counts row and a flag for every rank).
 #[allow(clippy::too_many_arguments)]
-pub fn publish_counts(
+pub unsafe fn publish_counts(
     ctx: &GpuContext,
     counts: &CudaSlice<u64>,
     peers: u64,
@@ -193,10 +205,18 @@ pub fn publish_counts(
 
 /// The FFN rank's (`me`) plan (`afdep_cf_plan`): waits for every source's count flag (at least
 /// the round of the control block at `ctl`, at most `timeout_ns` each; a timeout records
-/// [`fault::COUNTS_WAIT`] in `err`; nothing when the round is skipped), writes the plan into its workspace `ws` and publishes each source's block starts and
-/// offset flag. `src_ranks` holds `sources` ranks, in source order.
+/// [`fault::COUNTS_WAIT`] in `err`; nothing when the round is skipped), writes the plan into its
+/// workspace `ws` and publishes each source's block starts and offset flag. `src_ranks` holds
+/// `sources` ranks, in source order.
+///
+/// # Safety
+///
+/// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block and
+/// `err` a live error word ([the launchers' contract](crate::ops::fused#safety-of-the-launchers));
+/// every workspace holds the count-first areas of `areas` for `sources` sources and `epr` local
+/// experts; the first `sources` entries of `src_ranks` and `me` are below the world.
 #[allow(clippy::too_many_arguments)]
-pub fn plan(
+pub unsafe fn plan(
     ctx: &GpuContext,
     ws: u64,
     peers: u64,
@@ -245,8 +265,14 @@ pub fn plan(
 /// at `flag_off` of this rank's workspace `ws` is `>=` the round of the control block at `ctl`
 /// (at most `timeout_ns` each; nothing when the round is skipped); a
 /// timeout records `code` naming that rank in `err`.
+///
+/// # Safety
+///
+/// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the first `n` entries of
+/// `ranks` are below the world and the workspace holds `world` u32 flags at `flag_off`.
 #[allow(clippy::too_many_arguments)]
-pub fn wait(
+pub unsafe fn wait(
     ctx: &GpuContext,
     ws: u64,
     ranks: &CudaSlice<u32>,
@@ -300,8 +326,17 @@ pub enum CfMode {
 /// local experts) through `peers`; `ws` is this rank's workspace (offsets and offset flags).
 /// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `err`. At most `blocks`
 /// blocks.
+///
+/// # Safety
+///
+/// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block (its
+/// token count at most `src.tokens`) and `err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace holds the slabs of `slab`
+/// and the count-first areas of `areas` (fp8: 16-byte aligned); the first `ffns` entries of
+/// `ffn_ranks` and `me` are below the world; `src` holds what [`counts`] wrote for this round (slab
+/// rows below `slab.cap`).
 #[allow(clippy::too_many_arguments)]
-pub fn dispatch(
+pub unsafe fn dispatch(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,
     src: &CfSource<'_>,
@@ -395,8 +430,16 @@ pub fn dispatch(
 /// [`fault::ROW_WAIT`] in `err`; nothing when the round is skipped). Work
 /// units of `warps_per_unit` warps take runs of at least `min_rows` rows. At most `blocks`
 /// blocks.
+///
+/// # Safety
+///
+/// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the
+/// slabs of `slab` and the count-first areas of `areas` (fp8: 16-byte aligned), and its plan was
+/// written by this rank's [`plan`] earlier on the same stream; the first `sources` entries of
+/// `src_ranks` are below the world.
 #[allow(clippy::too_many_arguments)]
-pub fn stream_epilogue(
+pub unsafe fn stream_epilogue(
     ctx: &GpuContext,
     ws: u64,
     src_ranks: &CudaSlice<u32>,
@@ -470,8 +513,15 @@ pub fn stream_epilogue(
 /// the plan `pv` (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
 /// sources stored ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]). Nothing when the round of the
 /// control block at `ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
+///
+/// # Safety
+///
+/// `ws` is a live workspace and `ctl` a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the count-first areas
+/// of `areas` (fp8, 16-byte aligned) and its plan was written by this rank's [`plan`] earlier on
+/// the same stream.
 #[allow(clippy::too_many_arguments)]
-pub fn dequant(
+pub unsafe fn dequant(
     ctx: &GpuContext,
     ws: u64,
     sources: usize,

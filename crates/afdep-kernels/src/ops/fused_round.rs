@@ -173,8 +173,15 @@ pub struct DeviceRules {
 /// control block, and the arm gates at `gates` ([`ARM_GATES`] × [`CTL_WORDS`] u32). A timeout
 /// records [`FAULT_STATUS_WAIT`] in `err`. `payload`: a source's [`check_payload`] state of the
 /// round (fp8 payloads), whose word is the source's verdict word when its routes pass.
+///
+/// # Safety
+///
+/// `rc.ws` is a live workspace whose control block and status area are at `rc.ctl_off` and
+/// `rc.status_off`, `peers` a live peer table of `world` ranks (`me` below it) whose workspaces all
+/// have this layout, and `err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)).
 #[allow(clippy::too_many_arguments)]
-pub fn begin(
+pub unsafe fn begin(
     ctx: &GpuContext,
     rc: &RoundControl,
     peers: u64,
@@ -296,8 +303,13 @@ fn begin_ffn(
 /// [`afdep_core::RouteError::NonFinitePayload`] word (naming attention index `source`) in
 /// `state` ([`PAYLOAD_STATE_WORDS`], zero before the first round), or zeros. It reads no
 /// verdict (the control block still holds the previous round's). At most `blocks` blocks.
+///
+/// # Safety
+///
+/// `ctl` is a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)).
 #[allow(clippy::too_many_arguments)]
-pub fn check_payload(
+pub unsafe fn check_payload(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,
     idx: &CudaSlice<i32>,
@@ -342,7 +354,12 @@ pub fn check_payload(
 
 /// The round start of a host-planned round (`afdep_round_bump`, one thread): round + 1,
 /// verdict go, token count `tokens` in the control block at `ctl`.
-pub fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), KernelError> {
+///
+/// # Safety
+///
+/// `ctl` is a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)).
+pub unsafe fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), KernelError> {
     let t = as_u32("tokens", tokens)?;
     let f = ctx.function(KernelId::RoundBump, 0, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
@@ -375,7 +392,14 @@ pub struct PlanView {
 /// The reproducible device expert (`afdep_round_experts`): for every expanded row j of the
 /// plan, `y[j] = bf16(f32(x[j]) * scale[l])` with l the row's local expert (`scale` holds
 /// `epr` f32). `y` holds `exp_rows × hidden`. Nothing when the round is skipped.
-pub fn experts(
+///
+/// # Safety
+///
+/// `pv.ws` is a live workspace and `ctl` a live control block ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the plan at
+/// `pv.plan_off` for `pv.epr` experts and `pv.sources` sources, written earlier on the same stream,
+/// and `pv.exp_rows` expanded rows of `pv.hidden` bf16 at `pv.exp_off`.
+pub unsafe fn experts(
     ctx: &GpuContext,
     pv: &PlanView,
     ctl: u64,

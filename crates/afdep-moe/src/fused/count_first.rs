@@ -1,9 +1,9 @@
-//! Count-first dispatch of the fused engine (brief section 4): sources publish per-expert
-//! counts computed on the device, each FFN rank computes its plan (the prefix sums of
-//! [`FfnPlan`], 64-bit) and publishes each source's block starts, and rows then land either
-//! straight in their final expanded rows (the **source arm**, [`DispatchArm::CountFirstSource`])
-//! or in per-source slabs with a per-row readiness flag that a **streaming epilogue** on the FFN
-//! rank waits for row by row ([`DispatchArm::CountFirst`]).
+//! Count-first dispatch of the fused engine (docs/design.md, "Specification: AFD exchange"):
+//! sources publish per-expert counts computed on the device, each FFN rank computes its plan (the
+//! prefix sums of [`FfnPlan`], 64-bit) and publishes each source's block starts, and rows then land
+//! either straight in their final expanded rows (the **source arm**,
+//! [`DispatchArm::CountFirstSource`]) or in per-source slabs with a per-row readiness flag that a
+//! **streaming epilogue** on the FFN rank waits for row by row ([`DispatchArm::CountFirst`]).
 //!
 //! One count-first dispatch, in stream order on every rank (a rank that is both source and FFN
 //! rank runs both columns, in this order, on its one stream, so none of its kernels waits for
@@ -306,35 +306,49 @@ impl FusedEngine {
                 tok_row: &scratch.tok_row,
                 counts: &scratch.counts,
             };
-            cf::counts(&self.gpu, &src, ctl, k, nf, epr, knobs.transport_sms)?;
-            cf::publish_counts(
-                &self.gpu,
-                &scratch.counts,
-                self.peers,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                &a,
-                rank,
-                ctl,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's live
+            // control block; the host validated the routes and bumped the round to
+            // `inp.routes.tokens` tokens, which `src`'s buffers hold.
+            unsafe { cf::counts(&self.gpu, &src, ctl, k, nf, epr, knobs.transport_sms) }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
+            // table, `ctl` the control block; `ffn_ranks` holds the `nf` FFN ranks and `rank` is
+            // below the world; every workspace holds the count-first areas `a` of `geometry`.
+            unsafe {
+                cf::publish_counts(
+                    &self.gpu,
+                    &scratch.counts,
+                    self.peers,
+                    &self.ffn_ranks,
+                    nf,
+                    epr,
+                    &a,
+                    rank,
+                    ctl,
+                )
+            }?;
         }
 
         // 2. FFN rank: plan, offsets
         if ffn_index.is_some() {
-            cf::plan(
-                &self.gpu,
-                self.ws,
-                self.peers,
-                &self.src_ranks,
-                ns,
-                epr,
-                &a,
-                rank,
-                ctl,
-                timeout_ns,
-                err,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers`, `ctl`
+            // and `err` (this workspace's control block and error word) are live; every workspace
+            // holds the areas `a` for `ns` sources and `epr` experts; `src_ranks` holds the `ns`
+            // attention ranks.
+            unsafe {
+                cf::plan(
+                    &self.gpu,
+                    self.ws,
+                    self.peers,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    &a,
+                    rank,
+                    ctl,
+                    timeout_ns,
+                    err,
+                )
+            }?;
         }
 
         // 3. source: the rows
@@ -354,35 +368,46 @@ impl FusedEngine {
                     gate: knobs.payload_gate,
                 },
             };
-            cf::dispatch(
-                &self.gpu,
-                x,
-                &src,
-                k,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                self.peers,
-                self.ws,
-                &slab,
-                &a,
-                rank,
-                mode,
-                ctl,
-                timeout_ns,
-                err,
-                knobs.transport_sms,
-            )?;
-            if arm == DispatchArm::CountFirstSource {
-                fk::signal(
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers`, `ctl`
+            // and `err` are live; every workspace holds the slabs `slab` and the areas `a` (fp8
+            // areas 16-byte aligned: `geometry` aligns every area to 256); `ffn_ranks` holds the
+            // `nf` FFN ranks; `src` holds what `cf::counts` wrote above on this stream.
+            unsafe {
+                cf::dispatch(
                     &self.gpu,
-                    self.peers,
+                    x,
+                    &src,
+                    k,
                     &self.ffn_ranks,
                     nf,
-                    DISPATCH_FLAGS,
+                    epr,
+                    self.peers,
+                    self.ws,
+                    &slab,
+                    &a,
                     rank,
+                    mode,
                     ctl,
-                )?;
+                    timeout_ns,
+                    err,
+                    knobs.transport_sms,
+                )
+            }?;
+            if arm == DispatchArm::CountFirstSource {
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `ctl` are
+                // live; `ffn_ranks` holds the `nf` FFN ranks, every workspace `MAX_WORLD` u32 flags
+                // at `DISPATCH_FLAGS`.
+                unsafe {
+                    fk::signal(
+                        &self.gpu,
+                        self.peers,
+                        &self.ffn_ranks,
+                        nf,
+                        DISPATCH_FLAGS,
+                        rank,
+                        ctl,
+                    )
+                }?;
             }
         }
 
@@ -390,47 +415,62 @@ impl FusedEngine {
         // their dequantisation)
         if ffn_index.is_some() {
             if arm == DispatchArm::CountFirstSource {
-                cf::wait(
-                    &self.gpu,
-                    self.ws,
-                    &self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    ctl,
-                    timeout_ns,
-                    err,
-                    cf::fault::SOURCE_WAIT,
-                )?;
-                if cfg.payload == PayloadKind::Fp8E4m3 {
-                    cf::dequant(
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `ctl` and `err`
+                // are live; `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD`
+                // flags at `DISPATCH_FLAGS`.
+                unsafe {
+                    cf::wait(
                         &self.gpu,
                         self.ws,
+                        &self.src_ranks,
                         ns,
-                        epr,
-                        h,
-                        &a,
+                        DISPATCH_FLAGS,
                         ctl,
-                        k,
-                        knobs.epilogue_sm_cap,
-                    )?;
+                        timeout_ns,
+                        err,
+                        cf::fault::SOURCE_WAIT,
+                    )
+                }?;
+                if cfg.payload == PayloadKind::Fp8E4m3 {
+                    // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and `ctl`
+                    // are live; the workspace holds the fp8 areas `a`, and `cf::plan` above wrote
+                    // the plan on this stream.
+                    unsafe {
+                        cf::dequant(
+                            &self.gpu,
+                            self.ws,
+                            ns,
+                            epr,
+                            h,
+                            &a,
+                            ctl,
+                            k,
+                            knobs.epilogue_sm_cap,
+                        )
+                    }?;
                 }
             } else {
-                cf::stream_epilogue(
-                    &self.gpu,
-                    self.ws,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    k,
-                    &slab,
-                    &a,
-                    knobs.warps_per_unit,
-                    knobs.min_rows_per_unit,
-                    ctl,
-                    timeout_ns,
-                    err,
-                    knobs.epilogue_sm_cap,
-                )?;
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `ctl` and `err`
+                // are live; the workspace holds the slabs `slab` and the areas `a`, `cf::plan`
+                // above wrote the plan on this stream; `src_ranks` holds the `ns` attention ranks.
+                unsafe {
+                    cf::stream_epilogue(
+                        &self.gpu,
+                        self.ws,
+                        &self.src_ranks,
+                        ns,
+                        epr,
+                        k,
+                        &slab,
+                        &a,
+                        knobs.warps_per_unit,
+                        knobs.min_rows_per_unit,
+                        ctl,
+                        timeout_ns,
+                        err,
+                        knobs.epilogue_sm_cap,
+                    )
+                }?;
             }
         }
         self.phase_end(super::Phase::Dispatch)?;

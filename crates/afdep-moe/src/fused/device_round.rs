@@ -853,18 +853,22 @@ impl FusedEngine {
         // 0. source, fp8: the payload check (its word is the verdict word of valid routes)
         if let (Some(s), Some(b)) = (src_index, d.src.as_mut()) {
             if let Some(st) = b.payload.as_mut() {
-                fr::check_payload(
-                    gpu,
-                    &b.x,
-                    &b.idx,
-                    ctl,
-                    cap,
-                    h,
-                    k,
-                    s,
-                    st,
-                    knobs.transport_sms,
-                )?;
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's
+                // live control block.
+                unsafe {
+                    fr::check_payload(
+                        gpu,
+                        &b.x,
+                        &b.idx,
+                        ctl,
+                        cap,
+                        h,
+                        k,
+                        s,
+                        st,
+                        knobs.transport_sms,
+                    )
+                }?;
             }
         }
         // 1. round, validation, verdict (every rank)
@@ -872,20 +876,25 @@ impl FusedEngine {
             (Some(s), Some(b)) => (Some((s, &b.idx, &b.w)), b.payload.as_ref()),
             _ => (None, None),
         };
-        fr::begin(
-            gpu,
-            &rc,
-            peers,
-            world,
-            rank,
-            source,
-            payload,
-            &rules,
-            k,
-            timeout_ns,
-            err,
-            &mut d.gates,
-        )?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `rc` names this live workspace,
+        // its control block (`CONTROL`) and status area (`geo.status`), the same in every workspace
+        // of the live peer table `peers` of `world` ranks; `err` is its error word.
+        unsafe {
+            fr::begin(
+                gpu,
+                &rc,
+                peers,
+                world,
+                rank,
+                source,
+                payload,
+                &rules,
+                k,
+                timeout_ns,
+                err,
+                &mut d.gates,
+            )
+        }?;
 
         // 2. source: counts on the device, published
         let scratch = self.cf_scratch.as_ref();
@@ -901,34 +910,47 @@ impl FusedEngine {
             _ => None,
         };
         if let Some(src) = &cf_src {
-            cf::counts(gpu, src, ctl, k, nf, epr, knobs.transport_sms)?;
-            cf::publish_counts(
-                gpu,
-                src.counts,
-                peers,
-                &self.ffn_ranks,
-                nf,
-                epr,
-                &a,
-                rank,
-                ctl,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is the live control
+            // block, whose token count `afdep_round_begin` keeps at most the capacity `src` holds.
+            unsafe { cf::counts(gpu, src, ctl, k, nf, epr, knobs.transport_sms) }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `peers` and `ctl` are live;
+            // `ffn_ranks` holds the `nf` FFN ranks; every workspace holds the count-first areas
+            // `a`.
+            unsafe {
+                cf::publish_counts(
+                    gpu,
+                    src.counts,
+                    peers,
+                    &self.ffn_ranks,
+                    nf,
+                    epr,
+                    &a,
+                    rank,
+                    ctl,
+                )
+            }?;
         }
         // 3. FFN (count-first): plan and offsets before the rows
         if let (Some(_), Some(c)) = (ffn_index, gate(CF | SRC)) {
-            cf::plan(
-                gpu,
-                ws,
-                peers,
-                &self.src_ranks,
-                ns,
-                epr,
-                &a,
-                rank,
-                c,
-                timeout_ns,
-                err,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
+            // live, `c` is the control block or one of the live arm gates of `d.gates`
+            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
+            // attention ranks.
+            unsafe {
+                cf::plan(
+                    gpu,
+                    ws,
+                    peers,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    &a,
+                    rank,
+                    c,
+                    timeout_ns,
+                    err,
+                )
+            }?;
         }
         let l = Launch {
             gpu,
@@ -1148,36 +1170,48 @@ impl Launch<'_> {
                 },
                 A::PayloadFirst => CfMode::Stream { gate: false },
             };
-            cf::dispatch(
-                gpu,
-                &b.x,
-                src,
-                k,
-                self.ffn_ranks,
-                nf,
-                epr,
-                self.peers,
-                self.ws,
-                &self.slab,
-                &self.a,
-                self.rank,
-                mode,
-                c,
-                self.timeout_ns,
-                self.err,
-                knobs.transport_sms,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers` and
+            // `self.err` are live, `c` is the control block or one of the live arm gates of
+            // `d.gates` (`arm_gate`); every workspace holds the slabs and the areas `a` (256-byte
+            // aligned); `ffn_ranks` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
+            // earlier on this stream.
+            unsafe {
+                cf::dispatch(
+                    gpu,
+                    &b.x,
+                    src,
+                    k,
+                    self.ffn_ranks,
+                    nf,
+                    epr,
+                    self.peers,
+                    self.ws,
+                    &self.slab,
+                    &self.a,
+                    self.rank,
+                    mode,
+                    c,
+                    self.timeout_ns,
+                    self.err,
+                    knobs.transport_sms,
+                )
+            }?;
         }
         if let Some(c) = self.gate(PF | SRC) {
-            fk::signal(
-                gpu,
-                self.peers,
-                self.ffn_ranks,
-                nf,
-                DISPATCH_FLAGS,
-                self.rank,
-                c,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is live, `c` is
+            // the control block or one of the live arm gates of `d.gates` (`arm_gate`); `ffn_ranks`
+            // holds the `nf` FFN ranks, every workspace `MAX_WORLD` flags at `DISPATCH_FLAGS`.
+            unsafe {
+                fk::signal(
+                    gpu,
+                    self.peers,
+                    self.ffn_ranks,
+                    nf,
+                    DISPATCH_FLAGS,
+                    self.rank,
+                    c,
+                )
+            }?;
         }
         Ok(())
     }
@@ -1192,64 +1226,92 @@ impl Launch<'_> {
         let (ws, peers, rank, a) = (self.ws, self.peers, self.rank, &self.a);
         let (timeout_ns, err) = (self.timeout_ns, self.err);
         if let Some(c) = self.gate(PF) {
-            cf::wait(
-                gpu,
-                ws,
-                self.src_ranks,
-                ns,
-                DISPATCH_FLAGS,
-                c,
-                timeout_ns,
-                err,
-                fk::fault::DISPATCH_WAIT,
-            )?;
-            cf::plan(
-                gpu,
-                ws,
-                peers,
-                self.src_ranks,
-                ns,
-                epr,
-                a,
-                rank,
-                c,
-                timeout_ns,
-                err,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
+            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
+            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
+            // `DISPATCH_FLAGS`.
+            unsafe {
+                cf::wait(
+                    gpu,
+                    ws,
+                    self.src_ranks,
+                    ns,
+                    DISPATCH_FLAGS,
+                    c,
+                    timeout_ns,
+                    err,
+                    fk::fault::DISPATCH_WAIT,
+                )
+            }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
+            // live, `c` is the control block or one of the live arm gates of `d.gates`
+            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
+            // attention ranks.
+            unsafe {
+                cf::plan(
+                    gpu,
+                    ws,
+                    peers,
+                    self.src_ranks,
+                    ns,
+                    epr,
+                    a,
+                    rank,
+                    c,
+                    timeout_ns,
+                    err,
+                )
+            }?;
         }
         if let Some(c) = self.gate(SRC) {
-            cf::wait(
-                gpu,
-                ws,
-                self.src_ranks,
-                ns,
-                DISPATCH_FLAGS,
-                c,
-                timeout_ns,
-                err,
-                cf::fault::SOURCE_WAIT,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
+            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
+            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
+            // `DISPATCH_FLAGS`.
+            unsafe {
+                cf::wait(
+                    gpu,
+                    ws,
+                    self.src_ranks,
+                    ns,
+                    DISPATCH_FLAGS,
+                    c,
+                    timeout_ns,
+                    err,
+                    cf::fault::SOURCE_WAIT,
+                )
+            }?;
             if cfg.payload == PayloadKind::Fp8E4m3 {
-                cf::dequant(gpu, ws, ns, epr, h, a, c, k, knobs.epilogue_sm_cap)?;
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` is live, `c` is the
+                // control block or one of the live arm gates of `d.gates` (`arm_gate`); the
+                // workspace holds the fp8 areas `a`, whose plan this rank's `cf::plan` wrote
+                // earlier on this stream.
+                unsafe { cf::dequant(gpu, ws, ns, epr, h, a, c, k, knobs.epilogue_sm_cap) }?;
             }
         }
         if let Some(c) = self.gate(PF | CF) {
-            cf::stream_epilogue(
-                gpu,
-                ws,
-                self.src_ranks,
-                ns,
-                epr,
-                k,
-                &self.slab,
-                a,
-                knobs.warps_per_unit,
-                knobs.min_rows_per_unit,
-                c,
-                timeout_ns,
-                err,
-                knobs.epilogue_sm_cap,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
+            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`); the
+            // workspace holds the slabs and the areas `a`, whose plan this rank's `cf::plan` wrote
+            // earlier on this stream; `src_ranks` holds the `ns` attention ranks.
+            unsafe {
+                cf::stream_epilogue(
+                    gpu,
+                    ws,
+                    self.src_ranks,
+                    ns,
+                    epr,
+                    k,
+                    &self.slab,
+                    a,
+                    knobs.warps_per_unit,
+                    knobs.min_rows_per_unit,
+                    c,
+                    timeout_ns,
+                    err,
+                    knobs.epilogue_sm_cap,
+                )
+            }?;
         }
         Ok(())
     }
@@ -1287,14 +1349,21 @@ impl Launch<'_> {
         };
         match (fb.identity, fb.swiglu.as_mut()) {
             (true, _) => {}
-            (false, None) => fr::experts(
-                gpu,
-                &pv,
-                self.ctl,
-                &fb.scale,
-                &mut fb.y,
-                knobs.transport_sms,
-            )?,
+            (false, None) => {
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `pv.ws` and `self.ctl` are
+                // live; `pv` names the plan and expanded area of `geometry`'s count-first areas,
+                // the plan written earlier on this stream.
+                unsafe {
+                    fr::experts(
+                        gpu,
+                        &pv,
+                        self.ctl,
+                        &fb.scale,
+                        &mut fb.y,
+                        knobs.transport_sms,
+                    )
+                }?
+            }
             (false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
         }
         let y = if fb.identity {
@@ -1319,29 +1388,42 @@ impl Launch<'_> {
                 block_starts,
                 max_rows: (ns * cap) as u64,
             };
-            fk::combine_reduce(
-                gpu,
-                &view,
-                self.src_ranks,
-                c,
-                self.peers,
-                y,
-                a.exp_rows as usize,
-                self.ret_off,
-                f,
-                k,
-                knobs.transport_sms,
-            )?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` (`view.ws`) and
+            // `self.peers` are live, `c` is the control block or one of the live arm gates of
+            // `d.gates` (`arm_gate`); `view`'s plan numbers are the plan's, in this workspace,
+            // whose counts keep rows below the capacity; `y` is `fb.y` or the expanded area, both
+            // `a.exp_rows` rows; every workspace holds the return areas at `ret_off`, `src_ranks`
+            // the `ns` attention ranks.
+            unsafe {
+                fk::combine_reduce(
+                    gpu,
+                    &view,
+                    self.src_ranks,
+                    c,
+                    self.peers,
+                    y,
+                    a.exp_rows as usize,
+                    self.ret_off,
+                    f,
+                    k,
+                    knobs.transport_sms,
+                )
+            }?;
         }
-        fk::signal(
-            gpu,
-            self.peers,
-            self.src_ranks,
-            ns,
-            COMBINE_FLAGS,
-            self.rank,
-            self.ctl,
-        )?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `self.ctl` are
+        // live; `src_ranks` holds the `ns` attention ranks, every workspace `MAX_WORLD` flags at
+        // `COMBINE_FLAGS`.
+        unsafe {
+            fk::signal(
+                gpu,
+                self.peers,
+                self.src_ranks,
+                ns,
+                COMBINE_FLAGS,
+                self.rank,
+                self.ctl,
+            )
+        }?;
         Ok(())
     }
 
@@ -1349,27 +1431,32 @@ impl Launch<'_> {
     fn source_combine(&self, b: &mut SourceBufs) -> Result<(), ExchangeError> {
         let cfg = self.cfg;
         let p = cfg.placement();
-        fk::combine(
-            self.gpu,
-            self.ws,
-            self.ffn_ranks,
-            p.ffn_ranks,
-            COMBINE_FLAGS,
-            self.ret_off,
-            &fk::CombineRoutes {
-                idx: &b.idx,
-                experts_per_rank: p.experts_per_rank,
-                capacity: cfg.capacity,
-                tokens: cfg.capacity,
-            },
-            cfg.top_k,
-            cfg.hidden,
-            self.ctl,
-            self.timeout_ns,
-            self.err,
-            &mut b.out,
-            cfg.knobs.transport_sms,
-        )?;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.ctl` and
+        // `self.err` are live (the token count at most the capacity `b.idx` holds); the workspace
+        // holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at `ret_off`.
+        unsafe {
+            fk::combine(
+                self.gpu,
+                self.ws,
+                self.ffn_ranks,
+                p.ffn_ranks,
+                COMBINE_FLAGS,
+                self.ret_off,
+                &fk::CombineRoutes {
+                    idx: &b.idx,
+                    experts_per_rank: p.experts_per_rank,
+                    capacity: cfg.capacity,
+                    tokens: cfg.capacity,
+                },
+                cfg.top_k,
+                cfg.hidden,
+                self.ctl,
+                self.timeout_ns,
+                self.err,
+                &mut b.out,
+                cfg.knobs.transport_sms,
+            )
+        }?;
         Ok(())
     }
 }
