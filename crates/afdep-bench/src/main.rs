@@ -32,6 +32,7 @@ mod report_png;
 mod safetensors_guard;
 mod shapes;
 mod tensor_file;
+mod trace_report;
 
 #[cfg(test)]
 mod fuzz_inputs;
@@ -86,6 +87,8 @@ enum ReportCmd {
     /// The MoE layer against the peers: a markdown table of ratios (written between marker
     /// comments of a document) and a PNG chart.
     Moe(report::ReportMoeArgs),
+    /// A timeline PNG of one round of an `afdep exchange --trace` file, and its phases as text.
+    Trace(trace_report::ReportTraceArgs),
 }
 
 /// A comma-separated list of token counts (`1,8,2048`; `16k` and `1M` allowed).
@@ -142,6 +145,7 @@ fn main() -> Result<()> {
         Cmd::ExchangeArms(a) => arms_cmd::run(a),
         Cmd::Launch(a) => launch_cmd::run(a),
         Cmd::Report(ReportCmd::Moe(a)) => Ok(report::run(a)?),
+        Cmd::Report(ReportCmd::Trace(a)) => trace_report::run(a),
         Cmd::Kernels { digest } => {
             if digest {
                 println!("{}", afdep_kernels::source_digest());

@@ -20,7 +20,8 @@ const SIZE: (u32, u32) = (1600, 700);
 /// Image size of a suite's speed-up chart (panels stacked: room for 15 cells' labels).
 const SUITE_SIZE: (u32, u32) = (2200, 1000);
 
-fn register_font() -> Result<(), String> {
+/// Registers the embedded font (once): every chart of the crate calls it before drawing.
+pub(crate) fn register_font() -> Result<(), String> {
     static DONE: OnceLock<Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
         plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())

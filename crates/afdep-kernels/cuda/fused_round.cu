@@ -12,6 +12,7 @@
 // the control block and its arm gates, and every later kernel of the round skips when its
 // control block (or gate) is not go. afdep_round_bump is the host-planned round's counterpart
 // (routes validated on the host): round + 1, verdict go, the token count.
+// afdep_round_stamp: a timestamp of a traced round's phase boundary.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
 // the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
 // reads the compact view and the device plan; its source half needs only the routes).
@@ -158,6 +159,17 @@ extern "C" __global__ void afdep_round_bump(u32* ctl, u32 tokens) {
     ctl[AFDEP_CTL_ROUND] += 1;
     ctl[AFDEP_CTL_VERDICT] = AFDEP_CTL_GO;
     ctl[AFDEP_CTL_TOKENS] = tokens;
+}
+
+// One thread: the device's global nanosecond timer (%globaltimer) into stamps[slot]: a phase
+// boundary of a traced round (afdep_moe::fused::trace). Launched between two kernels of the
+// rank's stream, it runs after the first finished and before the second starts; inside a
+// captured graph it is a kernel node like the others, so replays stamp too.
+extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slot) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    stamps[slot] = t;
 }
 
 // The local expert of expanded row j: the last l < epr with eo[l] <= j (eo: epr + 1 offsets).

@@ -333,6 +333,8 @@ kernel_registry! {
         RoundExperts = "afdep_round_experts",
         /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
         RoundCheckPayload = "afdep_round_check_payload",
+        /// `afdep_round_stamp`: `%globaltimer` into one slot of a traced round's stamps.
+        RoundStamp = "afdep_round_stamp",
     }
     /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device
     /// functions (not specialised).

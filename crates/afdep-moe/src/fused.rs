@@ -157,6 +157,7 @@ mod count_first;
 pub mod device_round;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+mod trace;
 pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
 
 /// Byte offset of the dispatch flags in every workspace.

@@ -41,7 +41,7 @@ pub use error::ExchangeError;
 pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use round::{
-    DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseTimes, RankOutcome, RoundArm,
-    RoundOutput, run_group,
+    DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,
+    RoundArm, RoundOutput, RoundTrace, TracePhase, run_group,
 };
 pub use staged::StagedEngine;

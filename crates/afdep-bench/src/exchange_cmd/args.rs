@@ -234,6 +234,21 @@ pub struct ExchangeArgs {
     /// within the bf16 tolerance).
     #[arg(long)]
     pub graph: bool,
+    /// Run eager *device* rounds (`--backend cuda` only): each round launches, one by one, the
+    /// kernels a `--graph` capture holds (routes validated, counts and plan made on the device),
+    /// with the experts on the device as with `--graph`; rows have `mode` `device` and
+    /// `round_us` from CUDA events around the round's launches. (Without it, eager rounds of the
+    /// fused engine are host-planned: status and counts on the host.)
+    #[arg(long, conflicts_with = "graph")]
+    pub device_rounds: bool,
+    /// Write a timeline of every timed round to FILE as Chrome-trace / Perfetto JSON
+    /// (`chrome://tracing`, ui.perfetto.dev): device timestamps (`%globaltimer`) at every
+    /// phase boundary of every rank, eager (`--device-rounds`) or inside graph replays
+    /// (`--graph`); one track per rank, one process per token count. Rows then also carry
+    /// `phases_us`. Stamps add a small kernel per phase: take latency tables from untraced runs.
+    /// `afdep report trace --trace FILE --png OUT` draws it. Ranks as threads only.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
     /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
     #[arg(long)]
     pub topology: Option<Topology>,
@@ -348,6 +363,21 @@ pub struct Resolved {
 }
 
 impl ExchangeArgs {
+    /// Whether the rounds are device rounds with device experts (`--graph` or
+    /// `--device-rounds`).
+    pub fn device_experts(&self) -> bool {
+        self.graph || self.device_rounds
+    }
+
+    /// The rows' `mode`: `graph`, `device` or `eager`.
+    pub fn mode(&self) -> &'static str {
+        match (self.graph, self.device_rounds) {
+            (true, _) => "graph",
+            (false, true) => "device",
+            (false, false) => "eager",
+        }
+    }
+
     /// Merges the config file (if any), the flags and the defaults, checks the result, and
     /// picks the engine. Errors name the file and field, or the flag.
     pub fn resolve(&self) -> Result<Resolved> {
@@ -460,19 +490,33 @@ pub(super) fn staged_recv_bytes(cfg: &ExchangeConfig) -> usize {
     dispatch.max(combine).max(1)
 }
 
-/// The checks of `--graph` against the other flags (a clear error).
+/// The checks of `--graph`, `--device-rounds` and `--trace` against the other flags (a clear
+/// error).
 pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
-    if !a.graph {
+    if a.trace.is_some() {
+        if !a.device_experts() {
+            bail!("--trace times the phases of device rounds: it needs --graph or --device-rounds");
+        }
+        if a.multi_process {
+            bail!("--trace: ranks as threads only (not with --multi-process)");
+        }
+    }
+    if !a.device_experts() {
         return Ok(());
     }
+    let flag = if a.graph {
+        "--graph"
+    } else {
+        "--device-rounds"
+    };
     if a.backend != Backend::Cuda {
         bail!(
-            "--graph replays CUDA graphs of the fused engine's device rounds: it needs \
-             --backend cuda (with --transport nvlink)"
+            "{flag} runs the fused engine's device rounds: it needs --backend cuda (with \
+             --transport nvlink)"
         );
     }
     if let Some(Fault::Abort { .. }) = a.fault {
-        bail!("--fault abort@..: not with --graph (the experts run on the device)");
+        bail!("--fault abort@..: not with {flag} (the experts run on the device)");
     }
     Ok(())
 }

@@ -56,13 +56,14 @@ mod rounds;
 mod rows;
 #[cfg(test)]
 mod tests;
+mod trace_file;
 
 use std::io::Write;
 
 use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
-use afdep_moe::{ExchangeEngine, StagedEngine};
+use afdep_moe::{ExchangeEngine, RoundTrace, StagedEngine};
 use afdep_transport::{AnyTransport, RendezvousEnv, TransportKind};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -108,6 +109,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         _ => None,
     };
     let mut rows = Vec::new();
+    let mut timelines = Vec::new();
     for prob in &probs {
         let outcome = match &mut mp {
             None => {
@@ -126,6 +128,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     per_round: times,
                     rejected,
                     combined: Vec::new(),
+                    traces: Vec::new(),
                 }
             }
         };
@@ -141,6 +144,25 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         if let Some(p) = &a.output {
             write_output(p, prob, &outcome.combined)?;
         }
+        if a.trace.is_some() {
+            timelines.push(trace_file::Timeline {
+                label: format!(
+                    "{} {} {} {}, tokens {:?}",
+                    res.cfg.topology,
+                    a.mode(),
+                    a.arm,
+                    res.cfg.payload,
+                    prob.inputs
+                        .iter()
+                        .map(|i| i.routes.tokens)
+                        .collect::<Vec<_>>()
+                ),
+                roles: (0..res.cfg.topology.world_size())
+                    .map(|r| trace_file::role_of(&res.cfg.topology, r))
+                    .collect(),
+                traces: outcome.traces.clone(),
+            });
+        }
         if outcome.status == "mismatch" {
             bail!(
                 "the {} engine's result differs from the oracle's exchange reference",
@@ -152,6 +174,11 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if let Some(p) = &a.trace {
+        trace_file::write(p, &timelines)
+            .with_context(|| format!("writing the trace {}", p.display()))?;
+        eprintln!("trace: {} ({} token counts)", p.display(), timelines.len());
+    }
     if me == 0 && !rows.is_empty() {
         let t = table(&rows);
         eprint!("{t}");
@@ -283,7 +310,7 @@ fn multi_process_rank(
         .with_context(|| format!("rank {}: setting up {kind}", env.rank))?;
     Ok(Some(match res.engine {
         EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
-        EngineKind::Fused => fused_rank(a, cfg, t, rank_params(probs, a.graph)?)?,
+        EngineKind::Fused => fused_rank(a, cfg, t, rank_params(probs, a.device_experts())?)?,
     }))
 }
 
@@ -304,7 +331,10 @@ fn progress_bar(a: &ExchangeArgs, res: &Resolved, me: usize, problems: usize) ->
         res.engine.name(),
         res.kind,
         a.arm,
-        if a.graph { " (graph)" } else { "" }
+        match a.mode() {
+            "eager" => String::new(),
+            m => format!(" ({m})"),
+        }
     ));
     bar
 }
@@ -316,6 +346,8 @@ struct Outcome {
     per_round: Vec<RoundTimes>,
     rejected: usize,
     combined: Vec<Vec<bf16>>,
+    /// Every rank's timelines of its timed rounds (`--trace`), `[rank][round]`.
+    traces: Vec<Vec<RoundTrace>>,
 }
 
 /// The outcome of a threaded problem from every rank's run: the attention ranks' last combined
@@ -352,6 +384,7 @@ fn threaded_outcome(a: &ExchangeArgs, prob: &Problem, runs: &[RankRun]) -> Resul
         per_round: slowest(&times),
         rejected: runs[0].rejected,
         combined,
+        traces: runs.iter().map(|r| r.traces.clone()).collect(),
     })
 }
 
@@ -360,13 +393,13 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
     let (cfg, kind, engine) = (&res.cfg, res.kind, res.engine);
     let per_round = &out.per_round;
     let col = |f: fn(&RoundTimes) -> f64| median(per_round.iter().map(f).collect());
-    let round_us = match (engine, a.graph) {
+    let round_us = match (engine, a.device_experts()) {
         (EngineKind::Fused, true) => col(|t| t.round),
         (EngineKind::Fused, false) => col(|t| t.dispatch + t.combine),
         (EngineKind::Staged, _) => col(|t| t.wall),
     };
-    // graph replays have no phases (per-phase times come from eager rounds)
-    let phase = |f: fn(&RoundTimes) -> f64| (!a.graph).then(|| col(f));
+    // device rounds time the whole round (per-phase times: `phases_us` from their traces)
+    let phase = |f: fn(&RoundTimes) -> f64| (!a.device_experts()).then(|| col(f));
     ExchangeRow {
         topology: cfg.topology.to_string(),
         engine: engine.name().into(),
@@ -397,13 +430,14 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
             EngineKind::Staged => "host",
         }
         .into(),
-        mode: if a.graph { "graph" } else { "eager" }.into(),
+        mode: a.mode().into(),
         round_us,
         wall_us: col(|t| t.wall),
         counts_us: col(|t| t.counts),
         dispatch_us: phase(|t| t.dispatch),
         experts_us: col(|t| t.experts),
         combine_us: phase(|t| t.combine),
+        phases_us: (!out.traces.is_empty()).then(|| trace_file::phase_medians(&out.traces)),
         status: out.status.to_string(),
         kernel_digest: afdep_kernels::source_digest(),
         pid: std::process::id(),

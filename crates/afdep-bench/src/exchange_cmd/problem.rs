@@ -29,8 +29,8 @@ pub(super) fn rank_params(probs: &[Problem], graph: bool) -> Result<Option<&Laye
     let first = probs.first().and_then(|p| p.params.as_ref());
     if graph && probs.iter().any(|p| p.params.as_ref() != first) {
         bail!(
-            "--graph captures the device experts once: every --input must carry the same \
-             SwiGLU parameters (w1, w3, w2), or none"
+            "--graph and --device-rounds prepare the device experts once: every --input must \
+             carry the same SwiGLU parameters (w1, w3, w2), or none"
         );
     }
     Ok(first)
@@ -162,10 +162,10 @@ pub(super) fn check_fault(fault: Option<Fault>, prob: &Problem, multi_process: b
 }
 
 /// Whether a rank's combined rows match the oracle's: bit for bit, except the device SwiGLU
-/// experts of graph mode (the grouped GEMM), which must be within the layer output's bf16
+/// experts of device rounds (`--graph`, `--device-rounds`: the grouped GEMM), which must be within the layer output's bf16
 /// tolerance ([`afdep_moe::accuracy::OUT_TOL`]).
 pub(super) fn matches_reference(a: &ExchangeArgs, got: &[bf16], want: &[bf16]) -> bool {
-    match (a.graph, a.expert) {
+    match (a.device_experts(), a.expert) {
         (true, ExpertArg::Swiglu) => {
             got.len() == want.len()
                 && afdep_moe::accuracy::max_rel_err(got, want) <= afdep_moe::accuracy::OUT_TOL

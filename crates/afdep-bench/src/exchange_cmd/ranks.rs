@@ -11,7 +11,8 @@ use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeEngine, ExchangeError, ExpertFn,
-    FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, StagedEngine, run_group,
+    FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, RoundTrace, StagedEngine,
+    run_group,
 };
 use afdep_transport::{AnyTransport, Bootstrap, Transport, TransportError, TransportKind};
 use anyhow::{Context, Result, bail};
@@ -142,16 +143,25 @@ pub(super) struct GraphRank {
     pub(super) eng: FusedEngine,
 }
 
-/// A [`GraphRank`] on this rank's NvlinkIpc transport: device experts from `expert` (the
-/// identity with no expert kernel, exact; or the SwiGLU experts of `params`), the arm selected
-/// (`auto`: the rule, on the device), then the capture (collective).
-pub(super) fn graph_rank(
+/// One rank of a `--device-rounds` run: its fused engine with device rounds prepared and round
+/// timing on; each round is an eager device round of `arm`.
+pub(super) struct DeviceRank {
+    pub(super) eng: FusedEngine,
+    pub(super) arm: RoundArm,
+}
+
+/// This rank's fused engine over its NvlinkIpc transport with device rounds prepared (device
+/// experts from `expert`: the identity with no expert kernel, exact; or the SwiGLU experts of
+/// `params`), round timing on, tracing on with `trace`, and the arm selected (`auto`: the
+/// rule, on the device).
+fn device_engine(
     cfg: &ExchangeConfig,
     t: AnyTransport,
     arm: ArmArg,
     expert: ExpertArg,
     params: Option<&LayerParams>,
-) -> Result<GraphRank> {
+    trace: bool,
+) -> Result<FusedEngine> {
     let t = t
         .into_nvlink()
         .map_err(|t| anyhow::anyhow!("the fused engine needs nvlink, got {}", t.kind()))?;
@@ -166,9 +176,50 @@ pub(super) fn graph_rank(
         keep_received: false,
     })?;
     eng.set_round_timing(true)?;
+    if trace {
+        eng.set_trace(true)?;
+    }
     select_arm(&mut eng, arm)?;
+    Ok(eng)
+}
+
+/// A [`GraphRank`]: [`device_engine`], then the capture (collective).
+pub(super) fn graph_rank(
+    cfg: &ExchangeConfig,
+    t: AnyTransport,
+    arm: ArmArg,
+    expert: ExpertArg,
+    params: Option<&LayerParams>,
+    trace: bool,
+) -> Result<GraphRank> {
+    let mut eng = device_engine(cfg, t, arm, expert, params, trace)?;
     let graph = eng.capture(round_arm(arm))?;
     Ok(GraphRank { graph, eng })
+}
+
+impl ExchangeEngine for DeviceRank {
+    fn rank(&self) -> usize {
+        self.eng.rank()
+    }
+    fn round(
+        &mut self,
+        input: Option<&SourceInput>,
+        _expert: &dyn ExpertFn,
+    ) -> Result<RoundOutput, ExchangeError> {
+        self.eng.device_round(self.arm, input)
+    }
+    fn barrier(&mut self) -> Result<(), TransportError> {
+        self.eng.transport_mut().barrier()
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.eng.transport_mut().all_gather(mine)
+    }
+    fn round_time(&self) -> Option<Duration> {
+        self.eng.last_round_time()
+    }
+    fn round_trace(&self) -> Option<RoundTrace> {
+        self.eng.last_trace().cloned()
+    }
 }
 
 impl ExchangeEngine for GraphRank {
@@ -191,19 +242,30 @@ impl ExchangeEngine for GraphRank {
     fn round_time(&self) -> Option<Duration> {
         self.eng.last_round_time()
     }
+    fn round_trace(&self) -> Option<RoundTrace> {
+        self.eng.last_trace().cloned()
+    }
 }
 
-/// This rank's fused engine of the run: eager rounds ([`fused_engine`]), or with `--graph`
-/// graph replays ([`graph_rank`], device experts from `params`).
+/// This rank's fused engine of the run: host-planned eager rounds ([`fused_engine`]), with
+/// `--graph` graph replays ([`graph_rank`]), with `--device-rounds` eager device rounds
+/// ([`DeviceRank`]); device experts from `params`.
 pub(super) fn fused_rank(
     a: &ExchangeArgs,
     cfg: &ExchangeConfig,
     t: AnyTransport,
     params: Option<&LayerParams>,
 ) -> Result<Box<dyn ExchangeEngine>> {
-    Ok(match a.graph {
-        true => Box::new(graph_rank(cfg, t, a.arm, a.expert, params)?),
-        false => Box::new(fused_engine(cfg, t, a.arm)?),
+    let trace = a.trace.is_some();
+    Ok(if a.graph {
+        Box::new(graph_rank(cfg, t, a.arm, a.expert, params, trace)?)
+    } else if a.device_rounds {
+        Box::new(DeviceRank {
+            eng: device_engine(cfg, t, a.arm, a.expert, params, trace)?,
+            arm: round_arm(a.arm),
+        })
+    } else {
+        Box::new(fused_engine(cfg, t, a.arm)?)
     })
 }
 
@@ -220,7 +282,7 @@ pub(super) fn run_fused_threads(
     let group = AnyTransport::group(res.kind, world, &res.options)?;
     let outcomes = run_group(
         group,
-        |_, t| fused_rank(a, &res.cfg, t, rank_params(probs, a.graph)?),
+        |_, t| fused_rank(a, &res.cfg, t, rank_params(probs, a.device_experts())?),
         |rank, eng| {
             let mut out = Vec::with_capacity(probs.len());
             for prob in probs {

@@ -5,7 +5,7 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use afdep_core::bf16;
-use afdep_moe::{ExchangeEngine, ExchangeError, RoundOutput};
+use afdep_moe::{ExchangeEngine, ExchangeError, RoundOutput, RoundTrace};
 use afdep_transport::TransportError;
 use anyhow::{Context, Result, bail};
 
@@ -64,6 +64,9 @@ pub(super) struct RankRun {
     pub(super) times: Vec<RoundTimes>,
     /// Timed rounds rejected as injected.
     pub(super) rejected: usize,
+    /// The timeline of each timed, not rejected round, where the engine traces
+    /// ([`ExchangeEngine::round_trace`]; `--trace`).
+    pub(super) traces: Vec<RoundTrace>,
 }
 
 /// Runs `warmup + rounds` rounds of `prob` on this rank's engine (faults applied), a barrier
@@ -91,6 +94,7 @@ pub(super) fn rank_rounds(
         last: None,
         times: Vec::with_capacity(rounds),
         rejected: 0,
+        traces: Vec::new(),
     };
     for i in 0..warmup + rounds {
         let timed = i.checked_sub(warmup);
@@ -159,6 +163,7 @@ pub(super) fn rank_rounds(
                 combine,
                 round: eng.round_time().map_or(f64::NAN, us),
             });
+            run.traces.extend(eng.round_trace());
         }
         run.last = Some(out);
     }

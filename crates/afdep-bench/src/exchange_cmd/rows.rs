@@ -48,8 +48,9 @@ pub struct ExchangeRow {
     /// whole replay) or `host` (staged engine: wall time of the whole round, experts included,
     /// and of each phase, slowest rank).
     pub timing: String,
-    /// `eager` (rounds launched kernel by kernel from the host) or `graph` (`--graph`: replays
-    /// of a captured device round; no per-phase times).
+    /// `eager` (host-planned rounds launched kernel by kernel), `device` (`--device-rounds`:
+    /// eager device rounds) or `graph` (`--graph`: replays of a captured device round); the
+    /// last two have per-phase times only with `--trace` (`phases_us`).
     #[serde(default = "eager")]
     pub mode: String,
     /// Median time of a round, µs (see `timing`).
@@ -65,6 +66,12 @@ pub struct ExchangeRow {
     pub experts_us: f64,
     /// Median combine phase (slowest rank), µs; `null` in graph mode.
     pub combine_us: Option<f64>,
+    /// With `--trace`: per phase of a device round (`begin`, `counts`, `plan`, `rows`,
+    /// `epilogue`, `experts`, `combine`, ...), the median over the timed rounds of the slowest
+    /// rank's span on the device timer, µs (traced rounds: each phase boundary is a stamp
+    /// kernel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases_us: Option<std::collections::BTreeMap<String, f64>>,
     /// `ok`, `mismatch` (against the oracle), or `unverified`.
     pub status: String,
     /// Digest of the kernel sources.

@@ -33,6 +33,7 @@ fn row(mode: &str, phases: Option<f64>) -> ExchangeRow {
         dispatch_us: phases,
         experts_us: 0.0,
         combine_us: phases,
+        phases_us: None,
         status: "ok".into(),
         kernel_digest: "d".into(),
         pid: 7,

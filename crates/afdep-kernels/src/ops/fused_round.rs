@@ -370,6 +370,28 @@ pub unsafe fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), Kern
     Ok(())
 }
 
+/// A phase boundary of a traced round (`afdep_round_stamp`, one thread): the device's global
+/// nanosecond timer (`%globaltimer`) into `stamps[slot]`, queued on the context's stream
+/// between the launches it separates (captured into a graph like any launch). The timer's
+/// resolution is the GPU's (about 1 µs where the driver updates it at 1 MHz, finer under a
+/// profiler).
+pub fn stamp(
+    ctx: &GpuContext,
+    stamps: &mut CudaSlice<u64>,
+    slot: usize,
+) -> Result<(), KernelError> {
+    need("the stamp buffer", stamps, slot + 1)?;
+    let s = as_u32("slot", slot)?;
+    let f = ctx.function(KernelId::RoundStamp, 0, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(stamps).arg(&s);
+    // SAFETY: afdep_round_stamp(u64* stamps, u32 slot), one thread: writes stamps[slot], which
+    // lies in the buffer (checked above); the buffer is borrowed for the launch and lives on
+    // the context's stream.
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundStamp))?;
+    Ok(())
+}
+
 /// Where an FFN rank's plan and expanded rows are (the count-first areas of its workspace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanView {

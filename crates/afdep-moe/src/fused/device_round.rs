@@ -130,9 +130,10 @@ use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::Transport;
 use std::time::Instant;
 
+use super::trace::{self, Tracer};
 use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
 use crate::error::ExchangeError;
-use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput};
+use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput, RoundTrace, TracePhase};
 
 /// The experts an FFN rank applies on the device in a device round.
 #[derive(Debug, Clone)]
@@ -303,6 +304,8 @@ pub(super) struct DeviceRound {
     gates: CudaSlice<u32>,
     /// Round timing ([`FusedEngine::set_round_timing`]).
     timer: Option<RoundTimer>,
+    /// Phase stamps ([`FusedEngine::set_trace`]).
+    trace: Option<Tracer>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
 }
@@ -313,6 +316,8 @@ pub struct FusedGraph {
     graph: CudaGraph,
     arm: RoundArm,
     engine: u64,
+    /// The phase order of the stamps the graph holds (captured with tracing on), else `None`.
+    trace_order: Option<Vec<TracePhase>>,
 }
 
 // SAFETY: the graph and its executable are driver handles that any thread may use with the
@@ -469,6 +474,7 @@ impl FusedEngine {
             keep_received: opts.keep_received,
             gates,
             timer: None,
+            trace: None,
             src,
             ffn,
         });
@@ -521,6 +527,68 @@ impl FusedEngine {
         self.device.as_ref()?.timer.as_ref()?.last
     }
 
+    /// Turns phase tracing of device rounds on or off ([`trace`](super::trace)): with it on,
+    /// every device round launched or captured afterwards stamps the device timer at each of
+    /// its phase boundaries, and [`FusedEngine::last_trace`] gives the last completed round's
+    /// timeline (a replay: only of a graph captured with tracing on). The stamp buffer is
+    /// allocated at the first call and kept (graphs captured with tracing on write into it).
+    /// Needs [`FusedEngine::prepare_device`]; not collective.
+    pub fn set_trace(&mut self, on: bool) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        let d = self.device.as_mut().ok_or_else(|| ExchangeError::Input {
+            rank,
+            what: "tracing needs FusedEngine::prepare_device first".into(),
+        })?;
+        if d.trace.is_none() {
+            d.trace = Some(Tracer::new(&self.gpu)?);
+        }
+        if let Some(t) = d.trace.as_mut() {
+            t.on = on;
+            t.last = None;
+        }
+        Ok(())
+    }
+
+    /// The timeline of the last device round that completed with tracing on
+    /// ([`FusedEngine::set_trace`]); `None` when tracing is off, the round failed, or the
+    /// replayed graph was captured without tracing.
+    pub fn last_trace(&self) -> Option<&RoundTrace> {
+        self.device.as_ref()?.trace.as_ref()?.last.as_ref()
+    }
+
+    /// With tracing on, before a round: clears the stamps; for a replay (`Some`), takes the
+    /// graph's phase order (`None` inside: captured untraced, nothing is read after it).
+    fn clear_trace(&mut self, graph: Option<Option<&[TracePhase]>>) -> Result<(), ExchangeError> {
+        let Some(t) = self
+            .device
+            .as_mut()
+            .and_then(|d| d.trace.as_mut())
+            .filter(|t| t.on)
+        else {
+            return Ok(());
+        };
+        t.clear(&self.gpu)?;
+        if let Some(order) = graph {
+            t.order = order.map(<[_]>::to_vec).unwrap_or_default();
+        }
+        Ok(())
+    }
+
+    /// With tracing on, after a completed round: its timeline (none for a graph captured
+    /// untraced: its order is empty).
+    fn read_trace(&mut self) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        if let Some(t) = self
+            .device
+            .as_mut()
+            .and_then(|d| d.trace.as_mut())
+            .filter(|t| t.on && !t.order.is_empty())
+        {
+            t.read(&self.gpu, rank)?;
+        }
+        Ok(())
+    }
+
     /// With round timing on: the barrier and the start event (`start`), or the stop event.
     fn round_event(&mut self, start: bool) -> Result<(), ExchangeError> {
         let Some(t) = self.device.as_mut().and_then(|d| d.timer.as_mut()) else {
@@ -565,11 +633,13 @@ impl FusedEngine {
         self.guarded(|eng| {
             let t0 = Instant::now();
             let local = eng.load_input(arm, input)?;
+            eng.clear_trace(None)?;
             eng.round_event(true)?;
             eng.launch_device_round(arm)?;
             eng.round_event(false)?;
             let out = eng.finish_device_round(arm, input, local, t0)?;
             eng.read_round_time()?;
+            eng.read_trace()?;
             Ok(out)
         })
     }
@@ -608,7 +678,18 @@ impl FusedEngine {
         self.gpu.synchronize()?;
         self.transport.barrier()?;
         let engine = self.device.as_ref().map_or(0, |d| d.id);
-        Ok(FusedGraph { graph, arm, engine })
+        let trace_order = self
+            .device
+            .as_ref()
+            .and_then(|d| d.trace.as_ref())
+            .filter(|t| t.on)
+            .map(|t| t.order.clone());
+        Ok(FusedGraph {
+            graph,
+            arm,
+            engine,
+            trace_order,
+        })
     }
 
     /// Replays a captured round with new input: copies `input` (rows, routes, token count) into
@@ -630,6 +711,7 @@ impl FusedEngine {
             let t0 = Instant::now();
             let local = eng.load_input(graph.arm, input)?;
             bind(&eng.gpu)?;
+            eng.clear_trace(Some(graph.trace_order.as_deref()))?;
             eng.round_event(true)?;
             graph
                 .graph
@@ -638,6 +720,7 @@ impl FusedEngine {
             eng.round_event(false)?;
             let out = eng.finish_device_round(graph.arm, input, local, t0)?;
             eng.read_round_time()?;
+            eng.read_trace()?;
             Ok(out)
         })
     }
@@ -850,6 +933,10 @@ impl FusedEngine {
         // the control block of a kernel of the arms `arms` (None: not launched in this round)
         let gate = |arms: u32| arm_gate(ctl, gates, round_arms, arms);
 
+        // with tracing on: a stamp before the first launch and after each phase
+        if let Some(t) = d.trace.as_mut().filter(|t| t.on) {
+            t.start(gpu)?;
+        }
         // 0. source, fp8: the payload check (its word is the verdict word of valid routes)
         if let (Some(s), Some(b)) = (src_index, d.src.as_mut()) {
             if let Some(st) = b.payload.as_mut() {
@@ -869,6 +956,7 @@ impl FusedEngine {
                         knobs.transport_sms,
                     )
                 }?;
+                trace::mark(&mut d.trace, gpu, TracePhase::PayloadCheck)?;
             }
         }
         // 1. round, validation, verdict (every rank)
@@ -895,6 +983,7 @@ impl FusedEngine {
                 &mut d.gates,
             )
         }?;
+        trace::mark(&mut d.trace, gpu, TracePhase::Begin)?;
 
         // 2. source: counts on the device, published
         let scratch = self.cf_scratch.as_ref();
@@ -929,6 +1018,7 @@ impl FusedEngine {
                     ctl,
                 )
             }?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
         }
         // 3. FFN (count-first): plan and offsets before the rows
         if let (Some(_), Some(c)) = (ffn_index, gate(CF | SRC)) {
@@ -951,6 +1041,7 @@ impl FusedEngine {
                     err,
                 )
             }?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Plan)?;
         }
         let l = Launch {
             gpu,
@@ -972,18 +1063,22 @@ impl FusedEngine {
         // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
         if let (Some(src), Some(b)) = (&cf_src, d.src.as_ref()) {
             l.dispatch_rows(src, b)?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Rows)?;
         }
         // 5. FFN: the epilogue
         if ffn_index.is_some() {
             l.epilogue()?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Epilogue)?;
         }
         // 6. FFN: snapshot, experts, the combine's partial sums, combine flags
         if let (Some(f), Some(fb)) = (ffn_index, d.ffn.as_mut()) {
             l.ffn_combine(f, fb)?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Experts)?;
         }
         // 7. source: the combine
         if let Some(b) = d.src.as_mut() {
             l.source_combine(b)?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Combine)?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_transport::TransportError;
 
-use super::{DevicePhaseTimes, ExpertFn, RoundOutput};
+use super::{DevicePhaseTimes, ExpertFn, RoundOutput, RoundTrace};
 use crate::error::ExchangeError;
 
 /// One rank's exchange engine: what a round loop needs of the staged engine
@@ -41,6 +41,12 @@ pub trait ExchangeEngine {
     /// ([`FusedEngine::set_round_timing`](crate::FusedEngine::set_round_timing)); `None` by
     /// default.
     fn round_time(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The timeline of the last round, where the engine traces its rounds
+    /// ([`FusedEngine::set_trace`](crate::FusedEngine::set_trace)); `None` by default.
+    fn round_trace(&self) -> Option<RoundTrace> {
         None
     }
 }

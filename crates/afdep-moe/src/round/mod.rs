@@ -8,6 +8,7 @@
 //! - [`ExchangeEngine`] (`engine`): one rank's engine behind one interface, implemented by
 //!   [`StagedEngine`](crate::StagedEngine) and [`FusedEngine`](crate::FusedEngine); and
 //!   [`run_group`] (`group`): one engine per rank of an in-process group, one thread each.
+//! - [`RoundTrace`] (`trace`): a rank's round as phases on the device timer.
 //!
 //! This module depends on no engine: the engines depend on it.
 
@@ -22,6 +23,7 @@ mod counts;
 mod engine;
 mod experts;
 mod group;
+pub mod trace;
 
 pub(crate) use agree::agree;
 pub use arm::{DispatchArm, RoundArm};
@@ -29,6 +31,7 @@ pub(crate) use counts::{count_phase, count_phase_with_tokens};
 pub use engine::ExchangeEngine;
 pub(crate) use experts::apply_experts;
 pub use group::{RankOutcome, run_group};
+pub use trace::{PhaseSpan, RoundTrace, TracePhase};
 
 /// An FFN rank's experts: `expert(global_expert_id, rows, n) -> n × hidden` bf16 rows. Each
 /// call gets one local expert's whole group of expanded rows.
