@@ -6,10 +6,16 @@
 //! dy) are copied device to device into the layer; the step is queued; the outputs (out, the
 //! router's routes, dx, the seven gradients) are copied device to device into the caller's
 //! buffers; the caller's stream waits for an event recorded after the last copy. Nothing
-//! between the two events waits on the host. The step then ends with [`MoeLayer::finish`],
-//! which reads the layer's route-check word: this is one host wait per step (the price of
-//! reporting a rejected route as a typed error), and the reason why a step here cannot be
-//! captured in a CUDA graph.
+//! between the two events waits on the host.
+//!
+//! [`run_on_stream`] then ends with [`MoeLayer::finish`], which reads the layer's route-check
+//! word: one host wait per step, the price of reporting a rejected route as a typed error.
+//! [`enqueue_on_stream`] stops before it: that part is what a CUDA graph captures on the
+//! caller's stream (the event pair is the fork and join of the capture onto the layer's
+//! stream); see its documentation for what the capture needs. The context should have
+//! cudarc's per-buffer event tracking off (`CudaContext::disable_event_tracking`, as the
+//! Python bindings do): every buffer of the layer lives on the context's one stream, and a
+//! capture must not wait on events recorded outside it.
 //!
 //! Every pointer is a device pointer of the layer's CUDA context (the device's primary
 //! context, which PyTorch uses too) to a contiguous buffer of the documented size.
@@ -53,13 +59,59 @@ pub struct BorrowedGrads {
     pub grads: [DevPtr; 7],
 }
 
-/// Runs one step of `layer` ordered on the caller's `stream` (see the module documentation).
+/// Whether `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`). An
+/// invalidated capture counts as capturing: work queued on it fails anyway.
+///
+/// # Safety
+/// `stream` must be a live stream, or null (the legacy default stream; then a context must be
+/// current).
+pub unsafe fn is_capturing(stream: cu::CUstream) -> Result<bool, KernelError> {
+    let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a plain query of a live stream (caller's contract) into a local.
+    unsafe { cu::cuStreamIsCapturing(stream, &mut status) }
+        .result()
+        .map_err(KernelError::driver(
+            "asking whether the stream is capturing",
+        ))?;
+    Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Runs one step of `layer` ordered on the caller's `stream` (see the module documentation):
+/// [`enqueue_on_stream`], then [`MoeLayer::finish`] (one host wait; a rejected route is
+/// [`LayerGpuError::Route`]).
+///
+/// # Safety
+/// As [`enqueue_on_stream`]; in addition `stream` must not be capturing (the host wait would
+/// invalidate the capture).
+pub unsafe fn run_on_stream(
+    layer: &mut MoeLayer,
+    ctx: &GpuContext,
+    stream: cu::CUstream,
+    step: &BorrowedStep,
+) -> Result<(), LayerGpuError> {
+    // SAFETY: the caller's contract.
+    unsafe { enqueue_on_stream(layer, ctx, stream, step)? };
+    layer.finish(ctx)
+}
+
+/// Queues one step of `layer` ordered on the caller's `stream` and returns without waiting
+/// and without reading the route check: the outputs are ready once `stream` passes the step.
+///
+/// Everything it queues can be captured in a CUDA graph on `stream`, provided the layer has
+/// already run one step of the same kind (forward or train step, same routing) outside
+/// capture, which loaded every kernel module and the context's fault word (a first use
+/// compiles and allocates); the graph then refers to the caller's buffers and to the layer's
+/// own, so the layer must outlive the graph and its replays must be ordered with any other
+/// step of the same layer. A rejected route or a kernel's device fault is not reported by
+/// this call: the route-check word stays on the device (the router masks a token with a
+/// non-finite logit: its ids come back as -1), and a fault stays in the context's fault word
+/// until the next [`MoeLayer::finish`] or [`GpuContext::take_fault`].
 ///
 /// # Safety
 /// Every pointer of `step` must be a live device allocation of `ctx`'s device of at least the
 /// size the layer needs, not written by anyone else until `stream` passes the step, and
 /// `stream` must be a live stream of the same context (or null, the legacy default stream).
-pub unsafe fn run_on_stream(
+pub unsafe fn enqueue_on_stream(
     layer: &mut MoeLayer,
     ctx: &GpuContext,
     stream: cu::CUstream,
@@ -117,7 +169,7 @@ pub unsafe fn run_on_stream(
     }
     // SAFETY: as above, the other way round.
     unsafe { order(own, stream)? };
-    layer.finish(ctx)
+    Ok(())
 }
 
 /// Makes `later` wait (on the device) for everything queued so far on `first`.
