@@ -1,6 +1,6 @@
 //! The layer on CUDA tensors: afdep-moe's [`MoeLayer`] through
-//! [`afdep_moe::external`] (inputs copied into the layer, outputs out of it, device to device),
-//! ordered on the caller's stream (PyTorch's current stream).
+//! [`afdep_moe::external`], reading and writing the caller's tensors in place, ordered on the
+//! caller's stream (PyTorch's current stream).
 //!
 //! One [`GpuContext`] per device is built on first use and kept for the life of the process,
 //! with cudarc's per-buffer event tracking off: every buffer of the context lives on its one
@@ -207,7 +207,8 @@ pub fn run(
             grads: t.grads.each_ref().map(ptr),
         }),
     };
-    // SAFETY: every view was checked (device, dtype, shape, contiguity) against the layer's shape and token count by `Step::new`; the caller
+    // SAFETY: every view was checked (device, dtype, shape, contiguity, no output overlapping
+    // another tensor) against the layer's shape and token count by `Step::new`; the caller
     // (afdep's autograd function) keeps the tensors alive and untouched until PyTorch's
     // stream passes the step, and `stream` is PyTorch's current stream on that device. Under
     // capture the layer is warm (no compile, no allocation) and pinned (it outlives the graph).

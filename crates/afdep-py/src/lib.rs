@@ -3,7 +3,7 @@
 //!
 //! It is kept thin: one function, `layer_step`, runs the MoE layer's forward or train step
 //! on tensors borrowed through DLPack capsules (CPU tensors on afdep-core's oracle, CUDA tensors
-//! on afdep-moe's `MoeLayer`, queued on the caller's stream,
+//! on afdep-moe's `MoeLayer`, read and written in place and queued on the caller's stream,
 //! capturable in a CUDA graph after one eager step), `unpin_layers` and `layer_cache` manage
 //! the GPU layers a capture pinned, and afdep's typed errors become
 //! Python exceptions with their fields as attributes. The torch-facing code (`afdep.MoE`, its

@@ -1,6 +1,7 @@
 """afdep.MoE on CUDA beyond the shared cases: torch.cuda.graph capture and replay of forward
 and backward (bit for bit the eager step, within bf16 tolerance of the plain-PyTorch MoE),
-what capture refuses, the layers a capture pins, and odd shapes. Every test here needs CUDA (SKIP without it, a
+what capture refuses, the layers a capture pins, odd shapes, and tensors read and written in
+place or, at unaligned addresses, copied. Every test here needs CUDA (SKIP without it, a
 failure with AFDEP_REQUIRE_GPU=1)."""
 
 import pytest
@@ -176,3 +177,40 @@ ODD_CUDA = {
 def test_odd_shapes(name):
     m, x = build(ODD_CUDA[name], "cuda", BF16, seed=13)
     check_layer(m, x, "cuda", BF16)
+
+
+def test_unaligned_tensors_are_copied():
+    """Tensors at addresses the layer does not borrow (not 256-byte aligned) are copied in and
+    out: the same bits as aligned tensors read and written in place."""
+    m, x = build(GRAPH_CASE, "cuda", BF16, seed=6)
+    cap = afdep._moe._cap
+    t, k = x.shape[0], m.shape[3]
+
+    def run(offset):
+        def place(v, fill=None):
+            # a view `offset` elements into a fresh flat buffer (torch's allocations are
+            # 512-byte aligned: offset 0 is lent, offset 3 is copied)
+            flat = torch.empty(v.numel() + offset, dtype=v.dtype, device="cuda")
+            view = flat[offset:].view(v.shape)
+            return view.copy_(v) if fill is None else view.fill_(fill)
+
+        nan = float("nan")
+        xin = place(x)
+        params = [place(p.detach()) for p in m.params()]
+        dy = place(torch.full_like(x, 0.5))
+        out, dx = place(x, nan), place(x, nan)
+        grads = [place(p.detach(), nan) for p in m.params()]
+        idx = place(torch.empty(t, k, dtype=torch.int32, device="cuda"), -7)
+        w = place(torch.empty(t, k, device="cuda"), nan)
+        _native.layer_step(m.shape, cap(xin), [cap(p) for p in params], cap(out), cap(idx),
+                           cap(w), False, afdep._moe._stream(x), "auto", dy=cap(dy), dx=cap(dx),
+                           grads=[cap(v) for v in grads])
+        torch.cuda.synchronize()
+        aligned = offset == 0
+        assert (xin.data_ptr() % 256 == 0) == aligned and (out.data_ptr() % 256 == 0) == aligned
+        return [out, idx, w, dx] + grads
+
+    aligned, unaligned = run(0), run(3)
+    for i, (a, b) in enumerate(zip(aligned, unaligned)):
+        assert torch.isfinite(a.float()).all(), f"output {i} has unwritten (NaN) elements"
+        bits_equal(f"output {i}", a, b)

@@ -3,7 +3,8 @@
 ``afdep.MoE`` is a ``torch.nn.Module`` whose parameters are ordinary ``torch.nn.Parameter``
 objects; its forward and backward run afdep's layer through a ``torch.autograd.Function``:
 CPU tensors on afdep-core's oracle (f32 math; float32 or bfloat16 tensors), CUDA tensors on
-afdep-moe's GPU layer (bfloat16 tensors), queued on PyTorch's current CUDA stream, and capturable with ``torch.cuda.graph`` after one eager step
+afdep-moe's GPU layer (bfloat16 tensors, read and written in place), queued on PyTorch's
+current CUDA stream, and capturable with ``torch.cuda.graph`` after one eager step
 (``afdep.CaptureError`` otherwise; ``afdep.unpin_layers`` releases what captures pinned).
 
 Tensors reach the native module through DLPack (``torch.utils.dlpack.to_dlpack``): data

@@ -35,7 +35,7 @@ class _MoEFunction(torch.autograd.Function):
     """Forward: the layer step; backward: the train step (which recomputes the forward).
 
     Outputs are allocated here with torch (under capture: in the graph's memory pool) and
-    written by the native step; nothing here waits on the host."""
+    written in place by the native step; nothing here waits on the host."""
 
     @staticmethod
     def forward(ctx, shape, dispatch, x, topk_idx, topk_weights, *params):
@@ -150,9 +150,10 @@ class MoE(torch.nn.Module):
     ``torch.nn.Parameter`` objects: any optimizer, ``state_dict``, ``.to(device, dtype)``. On
     the CPU the layer runs afdep's oracle (float32 or bfloat16), on CUDA afdep's GPU layer
     (bfloat16; ``d_model``, ``width`` and ``shared`` multiples of 8, any ``experts`` and
-    ``top_k <= experts`` within the kernels' limits, any token count including 0), queued on
-    PyTorch's current stream; an eager step then waits once on the host to read the route
-    check (to raise :class:`afdep.RouteError`).
+    ``top_k <= experts`` within the kernels' limits, any token count including 0). The GPU
+    layer reads and writes the torch tensors in place (no copies), queued on PyTorch's current
+    stream; an eager step then waits once on the host to read the route check (to raise
+    :class:`afdep.RouteError`).
 
     CUDA graphs: forward and backward can be captured with ``torch.cuda.graph`` and replayed
     after copying new inputs into the static tensors, provided one eager forward and backward

@@ -87,15 +87,16 @@ def layer_step(
     ``shape`` is (d_model, width, experts, top_k, shared, renormalize). ``x`` is [T, H];
     ``params`` the seven tensors wr [H, E], w1 [E, H, W], w3 [E, H, W], w2 [E, W, H],
     s1 [H, S], s3 [H, S], s2 [S, H]; ``topk_idx`` [T, K] int32 and ``topk_weights`` [T, K]
-    float32 are read when ``given`` and written by the router otherwise. CPU tensors (float32
-    or bfloat16) run afdep-core's oracle; CUDA tensors (bfloat16) the GPU layer, ordered on
-    ``stream`` (a ``cudaStream_t`` as an int), with ``dispatch`` one of auto, sorted, gather,
-    fused, fused_gsum. The tensors must stay alive and untouched until ``stream`` passes the
-    step.
+    float32 are read when ``given`` and written by the router otherwise. No tensor written
+    may share memory with another argument. CPU tensors (float32 or bfloat16) run afdep-core's
+    oracle; CUDA tensors (bfloat16) the GPU layer, which reads and writes them in place (a
+    tensor whose address is not 256-byte aligned is copied instead), ordered on ``stream`` (a
+    ``cudaStream_t`` as an int), with ``dispatch`` one of auto, sorted, gather, fused,
+    fused_gsum. The tensors must stay alive and untouched until ``stream`` passes the step.
     When ``stream`` is capturing a CUDA graph the step is only queued (no host wait, no
     route error raised) on a layer that ran an eager step with its router before, which is
     then pinned (see ``unpin_layers``). Raises TypeError / ValueError naming the tensor
-    (dtype, shape, contiguity, device), ConfigError, RouteError, GpuError,
+    (dtype, shape, contiguity, device, shared memory), ConfigError, RouteError, GpuError,
     CaptureError.
     """
 
