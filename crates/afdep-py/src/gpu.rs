@@ -227,9 +227,10 @@ pub fn run(
 
 /// Unpins every layer of device `ordinal` (all devices when `None`) that a CUDA graph capture
 /// pinned: they become ordinary cache entries again, dropped when least recently used (the
-/// cache is trimmed to [`MAX_LAYERS`] here, after waiting for the whole device, so that a
-/// replay still running does not lose its buffers). Call it once the graphs that captured
-/// afdep steps are destroyed; returns how many were pinned.
+/// cache is trimmed to [`MAX_LAYERS`] here). A device with pinned layers is waited for first
+/// (all its streams), so that no replay launched before the call still uses a layer that a
+/// later step drops. Call it once the graphs that captured afdep steps are destroyed;
+/// returns how many were pinned.
 pub fn unpin_layers(py: Python<'_>, ordinal: Option<usize>) -> PyResult<usize> {
     let mut devs = lock()?;
     let mut n = 0;
@@ -237,18 +238,20 @@ pub fn unpin_layers(py: Python<'_>, ordinal: Option<usize>) -> PyResult<usize> {
         if ordinal.is_some_and(|want| want != *o) {
             continue;
         }
-        for e in dev.layers.iter_mut().filter(|e| e.pinned) {
+        let pinned = dev.layers.iter().filter(|e| e.pinned).count();
+        if pinned == 0 {
+            continue;
+        }
+        dev.ctx
+            .cuda()
+            .synchronize()
+            .map_err(|e| kernel_error(py, KernelError::driver("waiting for the device")(e)))?;
+        for e in dev.layers.iter_mut() {
             e.pinned = false;
-            n += 1;
         }
-        if dev.layers.len() > MAX_LAYERS {
-            dev.ctx
-                .cuda()
-                .synchronize()
-                .map_err(|e| kernel_error(py, KernelError::driver("waiting for the device")(e)))?;
-            let excess = dev.layers.len() - MAX_LAYERS;
-            dev.layers.drain(..excess);
-        }
+        n += pinned;
+        let excess = dev.layers.len().saturating_sub(MAX_LAYERS);
+        dev.layers.drain(..excess);
     }
     Ok(n)
 }

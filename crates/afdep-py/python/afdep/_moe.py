@@ -134,8 +134,9 @@ def unpin_layers(device: Optional[int] = None) -> int:
     A captured graph refers to the device buffers of the layers it used, so those stay
     allocated (outside the cache's bound of ``afdep._native.MAX_LAYERS`` layers per device)
     until this is called: call it once those graphs are destroyed (after it, replaying one is
-    undefined). ``device`` is a CUDA ordinal (all devices when None). Returns how many layers
-    were pinned."""
+    undefined). It waits for each device that has pinned layers (all its streams), so replays
+    launched before it may still be running. ``device`` is a CUDA ordinal (all devices when
+    None). Returns how many layers were pinned."""
     return _native.unpin_layers(device)
 
 

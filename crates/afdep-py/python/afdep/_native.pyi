@@ -105,7 +105,8 @@ MAX_LAYERS: int
 
 def unpin_layers(device: Optional[int] = None) -> int:
     """Unpins the GPU layers CUDA graph captures used (all devices when ``device`` is None),
-    after waiting for the device if the cache must shrink; returns how many were pinned."""
+    after waiting for each device that has some (all its streams), and trims the cache to
+    ``MAX_LAYERS``; returns how many were pinned."""
 
 def layer_cache(
     device: int,
