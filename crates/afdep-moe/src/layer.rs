@@ -192,7 +192,8 @@ impl DeviceParams {
         ]
     }
 
-    fn tensors_mut(&mut self) -> [&mut CudaSlice<bf16>; 7] {
+    /// The tensors in `PARAM_NAMES` order, writable.
+    pub fn tensors_mut(&mut self) -> [&mut CudaSlice<bf16>; 7] {
         [
             &mut self.wr,
             &mut self.w1,
@@ -447,6 +448,20 @@ impl MoeLayer {
     /// dx of the last train step, T × H.
     pub fn dx(&self) -> &CudaSlice<bf16> {
         &self.dx
+    }
+    /// The output buffer, T × H, writable (every step overwrites all of it; a caller may swap
+    /// in a buffer of the same length, see [`crate::external`]).
+    pub fn out_mut(&mut self) -> &mut CudaSlice<bf16> {
+        &mut self.out
+    }
+    /// The dx buffer, T × H (empty for a forward-only layer), writable as [`MoeLayer::out_mut`].
+    pub fn dx_mut(&mut self) -> &mut CudaSlice<bf16> {
+        &mut self.dx
+    }
+    /// The parameter gradients' buffers (none for a forward-only layer), writable as
+    /// [`MoeLayer::out_mut`]: every train step overwrites all of them.
+    pub fn grads_mut(&mut self) -> Option<&mut DeviceParams> {
+        self.grads.as_mut()
     }
     /// The routes of the last step (the router's), or where to write given routes.
     pub fn routes(&self) -> &DeviceRoutes {

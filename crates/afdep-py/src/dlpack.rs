@@ -60,6 +60,14 @@ impl DType {
         }
     }
 
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bf16 => 2,
+            DType::F32 | DType::I32 => 4,
+        }
+    }
+
     /// The torch name.
     pub fn name(self) -> &'static str {
         match self {
@@ -183,6 +191,18 @@ impl View {
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// The bytes it spans, `[start, end)` (empty for an empty tensor).
+    pub fn span(&self) -> std::ops::Range<usize> {
+        let start = self.ptr as usize;
+        start..start + self.numel() * self.dtype.size()
+    }
+
+    /// Whether the two tensors share a byte (empty tensors share none).
+    pub fn overlaps(&self, other: &View) -> bool {
+        let (a, b) = (self.span(), other.span());
+        !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end
     }
 
     /// Checks the shape.

@@ -7,6 +7,8 @@
 //!   `experts`, `owned`, `tokens`, `capacity`, `channel`, `what` (others are None).
 //! - `afdep.GpuError(AfdepError)`: the GPU layer failed (no driver, a launch,
 //!   an unsupported shape); `device_fault` is set when a kernel's bounded wait ran out.
+//! - `afdep.CaptureError(AfdepError)`: a step refused under CUDA graph capture (no eager
+//!   warm-up step of the layer yet, or given routes, whose check needs the host).
 //! - `afdep.TimeoutError(AfdepError)`: an exchange timed out: `phase`, `rank`, `peer`, and
 //!   `round` (device waits) or `waited_s` (transport waits).
 //! - `afdep.TransportError(AfdepError)`: the exchange's transport failed: `rank`, `peer`.
@@ -41,6 +43,12 @@ create_exception!(
     GpuError,
     AfdepError,
     "The GPU layer failed (no driver, a launch, an unsupported shape)."
+);
+create_exception!(
+    afdep,
+    CaptureError,
+    AfdepError,
+    "A GPU step refused under CUDA graph capture (no eager warm-up step yet, or given routes)."
 );
 
 create_exception!(
@@ -223,6 +231,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("RouteError", py.get_type::<RouteError>())?;
     m.add("GpuError", py.get_type::<GpuError>())?;
+    m.add("CaptureError", py.get_type::<CaptureError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("TransportError", py.get_type::<TransportFailure>())?;
     Ok(())

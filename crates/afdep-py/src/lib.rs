@@ -3,7 +3,9 @@
 //!
 //! It is kept thin: one function, `layer_step`, runs the MoE layer's forward or train step
 //! on tensors borrowed through DLPack capsules (CPU tensors on afdep-core's oracle, CUDA tensors
-//! on afdep-moe's `MoeLayer`, queued on the caller's stream), and afdep's typed errors become
+//! on afdep-moe's `MoeLayer`, read and written in place and queued on the caller's stream,
+//! capturable in a CUDA graph after one eager step), `unpin_layers` and `layer_cache` manage
+//! the GPU layers a capture pinned, and afdep's typed errors become
 //! Python exceptions with their fields as attributes. The torch-facing code (`afdep.MoE`, its
 //! `torch.autograd.Function`) is Python, in `python/afdep/`. `exchange` is the AFD exchange
 //! (one `ExchangeRank` per process over the staged engine) and its oracle.
@@ -94,10 +96,26 @@ fn layer_step(
     }
 }
 
+/// Unpins the GPU layers that CUDA graph captures pinned (see the Python stub).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+fn unpin_layers(py: Python<'_>, device: Option<usize>) -> PyResult<usize> {
+    gpu::unpin_layers(py, device)
+}
+
+/// The GPU layer cache of one device (see the Python stub).
+#[pyfunction]
+fn layer_cache(device: usize) -> PyResult<Vec<gpu::CacheRow>> {
+    gpu::layer_cache(device)
+}
+
 /// The native module `afdep._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(layer_step, m)?)?;
+    m.add_function(wrap_pyfunction!(unpin_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(layer_cache, m)?)?;
+    m.add("MAX_LAYERS", gpu::MAX_LAYERS)?;
     m.add_function(wrap_pyfunction!(exchange::exchange_oracle, m)?)?;
     m.add_class::<exchange::ExchangeRank>()?;
     errors::register(m)?;

@@ -124,7 +124,7 @@ impl Step {
                 Some(TrainViews { dy, dx, grads })
             }
         };
-        Ok(Step {
+        let step = Step {
             x,
             params,
             out,
@@ -132,6 +132,41 @@ impl Step {
             weights,
             given,
             train,
-        })
+        };
+        step.check_overlaps()?;
+        Ok(step)
+    }
+
+    /// Every tensor of the step with whether the step writes it.
+    fn views(&self) -> Vec<(&View, bool)> {
+        let mut v = vec![(&self.x, false), (&self.out, true)];
+        v.extend(self.params.iter().map(|p| (p, false)));
+        v.push((&self.idx, !self.given));
+        v.push((&self.weights, !self.given));
+        if let Some(t) = &self.train {
+            v.push((&t.dy, false));
+            v.push((&t.dx, true));
+            v.extend(t.grads.iter().map(|g| (g, true)));
+        }
+        v
+    }
+
+    /// No tensor the step writes shares memory with another tensor of the step (the GPU
+    /// layer reads and writes them in place, in an order of its own).
+    fn check_overlaps(&self) -> PyResult<()> {
+        let views = self.views();
+        for (i, &(a, a_written)) in views.iter().enumerate() {
+            for &(b, b_written) in &views[i + 1..] {
+                if (a_written || b_written) && a.overlaps(b) {
+                    let w = if a_written { &a.name } else { &b.name };
+                    return Err(PyValueError::new_err(format!(
+                        "`{}` and `{}` share memory and the step writes `{w}`: pass separate \
+                         tensors",
+                        a.name, b.name
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }

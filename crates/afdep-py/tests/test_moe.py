@@ -13,7 +13,7 @@ from afdep.reference import ReferenceMoE, moe_reference
 from helpers import assert_close, tolerance
 
 # (d_model, width, experts, top_k, shared, tokens): CPU shapes are odd; the GPU layer needs
-# d_model, width, shared multiples of 32 and experts a multiple of 8.
+# d_model, width, shared multiples of 8 (test_cuda_graph.py has its odd shapes).
 CPU_CASES = {
     "odd": (24, 20, 7, 3, 12, 13),
     "k1": (17, 9, 5, 1, 0, 11),
@@ -281,16 +281,28 @@ def test_wide_and_duplicate_routes(device):
         assert (ei.value.kind, ei.value.token, ei.value.slot) == ("duplicate", 4, 1)
 
 
-def test_cuda_graph_capture_is_refused():
-    from conftest import cuda_or_skip
-
-    cuda_or_skip()
-    m, x = small("cuda")
-    m(x)  # warm-up: builds the layer outside capture
-    g = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        with torch.cuda.graph(g):
-            m(x)
+def test_outputs_sharing_memory_with_inputs_are_refused(device):
+    """The GPU layer reads and writes the tensors in place: an output may not alias an input
+    (nor another output); inputs may share memory."""
+    m, x = small(device)
+    cap = afdep._moe._cap
+    t, k = x.shape[0], m.shape[3]
+    idx = torch.empty(t, k, dtype=torch.int32, device=device)
+    w = torch.empty(t, k, device=device)
+    stream = afdep._moe._stream(x)
+    ps = [cap(p) for p in m.params()]
+    with pytest.raises(ValueError, match="`x` and `out` share memory and the step writes `out`"):
+        _native.layer_step(m.shape, cap(x), ps, cap(x), cap(idx), cap(w), False, stream, "auto")
+    out = torch.empty_like(x)
+    both = torch.empty(2 * t * k, dtype=torch.int32, device=device)
+    wv = both[: t * k].view(torch.float32).view(t, k)
+    with pytest.raises(ValueError, match="`topk_idx` and `topk_weights` share memory"):
+        _native.layer_step(m.shape, cap(x), ps, cap(out), cap(both[: t * k].view(t, k)),
+                           cap(wv), False, stream, "auto")
+    # given routes are read only: inputs may alias each other (here w1 and w3)
+    params = m.params()
+    shared = [params[0], params[1], params[1]] + params[3:]
+    afdep.moe(x, shared, m.shape)
 
 
 def test_cuda_stream_order():

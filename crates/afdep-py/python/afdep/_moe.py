@@ -22,24 +22,24 @@ def _cap(t: torch.Tensor):
 
 
 def _stream(x: torch.Tensor) -> int:
-    """PyTorch's current CUDA stream on ``x``'s device as an integer (0 for CPU tensors)."""
+    """PyTorch's current CUDA stream on ``x``'s device as an integer (0 for CPU tensors).
+
+    Under ``torch.cuda.graph`` this is the capturing stream: the native step sees the capture
+    on it and only queues its work (see :class:`MoE`)."""
     if not x.is_cuda:
         return 0
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "afdep.MoE cannot be captured in a CUDA graph: each step waits on the host for "
-            "the layer's route check (to raise afdep.RouteError); run it outside "
-            "torch.cuda.graph"
-        )
     return torch.cuda.current_stream(x.device).cuda_stream
 
 
 class _MoEFunction(torch.autograd.Function):
-    """Forward: the layer step; backward: the train step (which recomputes the forward)."""
+    """Forward: the layer step; backward: the train step (which recomputes the forward).
+
+    Outputs are allocated here with torch (under capture: in the graph's memory pool) and
+    written in place by the native step; nothing here waits on the host."""
 
     @staticmethod
     def forward(ctx, shape, dispatch, x, topk_idx, topk_weights, *params):
-        stream = _stream(x)  # first: refuses CUDA graph capture before any work is queued
+        stream = _stream(x)
         t, k = x.shape[0], shape[3]
         given = topk_idx is not None
         if given != (topk_weights is not None):
@@ -109,7 +109,8 @@ def moe(
     """afdep's MoE layer as a differentiable function.
 
     Args:
-        x: tokens, ``[T, d_model]``, contiguous; float32 or bfloat16 on the CPU, bfloat16 on CUDA.
+        x: tokens, ``[T, d_model]``, contiguous; float32 or bfloat16 on the CPU, bfloat16 on CUDA
+            (capturable in a CUDA graph: see :class:`MoE`).
         params: the seven tensors ``wr [H, E]``, ``w1 [E, H, W]``, ``w3 [E, H, W]``,
             ``w2 [E, W, H]``, ``s1 [H, S]``, ``s3 [H, S]``, ``s2 [S, H]``, of x's dtype and device.
         shape: ``(d_model, width, experts, top_k, shared, renormalize)``.
@@ -127,6 +128,18 @@ def moe(
     )
 
 
+def unpin_layers(device: Optional[int] = None) -> int:
+    """Releases the GPU layers that ``torch.cuda.graph`` captures of afdep steps pinned.
+
+    A captured graph refers to the device buffers of the layers it used, so those stay
+    allocated (outside the cache's bound of ``afdep._native.MAX_LAYERS`` layers per device)
+    until this is called: call it once those graphs are destroyed (after it, replaying one is
+    undefined). It waits for each device that has pinned layers (all its streams), so replays
+    launched before it may still be running. ``device`` is a CUDA ordinal (all devices when
+    None). Returns how many layers were pinned."""
+    return _native.unpin_layers(device)
+
+
 class MoE(torch.nn.Module):
     """A dropless MoE layer (router, ``experts`` SwiGLU experts, top-K, optional shared expert).
 
@@ -137,7 +150,22 @@ class MoE(torch.nn.Module):
     The parameters (``wr``, ``w1``, ``w3``, ``w2``, ``s1``, ``s3``, ``s2``) are plain
     ``torch.nn.Parameter`` objects: any optimizer, ``state_dict``, ``.to(device, dtype)``. On
     the CPU the layer runs afdep's oracle (float32 or bfloat16), on CUDA afdep's GPU layer
-    (bfloat16; ``d_model``, ``width`` and ``shared`` multiples of 32, ``experts`` a multiple of 8).
+    (bfloat16; ``d_model``, ``width`` and ``shared`` multiples of 8, any ``experts`` and
+    ``top_k <= experts`` within the kernels' limits, any token count including 0). The GPU
+    layer reads and writes the torch tensors in place (no copies), queued on PyTorch's current
+    stream; an eager step then waits once on the host to read the route check (to raise
+    :class:`afdep.RouteError`).
+
+    CUDA graphs: forward and backward can be captured with ``torch.cuda.graph`` and replayed
+    after copying new inputs into the static tensors, provided one eager forward and backward
+    step with the same shapes ran first (it compiles the kernels and allocates the layer's
+    buffers; a capture without it raises :class:`afdep.CaptureError`). Under capture the layer's
+    router must route (given ``topk_idx``/``topk_weights`` raise ``CaptureError``: their check
+    is read on the host), and no route error is raised: a token with a non-finite router logit
+    gets ``-1`` ids (``return_routes=True`` shows them) and no routed expert. The GPU layers a
+    capture used stay allocated (pinned) until :func:`afdep.unpin_layers` is called after the
+    graphs are destroyed; replays and eager steps of the same shapes must be ordered on the
+    device (the same stream, as for any tensors a graph shares).
 
     Args:
         d_model: H, the token width.

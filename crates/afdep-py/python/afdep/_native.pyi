@@ -46,6 +46,11 @@ class GpuError(AfdepError):
 
     device_fault: bool
 
+class CaptureError(AfdepError):
+    """A GPU step refused under CUDA graph capture: the layer has not run one eager step with
+    its router yet (that step compiles the kernels and allocates the layer), or the routes are
+    given (their check is read on the host)."""
+
 class TimeoutError(AfdepError):
     """An exchange timed out: ``phase`` (the operation), ``rank`` (who waited), ``peer`` (who
     is late, None if unknown), ``round`` (device waits) or ``waited_s`` (transport waits)."""
@@ -82,12 +87,32 @@ def layer_step(
     ``shape`` is (d_model, width, experts, top_k, shared, renormalize). ``x`` is [T, H];
     ``params`` the seven tensors wr [H, E], w1 [E, H, W], w3 [E, H, W], w2 [E, W, H],
     s1 [H, S], s3 [H, S], s2 [S, H]; ``topk_idx`` [T, K] int32 and ``topk_weights`` [T, K]
-    float32 are read when ``given`` and written by the router otherwise. CPU tensors (float32
-    or bfloat16) run afdep-core's oracle; CUDA tensors (bfloat16) the GPU layer, ordered on
-    ``stream`` (a ``cudaStream_t`` as an int), with ``dispatch`` one of auto, sorted, gather,
-    fused, fused_gsum. Raises TypeError / ValueError naming the tensor (dtype, shape,
-    contiguity, device), ConfigError, RouteError, GpuError.
+    float32 are read when ``given`` and written by the router otherwise. No tensor written
+    may share memory with another argument. CPU tensors (float32 or bfloat16) run afdep-core's
+    oracle; CUDA tensors (bfloat16) the GPU layer, which reads and writes them in place (a
+    tensor whose address is not 256-byte aligned is copied instead), ordered on ``stream`` (a
+    ``cudaStream_t`` as an int), with ``dispatch`` one of auto, sorted, gather, fused,
+    fused_gsum. The tensors must stay alive and untouched until ``stream`` passes the step.
+    When ``stream`` is capturing a CUDA graph the step is only queued (no host wait, no
+    route error raised) on a layer that ran an eager step with its router before, which is
+    then pinned (see ``unpin_layers``). Raises TypeError / ValueError naming the tensor
+    (dtype, shape, contiguity, device, shared memory), ConfigError, RouteError, GpuError,
+    CaptureError.
     """
+
+MAX_LAYERS: int
+"""GPU layers kept per device, pinned ones not counted (least recently used dropped first)."""
+
+def unpin_layers(device: Optional[int] = None) -> int:
+    """Unpins the GPU layers CUDA graph captures used (all devices when ``device`` is None),
+    after waiting for each device that has some (all its streams), and trims the cache to
+    ``MAX_LAYERS``; returns how many were pinned."""
+
+def layer_cache(
+    device: int,
+) -> List[Tuple[ShapeTuple, int, str, bool, bool, bool]]:
+    """The GPU layer cache of CUDA device ``device``, least recently used first: (shape,
+    tokens, dispatch, train, warm, pinned); ``warm``: an eager step with the router ran."""
 
 class ExchangeRank:
     """One rank of the AFD exchange (staged engine); see ``afdep.Exchange``."""
