@@ -26,6 +26,37 @@
 
 static __device__ __forceinline__ u64 afdep_align16(u64 v) { return (v + 15) & ~15ull; }
 
+// ---------------------------------------------------------------------------------------------
+// The workspace layout, by value: afdep_kernels::ops::fused_layout::FusedLayout (#[repr(C)],
+// computed once on the host from the exchange config). The fields in the same order with the
+// same types; the asserts pin the size (no padding: every offset follows from the order) and
+// the alignment, and the host test `the_device_struct_matches` compares the fields, their
+// offsets and the asserted size with Rust's (NVRTC has no offsetof).
+struct afdep_fused_layout {
+    u64 slab_off;
+    u64 row_bytes;
+    u64 meta_off;
+    u64 ret_off;
+    u64 count_flags;
+    u64 offset_flags;
+    u64 counts;
+    u64 offsets;
+    u64 plan;
+    u64 row_flags;
+    u64 expanded;
+    u64 exp_q;
+    u64 exp_scales;
+    u64 exp_rows;
+    u64 status;
+    u64 bytes;
+    u32 cap;
+    u32 hidden;
+    u32 top_k;
+    u32 payload;
+};
+static_assert(sizeof(afdep_fused_layout) == 144, "FusedLayout's size: no padding");
+static_assert(alignof(afdep_fused_layout) == 8, "FusedLayout's alignment");
+
 // Payload kinds, a compile-time constant of the dispatch and epilogue kernels
 // (afdep_core::PayloadKind).
 #define AFDEP_PAYLOAD_BF16 0

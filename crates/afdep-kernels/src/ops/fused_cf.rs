@@ -20,6 +20,7 @@ use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::fused::SlabGeometry;
+use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -321,8 +322,8 @@ pub enum CfMode {
     },
 }
 
-/// The count-first row stores of source `me` (`afdep_cf_dispatch`): rows of `x` (`tokens ×
-/// hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
+/// The count-first row stores of source `me` (`afdep_cf_dispatch`, the workspace layout
+/// passed by value): rows of `x` (`tokens × hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
 /// local experts) through `peers`; `ws` is this rank's workspace (offsets and offset flags).
 /// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `err`. At most `blocks`
 /// blocks.
@@ -331,10 +332,10 @@ pub enum CfMode {
 ///
 /// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block (its
 /// token count at most `src.tokens`) and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace holds the slabs of `slab`
-/// and the count-first areas of `areas` (fp8: 16-byte aligned); the first `ffns` entries of
+/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace has the layout `layout`
+/// (its slabs and count-first areas; fp8: 16-byte aligned); the first `ffns` entries of
 /// `ffn_ranks` and `me` are below the world; `src` holds what [`counts`] wrote for this round (slab
-/// rows below `slab.cap`).
+/// rows below `layout.cap`).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dispatch(
     ctx: &GpuContext,
@@ -346,8 +347,7 @@ pub unsafe fn dispatch(
     epr: usize,
     peers: u64,
     ws: u64,
-    slab: &SlabGeometry,
-    areas: &CfAreas,
+    layout: &FusedLayout,
     me: usize,
     mode: CfMode,
     ctl: u64,
@@ -355,6 +355,7 @@ pub unsafe fn dispatch(
     err: u64,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let (slab, areas) = (&layout.slab(), &layout.cf());
     let hidden = slab.hidden as usize;
     let n = src.tokens * top_k;
     need("x", x, src.tokens * hidden)?;
@@ -389,18 +390,7 @@ pub unsafe fn dispatch(
         .arg(&e)
         .arg(&peers)
         .arg(&ws)
-        .arg(&areas.offsets)
-        .arg(&areas.offset_flags)
-        .arg(&slab.slab_off)
-        .arg(&slab.cap)
-        .arg(&slab.row_bytes)
-        .arg(&areas.meta_off)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&areas.row_flags)
-        .arg(&slab.hidden)
+        .arg(layout)
         .arg(&me)
         .arg(&m)
         .arg(&gate)
@@ -409,9 +399,9 @@ pub unsafe fn dispatch(
     // SAFETY: afdep_cf_dispatch{,_fp8}(const u16* x, const i32* idx, const float* w, const u32*
     // ctl (the caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
-    // const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64
-    // meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off, u32
-    // hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled in: reads
+    // const u8* ws, afdep_fused_layout L (by value: FusedLayout, #[repr(C)], asserted equal in
+    // layout/fused.cuh), u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled
+    // in: reads
     // the route tables (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked;
     // fp8: hidden a multiple of 128, checked, so the 16-byte reads stay in the row of a
     // cudaMalloc'd buffer), this rank's offsets and flags; writes, in workspace
@@ -434,8 +424,8 @@ pub unsafe fn dispatch(
 /// # Safety
 ///
 /// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
-/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the
-/// slabs of `slab` and the count-first areas of `areas` (fp8: 16-byte aligned), and its plan was
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace has the
+/// layout `layout` (its slabs and count-first areas; fp8: 16-byte aligned), and its plan was
 /// written by this rank's [`plan`] earlier on the same stream; the first `sources` entries of
 /// `src_ranks` are below the world.
 #[allow(clippy::too_many_arguments)]
@@ -446,8 +436,7 @@ pub unsafe fn stream_epilogue(
     sources: usize,
     epr: usize,
     top_k: usize,
-    slab: &SlabGeometry,
-    areas: &CfAreas,
+    layout: &FusedLayout,
     warps_per_unit: u32,
     min_rows: u32,
     ctl: u64,
@@ -458,6 +447,7 @@ pub unsafe fn stream_epilogue(
     if sources == 0 {
         return Ok(());
     }
+    let (slab, areas) = (&layout.slab(), &layout.cf());
     need("source ranks", src_ranks, sources)?;
     check_rows(slab, areas, top_k)?;
     let k = as_u32("top_k", top_k)?;
@@ -473,17 +463,7 @@ pub unsafe fn stream_epilogue(
         .arg(src_ranks)
         .arg(&ns)
         .arg(&e)
-        .arg(&areas.plan)
-        .arg(&areas.row_flags)
-        .arg(&slab.slab_off)
-        .arg(&slab.cap)
-        .arg(&slab.row_bytes)
-        .arg(&areas.meta_off)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&slab.hidden)
+        .arg(layout)
         .arg(&warps_per_unit)
         .arg(&min_rows)
         .arg(&ctl)
@@ -495,9 +475,8 @@ pub unsafe fn stream_epilogue(
         shared_mem_bytes: 0,
     };
     // SAFETY: afdep_cf_stream_epilogue{,_fp8}(u8* ws, const u32* src_rank, u32 ns, u32 epr,
-    // u64 plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64
-    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32
-    // min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
+    // afdep_fused_layout L (by value: FusedLayout, asserted equal in layout/fused.cuh), u32
+    // warps_per_unit, u32 min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
     // with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream order), the
     // row flags and slab rows of src_rank[s] (ns entries, checked; rows below the plan's slab
     // counts, < cap; row_bytes holds this payload and the metadata, checked) in this rank's
