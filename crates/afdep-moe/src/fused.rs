@@ -141,7 +141,7 @@ use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Fp8Expanded, SendList};
+use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Expanded, Fp8Expanded, SendList};
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -610,17 +610,14 @@ impl FusedEngine {
     /// A source's payload-first dispatch kernels: rows into their slabs in every FFN rank's
     /// workspace, then the dispatch flags.
     fn pf_dispatch(&self, send: &PfSend) -> Result<(), ExchangeError> {
-        let dispatch = match self.cfg.payload {
-            PayloadKind::Bf16 => fk::dispatch,
-            PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
-        };
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
         // table; `send` comes from the host plan of this round (`dst_rank` FFN ranks below the
         // world, slab rows below the capacity, tokens below `send.tokens`); every workspace holds
         // the slabs `geo.slab()`.
         unsafe {
-            dispatch(
+            fk::dispatch(
                 &self.gpu,
+                self.cfg.payload,
                 &send.x,
                 send.tokens,
                 &SendList {
@@ -670,55 +667,36 @@ impl FusedEngine {
             sources: self.cfg.topology.attention_count(),
             total: plan.total_tokens(),
         };
-        match self.cfg.payload {
-            PayloadKind::Bf16 => {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
-                // word are live and hold the slabs `geo.slab()` and the flags at `DISPATCH_FLAGS`;
-                // `src` is the host plan's: attention ranks, slab rows below the capacity.
-                unsafe {
-                    fk::copy_epilogue(
-                        &self.gpu,
-                        self.ws,
-                        &src,
-                        DISPATCH_FLAGS,
-                        &geo.slab(),
-                        k,
-                        round,
-                        timeout_ns,
-                        self.ws + ERROR_WORD,
-                        &mut ex.expanded,
-                        ex.total,
-                        knobs.epilogue_sm_cap,
-                    )
-                }?
-            }
+        let out = match self.cfg.payload {
+            PayloadKind::Bf16 => Expanded::Bf16(&mut ex.expanded),
             PayloadKind::Fp8E4m3 => {
                 let (q, sc) = ex.fp8.as_mut().expect("prepared with the expanded buffer");
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
-                // word are live and hold the slabs `geo.slab()` and the flags at `DISPATCH_FLAGS`;
-                // `src` is the host plan's: attention ranks, slab rows below the capacity.
-                unsafe {
-                    fk::copy_epilogue_fp8(
-                        &self.gpu,
-                        self.ws,
-                        &src,
-                        DISPATCH_FLAGS,
-                        &geo.slab(),
-                        k,
-                        round,
-                        timeout_ns,
-                        self.ws + ERROR_WORD,
-                        Fp8Expanded {
-                            q,
-                            scales: sc,
-                            dequant: &mut ex.expanded,
-                        },
-                        ex.total,
-                        knobs.epilogue_sm_cap,
-                    )
-                }?;
+                Expanded::Fp8(Fp8Expanded {
+                    q,
+                    scales: sc,
+                    dequant: &mut ex.expanded,
+                })
             }
-        }
+        };
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error word are
+        // live and hold the slabs `geo.slab()` and the flags at `DISPATCH_FLAGS`; `src` is the host
+        // plan's: attention ranks, slab rows below the capacity.
+        unsafe {
+            fk::copy_epilogue(
+                &self.gpu,
+                self.ws,
+                &src,
+                DISPATCH_FLAGS,
+                &geo.slab(),
+                k,
+                round,
+                timeout_ns,
+                self.ws + ERROR_WORD,
+                out,
+                ex.total,
+                knobs.epilogue_sm_cap,
+            )
+        }?;
         Ok(())
     }
 
