@@ -39,7 +39,7 @@
 //!
 //! - a **live workspace** `ws`: the base of this rank's workspace, 256-byte aligned, large
 //!   enough for every area the geometry arguments name (the slabs of a [`SlabGeometry`], the
-//!   count-first areas of a [`super::fused_cf::CfAreas`], flag areas of one `u32` per rank at the
+//!   count-first areas of a [`super::fused_layout::FusedLayout`], flag areas of one `u32` per rank at the
 //!   flag offsets, return areas at `ret_off`), laid out the same in every rank's workspace;
 //! - a **live peer table** `peers`: a `u64[world]` whose entry r is the base of rank r's
 //!   workspace mapped into this context, each a live workspace of the same layout; every rank a

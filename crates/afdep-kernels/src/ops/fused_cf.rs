@@ -3,15 +3,15 @@
 //!
 //! Like [`super::fused`], these kernels store into other ranks' workspaces through a peer table
 //! (the device address of a `u64[world]` array of workspace bases) and take byte offsets that
-//! are the same in every workspace ([`CfAreas`]). Every wait is bounded by `timeout_ns`
+//! are the same in every workspace ([`FusedLayout`]). Every wait is bounded by `timeout_ns`
 //! (`%globaltimer`); a wait that runs out records a fault in the error word (`u32[4]`:
 //! `{code, peer rank, round, 0}`, codes in [`fault`]) and the kernel leaves.
 //!
-//! Payloads ([`CfAreas::payload`]): bf16 rows, or fp8 e4m3 rows (one f32 scale per 128
+//! Payloads ([`FusedLayout::payload`]): bf16 rows, or fp8 e4m3 rows (one f32 scale per 128
 //! channels, `cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]). With fp8, [`dispatch`]
 //! quantises each row once while it stores it: streaming, codes and scales into the slab row
 //! (the payload-first fp8 row format); source arm, codes and scales into the final expanded
-//! rows' code and scale areas ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]), which [`dequant`]
+//! rows' code and scale areas ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]), which [`dequant`]
 //! turns into the bf16 expanded rows on the FFN rank. [`stream_epilogue`] expands codes,
 //! scales and the dequantised bf16 rows. The payload kind is a compile-time constant of the
 //! kernels (one entry per kind).
@@ -53,36 +53,6 @@ pub const KERNELS: [KernelId; 9] = [
 ];
 
 use super::fused::blocks_for as grid;
-
-/// Byte offsets of the count-first areas, the same in every workspace (`layout/fused.cuh`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CfAreas {
-    /// Count flags, `u32[64]` by source rank.
-    pub count_flags: u64,
-    /// Offset flags, `u32[64]` by FFN rank.
-    pub offset_flags: u64,
-    /// Counts, `u64[world][epr + 1]` by source rank.
-    pub counts: u64,
-    /// Offsets, `u64[world][epr]` by FFN rank.
-    pub offsets: u64,
-    /// The FFN rank's plan: counts, block starts, expert offsets, slab offsets (`u64`).
-    pub plan: u64,
-    /// Row flags, `u32[world][cap]` by (source rank, slab row).
-    pub row_flags: u64,
-    /// The expanded area, `exp_rows × hidden` bf16 (fp8: the dequantised rows).
-    pub expanded: u64,
-    /// fp8: the expanded rows' codes, `exp_rows × hidden` u8 (unused with bf16).
-    pub exp_q: u64,
-    /// fp8: the expanded rows' scales, `exp_rows × hidden / 128` f32 (unused with bf16).
-    pub exp_scales: u64,
-    /// Rows of the expanded area.
-    pub exp_rows: u64,
-    /// Byte offset of a slab row's metadata within the row (the payload part,
-    /// [`super::fused::slab_payload_bytes`]).
-    pub meta_off: u64,
-    /// The payload kind of the slab rows and the expanded area.
-    pub payload: PayloadKind,
-}
 
 /// The routes and device scratch of one source's round.
 #[derive(Debug)]
@@ -166,7 +136,7 @@ pub unsafe fn publish_counts(
     ffn_ranks: &CudaSlice<u32>,
     ffns: usize,
     epr: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     me: usize,
     ctl: u64,
 ) -> Result<(), KernelError> {
@@ -224,7 +194,7 @@ pub unsafe fn plan(
     src_ranks: &CudaSlice<u32>,
     sources: usize,
     epr: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     me: usize,
     ctl: u64,
     timeout_ns: u64,
@@ -355,7 +325,7 @@ pub unsafe fn dispatch(
     err: u64,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    let (slab, areas) = (&layout.slab(), &layout.cf());
+    let (slab, areas) = (&layout.slab(), layout);
     let hidden = slab.hidden as usize;
     let n = src.tokens * top_k;
     need("x", x, src.tokens * hidden)?;
@@ -373,7 +343,7 @@ pub unsafe fn dispatch(
         CfMode::Source => (0u32, 0u32),
         CfMode::Stream { gate } => (1, u32::from(gate)),
     };
-    let id = match areas.payload {
+    let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfDispatch,
         PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
     };
@@ -447,13 +417,13 @@ pub unsafe fn stream_epilogue(
     if sources == 0 {
         return Ok(());
     }
-    let (slab, areas) = (&layout.slab(), &layout.cf());
+    let (slab, areas) = (&layout.slab(), layout);
     need("source ranks", src_ranks, sources)?;
     check_rows(slab, areas, top_k)?;
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let id = match areas.payload {
+    let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfStreamEpilogue,
         PayloadKind::Fp8E4m3 => KernelId::CfStreamEpilogueFp8,
     };
@@ -490,7 +460,7 @@ pub unsafe fn stream_epilogue(
 /// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace `ws`,
 /// after the wait for every source's dispatch flag on the same stream): every expanded row of
 /// the plan `pv` (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
-/// sources stored ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]). Nothing when the round of the
+/// sources stored ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]). Nothing when the round of the
 /// control block at `ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
 ///
 /// # Safety
@@ -506,15 +476,15 @@ pub unsafe fn dequant(
     sources: usize,
     epr: usize,
     hidden: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     ctl: u64,
     top_k: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    if areas.payload != PayloadKind::Fp8E4m3 {
+    if areas.payload_kind() != PayloadKind::Fp8E4m3 {
         return Err(KernelError::Shape(format!(
             "dequantising expanded rows of {} payloads",
-            areas.payload
+            areas.payload_kind()
         )));
     }
     check_fp8(hidden, areas)?;
@@ -546,26 +516,28 @@ pub unsafe fn dequant(
 }
 
 /// Slab rows that hold the payload of `areas` and the metadata of top-k `top_k`.
-fn check_rows(slab: &SlabGeometry, areas: &CfAreas, top_k: usize) -> Result<(), KernelError> {
+fn check_rows(slab: &SlabGeometry, areas: &FusedLayout, top_k: usize) -> Result<(), KernelError> {
     let hidden = slab.hidden as usize;
-    let payload = super::fused::slab_payload_bytes(areas.payload, hidden) as u64;
+    let payload = super::fused::slab_payload_bytes(areas.payload_kind(), hidden) as u64;
     if areas.meta_off < payload
         || slab.row_bytes < areas.meta_off + 4 * super::fused::meta_words(top_k) as u64
     {
         return Err(KernelError::Shape(format!(
             "slab rows of {} bytes (metadata at {}) cannot hold {} payloads of hidden {hidden} \
              and top-k {top_k}",
-            slab.row_bytes, areas.meta_off, areas.payload
+            slab.row_bytes,
+            areas.meta_off,
+            areas.payload_kind()
         )));
     }
-    if areas.payload == PayloadKind::Fp8E4m3 {
+    if areas.payload_kind() == PayloadKind::Fp8E4m3 {
         check_fp8(hidden, areas)?;
     }
     Ok(())
 }
 
 /// fp8 areas: hidden a multiple of 128, the code and scale areas 16-byte aligned.
-fn check_fp8(hidden: usize, areas: &CfAreas) -> Result<(), KernelError> {
+fn check_fp8(hidden: usize, areas: &FusedLayout) -> Result<(), KernelError> {
     if hidden % afdep_core::fp8::GROUP != 0
         || areas.exp_q % 16 != 0
         || areas.exp_scales % 16 != 0

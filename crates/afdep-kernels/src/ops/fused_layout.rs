@@ -2,7 +2,8 @@
 //! [`FusedLayout`], computed in one place ([`FusedLayout::new`]) from the exchange config, and
 //! mirrored on the device by `struct afdep_fused_layout` in `cuda/layout/fused.cuh`, whose
 //! `static_assert`s pin its size and every field's offset (a test here compares them with
-//! `offset_of!`). The launchers' [`SlabGeometry`] and [`CfAreas`] are views of it.
+//! `offset_of!`). The count-first launchers take it whole, the payload-first ones its
+//! [`SlabGeometry`] view.
 //!
 //! Every rank's workspace has this layout (byte offsets from its base; every area 256-byte
 //! aligned):
@@ -15,7 +16,7 @@
 //! | [`CONTROL`] | the round control block ([`super::fused_round`]) |
 //! | [`SLABS`] | the slabs: `world × capacity` rows of `row_bytes` |
 //! | `ret_off` | the return areas: `ffns × capacity` rows of `hidden` f32 |
-//! | `count_flags` … `exp_scales` | the count-first areas ([`CfAreas`], `layout/fused.cuh`) |
+//! | `count_flags` … `exp_scales` | the count-first areas (`layout/fused.cuh`) |
 //! | `status` | the status area of device rounds ([`super::fused_round::STATUS_BYTES`]) |
 //! | `bytes` | the end: the workspace size the engine needs |
 
@@ -23,7 +24,6 @@ use afdep_core::{ExchangeConfig, PayloadKind, fp8};
 use cudarc::driver::DeviceRepr;
 
 use super::fused::{SlabGeometry, slab_payload_bytes, slab_row_bytes_for};
-use super::fused_cf::CfAreas;
 use super::fused_round::STATUS_BYTES;
 
 /// Byte offset of the dispatch flags in every workspace.
@@ -170,24 +170,6 @@ impl FusedLayout {
             hidden: self.hidden,
         }
     }
-
-    /// The count-first areas, as the count-first launchers take them.
-    pub fn cf(&self) -> CfAreas {
-        CfAreas {
-            count_flags: self.count_flags,
-            offset_flags: self.offset_flags,
-            counts: self.counts,
-            offsets: self.offsets,
-            plan: self.plan,
-            row_flags: self.row_flags,
-            expanded: self.expanded,
-            exp_q: self.exp_q,
-            exp_scales: self.exp_scales,
-            exp_rows: self.exp_rows,
-            meta_off: self.meta_off,
-            payload: self.payload_kind(),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -305,7 +287,7 @@ mod tests {
             }
             assert!(l.exp_scales <= l.status && l.status + STATUS_BYTES == l.bytes);
             assert_eq!(l.slab().row_bytes, l.row_bytes);
-            assert_eq!(l.cf().payload, payload);
+            assert_eq!(l.payload_kind(), payload);
         }
     }
 

@@ -174,10 +174,10 @@ impl FusedEngine {
     /// Poisons the first `rows` rows of the count-first expanded area (fp8: and of its codes and
     /// scales; NaN rows, codes 0xff, NaN scales).
     pub(super) fn poison_expanded(&self, rows: u64) -> Result<(), ExchangeError> {
-        let a = self.geo.cf();
+        let a = self.geo;
         let h = self.cfg.hidden as u64;
         self.poison_ws(a.expanded, rows * 2 * h)?;
-        if a.payload == PayloadKind::Fp8E4m3 {
+        if a.payload_kind() == PayloadKind::Fp8E4m3 {
             self.poison_ws(a.exp_q, rows * h)?;
             self.poison_ws(a.exp_scales, rows * 4 * (h / fp8::GROUP as u64))?;
         }
@@ -201,7 +201,7 @@ impl FusedEngine {
         let (h, k) = (cfg.hidden, cfg.top_k);
         let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
         let knobs = cfg.knobs;
-        let a = self.geo.cf();
+        let a = self.geo;
         let slab: SlabGeometry = self.geo.slab();
         let err = self.ws + ERROR_WORD;
         let ctl = self.ws + super::CONTROL;
@@ -453,7 +453,7 @@ impl FusedEngine {
         let topo = cfg.topology;
         let (h, k) = (cfg.hidden, cfg.top_k);
         let (ns, epr) = (topo.attention_count(), cfg.placement().experts_per_rank);
-        let a = self.geo.cf();
+        let a = self.geo;
         let slab = self.geo.slab();
         let nl = epr;
         let plan_words = 2 * nl * ns + nl + 1 + ns + 1;
@@ -485,7 +485,7 @@ impl FusedEngine {
             bytemuck::pod_collect_to_vec(&self.read_ws(a.expanded, total as usize * 2 * h)?);
         // fp8: the expanded rows' codes and scales as delivered
         let g = fp8::scales_per_row(h);
-        let mut fp8_rx = match a.payload {
+        let mut fp8_rx = match a.payload_kind() {
             PayloadKind::Bf16 => None,
             PayloadKind::Fp8E4m3 => Some(Fp8Received {
                 expanded_q: self.read_ws(a.exp_q, total as usize * h)?,
@@ -605,7 +605,10 @@ mod tests {
 
     /// The count-first areas of `c`'s workspace layout and their end (the expanded rows, fp8:
     /// their scales), checked to lie after `start`.
-    fn areas(c: &ExchangeConfig, start: u64) -> (afdep_kernels::ops::fused_cf::CfAreas, u64) {
+    fn areas(
+        c: &ExchangeConfig,
+        start: u64,
+    ) -> (afdep_kernels::ops::fused_layout::FusedLayout, u64) {
         let l = afdep_kernels::ops::fused_layout::FusedLayout::new(c);
         assert!(l.count_flags >= start && l.count_flags >= l.ret_off);
         let end = match c.payload {
@@ -615,7 +618,7 @@ mod tests {
             }
         };
         assert!(end <= l.status);
-        (l.cf(), end)
+        (l, end)
     }
 
     /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
@@ -650,7 +653,7 @@ mod tests {
             );
             // bf16: no code or scale areas
             assert_eq!((a.exp_q, a.exp_scales), (end, end));
-            assert_eq!(a.payload, PayloadKind::Bf16);
+            assert_eq!(a.payload_kind(), PayloadKind::Bf16);
         }
     }
 
@@ -676,7 +679,7 @@ mod tests {
             let h = hidden as u64;
             // the same areas relative to the count-first start (the fp8 slabs before it are
             // smaller, so the start itself moves)
-            let rel = |x: &afdep_kernels::ops::fused_cf::CfAreas| {
+            let rel = |x: &afdep_kernels::ops::fused_layout::FusedLayout| {
                 let c0 = x.count_flags;
                 (
                     x.counts - c0,
@@ -688,7 +691,7 @@ mod tests {
             };
             assert_eq!(rel(&a), rel(&b));
             assert_eq!(rows, b.exp_rows);
-            assert_eq!(a.payload, PayloadKind::Fp8E4m3);
+            assert_eq!(a.payload_kind(), PayloadKind::Fp8E4m3);
             assert_eq!(a.exp_q % 256, 0);
             assert_eq!(a.exp_scales % 256, 0);
             assert!(a.exp_q >= a.expanded + rows * 2 * h);

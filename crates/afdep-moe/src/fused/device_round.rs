@@ -120,7 +120,7 @@ use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
 use afdep_kernels::ops::fused as fk;
 use afdep_kernels::ops::fused::SlabGeometry;
-use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::fused_round::{
     self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
@@ -445,7 +445,7 @@ impl FusedEngine {
                 let y_len = if identity {
                     1
                 } else {
-                    (self.geo.cf().exp_rows as usize * h).max(1)
+                    (self.geo.exp_rows as usize * h).max(1)
                 };
                 Some(FfnBufs {
                     scale: upload(&self.gpu, local)?,
@@ -785,7 +785,7 @@ impl FusedEngine {
             }
             if cfg.topology.ffn_index(rank).is_some() {
                 // the whole expanded area (fp8: and its codes and scales)
-                self.poison_expanded(self.geo.cf().exp_rows)?;
+                self.poison_expanded(self.geo.exp_rows)?;
                 if matches!(
                     arm,
                     RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
@@ -823,7 +823,7 @@ impl FusedEngine {
         let (ws, peers) = (self.ws, self.peers);
         let ctl = ws + CONTROL;
         let err = ws + ERROR_WORD;
-        let a = self.geo.cf();
+        let a = self.geo;
         let slab = self.geo.slab();
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
@@ -964,7 +964,6 @@ impl FusedEngine {
             timeout_ns,
             a,
             slab,
-            layout: self.geo,
             ret_off: self.geo.ret_off,
             src_ranks: &self.src_ranks,
             ffn_ranks: &self.ffn_ranks,
@@ -1001,7 +1000,7 @@ impl FusedEngine {
         let (h, wd) = (self.cfg.hidden, lp.shape.width);
         let e = p.experts_of(f);
         let per = h * wd;
-        let rows = self.geo.cf().exp_rows as usize;
+        let rows = self.geo.exp_rows as usize;
         let mut sw = SwigluBufs {
             w1: upload(&self.gpu, &lp.w1[e.start * per..e.end * per])?,
             w3: upload(&self.gpu, &lp.w3[e.start * per..e.end * per])?,
@@ -1140,10 +1139,9 @@ struct Launch<'a> {
     ctl: u64,
     err: u64,
     timeout_ns: u64,
-    a: CfAreas,
+    /// The workspace layout (`slab` is its view for the payload-first launchers).
+    a: FusedLayout,
     slab: SlabGeometry,
-    /// The workspace layout (`a` and `slab` are views of it).
-    layout: FusedLayout,
     ret_off: u64,
     src_ranks: &'a CudaSlice<u32>,
     ffn_ranks: &'a CudaSlice<u32>,
@@ -1190,7 +1188,7 @@ impl Launch<'_> {
                     epr,
                     self.peers,
                     self.ws,
-                    &self.layout,
+                    &self.a,
                     self.rank,
                     mode,
                     c,
@@ -1305,7 +1303,7 @@ impl Launch<'_> {
                     ns,
                     epr,
                     k,
-                    &self.layout,
+                    &self.a,
                     knobs.warps_per_unit,
                     knobs.min_rows_per_unit,
                     c,
