@@ -230,7 +230,7 @@ PEER_TOL = {"out_err": 2 * 4 / 256, "gx_err": 2 * 6 / 256, "gw_err": 2 * 5 / 256
 
 
 # afdep_moe::accuracy's tolerances (OUT_TOL, DX_TOL, GRAD_TOL): a peer against the f32 function
-# of the brief, which is the reference (the peer scripts compute it themselves: oracle_* fields).
+# of docs/design.md ("Specification"), which is the reference (the peer scripts compute it themselves: oracle_* fields).
 ORACLE_TOL = {"oracle_out_err": 4 / 256, "oracle_gx_err": 6 / 256, "oracle_gw_err": 5 / 256}
 
 

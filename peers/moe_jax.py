@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Peer of afdep's MoE layer in JAX: experts through ``jax.lax.ragged_dot``.
 
-The same function as ``moe_torch.py`` (design brief, section 4), on the inputs afdep wrote
+The same function as ``moe_torch.py`` (docs/design.md, "Specification: Layer and train step"), on the inputs afdep wrote
 (``afdep moe --write-inputs DIR``):
 
 - router: ``logits = x . Wr`` in f32 (precision HIGHEST: no TF32), softmax, ``lax.top_k``,

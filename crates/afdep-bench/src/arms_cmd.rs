@@ -1,5 +1,6 @@
 //! `afdep exchange-arms [--arms A,B,..] [--repeats R] -- <afdep exchange flags>`: the paired,
-//! rotated-order comparison of dispatch arms that the reference record uses (brief section 5).
+//! rotated-order comparison of dispatch arms that the reference record uses (docs/design.md,
+//! "Specification: Measurement").
 //!
 //! Repeat r (0-based) runs every arm once, each in its own child process (`afdep exchange
 //! <flags> --arm A`, this same binary; with `--launch N`, N processes, one per rank, through

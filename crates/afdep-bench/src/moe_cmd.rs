@@ -44,7 +44,8 @@ use crate::Backend;
 use crate::shapes::{self, NamedShape, Suite};
 use crate::tensor_file::TensorFile;
 
-/// Token counts of the GPU sweep by default (the record's).
+/// Token counts of the GPU sweep by default (the reference record's, docs/design.md, "The reference
+/// record").
 pub const GPU_TOKENS: [usize; 3] = [16_384, 131_072, 1_048_576];
 /// Token count of the CPU oracle by default.
 pub const CPU_TOKENS: usize = 16_384;

@@ -1,13 +1,13 @@
 //! `afdep report moe`: the same-run comparison of afdep's MoE layer with the peers.
 //!
-//! Input: JSONL files of rows with the record's fields (`tokens`, `impl`, `dispatch`,
-//! `fwd_ms`, `train_ms`, `out_err`, `gx_err`, `gw_err`, `status`, `peak_gib`, `digest`,
-//! `device`), as printed by `afdep moe --backend cuda` (`impl` = `afdep`) and the peer scripts
-//! `peers/moe_torch.py` and `peers/moe_jax.py` (any other `impl`). Lines that are not JSON
-//! objects with at least `tokens` and `impl` (log lines, the GPU stage rows) are skipped and
-//! counted; rows of the CPU oracle (`impl` starting with `afdep-`) are skipped too. When one
-//! (impl, dispatch, tokens) appears more than once, the last row wins (JSONL files are appended
-//! to).
+//! Input: JSONL files of rows with the reference record's (docs/design.md, "The reference record")
+//! fields (`tokens`, `impl`, `dispatch`, `fwd_ms`, `train_ms`, `out_err`, `gx_err`, `gw_err`,
+//! `status`, `peak_gib`, `digest`, `device`), as printed by `afdep moe --backend cuda` (`impl` =
+//! `afdep`) and the peer scripts `peers/moe_torch.py` and `peers/moe_jax.py` (any other `impl`).
+//! Lines that are not JSON objects with at least `tokens` and `impl` (log lines, the GPU stage
+//! rows) are skipped and counted; rows of the CPU oracle (`impl` starting with `afdep-`) are
+//! skipped too. When one (impl, dispatch, tokens) appears more than once, the last row wins (JSONL
+//! files are appended to).
 //!
 //! Rows are grouped into cells: (shape, tokens), the shape being the row's `shape` name
 //! (`afdep moe --suite` / `--shape`, and the peers' rows of its input files) or else its
@@ -656,7 +656,7 @@ pub fn markdown(c: &Comparison, info: &RunInfo) -> String {
         let _ = writeln!(m, "#### Peers\n");
         let _ = writeln!(
             m,
-            "A peer's errors are against the f32 function of the brief computed by the peer \
+            "A peer's errors are against the f32 function of docs/design.md (Specification) computed by the peer \
              script itself (`oracle_*`, when present) and against afdep's outputs on the same \
              inputs (`out_err`, `gx_err`, `gw_err`; null when they were not given).\n"
         );

@@ -1,10 +1,10 @@
 //! Named layer shapes: the suite of `afdep moe --suite models|record` and `--shape NAME`.
 //!
-//! Each shape is the MoE layer of the brief (softmax top-k router, SwiGLU experts, an optional
-//! shared SwiGLU expert) at the sizes of the model it is named after: hidden size H, expert
-//! width W, experts E, top-k K and shared width S, with the token counts that fit in the
-//! memory of one H200 next to the peers, and the timed runs per measurement used by default
-//! (fewer at the large shapes, to bound the suite's time).
+//! Each shape is the MoE layer of docs/design.md, "Specification: Layer and train step" (softmax
+//! top-k router, SwiGLU experts, an optional shared SwiGLU expert) at the sizes of the model it is
+//! named after: hidden size H, expert width W, experts E, top-k K and shared width S, with the
+//! token counts that fit in the memory of one H200 next to the peers, and the timed runs per
+//! measurement used by default (fewer at the large shapes, to bound the suite's time).
 //!
 //! # FLOP count
 //!
@@ -50,7 +50,7 @@ pub struct NamedShape {
 }
 
 impl NamedShape {
-    /// The layer shape (top-k weights renormalised, as in the brief).
+    /// The layer shape (top-k weights renormalised, as in docs/design.md, "Specification: Router").
     pub fn layer(&self) -> LayerShape {
         LayerShape {
             d_model: self.d_model,
@@ -65,7 +65,7 @@ impl NamedShape {
 
 const K: usize = 1024;
 
-/// Every named shape, the record's first.
+/// Every named shape, the reference record's (docs/design.md, "The reference record") first.
 pub const SHAPES: [NamedShape; 7] = [
     NamedShape {
         name: "record",

@@ -1,6 +1,7 @@
-//! Times the CPU layer oracle at the record shape: `forward` and `train_step` on 16,384 tokens
-//! of `LayerShape::RECORD`, random parameters, tokens and upstream gradient from fixed seeds;
-//! prints the median of 3 runs of each (after one untimed warm-up run).
+//! Times the CPU layer oracle at the record shape (docs/design.md, "The reference record"):
+//! `forward` and `train_step` on 16,384 tokens of `LayerShape::RECORD`, random parameters, tokens
+//! and upstream gradient from fixed seeds; prints the median of 3 runs of each (after one untimed
+//! warm-up run).
 //!
 //! `cargo run --release -p afdep-core --example oracle_time [-- TOKENS]`
 

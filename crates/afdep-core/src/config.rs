@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::ConfigError;
 use crate::topology::{ExpertPlacement, Topology};
 
-/// The shape of one MoE layer (brief section 4 notation in brackets).
+/// The shape of one MoE layer (docs/design.md, "Specification" notation in brackets).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayerShape {
     /// Hidden size \[H\].
@@ -115,7 +115,8 @@ impl std::fmt::Display for PayloadKind {
     }
 }
 
-/// The knobs of the fused exchange (brief section 4), agreed across ranks.
+/// The knobs of the fused exchange (docs/design.md, "Specification: AFD exchange"), agreed across
+/// ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ExchangeKnobs {
     /// Rounds with at least this many tokens on the largest source use count-first dispatch;

@@ -1,5 +1,5 @@
 //! fp8 payloads of the AFD exchange: the e4m3 format, its bit-exact host encoder and decoder,
-//! and the quantisation of token rows (brief section 4, "Payloads").
+//! and the quantisation of token rows (docs/design.md, "fp8 payloads").
 //!
 //! # The e4m3 format (OCP FP8 E4M3, "fn": finite, with NaN)
 //!

@@ -1,5 +1,5 @@
 //! Dispatch layout: counts, 64-bit prefix sums, the expanded layout, the compact collect view,
-//! and the payload-first and count-first plans (brief section 4).
+//! and the payload-first and count-first plans (docs/design.md, "Specification: AFD exchange").
 //!
 //! **Expanded layout** of FFN rank `f`: one row per (token, local expert), grouped by local
 //! expert ascending; within an expert, by source attention rank ascending; within a source, by

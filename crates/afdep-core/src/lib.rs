@@ -3,7 +3,8 @@
 //! No GPU and no I/O live here. The crate holds:
 //! - [`config`]: layer shapes and exchange configuration (serde), with typed validation;
 //! - [`topology`]: attention/FFN roles (`3A:1F`, classic expert parallelism) and expert placement;
-//! - [`route`]: the reference router and route validation (every rejected class of the brief);
+//! - [`route`]: the reference router and route validation (every rejected class of docs/design.md,
+//!   "Specification: Routes");
 //! - [`layout`]: dispatch layout (counts, 64-bit prefix sums) and the payload-first and
 //!   count-first plans;
 //! - [`fingerprint`]: the configuration fingerprint that ranks compare at initialisation;

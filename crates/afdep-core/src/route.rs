@@ -1,9 +1,9 @@
 //! The reference router and route validation.
 //!
-//! Router (brief section 4): `logits = x·Wr` in f32, `p = softmax(logits)` in f32 (max
-//! subtracted, exponentials summed in ascending expert order), the top-K experts by `p` with
-//! ties going to the lower expert id, and weights `w_k = p_k / Σ_k p_k` (sum in slot order) when
-//! renormalisation is on, `w_k = p_k` otherwise. Slots are ordered by descending `p`.
+//! Router (docs/design.md, "Specification: Router"): `logits = x·Wr` in f32, `p = softmax(logits)`
+//! in f32 (max subtracted, exponentials summed in ascending expert order), the top-K experts by `p`
+//! with ties going to the lower expert id, and weights `w_k = p_k / Σ_k p_k` (sum in slot order)
+//! when renormalisation is on, `w_k = p_k` otherwise. Slots are ordered by descending `p`.
 //!
 //! Validation scans tokens in ascending order and, within a token, slots in ascending order;
 //! the first offending slot is reported. Within a slot the checks run in the order negative,
@@ -208,10 +208,10 @@ pub fn validate(routes: &Routes, rules: &RouteRules, rank: usize) -> Result<(), 
 }
 
 /// The first non-finite router logit of a `tokens × experts` row-major table, in (token,
-/// expert) order, as [`RouteError::NonFiniteLogit`] of attention rank `rank`: the brief's one
-/// rule for NaN and infinity before routing. A token whose logits are not all finite cannot be
-/// ranked (softmax and top-k have no meaning there), so every backend refuses the step before
-/// any expert runs; non-finite values that enter after routing (expert weights) propagate.
+/// expert) order, as [`RouteError::NonFiniteLogit`] of attention rank `rank`: the Specification's
+/// one rule for NaN and infinity before routing. A token whose logits are not all finite cannot be
+/// ranked (softmax and top-k have no meaning there), so every backend refuses the step before any
+/// expert runs; non-finite values that enter after routing (expert weights) propagate.
 pub fn check_logits<T: Copy + Into<f64>>(
     logits: &[T],
     experts: usize,

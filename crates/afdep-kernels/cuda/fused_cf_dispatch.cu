@@ -152,17 +152,18 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     }
 }
 
+// The entries take the workspace layout by value (afdep_fused_layout, layout/fused.cuh); the
+// rows function reads its fields, which stay in the parameter space (no copy).
 #define AFDEP_CF_DISPATCH_PARAMS                                                                  \
     const u16 *__restrict__ x, const i32 *__restrict__ idx, const float *__restrict__ w,         \
         const u32 *ctl, const u32 *__restrict__ slot_pos, const u32 *__restrict__ tok_row,       \
         const u32 *__restrict__ ffn_rank, u32 nf, u32 epr, const u64 *__restrict__ peers,        \
-        const u8 *ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes,         \
-        u64 meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off,   \
-        u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32 *err
+        const u8 *ws, const afdep_fused_layout L, u32 me, u32 mode, u32 gate, u64 timeout_ns,    \
+        u32 *err
 #define AFDEP_CF_DISPATCH_ARGS                                                                    \
-    x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, offs_off, oflag_off,        \
-        slab_off, cap, row_bytes, meta_off, exp_off, exp_q_off, exp_sc_off, exp_rows, rflag_off,  \
-        hidden, me, mode, gate, timeout_ns, err
+    x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, L.offsets, L.offset_flags,  \
+        L.slab_off, L.cap, L.row_bytes, L.meta_off, L.expanded, L.exp_q, L.exp_scales,           \
+        L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err
 
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)

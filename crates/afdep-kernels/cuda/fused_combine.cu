@@ -1,4 +1,5 @@
-// The combine of the fused exchange, split at the brief's fixed order
+// The combine of the fused exchange, split at the fixed order of docs/design.md, "Specification:
+// AFD exchange"
 //   out[t] = bf16( sum over FFN ranks f ascending of P_f[t] ),
 //   P_f[t] = sum over the slots k ascending of t whose expert is on f of w_k * y_k,
 // every product and sum in f32, rounded each (p = p + w y from 0, no FMA).

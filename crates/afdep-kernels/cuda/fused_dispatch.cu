@@ -37,27 +37,24 @@ static __device__ __forceinline__ void afdep_fused_dispatch_rows(
     }
 }
 
+#define AFDEP_FUSED_DISPATCH_PARAMS                                                               \
+    const u16 *__restrict__ x, const u32 *__restrict__ token, const u32 *__restrict__ dst_rank,  \
+        const u32 *__restrict__ slab_row, const u32 *__restrict__ meta, u32 meta_words,          \
+        u64 rows, const u64 *__restrict__ peers, u64 slab_off, u32 me, u32 cap, u64 row_bytes,   \
+        u32 hidden
+#define AFDEP_FUSED_DISPATCH_ARGS                                                                 \
+    x, token, dst_rank, slab_row, meta, meta_words, rows, peers, slab_off, me, cap, row_bytes,   \
+        hidden
+
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_fused_dispatch(const u16* __restrict__ x, const u32* __restrict__ token,
-                         const u32* __restrict__ dst_rank, const u32* __restrict__ slab_row,
-                         const u32* __restrict__ meta, u32 meta_words, u64 rows,
-                         const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap,
-                         u64 row_bytes, u32 hidden) {
-    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_BF16>(x, token, dst_rank, slab_row, meta, meta_words,
-                                                  rows, peers, slab_off, me, cap, row_bytes,
-                                                  hidden);
+    afdep_fused_dispatch(AFDEP_FUSED_DISPATCH_PARAMS) {
+    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_BF16>(AFDEP_FUSED_DISPATCH_ARGS);
 }
 
 // The same with fp8 payloads: hidden is a multiple of 128 and x 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_fused_dispatch_fp8(const u16* __restrict__ x, const u32* __restrict__ token,
-                             const u32* __restrict__ dst_rank, const u32* __restrict__ slab_row,
-                             const u32* __restrict__ meta, u32 meta_words, u64 rows,
-                             const u64* __restrict__ peers, u64 slab_off, u32 me, u32 cap,
-                             u64 row_bytes, u32 hidden) {
-    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_FP8>(x, token, dst_rank, slab_row, meta, meta_words,
-                                                 rows, peers, slab_off, me, cap, row_bytes,
-                                                 hidden);
+    afdep_fused_dispatch_fp8(AFDEP_FUSED_DISPATCH_PARAMS) {
+    afdep_fused_dispatch_rows<AFDEP_PAYLOAD_FP8>(AFDEP_FUSED_DISPATCH_ARGS);
 }
 
 // Thread i < n stores the round (the control block ctl, layout/fused.cuh) into peers[ranks[i]] +

@@ -28,30 +28,15 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                               u64 slab_off, u32 cap, u64 row_bytes, u32 hidden, u32 round,
                               u64 timeout_ns, u32* err, u16* __restrict__ expanded,
                               u64 exp_rows) {
-    __shared__ u32 ok;
-    if (threadIdx.x == 0) {
-        ok = 1;
-        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-        for (u32 s = 0; s < sources && ok; s++) {
-            const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
-            if (!afdep_wait_ge(flag, round, timeout_ns)) {
-                afdep_fused_fault(err, AFDEP_FUSED_FAULT_DISPATCH_WAIT, src_rank[s], round);
-                ok = 0;
-            }
-        }
-    }
-    __syncthreads();
-    if (!ok) return;
+    if (!afdep_fused_wait_sources(ws, src_rank, sources, flag_off, round, timeout_ns, err)) return;
     const u32 lane = afdep_lane();
     const u64 total = slab_starts[sources];
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
     const u32 payload = 2u * hidden;
     for (u64 c = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; c < total; c += warps) {
-        u32 s = 0;
-        while (s + 1 < sources && slab_starts[s + 1] <= c) s++;
-        const u64 i = c - slab_starts[s];
         // volatile-free plain loads are fine: the acquire above orders them after the flag
-        const u8* row = ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes;
+        const u8* row =
+            afdep_fused_compact_row(ws, src_rank, slab_starts, sources, slab_off, cap, row_bytes, c);
         const u32* meta = (const u32*)(row + afdep_align16(payload));
         const u64* dst = (const u64*)(meta + 2 + 2 * K);
 #pragma unroll 1
@@ -75,30 +60,15 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                                   u32 round, u64 timeout_ns, u32* err, u8* __restrict__ expanded_q,
                                   float* __restrict__ expanded_scales,
                                   u16* __restrict__ expanded, u64 exp_rows) {
-    __shared__ u32 ok;
-    if (threadIdx.x == 0) {
-        ok = 1;
-        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-        for (u32 s = 0; s < sources && ok; s++) {
-            const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
-            if (!afdep_wait_ge(flag, round, timeout_ns)) {
-                afdep_fused_fault(err, AFDEP_FUSED_FAULT_DISPATCH_WAIT, src_rank[s], round);
-                ok = 0;
-            }
-        }
-    }
-    __syncthreads();
-    if (!ok) return;
+    if (!afdep_fused_wait_sources(ws, src_rank, sources, flag_off, round, timeout_ns, err)) return;
     const u32 lane = afdep_lane();
     const u64 total = slab_starts[sources];
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
     const u32 groups = hidden / AFDEP_FP8_GROUP;
     const u32 chunks = hidden / 16u;
     for (u64 c = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; c < total; c += warps) {
-        u32 s = 0;
-        while (s + 1 < sources && slab_starts[s + 1] <= c) s++;
-        const u64 i = c - slab_starts[s];
-        const u8* row = ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes;
+        const u8* row =
+            afdep_fused_compact_row(ws, src_rank, slab_starts, sources, slab_off, cap, row_bytes, c);
         const float* scales = (const float*)(row + afdep_align16(hidden));
         const u32* meta = (const u32*)(row + afdep_fused_payload_bytes<AFDEP_PAYLOAD_FP8>(hidden));
         const u64* dst = (const u64*)(meta + 2 + 2 * K);

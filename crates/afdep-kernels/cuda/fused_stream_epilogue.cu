@@ -135,14 +135,15 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
     }
 }
 
+// The entries take the workspace layout by value (afdep_fused_layout, layout/fused.cuh); the
+// rows function reads its fields, which stay in the parameter space (no copy).
 #define AFDEP_CF_STREAM_PARAMS                                                                    \
-    u8 *ws, const u32 *__restrict__ src_rank, u32 ns, u32 epr, u64 plan_off, u64 rflag_off,      \
-        u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off, u64 exp_q_off,          \
-        u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows,              \
-        const u32 *ctl, u64 timeout_ns, u32 *err
+    u8 *ws, const u32 *__restrict__ src_rank, u32 ns, u32 epr, const afdep_fused_layout L,       \
+        u32 warps_per_unit, u32 min_rows, const u32 *ctl, u64 timeout_ns, u32 *err
 #define AFDEP_CF_STREAM_ARGS                                                                      \
-    ws, src_rank, ns, epr, plan_off, rflag_off, slab_off, cap, row_bytes, meta_off, exp_off,     \
-        exp_q_off, exp_sc_off, exp_rows, hidden, warps_per_unit, min_rows, ctl, timeout_ns, err
+    ws, src_rank, ns, epr, L.plan, L.row_flags, L.slab_off, L.cap, L.row_bytes, L.meta_off,      \
+        L.expanded, L.exp_q, L.exp_scales, L.exp_rows, L.hidden, warps_per_unit, min_rows, ctl,  \
+        timeout_ns, err
 
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)

@@ -1,6 +1,6 @@
 // The simple GPU reference path of the MoE layer (issue 4): untuned kernels that compute the
-// forward pass and the train step of brief section 4 at sizes the CPU oracle cannot reach. They
-// exist to be obviously correct, not fast:
+// forward pass and the train step of docs/design.md, "Specification: Layer and train step" at sizes
+// the CPU oracle cannot reach. They exist to be obviously correct, not fast:
 //
 // - every intermediate is f32 (as afdep_core::oracle::layer); bf16 appears only in the inputs
 //   and in the one final cast of each output;

@@ -1,14 +1,15 @@
 //! Times the GPU MoE layer: forward and train step (router mode) of every dispatch strategy at
-//! the record's shape, one JSON row per (dispatch, tokens) on stdout.
+//! the reference record's shape (docs/design.md, "The reference record"), one JSON row per
+//! (dispatch, tokens) on stdout.
 //!
 //! Each measurement is the median of `--iters` runs, each between its own pair of CUDA events
 //! (created before any run) on the layer's stream, after 3 warm-up runs (which also load every
 //! kernel module); a step is only queued (no host sync inside), as in a training loop. The
-//! timing is `afdep_moe::timing`, which `afdep moe --backend cuda` uses too. Inputs are afdep-core's seeded
-//! random parameters and tokens. The accuracy of these kernels is checked by the `gpu_layer`
-//! tests against the CPU oracle; this program only times. `peak_gib` is every buffer the layer
-//! allocates (inputs, outputs, parameters, gradients, intermediates, workspaces): nothing else
-//! is allocated during a step.
+//! timing is `afdep_moe::timing`, which `afdep moe --backend cuda` uses too. Inputs are
+//! afdep-core's seeded random parameters and tokens. The accuracy of these kernels is checked by
+//! the `gpu_layer` tests against the CPU oracle; this program only times. `peak_gib` is every
+//! buffer the layer allocates (inputs, outputs, parameters, gradients, intermediates, workspaces):
+//! nothing else is allocated during a step.
 //!
 //! `bench_layer [--tokens 16384,131072,1048576] [--dispatch sorted,gather,fused,fused_gsum]
 //! [--iters 10]`

@@ -1,5 +1,6 @@
-//! How GPU results are compared with a reference: the error metric of the record's error
-//! columns and the tolerances of the GPU layer, derived from its bf16 roundings.
+//! How GPU results are compared with a reference: the error metric of the reference record's
+//! (docs/design.md, "The reference record") error columns and the tolerances of the GPU layer,
+//! derived from its bf16 roundings.
 //!
 //! # The metric
 //! [`max_rel_err`]`(a, b) = max_i |a_i − b_i| / max_i |b_i|` over a whole tensor (normwise,

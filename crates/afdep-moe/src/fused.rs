@@ -141,7 +141,8 @@ use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Fp8Expanded, SendList, SlabGeometry};
+use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Expanded, Fp8Expanded, SendList};
+use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::{NvlinkIpc, Transport, TransportError};
@@ -160,54 +161,16 @@ pub mod fault;
 mod trace;
 pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
 
-/// Byte offset of the dispatch flags in every workspace.
-pub const DISPATCH_FLAGS: u64 = 0;
-/// Byte offset of the combine flags.
-pub const COMBINE_FLAGS: u64 = 256;
-/// Byte offset of the error word.
-pub const ERROR_WORD: u64 = 512;
-/// Byte offset of the round control block (`u32[16]`: round, verdict, route word, token count;
-/// [`afdep_kernels::ops::fused_round`]).
-pub const CONTROL: u64 = 768;
-/// Byte offset of the slabs.
-pub const SLABS: u64 = 1024;
+pub use afdep_kernels::ops::fused_layout::{
+    COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, SLABS,
+};
 /// Most ranks of one group (the flag areas hold 64 u32).
 pub const MAX_WORLD: usize = 64;
 
-/// The workspace geometry of a config.
-#[derive(Debug, Clone, Copy)]
-struct Geometry {
-    slab: SlabGeometry,
-    /// The return areas: `ffn_ranks × capacity` rows of `hidden` f32 (by FFN index).
-    ret_off: u64,
-    /// The count-first areas (after the return areas).
-    cf: afdep_kernels::ops::fused_cf::CfAreas,
-    /// The status area of device rounds (after the count-first areas).
-    status: u64,
-    bytes: u64,
-}
-
-fn geometry(cfg: &ExchangeConfig) -> Geometry {
-    let world = cfg.topology.world_size() as u64;
-    let row_bytes = fk::slab_row_bytes_for(cfg.payload, cfg.hidden, cfg.top_k) as u64;
-    let cap = cfg.capacity as u64;
-    let ret_off = (SLABS + world * cap * row_bytes).div_ceil(256) * 256;
-    let ffns = cfg.placement().ffn_ranks as u64;
-    let (cf, cf_end) = count_first::areas(cfg, ret_off + ffns * cap * 4 * cfg.hidden as u64);
-    let status = cf_end.div_ceil(256) * 256;
-    let bytes = status + afdep_kernels::ops::fused_round::STATUS_BYTES;
-    Geometry {
-        slab: SlabGeometry {
-            slab_off: SLABS,
-            cap: cfg.capacity as u32,
-            row_bytes,
-            hidden: cfg.hidden as u32,
-        },
-        ret_off,
-        cf,
-        status,
-        bytes,
-    }
+/// The workspace layout of a config (computed in one place:
+/// [`FusedLayout::new`](afdep_kernels::ops::fused_layout::FusedLayout::new)).
+fn geometry(cfg: &ExchangeConfig) -> FusedLayout {
+    FusedLayout::new(cfg)
 }
 
 /// The fused engine of one rank; see the [module docs](self).
@@ -235,7 +198,7 @@ pub struct FusedEngine {
     cfg: ExchangeConfig,
     transport: NvlinkIpc,
     gpu: GpuContext,
-    geo: Geometry,
+    geo: FusedLayout,
     round: u32,
     closed: Option<String>,
     /// This rank's workspace base and the device peer table.
@@ -648,17 +611,14 @@ impl FusedEngine {
     /// A source's payload-first dispatch kernels: rows into their slabs in every FFN rank's
     /// workspace, then the dispatch flags.
     fn pf_dispatch(&self, send: &PfSend) -> Result<(), ExchangeError> {
-        let dispatch = match self.cfg.payload {
-            PayloadKind::Bf16 => fk::dispatch,
-            PayloadKind::Fp8E4m3 => fk::dispatch_fp8,
-        };
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
         // table; `send` comes from the host plan of this round (`dst_rank` FFN ranks below the
         // world, slab rows below the capacity, tokens below `send.tokens`); every workspace holds
-        // the slabs `geo.slab`.
+        // the slabs `geo.slab()`.
         unsafe {
-            dispatch(
+            fk::dispatch(
                 &self.gpu,
+                self.cfg.payload,
                 &send.x,
                 send.tokens,
                 &SendList {
@@ -671,7 +631,7 @@ impl FusedEngine {
                 self.cfg.top_k,
                 self.peers,
                 self.rank(),
-                &self.geo.slab,
+                &self.geo.slab(),
                 self.cfg.knobs.transport_sms,
             )
         }?;
@@ -708,55 +668,36 @@ impl FusedEngine {
             sources: self.cfg.topology.attention_count(),
             total: plan.total_tokens(),
         };
-        match self.cfg.payload {
-            PayloadKind::Bf16 => {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
-                // word are live and hold the slabs `geo.slab` and the flags at `DISPATCH_FLAGS`;
-                // `src` is the host plan's: attention ranks, slab rows below the capacity.
-                unsafe {
-                    fk::copy_epilogue(
-                        &self.gpu,
-                        self.ws,
-                        &src,
-                        DISPATCH_FLAGS,
-                        &geo.slab,
-                        k,
-                        round,
-                        timeout_ns,
-                        self.ws + ERROR_WORD,
-                        &mut ex.expanded,
-                        ex.total,
-                        knobs.epilogue_sm_cap,
-                    )
-                }?
-            }
+        let out = match self.cfg.payload {
+            PayloadKind::Bf16 => Expanded::Bf16(&mut ex.expanded),
             PayloadKind::Fp8E4m3 => {
                 let (q, sc) = ex.fp8.as_mut().expect("prepared with the expanded buffer");
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error
-                // word are live and hold the slabs `geo.slab` and the flags at `DISPATCH_FLAGS`;
-                // `src` is the host plan's: attention ranks, slab rows below the capacity.
-                unsafe {
-                    fk::copy_epilogue_fp8(
-                        &self.gpu,
-                        self.ws,
-                        &src,
-                        DISPATCH_FLAGS,
-                        &geo.slab,
-                        k,
-                        round,
-                        timeout_ns,
-                        self.ws + ERROR_WORD,
-                        Fp8Expanded {
-                            q,
-                            scales: sc,
-                            dequant: &mut ex.expanded,
-                        },
-                        ex.total,
-                        knobs.epilogue_sm_cap,
-                    )
-                }?;
+                Expanded::Fp8(Fp8Expanded {
+                    q,
+                    scales: sc,
+                    dequant: &mut ex.expanded,
+                })
             }
-        }
+        };
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error word are
+        // live and hold the slabs `geo.slab()` and the flags at `DISPATCH_FLAGS`; `src` is the host
+        // plan's: attention ranks, slab rows below the capacity.
+        unsafe {
+            fk::copy_epilogue(
+                &self.gpu,
+                self.ws,
+                &src,
+                DISPATCH_FLAGS,
+                &geo.slab(),
+                k,
+                round,
+                timeout_ns,
+                self.ws + ERROR_WORD,
+                out,
+                ex.total,
+                knobs.epilogue_sm_cap,
+            )
+        }?;
         Ok(())
     }
 
@@ -789,10 +730,10 @@ impl FusedEngine {
         for (s, c) in sources.iter().enumerate() {
             let n = c.ffn_tokens[f] as usize;
             let src_rank = self.cfg.topology.attention_ranks().start + s;
-            let off =
-                geo.slab.slab_off + (src_rank as u64 * geo.slab.cap as u64) * geo.slab.row_bytes;
-            let bytes = self.read_ws(off, n * geo.slab.row_bytes as usize)?;
-            for row in bytes.chunks(geo.slab.row_bytes as usize) {
+            let off = geo.slab().slab_off
+                + (src_rank as u64 * geo.slab().cap as u64) * geo.slab().row_bytes;
+            let bytes = self.read_ws(off, n * geo.slab().row_bytes as usize)?;
+            for row in bytes.chunks(geo.slab().row_bytes as usize) {
                 match fp8_rx.as_mut() {
                     None => {
                         compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]))
@@ -871,7 +812,7 @@ impl FusedEngine {
             let base = device_address(&self.gpu, nums);
             let view = fk::CompactView {
                 ws: self.ws,
-                slab: geo.slab,
+                slab: geo.slab(),
                 meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
                 sources: ns,
                 slab_offsets: base,

@@ -1,4 +1,5 @@
-//! `MoeLayer`: the dropless MoE layer of brief section 4 on one GPU, forward and train step.
+//! `MoeLayer`: the dropless MoE layer (docs/design.md, "Specification: Layer and train step") on
+//! one GPU, forward and train step.
 //!
 //! A layer is built for one shape, one token count and one [`Dispatch`] strategy; every buffer
 //! it needs (inputs, outputs, intermediates, gradients, GEMM workspaces) is allocated once in
@@ -79,7 +80,7 @@ pub enum Dispatch {
 }
 
 impl Dispatch {
-    /// Every strategy, in the record's order.
+    /// Every strategy, in the reference record's order (docs/design.md, "The reference record").
     pub const ALL: [Dispatch; 4] = [
         Dispatch::Sorted,
         Dispatch::Gather,

@@ -4,16 +4,16 @@
 //!   [`afdep_transport::Transport`]: attention ranks validate and route, counts go first (one
 //!   all-gather), token rows go by all-to-all-v in the compact layout, FFN ranks expand them
 //!   (the payload-first copy epilogue) and run their experts, results come back by a second
-//!   all-to-all-v and are combined in the brief's fixed order. Its results are bit-identical to
-//!   [`afdep_core::oracle::exchange`].
+//!   all-to-all-v and are combined in the fixed order of docs/design.md, "Specification: AFD
+//!   exchange". Its results are bit-identical to [`afdep_core::oracle::exchange`].
 //! - [`fused`]: the **fused exchange engine** over [`afdep_transport::NvlinkIpc`] (first
 //!   version: payload-first, bf16): dispatch, copy epilogue and combine are GPU kernels that
 //!   store into the peers' symmetric workspaces and wait on flags with a bound; bit-identical to
 //!   the staged engine and the oracle.
 //! - [`layer`]: [`MoeLayer`], the dropless MoE layer on one GPU (forward and train step, four
 //!   dispatch strategies) on the grouped GEMMs of afdep-kernels.
-//! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the layer
-//!   (untuned f32 kernels, checked against the oracle) and [`reference::compare`], the
+//! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the
+//!   layer (untuned f32 kernels, checked against the oracle) and [`reference::compare`], the
 //!   benchmark's error columns computed on the device.
 //! - [`round`]: the vocabulary of a round shared by the engines ([`ExpertFn`], [`RoundOutput`],
 //!   [`DispatchArm`], ...), the [`ExchangeEngine`] trait both engines implement, and

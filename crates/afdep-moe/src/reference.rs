@@ -2,19 +2,20 @@
 //! pass and train step (output, dx and all seven parameter gradients, in the
 //! [`DeviceParams`] layouts) with untuned, obviously correct kernels
 //! ([`afdep_kernels::ops::reference`]), at sizes the CPU oracle cannot reach (16k, 131k, 1M
-//! tokens at the record shape). [`compare`] gives the benchmark's error columns: the metric of
-//! [`crate::accuracy::max_rel_err`] of the fast [`MoeLayer`] against the reference, computed on the
-//! device.
+//! tokens at the record shape, docs/design.md, "The reference record"). [`compare`] gives the
+//! benchmark's error columns: the metric of [`crate::accuracy::max_rel_err`] of the fast
+//! [`MoeLayer`] against the reference, computed on the device.
 //!
 //! # What it computes
-//! Brief section 4 with the arithmetic of `afdep_core::oracle::layer`: bf16 inputs widened
-//! exactly, every intermediate (logits, probabilities, weights, `a`, `b`, `h`, `y`, the
-//! shared expert's values, `g`, `dlogits`, `da`, `db`, every partial sum) kept in f32, each
-//! output cast to bf16 once. One thread per output element; each sum a plain loop in ascending
-//! order (the table in [`afdep_kernels::ops::reference`]); the combine's and dx's slot sums in
-//! slot order with each product and sum rounded, as the oracle; no atomics where the order
-//! matters (the per-expert weight gradients walk the expert's rows in order: token ascending,
-//! then slot). Any E, K, H, W, S works (nothing is specialised or tiled), and 0 tokens.
+//! The layer of docs/design.md, "Specification: Layer and train step" with the arithmetic of
+//! `afdep_core::oracle::layer`: bf16 inputs widened exactly, every intermediate (logits,
+//! probabilities, weights, `a`, `b`, `h`, `y`, the shared expert's values, `g`, `dlogits`, `da`,
+//! `db`, every partial sum) kept in f32, each output cast to bf16 once. One thread per output
+//! element; each sum a plain loop in ascending order (the table in
+//! [`afdep_kernels::ops::reference`]); the combine's and dx's slot sums in slot order with each
+//! product and sum rounded, as the oracle; no atomics where the order matters (the per-expert
+//! weight gradients walk the expert's rows in order: token ascending, then slot). Any E, K, H, W, S
+//! works (nothing is specialised or tiled), and 0 tokens.
 //!
 //! Where it differs from the oracle, all in f32 and far below one bf16 rounding: the order of
 //! the dot products (ascending FMA here, `matrixmultiply`'s blocked kernels there), `expf`
@@ -28,13 +29,13 @@
 //! semantics the choice itself is checked independently ([`ReferenceLayer::topk_check`],
 //! `afdep_kernels::ops::reference::topk_check`): from the reference's own f32 logits, every
 //! chosen expert must not be provably below an unchosen one, with the rounding radius of two
-//! f32 dot products of length H and of the softmax as the margin; near ties are counted. Everything else
-//! is recomputed: with [`LayerRouting::Router`] the logits `x·Wr`, the softmax and the weights
-//! `p_k / Σ_k p_k` (the routes' weights are ignored) and, in the train step, the router
-//! gradient through the weights (`dWr` and the router's term of dx), as the oracle's router
-//! mode; with [`LayerRouting::Given`] the routes' weights are constants (masked slots allowed,
-//! `dWr = 0`, no router term), as `train_step_with_routes`. The ids are checked first (the
-//! rules of `RouteRules::layer`, plus non-finite weights for given routes): a rejected table is
+//! f32 dot products of length H and of the softmax as the margin; near ties are counted. Everything
+//! else is recomputed: with [`LayerRouting::Router`] the logits `x·Wr`, the softmax and the weights
+//! `p_k / Σ_k p_k` (the routes' weights are ignored) and, in the train step, the router gradient
+//! through the weights (`dWr` and the router's term of dx), as the oracle's router mode; with
+//! [`LayerRouting::Given`] the routes' weights are constants (masked slots allowed, `dWr = 0`, no
+//! router term), as `train_step_with_routes`. The ids are checked first (the rules of
+//! `RouteRules::layer`, plus non-finite weights for given routes): a rejected table is
 //! [`LayerGpuError::Route`] with the oracle's error, and nothing is computed.
 //!
 //! # Device memory

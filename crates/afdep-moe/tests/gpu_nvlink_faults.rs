@@ -1,8 +1,8 @@
 //! Fault injection into the fused engine's kernels (cargo feature `fault-injection`; the
-//! reference record's fault suite, done with typed faults instead of patched sources):
-//! `FusedEngine::set_fault` on in-process NvlinkIpc ranks on GPU 0, 3A:1F and 2A:2F, hidden
-//! 2048, capacity 256, top-8 of 32 experts, a few hundred uneven tokens per source (a rank at
-//! capacity, a zero-token rank, hot experts, masked slots; new data every round).
+//! reference record's fault suite (docs/design.md, "The reference record"), done with typed faults
+//! instead of patched sources): `FusedEngine::set_fault` on in-process NvlinkIpc ranks on GPU 0,
+//! 3A:1F and 2A:2F, hidden 2048, capacity 256, top-8 of 32 experts, a few hundred uneven tokens per
+//! source (a rank at capacity, a zero-token rank, hot experts, masked slots; new data every round).
 //!
 //! - The delays ([`Fault::must_pass`]: late rows P1, deferred row flags P2, late counts P3,
 //!   late offset flags P4, late prefix sums P4b, deferred dispatch and combine flags, late return
@@ -238,10 +238,10 @@ struct FaultRuns {
 type PerMode = Vec<Vec<RankResult>>;
 
 /// One group: every rank makes its engine (device rounds prepared), then for each fault in
-/// turn (`None`: no fault) sets it (collective), runs every round in every mode (mode by mode, so that consecutive
-/// runs never carry the same data), and reads its hits after a barrier; then, unless some rank
-/// saw an error, turns faults off and runs the first round once more in every mode (`after`,
-/// `[mode][rank]`). `None` after printing `SKIP` without a GPU.
+/// turn (`None`: no fault) sets it (collective), runs every round in every mode (mode by mode, so
+/// that consecutive runs never carry the same data), and reads its hits after a barrier; then,
+/// unless some rank saw an error, turns faults off and runs the first round once more in every mode
+/// (`after`, `[mode][rank]`). `None` after printing `SKIP` without a GPU.
 fn run_group_faults(
     c: &ExchangeConfig,
     faults: &[Option<Fault>],

@@ -10,10 +10,10 @@
 //! Count-first with fp8: every arm (payload-first, count-first streaming, the source arm),
 //! switching from round to round on the same engines, on 3A:1F, 2A:2F, 1A:3F and EP4 (uneven
 //! ranks, a zero-token rank, a rank at capacity 256, a hot expert, masked slots, edge-case
-//! groups) at hidden 2048 and 7168 (and 8192 at 3A:1F), under a small SM budget with non-default knobs, with top-8,
-//! and on one rank (EP1): codes, scales and dequantised rows of both views, the device plan and
-//! the combine bit-identical to the oracle, to the staged engine and across the arms; the
-//! non-finite row rejected in every arm.
+//! groups) at hidden 2048 and 7168 (and 8192 at 3A:1F), under a small SM budget with non-default
+//! knobs, with top-8, and on one rank (EP1): codes, scales and dequantised rows of both views, the
+//! device plan and the combine bit-identical to the oracle, to the staged engine and across the
+//! arms; the non-finite row rejected in every arm.
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -137,7 +137,8 @@ fn fused_fp8_hidden_7168_and_top_8() {
         let c = fp8_cfg(topo, 7168, 12, 3);
         fused_and_staged(&c, &edge_rounds(&c), None, 32 << 20);
     }
-    // the record's top-8 (64 experts here) at both hidden sizes
+    // the reference record's top-8 (docs/design.md, "The reference record") (64 experts here) at
+    // both hidden sizes
     for (topo, hidden) in [("3A:1F", 7168), ("2A:2F", 2048), ("1A:3F", 2048)] {
         let c = fp8_cfg(topo, hidden, 48, 8);
         fused_and_staged(&c, &edge_rounds(&c), None, 48 << 20);

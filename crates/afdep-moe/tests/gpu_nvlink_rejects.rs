@@ -1,9 +1,10 @@
 //! The fused engine's refusals, eager, on in-process NvlinkIpc ranks on one GPU: every rejected
-//! route class of the brief (dummy, duplicate, negative, wide, a non-finite weight, more tokens
-//! than the capacity) in every dispatch arm (payload-first, count-first, the source arm) fails
-//! every rank with the same typed error naming the rejecting rank, token, slot and value, and
-//! the next round of the same engines is bit-identical to the oracle; a rank whose exchange
-//! configuration differs (a knob, the payload) fails set-up on every rank, naming the field.
+//! route class of docs/design.md, "Specification: Routes" (dummy, duplicate, negative, wide, a
+//! non-finite weight, more tokens than the capacity) in every dispatch arm (payload-first,
+//! count-first, the source arm) fails every rank with the same typed error naming the rejecting
+//! rank, token, slot and value, and the next round of the same engines is bit-identical to the
+//! oracle; a rank whose exchange configuration differs (a knob, the payload) fails set-up on every
+//! rank, naming the field.
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.

@@ -9,8 +9,9 @@
 //! - The device metric ([`reference::device_max_rel_err`], [`reference::compare_tensors`])
 //!   against `accuracy::max_rel_err` on the same data, bit for bit (NaN, infinity and zero
 //!   cases included).
-//! - The fast layer against the reference at the record shape at 16,384 tokens, every dispatch
-//!   strategy, within `accuracy::{OUT_TOL, DX_TOL, GRAD_TOL}`.
+//! - The fast layer against the reference at the record shape (docs/design.md, "The reference
+//!   record") at 16,384 tokens, every dispatch strategy, within `accuracy::{OUT_TOL, DX_TOL,
+//!   GRAD_TOL}`.
 //! - The reference's independent check of the router's top-k choice: the oracle's choice
 //!   passes, a swapped or masked slot is caught (and the fast layer's choice passes at the
 //!   record shape).

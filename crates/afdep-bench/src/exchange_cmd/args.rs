@@ -46,7 +46,8 @@ impl TransportArg {
     }
 }
 
-/// A dispatch arm of the exchange (brief section 4, the reference record's arms).
+/// A dispatch arm of the exchange (docs/design.md, "Specification: AFD exchange"; the reference
+/// record's arms, docs/design.md, "The reference record").
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, ValueEnum, Serialize, Deserialize,
 )]

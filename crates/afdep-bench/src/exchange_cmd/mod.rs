@@ -11,17 +11,17 @@
 //! # Graph mode
 //!
 //! `--graph` (with `--backend cuda`) times CUDA-graph replays instead of eager rounds, as the
-//! reference record did: every rank prepares the fused engine's device rounds (device experts:
-//! `identity` runs no expert kernel (`DeviceExperts::Identity`: the combine reads the expanded
-//! rows), bit-exact against the oracle; `swiglu` as the grouped GEMM,
-//! checked within the bf16 tolerance), captures one device round of `--arm` once
-//! (`FusedEngine::capture`; `--arm auto` captures every arm into one graph and the device picks
-//! the arm each replay by `--min-token-bucket`), and each round replays it with the token
-//! count's input. The time of a round is the slowest rank's device span from a CUDA event
+//! reference record (docs/design.md, "The reference record") did: every rank prepares the fused
+//! engine's device rounds (device experts: `identity` runs no expert kernel
+//! (`DeviceExperts::Identity`: the combine reads the expanded rows), bit-exact against the oracle;
+//! `swiglu` as the grouped GEMM, checked within the bf16 tolerance), captures one device round of
+//! `--arm` once (`FusedEngine::capture`; `--arm auto` captures every arm into one graph and the
+//! device picks the arm each replay by `--min-token-bucket`), and each round replays it with the
+//! token count's input. The time of a round is the slowest rank's device span from a CUDA event
 //! before the graph launch to one after it (after a barrier of every rank,
-//! `FusedEngine::set_round_timing`); `round_us` is its median. Graph rows have `mode: graph`
-//! and no per-phase times (`dispatch_us`, `combine_us` null): those come from eager rounds
-//! only. `--multi-process` works the same way (each process captures its rank's graph).
+//! `FusedEngine::set_round_timing`); `round_us` is its median. Graph rows have `mode: graph` and no
+//! per-phase times (`dispatch_us`, `combine_us` null): those come from eager rounds only.
+//! `--multi-process` works the same way (each process captures its rank's graph).
 //!
 //! # Where the ranks run
 //!

@@ -1,6 +1,6 @@
-//! The AFD exchange reference (brief section 4): dispatch into the expanded layout and the
-//! compact collect view, expert application per FFN rank, and combine in the fixed order
-//! `Σ_{FFN rank ascending} ( Σ_{slot ascending, expert on that rank} w_k · y_k )`.
+//! The AFD exchange reference (docs/design.md, "Specification: AFD exchange"): dispatch into the
+//! expanded layout and the compact collect view, expert application per FFN rank, and combine in
+//! the fixed order `Σ_{FFN rank ascending} ( Σ_{slot ascending, expert on that rank} w_k · y_k )`.
 //!
 //! Arithmetic of combine, which every engine reproduces bit for bit: per source token and
 //! FFN rank, `partial = 0; partial = partial + w_k * y_k` for the slots on that rank in

@@ -1,4 +1,5 @@
-//! The MoE layer oracle: the forward pass and the train step of brief section 4, on the CPU.
+//! The MoE layer oracle: the forward pass and the train step of docs/design.md, "Specification:
+//! Layer and train step", on the CPU.
 //!
 //! Storage is bf16; everything inside the layer is computed in the compute type `T` ([`Real`]:
 //! f32 is the specification, f64 serves the gradient checks) and rounded to bf16 once, at the

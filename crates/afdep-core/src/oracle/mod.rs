@@ -1,4 +1,4 @@
-//! The CPU oracle: the reference of every computation in brief section 4.
+//! The CPU oracle: the reference of every computation in docs/design.md, "Specification".
 //!
 //! - [`layer`]: the MoE layer forward and train step (bf16 storage, f32 sums, cast once).
 //! - [`exchange`]: the AFD exchange reference (expanded and compact layouts, combine in the

@@ -18,7 +18,8 @@
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 
-// The points (bits of AFDEP_FAULT).
+// The points (bits of AFDEP_FAULT). P1 ... N3 name the faults of the reference record's suite
+// (docs/design.md, "The reference record").
 // Every 5th row's store delayed 20 us before it is stored (its flag follows the store):
 // afdep_cf_dispatch (both modes), afdep_fused_dispatch(_fp8). The record's P1.
 #define AFDEP_FAULT_LATE_ROWS 0x1u

@@ -26,6 +26,37 @@
 
 static __device__ __forceinline__ u64 afdep_align16(u64 v) { return (v + 15) & ~15ull; }
 
+// ---------------------------------------------------------------------------------------------
+// The workspace layout, by value: afdep_kernels::ops::fused_layout::FusedLayout (#[repr(C)],
+// computed once on the host from the exchange config). The fields in the same order with the
+// same types; the asserts pin the size (no padding: every offset follows from the order) and
+// the alignment, and the host test `the_device_struct_matches` compares the fields, their
+// offsets and the asserted size with Rust's (NVRTC has no offsetof).
+struct afdep_fused_layout {
+    u64 slab_off;
+    u64 row_bytes;
+    u64 meta_off;
+    u64 ret_off;
+    u64 count_flags;
+    u64 offset_flags;
+    u64 counts;
+    u64 offsets;
+    u64 plan;
+    u64 row_flags;
+    u64 expanded;
+    u64 exp_q;
+    u64 exp_scales;
+    u64 exp_rows;
+    u64 status;
+    u64 bytes;
+    u32 cap;
+    u32 hidden;
+    u32 top_k;
+    u32 payload;
+};
+static_assert(sizeof(afdep_fused_layout) == 144, "FusedLayout's size: no padding");
+static_assert(alignof(afdep_fused_layout) == 8, "FusedLayout's alignment");
+
 // Payload kinds, a compile-time constant of the dispatch and epilogue kernels
 // (afdep_core::PayloadKind).
 #define AFDEP_PAYLOAD_BF16 0
@@ -45,6 +76,42 @@ static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32
         err[2] = round;
         __threadfence_system();
     }
+}
+
+// The copy epilogues' wait: thread 0 of the block waits (at most timeout_ns each) until every
+// source's dispatch flag at flag_off of ws (by rank src_rank[s], s < sources) holds round; a
+// timeout records AFDEP_FUSED_FAULT_DISPATCH_WAIT naming that source. Whether every flag came,
+// for the whole block (a barrier of the block).
+static __device__ __forceinline__ bool afdep_fused_wait_sources(const u8* ws,
+                                                                const u32* __restrict__ src_rank,
+                                                                u32 sources, u64 flag_off,
+                                                                u32 round, u64 timeout_ns,
+                                                                u32* err) {
+    __shared__ u32 ok;
+    if (threadIdx.x == 0) {
+        ok = 1;
+        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
+        for (u32 s = 0; s < sources && ok; s++) {
+            const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
+            if (!afdep_wait_ge(flag, round, timeout_ns)) {
+                afdep_fused_fault(err, AFDEP_FUSED_FAULT_DISPATCH_WAIT, src_rank[s], round);
+                ok = 0;
+            }
+        }
+    }
+    __syncthreads();
+    return ok != 0u;
+}
+
+// The slab row of compact row c: source s is the last with slab_starts[s] <= c, the row its
+// (c - slab_starts[s])-th of cap in the slab of rank src_rank[s].
+static __device__ __forceinline__ const u8* afdep_fused_compact_row(
+    const u8* ws, const u32* __restrict__ src_rank, const u64* __restrict__ slab_starts,
+    u32 sources, u64 slab_off, u32 cap, u64 row_bytes, u64 c) {
+    u32 s = 0;
+    while (s + 1 < sources && slab_starts[s + 1] <= c) s++;
+    const u64 i = c - slab_starts[s];
+    return ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes;
 }
 
 // Copies `bytes` bytes (a multiple of 2, below 2^32) from src to dst with one warp: 16-byte

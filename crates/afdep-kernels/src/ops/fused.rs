@@ -20,12 +20,13 @@
 //! capped by the caller (`blocks`): ranks that share a GPU must leave SMs for each other's
 //! kernels while they wait.
 //!
-//! Payloads: [`dispatch`] and [`copy_epilogue`] move bf16 rows; [`dispatch_fp8`] quantises
-//! each row while it stores it into the slab (e4m3 codes and one f32 scale per 128 channels,
-//! `cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]) and [`copy_epilogue_fp8`] expands
-//! codes and scales into the expanded layout along with the dequantised bf16 rows. The payload
-//! kind is a compile-time constant of the kernels (one entry per kind); the slab row layout of
-//! each is [`slab_payload_bytes`] + the metadata.
+//! Payloads: one launcher per step for both kinds. [`dispatch`] and [`copy_epilogue`] move
+//! bf16 rows; with fp8 payloads [`dispatch`] quantises each row while it stores it into the slab
+//! (e4m3 codes and one f32 scale per 128 channels, `cuda/common/fp8.cuh`, bit for bit
+//! [`afdep_core::fp8`]) and [`copy_epilogue`] expands codes and scales into the expanded layout
+//! along with the dequantised bf16 rows ([`Expanded::Fp8`]). The payload kind is a compile-time
+//! constant of the kernels (one entry per kind); the slab row layout of each is
+//! [`slab_payload_bytes`] + the metadata.
 //!
 //! # Safety of the launchers
 //!
@@ -38,7 +39,7 @@
 //!
 //! - a **live workspace** `ws`: the base of this rank's workspace, 256-byte aligned, large
 //!   enough for every area the geometry arguments name (the slabs of a [`SlabGeometry`], the
-//!   count-first areas of a [`super::fused_cf::CfAreas`], flag areas of one `u32` per rank at the
+//!   count-first areas of a [`super::fused_layout::FusedLayout`], flag areas of one `u32` per rank at the
 //!   flag offsets, return areas at `ret_off`), laid out the same in every rank's workspace;
 //! - a **live peer table** `peers`: a `u64[world]` whose entry r is the base of rank r's
 //!   workspace mapped into this context, each a live workspace of the same layout; every rank a
@@ -200,9 +201,21 @@ pub struct SendList<'a> {
     pub rows: usize,
 }
 
-/// Payload-first dispatch (`afdep_fused_dispatch`): stores every send row (payload of `x`,
-/// `tokens × hidden`, then metadata) into this source's (`me`) slab of its destination, through
-/// `peers` (the device address of the peer table). At most `blocks` blocks.
+fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
+    if hidden % afdep_core::fp8::GROUP != 0 {
+        return Err(KernelError::Shape(format!(
+            "fp8 payloads need hidden a multiple of 128, not {hidden}"
+        )));
+    }
+    Ok(())
+}
+
+/// Payload-first dispatch (`afdep_fused_dispatch`, `afdep_fused_dispatch_fp8`): stores every
+/// send row (payload of `x`, `tokens × hidden`, then metadata) into this source's (`me`) slab of
+/// its destination, through `peers` (the device address of the peer table). At most `blocks`
+/// blocks. fp8 payloads are quantised while they are stored (codes, then `hidden / 128` scales,
+/// then the metadata; [`slab_row_bytes_for`]): `hidden` must be a multiple of 128 and every row
+/// that is sent finite (the engine checks it on the host: `RouteError::NonFinitePayload`).
 ///
 /// # Safety
 ///
@@ -213,78 +226,6 @@ pub struct SendList<'a> {
 /// row_bytes` bytes).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dispatch(
-    ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    tokens: usize,
-    send: &SendList<'_>,
-    top_k: usize,
-    peers: u64,
-    me: usize,
-    geo: &SlabGeometry,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    dispatch_payload(
-        ctx,
-        PayloadKind::Bf16,
-        x,
-        tokens,
-        send,
-        top_k,
-        peers,
-        me,
-        geo,
-        blocks,
-    )
-}
-
-/// Payload-first dispatch of fp8 payloads (`afdep_fused_dispatch_fp8`): [`dispatch`], but each
-/// row is quantised while it is stored (codes, then `hidden / 128` scales, then the metadata;
-/// [`slab_row_bytes_for`]). `hidden` must be a multiple of 128 and every row that is sent
-/// finite (the engine checks it on the host: `RouteError::NonFinitePayload`).
-///
-/// # Safety
-///
-/// As for [`dispatch`]: `peers` is a live peer table ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); every `send.dst_rank` entry is below its
-/// world, every `send.slab_row` entry below `geo.cap`, every `send.token` entry below `tokens`, and
-/// every workspace holds the slabs of `geo` for every rank.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn dispatch_fp8(
-    ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    tokens: usize,
-    send: &SendList<'_>,
-    top_k: usize,
-    peers: u64,
-    me: usize,
-    geo: &SlabGeometry,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    dispatch_payload(
-        ctx,
-        PayloadKind::Fp8E4m3,
-        x,
-        tokens,
-        send,
-        top_k,
-        peers,
-        me,
-        geo,
-        blocks,
-    )
-}
-
-fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
-    if hidden % afdep_core::fp8::GROUP != 0 {
-        return Err(KernelError::Shape(format!(
-            "fp8 payloads need hidden a multiple of 128, not {hidden}"
-        )));
-    }
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn dispatch_payload(
     ctx: &GpuContext,
     payload: PayloadKind,
     x: &CudaSlice<bf16>,
@@ -406,10 +347,32 @@ pub struct EpilogueSources<'a> {
     pub total: u64,
 }
 
-/// The copy epilogue (`afdep_fused_copy_epilogue`): waits for every source's dispatch flag
-/// (`>= round`, at `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then copies
-/// every slab row's payload to the expanded rows its metadata names (`expanded` holds
-/// `expanded_rows × hidden`; the caller's metadata names rows below that, and a row past them
+/// The outputs of an fp8 [`copy_epilogue`]: `rows × hidden` codes, `rows × hidden / 128` scales
+/// and `rows × hidden` dequantised bf16 values of the expanded layout.
+#[derive(Debug)]
+pub struct Fp8Expanded<'a> {
+    /// e4m3 codes.
+    pub q: &'a mut CudaSlice<u8>,
+    /// f32 scales, one per 128 channels.
+    pub scales: &'a mut CudaSlice<f32>,
+    /// Dequantised rows (`bf16(f32(q) · scale)`).
+    pub dequant: &'a mut CudaSlice<bf16>,
+}
+
+/// Where a [`copy_epilogue`] writes the expanded rows; the variant is the payload kind.
+#[derive(Debug)]
+pub enum Expanded<'a> {
+    /// bf16 payloads: the rows.
+    Bf16(&'a mut CudaSlice<bf16>),
+    /// fp8 payloads: the codes, scales and dequantised rows.
+    Fp8(Fp8Expanded<'a>),
+}
+
+/// The copy epilogue (`afdep_fused_copy_epilogue`, `afdep_fused_copy_epilogue_fp8`): waits for
+/// every source's dispatch flag (`>= round`, at `flag_off` of this rank's workspace `ws`, at most
+/// `timeout_ns`), then copies every slab row's payload to the expanded rows its metadata names:
+/// bf16 rows, or the codes, scales and dequantised values of fp8 payloads (`out` holds
+/// `expanded_rows` rows of each; the caller's metadata names rows below that, and a row past them
 /// is not written). A timeout records [`fault::DISPATCH_WAIT`] in `err`.
 ///
 /// # Safety
@@ -430,84 +393,7 @@ pub unsafe fn copy_epilogue(
     round: u32,
     timeout_ns: u64,
     err: u64,
-    expanded: &mut CudaSlice<bf16>,
-    expanded_rows: usize,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    if src.sources == 0 {
-        return Ok(());
-    }
-    need("source ranks", src.rank, src.sources)?;
-    need("slab starts", src.slab_starts, src.sources + 1)?;
-    need("expanded", expanded, expanded_rows * geo.hidden as usize)?;
-    let k = as_u32("top_k", top_k)?;
-    let ns = as_u32("sources", src.sources)?;
-    let rows = expanded_rows as u64;
-    let f = ctx.function(KernelId::FusedCopyEpilogue, 0, k)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
-        .arg(src.rank)
-        .arg(src.slab_starts)
-        .arg(&ns)
-        .arg(&flag_off)
-        .arg(&geo.slab_off)
-        .arg(&geo.cap)
-        .arg(&geo.row_bytes)
-        .arg(&geo.hidden)
-        .arg(&round)
-        .arg(&timeout_ns)
-        .arg(&err)
-        .arg(expanded)
-        .arg(&rows);
-    // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
-    // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
-    // u32 round, u64 timeout_ns, u32* err, u16* expanded, u64 exp_rows) with K compiled in:
-    // thread 0 of each block reads the sources' flags of this rank's live workspace; after they
-    // are raised, warp c < slab_starts[sources] reads slab row (src_rank[s], c - slab_starts[s])
-    // (< cap, the caller's counts) and writes the expanded rows its metadata names that are
-    // below exp_rows = expanded_rows (the kernel skips any other; expanded holds expanded_rows ×
-    // hidden, checked); err is a live u32[4].
-    unsafe { b.launch(blocks_for(src.total, blocks)) }
-        .map_err(launch_err(KernelId::FusedCopyEpilogue))?;
-    Ok(())
-}
-
-/// The outputs of [`copy_epilogue_fp8`]: `rows × hidden` codes, `rows × hidden / 128` scales
-/// and `rows × hidden` dequantised bf16 values of the expanded layout.
-#[derive(Debug)]
-pub struct Fp8Expanded<'a> {
-    /// e4m3 codes.
-    pub q: &'a mut CudaSlice<u8>,
-    /// f32 scales, one per 128 channels.
-    pub scales: &'a mut CudaSlice<f32>,
-    /// Dequantised rows (`bf16(f32(q) · scale)`).
-    pub dequant: &'a mut CudaSlice<bf16>,
-}
-
-/// The copy epilogue of fp8 payloads (`afdep_fused_copy_epilogue_fp8`): [`copy_epilogue`]'s
-/// wait, then every slab row's codes, scales and dequantised values to the expanded rows its
-/// metadata names (`out` holds `expanded_rows` of each; a row past them is not written). A
-/// timeout records [`fault::DISPATCH_WAIT`] in `err`.
-///
-/// # Safety
-///
-/// As for [`copy_epilogue`]: `ws` is a live workspace and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `geo` and `world`
-/// u32 flags at `flag_off`; every `src.rank` entry is below the world, and the slab rows that
-/// `src.slab_starts` counts for each source are below `geo.cap` and hold the metadata its dispatch
-/// stored.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn copy_epilogue_fp8(
-    ctx: &GpuContext,
-    ws: u64,
-    src: &EpilogueSources<'_>,
-    flag_off: u64,
-    geo: &SlabGeometry,
-    top_k: usize,
-    round: u32,
-    timeout_ns: u64,
-    err: u64,
-    out: Fp8Expanded<'_>,
+    mut out: Expanded<'_>,
     expanded_rows: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
@@ -515,26 +401,33 @@ pub unsafe fn copy_epilogue_fp8(
         return Ok(());
     }
     let hidden = geo.hidden as usize;
-    check_fp8_hidden(hidden)?;
     need("source ranks", src.rank, src.sources)?;
     need("slab starts", src.slab_starts, src.sources + 1)?;
-    need("expanded codes", out.q, expanded_rows * hidden)?;
-    need(
-        "expanded scales",
-        out.scales,
-        expanded_rows * (hidden / afdep_core::fp8::GROUP),
-    )?;
-    need("expanded rows", out.dequant, expanded_rows * hidden)?;
-    if geo.row_bytes < slab_row_bytes_for(PayloadKind::Fp8E4m3, hidden, top_k) as u64 {
+    let (payload, id) = match &out {
+        Expanded::Bf16(e) => {
+            need("expanded", *e, expanded_rows * hidden)?;
+            (PayloadKind::Bf16, KernelId::FusedCopyEpilogue)
+        }
+        Expanded::Fp8(o) => {
+            check_fp8_hidden(hidden)?;
+            need("expanded codes", o.q, expanded_rows * hidden)?;
+            let scales = expanded_rows * (hidden / afdep_core::fp8::GROUP);
+            need("expanded scales", o.scales, scales)?;
+            need("expanded rows", o.dequant, expanded_rows * hidden)?;
+            (PayloadKind::Fp8E4m3, KernelId::FusedCopyEpilogueFp8)
+        }
+    };
+    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
         return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes cannot hold fp8 payloads of hidden {hidden} and top-k {top_k}",
+            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
+             {top_k}",
             geo.row_bytes
         )));
     }
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", src.sources)?;
     let rows = expanded_rows as u64;
-    let f = ctx.function(KernelId::FusedCopyEpilogueFp8, 0, k)?;
+    let f = ctx.function(id, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ws)
         .arg(src.rank)
@@ -547,23 +440,24 @@ pub unsafe fn copy_epilogue_fp8(
         .arg(&geo.hidden)
         .arg(&round)
         .arg(&timeout_ns)
-        .arg(&err)
-        .arg(out.q)
-        .arg(out.scales)
-        .arg(out.dequant)
-        .arg(&rows);
-    // SAFETY: afdep_fused_copy_epilogue_fp8(const u8* ws, const u32* src_rank, const u64*
+        .arg(&err);
+    match &mut out {
+        Expanded::Bf16(e) => b.arg(&mut **e),
+        Expanded::Fp8(o) => b.arg(&mut *o.q).arg(&mut *o.scales).arg(&mut *o.dequant),
+    };
+    b.arg(&rows);
+    // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
     // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
-    // u32 round, u64 timeout_ns, u32* err, u8* expanded_q, float* expanded_scales, u16*
-    // expanded, u64 exp_rows) with K compiled in: thread 0 of each block reads the sources' flags
-    // of this rank's live workspace; after they are raised, warp c < slab_starts[sources] reads
-    // slab row (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the
-    // fp8 payload and metadata, checked) and writes the expanded rows its metadata names that
-    // are below exp_rows = expanded_rows (the kernel skips any other) of the three outputs, which
-    // hold expanded_rows rows each (checked; cudaMalloc'd, so the 16-byte stores of rows of a
+    // u32 round, u64 timeout_ns, u32* err, u16* expanded, u64 exp_rows) with K compiled in (fp8:
+    // afdep_fused_copy_epilogue_fp8 with u8* expanded_q, float* expanded_scales, u16* expanded
+    // in place of expanded): thread 0 of each block reads the sources' flags of this rank's live
+    // workspace; after they are raised, warp c < slab_starts[sources] reads slab row
+    // (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the payload
+    // and the metadata, checked) and writes the expanded rows its metadata names that are below
+    // exp_rows = expanded_rows (the kernel skips any other) of the outputs, which hold
+    // expanded_rows rows each (checked; cudaMalloc'd, so fp8's 16-byte stores of rows of a
     // multiple of 128 channels are aligned); err is a live u32[4].
-    unsafe { b.launch(blocks_for(src.total, blocks)) }
-        .map_err(launch_err(KernelId::FusedCopyEpilogueFp8))?;
+    unsafe { b.launch(blocks_for(src.total, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }
 

@@ -3,15 +3,15 @@
 //!
 //! Like [`super::fused`], these kernels store into other ranks' workspaces through a peer table
 //! (the device address of a `u64[world]` array of workspace bases) and take byte offsets that
-//! are the same in every workspace ([`CfAreas`]). Every wait is bounded by `timeout_ns`
+//! are the same in every workspace ([`FusedLayout`]). Every wait is bounded by `timeout_ns`
 //! (`%globaltimer`); a wait that runs out records a fault in the error word (`u32[4]`:
 //! `{code, peer rank, round, 0}`, codes in [`fault`]) and the kernel leaves.
 //!
-//! Payloads ([`CfAreas::payload`]): bf16 rows, or fp8 e4m3 rows (one f32 scale per 128
+//! Payloads ([`FusedLayout::payload`]): bf16 rows, or fp8 e4m3 rows (one f32 scale per 128
 //! channels, `cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]). With fp8, [`dispatch`]
 //! quantises each row once while it stores it: streaming, codes and scales into the slab row
 //! (the payload-first fp8 row format); source arm, codes and scales into the final expanded
-//! rows' code and scale areas ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]), which [`dequant`]
+//! rows' code and scale areas ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]), which [`dequant`]
 //! turns into the bf16 expanded rows on the FFN rank. [`stream_epilogue`] expands codes,
 //! scales and the dequantised bf16 rows. The payload kind is a compile-time constant of the
 //! kernels (one entry per kind).
@@ -20,6 +20,7 @@ use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::fused::SlabGeometry;
+use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -52,36 +53,6 @@ pub const KERNELS: [KernelId; 9] = [
 ];
 
 use super::fused::blocks_for as grid;
-
-/// Byte offsets of the count-first areas, the same in every workspace (`layout/fused.cuh`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CfAreas {
-    /// Count flags, `u32[64]` by source rank.
-    pub count_flags: u64,
-    /// Offset flags, `u32[64]` by FFN rank.
-    pub offset_flags: u64,
-    /// Counts, `u64[world][epr + 1]` by source rank.
-    pub counts: u64,
-    /// Offsets, `u64[world][epr]` by FFN rank.
-    pub offsets: u64,
-    /// The FFN rank's plan: counts, block starts, expert offsets, slab offsets (`u64`).
-    pub plan: u64,
-    /// Row flags, `u32[world][cap]` by (source rank, slab row).
-    pub row_flags: u64,
-    /// The expanded area, `exp_rows × hidden` bf16 (fp8: the dequantised rows).
-    pub expanded: u64,
-    /// fp8: the expanded rows' codes, `exp_rows × hidden` u8 (unused with bf16).
-    pub exp_q: u64,
-    /// fp8: the expanded rows' scales, `exp_rows × hidden / 128` f32 (unused with bf16).
-    pub exp_scales: u64,
-    /// Rows of the expanded area.
-    pub exp_rows: u64,
-    /// Byte offset of a slab row's metadata within the row (the payload part,
-    /// [`super::fused::slab_payload_bytes`]).
-    pub meta_off: u64,
-    /// The payload kind of the slab rows and the expanded area.
-    pub payload: PayloadKind,
-}
 
 /// The routes and device scratch of one source's round.
 #[derive(Debug)]
@@ -165,7 +136,7 @@ pub unsafe fn publish_counts(
     ffn_ranks: &CudaSlice<u32>,
     ffns: usize,
     epr: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     me: usize,
     ctl: u64,
 ) -> Result<(), KernelError> {
@@ -223,7 +194,7 @@ pub unsafe fn plan(
     src_ranks: &CudaSlice<u32>,
     sources: usize,
     epr: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     me: usize,
     ctl: u64,
     timeout_ns: u64,
@@ -321,8 +292,8 @@ pub enum CfMode {
     },
 }
 
-/// The count-first row stores of source `me` (`afdep_cf_dispatch`): rows of `x` (`tokens ×
-/// hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
+/// The count-first row stores of source `me` (`afdep_cf_dispatch`, the workspace layout
+/// passed by value): rows of `x` (`tokens × hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
 /// local experts) through `peers`; `ws` is this rank's workspace (offsets and offset flags).
 /// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `err`. At most `blocks`
 /// blocks.
@@ -331,10 +302,10 @@ pub enum CfMode {
 ///
 /// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block (its
 /// token count at most `src.tokens`) and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace holds the slabs of `slab`
-/// and the count-first areas of `areas` (fp8: 16-byte aligned); the first `ffns` entries of
+/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace has the layout `layout`
+/// (its slabs and count-first areas; fp8: 16-byte aligned); the first `ffns` entries of
 /// `ffn_ranks` and `me` are below the world; `src` holds what [`counts`] wrote for this round (slab
-/// rows below `slab.cap`).
+/// rows below `layout.cap`).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dispatch(
     ctx: &GpuContext,
@@ -346,8 +317,7 @@ pub unsafe fn dispatch(
     epr: usize,
     peers: u64,
     ws: u64,
-    slab: &SlabGeometry,
-    areas: &CfAreas,
+    layout: &FusedLayout,
     me: usize,
     mode: CfMode,
     ctl: u64,
@@ -355,6 +325,7 @@ pub unsafe fn dispatch(
     err: u64,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let (slab, areas) = (&layout.slab(), layout);
     let hidden = slab.hidden as usize;
     let n = src.tokens * top_k;
     need("x", x, src.tokens * hidden)?;
@@ -372,7 +343,7 @@ pub unsafe fn dispatch(
         CfMode::Source => (0u32, 0u32),
         CfMode::Stream { gate } => (1, u32::from(gate)),
     };
-    let id = match areas.payload {
+    let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfDispatch,
         PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
     };
@@ -389,18 +360,7 @@ pub unsafe fn dispatch(
         .arg(&e)
         .arg(&peers)
         .arg(&ws)
-        .arg(&areas.offsets)
-        .arg(&areas.offset_flags)
-        .arg(&slab.slab_off)
-        .arg(&slab.cap)
-        .arg(&slab.row_bytes)
-        .arg(&areas.meta_off)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&areas.row_flags)
-        .arg(&slab.hidden)
+        .arg(layout)
         .arg(&me)
         .arg(&m)
         .arg(&gate)
@@ -409,9 +369,9 @@ pub unsafe fn dispatch(
     // SAFETY: afdep_cf_dispatch{,_fp8}(const u16* x, const i32* idx, const float* w, const u32*
     // ctl (the caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
-    // const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64
-    // meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off, u32
-    // hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled in: reads
+    // const u8* ws, afdep_fused_layout L (by value: FusedLayout, #[repr(C)], asserted equal in
+    // layout/fused.cuh), u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled
+    // in: reads
     // the route tables (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked;
     // fp8: hidden a multiple of 128, checked, so the 16-byte reads stay in the row of a
     // cudaMalloc'd buffer), this rank's offsets and flags; writes, in workspace
@@ -434,8 +394,8 @@ pub unsafe fn dispatch(
 /// # Safety
 ///
 /// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
-/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the
-/// slabs of `slab` and the count-first areas of `areas` (fp8: 16-byte aligned), and its plan was
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace has the
+/// layout `layout` (its slabs and count-first areas; fp8: 16-byte aligned), and its plan was
 /// written by this rank's [`plan`] earlier on the same stream; the first `sources` entries of
 /// `src_ranks` are below the world.
 #[allow(clippy::too_many_arguments)]
@@ -446,8 +406,7 @@ pub unsafe fn stream_epilogue(
     sources: usize,
     epr: usize,
     top_k: usize,
-    slab: &SlabGeometry,
-    areas: &CfAreas,
+    layout: &FusedLayout,
     warps_per_unit: u32,
     min_rows: u32,
     ctl: u64,
@@ -458,12 +417,13 @@ pub unsafe fn stream_epilogue(
     if sources == 0 {
         return Ok(());
     }
+    let (slab, areas) = (&layout.slab(), layout);
     need("source ranks", src_ranks, sources)?;
     check_rows(slab, areas, top_k)?;
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let id = match areas.payload {
+    let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfStreamEpilogue,
         PayloadKind::Fp8E4m3 => KernelId::CfStreamEpilogueFp8,
     };
@@ -473,17 +433,7 @@ pub unsafe fn stream_epilogue(
         .arg(src_ranks)
         .arg(&ns)
         .arg(&e)
-        .arg(&areas.plan)
-        .arg(&areas.row_flags)
-        .arg(&slab.slab_off)
-        .arg(&slab.cap)
-        .arg(&slab.row_bytes)
-        .arg(&areas.meta_off)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&slab.hidden)
+        .arg(layout)
         .arg(&warps_per_unit)
         .arg(&min_rows)
         .arg(&ctl)
@@ -495,9 +445,8 @@ pub unsafe fn stream_epilogue(
         shared_mem_bytes: 0,
     };
     // SAFETY: afdep_cf_stream_epilogue{,_fp8}(u8* ws, const u32* src_rank, u32 ns, u32 epr,
-    // u64 plan_off, u64 rflag_off, u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64
-    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32
-    // min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
+    // afdep_fused_layout L (by value: FusedLayout, asserted equal in layout/fused.cuh), u32
+    // warps_per_unit, u32 min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
     // with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream order), the
     // row flags and slab rows of src_rank[s] (ns entries, checked; rows below the plan's slab
     // counts, < cap; row_bytes holds this payload and the metadata, checked) in this rank's
@@ -511,7 +460,7 @@ pub unsafe fn stream_epilogue(
 /// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace `ws`,
 /// after the wait for every source's dispatch flag on the same stream): every expanded row of
 /// the plan `pv` (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
-/// sources stored ([`CfAreas::exp_q`], [`CfAreas::exp_scales`]). Nothing when the round of the
+/// sources stored ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]). Nothing when the round of the
 /// control block at `ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
 ///
 /// # Safety
@@ -527,15 +476,15 @@ pub unsafe fn dequant(
     sources: usize,
     epr: usize,
     hidden: usize,
-    areas: &CfAreas,
+    areas: &FusedLayout,
     ctl: u64,
     top_k: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    if areas.payload != PayloadKind::Fp8E4m3 {
+    if areas.payload_kind() != PayloadKind::Fp8E4m3 {
         return Err(KernelError::Shape(format!(
             "dequantising expanded rows of {} payloads",
-            areas.payload
+            areas.payload_kind()
         )));
     }
     check_fp8(hidden, areas)?;
@@ -567,26 +516,28 @@ pub unsafe fn dequant(
 }
 
 /// Slab rows that hold the payload of `areas` and the metadata of top-k `top_k`.
-fn check_rows(slab: &SlabGeometry, areas: &CfAreas, top_k: usize) -> Result<(), KernelError> {
+fn check_rows(slab: &SlabGeometry, areas: &FusedLayout, top_k: usize) -> Result<(), KernelError> {
     let hidden = slab.hidden as usize;
-    let payload = super::fused::slab_payload_bytes(areas.payload, hidden) as u64;
+    let payload = super::fused::slab_payload_bytes(areas.payload_kind(), hidden) as u64;
     if areas.meta_off < payload
         || slab.row_bytes < areas.meta_off + 4 * super::fused::meta_words(top_k) as u64
     {
         return Err(KernelError::Shape(format!(
             "slab rows of {} bytes (metadata at {}) cannot hold {} payloads of hidden {hidden} \
              and top-k {top_k}",
-            slab.row_bytes, areas.meta_off, areas.payload
+            slab.row_bytes,
+            areas.meta_off,
+            areas.payload_kind()
         )));
     }
-    if areas.payload == PayloadKind::Fp8E4m3 {
+    if areas.payload_kind() == PayloadKind::Fp8E4m3 {
         check_fp8(hidden, areas)?;
     }
     Ok(())
 }
 
 /// fp8 areas: hidden a multiple of 128, the code and scale areas 16-byte aligned.
-fn check_fp8(hidden: usize, areas: &CfAreas) -> Result<(), KernelError> {
+fn check_fp8(hidden: usize, areas: &FusedLayout) -> Result<(), KernelError> {
     if hidden % afdep_core::fp8::GROUP != 0
         || areas.exp_q % 16 != 0
         || areas.exp_scales % 16 != 0

@@ -89,8 +89,8 @@ pub fn cast(
 
 /// The router backward: from the forward's `logits` (`tokens × experts` f32), its routes and
 /// `g[t·K + k] = <dy_t, y_k>` (f32), `dlogits` (`tokens × ld` bf16, `ld ≥ experts`, the
-/// columns from `experts` on written as zeros) as in brief section 4 (softmax and
-/// renormalisation backward; top-k selection not differentiated).
+/// columns from `experts` on written as zeros) as in docs/design.md, "Specification: Router"
+/// (softmax and renormalisation backward; top-k selection not differentiated).
 #[allow(clippy::too_many_arguments)]
 pub fn router_backward(
     ctx: &GpuContext,

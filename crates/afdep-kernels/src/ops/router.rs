@@ -1,4 +1,5 @@
-//! The router: logits, softmax, top-k and weights (brief section 4, `afdep_core::route`).
+//! The router: logits, softmax, top-k and weights (docs/design.md, "Specification: Router",
+//! `afdep_core::route`).
 //!
 //! **Logits.** `hidden` a multiple of 8 (16-byte rows): the tensor-core kernel
 //! (`afdep_router_logits_mma`, mma.sync bf16 → f32, 128 tokens per block, tails predicated);

@@ -82,7 +82,7 @@ use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
 use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
-use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{GpuContext, KernelError};
 
@@ -107,54 +107,6 @@ impl CfScratch {
             counts: zeros(gpu, p.owned() + p.ffn_ranks)?,
         })
     }
-}
-
-fn align256(v: u64) -> u64 {
-    v.div_ceil(256) * 256
-}
-
-/// The count-first areas of `cfg`'s workspace from byte `start` on (`layout/fused.cuh`), and
-/// the end of the last one.
-pub(super) fn areas(cfg: &ExchangeConfig, start: u64) -> (CfAreas, u64) {
-    let world = cfg.topology.world_size() as u64;
-    let ns = cfg.topology.attention_count() as u64;
-    let epr = cfg.experts_per_rank as u64;
-    let cap = cfg.capacity as u64;
-    let h = cfg.hidden as u64;
-    let base = align256(start);
-    let counts = base + 512;
-    let offsets = align256(counts + world * (epr + 1) * 8);
-    let plan = align256(offsets + world * epr * 8);
-    let row_flags = align256(plan + (2 * epr * ns + epr + ns + 2) * 8);
-    let expanded = align256(row_flags + world * cap * 4);
-    let exp_rows = ns * cap * (cfg.top_k as u64).min(epr);
-    let mut end = expanded + exp_rows * 2 * h;
-    // fp8: the expanded rows' codes and scales after the (dequantised) bf16 rows; bf16 configs
-    // have neither (both offsets at the end, zero bytes)
-    let (exp_q, exp_scales) = match cfg.payload {
-        PayloadKind::Bf16 => (end, end),
-        PayloadKind::Fp8E4m3 => {
-            let q = align256(end);
-            let sc = align256(q + exp_rows * h);
-            end = sc + exp_rows * 4 * fp8::scales_per_row(cfg.hidden) as u64;
-            (q, sc)
-        }
-    };
-    let a = CfAreas {
-        count_flags: base,
-        offset_flags: base + 256,
-        counts,
-        offsets,
-        plan,
-        row_flags,
-        expanded,
-        exp_q,
-        exp_scales,
-        exp_rows,
-        meta_off: fk::slab_payload_bytes(cfg.payload, cfg.hidden) as u64,
-        payload: cfg.payload,
-    };
-    (a, end)
 }
 
 /// The phase a count-first fault code names.
@@ -222,10 +174,10 @@ impl FusedEngine {
     /// Poisons the first `rows` rows of the count-first expanded area (fp8: and of its codes and
     /// scales; NaN rows, codes 0xff, NaN scales).
     pub(super) fn poison_expanded(&self, rows: u64) -> Result<(), ExchangeError> {
-        let a = self.geo.cf;
+        let a = self.geo;
         let h = self.cfg.hidden as u64;
         self.poison_ws(a.expanded, rows * 2 * h)?;
-        if a.payload == PayloadKind::Fp8E4m3 {
+        if a.payload_kind() == PayloadKind::Fp8E4m3 {
             self.poison_ws(a.exp_q, rows * h)?;
             self.poison_ws(a.exp_scales, rows * 4 * (h / fp8::GROUP as u64))?;
         }
@@ -249,8 +201,8 @@ impl FusedEngine {
         let (h, k) = (cfg.hidden, cfg.top_k);
         let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
         let knobs = cfg.knobs;
-        let a = self.geo.cf;
-        let slab: SlabGeometry = self.geo.slab;
+        let a = self.geo;
+        let slab: SlabGeometry = self.geo.slab();
         let err = self.ws + ERROR_WORD;
         let ctl = self.ws + super::CONTROL;
         let src_index = topo.attention_index(rank);
@@ -383,8 +335,7 @@ impl FusedEngine {
                     epr,
                     self.peers,
                     self.ws,
-                    &slab,
-                    &a,
+                    &self.geo,
                     rank,
                     mode,
                     ctl,
@@ -461,8 +412,7 @@ impl FusedEngine {
                         ns,
                         epr,
                         k,
-                        &slab,
-                        &a,
+                        &self.geo,
                         knobs.warps_per_unit,
                         knobs.min_rows_per_unit,
                         ctl,
@@ -503,8 +453,8 @@ impl FusedEngine {
         let topo = cfg.topology;
         let (h, k) = (cfg.hidden, cfg.top_k);
         let (ns, epr) = (topo.attention_count(), cfg.placement().experts_per_rank);
-        let a = self.geo.cf;
-        let slab = self.geo.slab;
+        let a = self.geo;
+        let slab = self.geo.slab();
         let nl = epr;
         let plan_words = 2 * nl * ns + nl + 1 + ns + 1;
         let w = le_u64(&self.read_ws(a.plan, plan_words * 8)?);
@@ -535,7 +485,7 @@ impl FusedEngine {
             bytemuck::pod_collect_to_vec(&self.read_ws(a.expanded, total as usize * 2 * h)?);
         // fp8: the expanded rows' codes and scales as delivered
         let g = fp8::scales_per_row(h);
-        let mut fp8_rx = match a.payload {
+        let mut fp8_rx = match a.payload_kind() {
             PayloadKind::Bf16 => None,
             PayloadKind::Fp8E4m3 => Some(Fp8Received {
                 expanded_q: self.read_ws(a.exp_q, total as usize * h)?,
@@ -653,6 +603,24 @@ mod tests {
         }
     }
 
+    /// The count-first areas of `c`'s workspace layout and their end (the expanded rows, fp8:
+    /// their scales), checked to lie after `start`.
+    fn areas(
+        c: &ExchangeConfig,
+        start: u64,
+    ) -> (afdep_kernels::ops::fused_layout::FusedLayout, u64) {
+        let l = afdep_kernels::ops::fused_layout::FusedLayout::new(c);
+        assert!(l.count_flags >= start && l.count_flags >= l.ret_off);
+        let end = match c.payload {
+            PayloadKind::Bf16 => l.expanded + l.exp_rows * 2 * c.hidden as u64,
+            PayloadKind::Fp8E4m3 => {
+                l.exp_scales + l.exp_rows * 4 * fp8::scales_per_row(c.hidden) as u64
+            }
+        };
+        assert!(end <= l.status);
+        (l, end)
+    }
+
     /// The areas are 256-byte aligned where the header says so, in order, disjoint and sized
     /// as `layout/fused.cuh` documents, for odd shapes.
     #[test]
@@ -685,7 +653,7 @@ mod tests {
             );
             // bf16: no code or scale areas
             assert_eq!((a.exp_q, a.exp_scales), (end, end));
-            assert_eq!(a.payload, PayloadKind::Bf16);
+            assert_eq!(a.payload_kind(), PayloadKind::Bf16);
         }
     }
 
@@ -709,32 +677,27 @@ mod tests {
             let (a, end) = areas(&c, start);
             let rows = a.exp_rows;
             let h = hidden as u64;
-            assert_eq!(
+            // the same areas relative to the count-first start (the fp8 slabs before it are
+            // smaller, so the start itself moves)
+            let rel = |x: &afdep_kernels::ops::fused_layout::FusedLayout| {
+                let c0 = x.count_flags;
                 (
-                    a.count_flags,
-                    a.counts,
-                    a.offsets,
-                    a.plan,
-                    a.row_flags,
-                    a.expanded
-                ),
-                (
-                    b.count_flags,
-                    b.counts,
-                    b.offsets,
-                    b.plan,
-                    b.row_flags,
-                    b.expanded
+                    x.counts - c0,
+                    x.offsets - c0,
+                    x.plan - c0,
+                    x.row_flags - c0,
+                    x.expanded - c0,
                 )
-            );
+            };
+            assert_eq!(rel(&a), rel(&b));
             assert_eq!(rows, b.exp_rows);
-            assert_eq!(a.payload, PayloadKind::Fp8E4m3);
+            assert_eq!(a.payload_kind(), PayloadKind::Fp8E4m3);
             assert_eq!(a.exp_q % 256, 0);
             assert_eq!(a.exp_scales % 256, 0);
             assert!(a.exp_q >= a.expanded + rows * 2 * h);
             assert!(a.exp_scales >= a.exp_q + rows * h);
             assert_eq!(end, a.exp_scales + rows * 4 * (h / 128));
-            assert!(end > bend);
+            assert!(end - a.count_flags > bend - b.count_flags);
             assert_eq!(
                 a.meta_off,
                 fk::slab_payload_bytes(PayloadKind::Fp8E4m3, hidden) as u64

@@ -120,7 +120,8 @@ use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
 use afdep_kernels::ops::fused as fk;
 use afdep_kernels::ops::fused::SlabGeometry;
-use afdep_kernels::ops::fused_cf::{self as cf, CfAreas, CfMode, CfSource};
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
+use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::fused_round::{
     self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
     PlanView, RoundControl,
@@ -438,8 +439,8 @@ impl FusedEngine {
         let ffn = match cfg.topology.ffn_index(rank) {
             Some(f) => {
                 let local = &scales[p.experts_of(f)];
-                let snap = self.geo.slab.row_bytes
-                    * u64::from(self.geo.slab.cap)
+                let snap = self.geo.slab().row_bytes
+                    * u64::from(self.geo.slab().cap)
                     * cfg.topology.attention_count() as u64;
                 let swiglu = match &opts.experts {
                     DeviceExperts::SwiGlu(lp) => Some(self.swiglu_bufs(lp, f)?),
@@ -449,7 +450,7 @@ impl FusedEngine {
                 let y_len = if identity {
                     1
                 } else {
-                    (self.geo.cf.exp_rows as usize * h).max(1)
+                    (self.geo.exp_rows as usize * h).max(1)
                 };
                 Some(FfnBufs {
                     scale: upload(&self.gpu, local)?,
@@ -867,7 +868,7 @@ impl FusedEngine {
             }
             if cfg.topology.ffn_index(rank).is_some() {
                 // the whole expanded area (fp8: and its codes and scales)
-                self.poison_expanded(self.geo.cf.exp_rows)?;
+                self.poison_expanded(self.geo.exp_rows)?;
                 if matches!(
                     arm,
                     RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
@@ -875,7 +876,7 @@ impl FusedEngine {
                     // the source arm's slab rows hold metadata only (the other arms rewrite
                     // them whole); every store into them follows this rank's status record of
                     // the round (afdep_round_begin), so poisoning them here races with nothing
-                    let slab = self.geo.slab;
+                    let slab = self.geo.slab();
                     let first = cfg.topology.attention_ranks().start as u64;
                     let n = cfg.topology.attention_count() as u64;
                     let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
@@ -905,8 +906,8 @@ impl FusedEngine {
         let (ws, peers) = (self.ws, self.peers);
         let ctl = ws + CONTROL;
         let err = ws + ERROR_WORD;
-        let a = self.geo.cf;
-        let slab = self.geo.slab;
+        let a = self.geo;
+        let slab = self.geo.slab();
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let d = self.device.as_mut().expect("checked by the caller");
@@ -1094,7 +1095,7 @@ impl FusedEngine {
         let (h, wd) = (self.cfg.hidden, lp.shape.width);
         let e = p.experts_of(f);
         let per = h * wd;
-        let rows = self.geo.cf.exp_rows as usize;
+        let rows = self.geo.exp_rows as usize;
         let mut sw = SwigluBufs {
             w1: upload(&self.gpu, &lp.w1[e.start * per..e.end * per])?,
             w3: upload(&self.gpu, &lp.w3[e.start * per..e.end * per])?,
@@ -1199,7 +1200,7 @@ impl FusedEngine {
                     Some(s) => download(&self.gpu, s)?,
                     None => Vec::new(),
                 };
-                let slab = self.geo.slab;
+                let slab = self.geo.slab();
                 let first = cfg.topology.attention_ranks().start;
                 let rb = slab.row_bytes as usize;
                 let read_slab = |r: usize, n: usize| -> Result<Vec<u8>, ExchangeError> {
@@ -1233,7 +1234,8 @@ struct Launch<'a> {
     ctl: u64,
     err: u64,
     timeout_ns: u64,
-    a: CfAreas,
+    /// The workspace layout (`slab` is its view for the payload-first launchers).
+    a: FusedLayout,
     slab: SlabGeometry,
     ret_off: u64,
     src_ranks: &'a CudaSlice<u32>,
@@ -1281,7 +1283,6 @@ impl Launch<'_> {
                     epr,
                     self.peers,
                     self.ws,
-                    &self.slab,
                     &self.a,
                     self.rank,
                     mode,
@@ -1397,8 +1398,7 @@ impl Launch<'_> {
                     ns,
                     epr,
                     k,
-                    &self.slab,
-                    a,
+                    &self.a,
                     knobs.warps_per_unit,
                     knobs.min_rows_per_unit,
                     c,
@@ -1646,7 +1646,7 @@ mod tests {
             let c = ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, k, cap).unwrap();
             let g = super::super::geometry(&c);
             assert_eq!(g.status % 256, 0);
-            assert!(g.status >= g.cf.expanded + g.cf.exp_rows * 2 * hidden as u64);
+            assert!(g.status >= g.expanded + g.exp_rows * 2 * hidden as u64);
             assert_eq!(g.bytes, g.status + STATUS_BYTES);
             assert_eq!(FusedEngine::workspace_bytes(&c) as u64, g.bytes);
         }

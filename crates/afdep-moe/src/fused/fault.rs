@@ -2,14 +2,14 @@
 //! only): [`FusedEngine::set_fault`] turns one [`Fault`] of `afdep_kernels::ops::fault` on or
 //! off on a rank, [`FusedEngine::fault_hits`] says how often its points fired.
 //!
-//! A fault delays a store or a flag (the record's P1–P4b and their payload-first and combine
-//! counterparts: every round must stay bit-identical to the oracle) or skips a bounded wait
-//! together with a delay that opens the race the wait closes (the record's N2, N3 and the
-//! combine's and copy epilogue's counterparts: the oracle comparison must catch it). Every
-//! rank of the group sets the same fault between rounds; host-planned rounds, device rounds and
-//! graphs captured afterwards all run the fault-built kernels (a graph captured before keeps
-//! the kernels it captured). `docs/gpu.md` lists the faults and their expected outcomes;
-//! `tests/gpu_nvlink_faults.rs` runs them.
+//! A fault delays a store or a flag (the reference record's P1–P4b, docs/design.md, "The reference
+//! record", and their payload-first and combine counterparts: every round must stay bit-identical
+//! to the oracle) or skips a bounded wait together with a delay that opens the race the wait closes
+//! (the record's N2, N3 and the combine's and copy epilogue's counterparts: the oracle comparison
+//! must catch it). Every rank of the group sets the same fault between rounds; host-planned rounds,
+//! device rounds and graphs captured afterwards all run the fault-built kernels (a graph captured
+//! before keeps the kernels it captured). `docs/gpu.md` lists the faults and their expected
+//! outcomes; `tests/gpu_nvlink_faults.rs` runs them.
 
 use afdep_kernels::ops::fault::Fault;
 use afdep_kernels::ops::fused as fk;
