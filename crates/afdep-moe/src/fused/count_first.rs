@@ -522,16 +522,7 @@ impl FusedEngine {
                         }
                     }
                 } else if let Some(rx) = fp8_rx.as_mut() {
-                    // the slab row's codes and scales (the fp8 slab row format), dequantised
-                    // on the host (the same bits as the device's, afdep_core::fp8)
-                    let q = &row[..h];
-                    let at = h.div_ceil(16) * 16;
-                    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
-                    let mut deq = vec![bf16::ZERO; h];
-                    fp8::dequantise_row(q, &sc, &mut deq);
-                    compact_x.extend(deq);
-                    rx.compact_q.extend_from_slice(q);
-                    rx.compact_scales.extend(sc);
+                    super::push_fp8_compact(row, h, &mut compact_x, rx);
                 } else {
                     compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
                 }

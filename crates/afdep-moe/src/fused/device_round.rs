@@ -582,12 +582,7 @@ impl FusedEngine {
     pub fn capture(&mut self, arm: impl Into<RoundArm>) -> Result<FusedGraph, ExchangeError> {
         let arm = arm.into();
         let rank = self.rank();
-        if let Some(why) = &self.closed {
-            return Err(ExchangeError::Closed {
-                rank,
-                why: why.clone(),
-            });
-        }
+        self.check_open()?;
         self.check_device(arm)?;
         self.transport.barrier()?;
         bind(&self.gpu)?;
@@ -649,13 +644,7 @@ impl FusedEngine {
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<RoundOutput, ExchangeError>,
     ) -> Result<RoundOutput, ExchangeError> {
-        let rank = self.rank();
-        if let Some(why) = &self.closed {
-            return Err(ExchangeError::Closed {
-                rank,
-                why: why.clone(),
-            });
-        }
+        self.check_open()?;
         let r = f(self);
         if let Err(e) = &r {
             let keeps = matches!(
@@ -1211,6 +1200,27 @@ impl Launch<'_> {
         Ok(())
     }
 
+    /// FFN: the wait for every source's dispatch flag in a round of the control block `c`, a
+    /// timeout recorded as `code`.
+    fn wait_sources(&self, c: u64, code: u32) -> Result<(), ExchangeError> {
+        let ns = self.cfg.topology.attention_count();
+        // SAFETY: the engine's launch invariant (`FusedEngine`): the workspace and its error word
+        // are live, `c` is the control block or one of the live arm gates of `d.gates`
+        // (`arm_gate`); `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD`
+        // flags at `DISPATCH_FLAGS`.
+        unsafe {
+            cf::wait(
+                self.gpu,
+                &self.addrs().gated(c),
+                self.src_ranks,
+                ns,
+                DISPATCH_FLAGS,
+                code,
+            )
+        }?;
+        Ok(())
+    }
+
     /// FFN: the epilogue (payload-first: every source's flag, then the plan; the source arm:
     /// every source's flag; streaming and payload-first: the epilogue).
     fn epilogue(&self) -> Result<(), ExchangeError> {
@@ -1221,20 +1231,7 @@ impl Launch<'_> {
         let (ws, a) = (self.ws, &self.a);
         let addrs = self.addrs();
         if let Some(c) = self.gate(PF) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
-            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
-            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
-            // `DISPATCH_FLAGS`.
-            unsafe {
-                cf::wait(
-                    gpu,
-                    &addrs.gated(c),
-                    self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    fk::fault::DISPATCH_WAIT,
-                )
-            }?;
+            self.wait_sources(c, fk::fault::DISPATCH_WAIT)?;
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
             // live, `c` is the control block or one of the live arm gates of `d.gates`
             // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
@@ -1242,20 +1239,7 @@ impl Launch<'_> {
             unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a) }?;
         }
         if let Some(c) = self.gate(SRC) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
-            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
-            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
-            // `DISPATCH_FLAGS`.
-            unsafe {
-                cf::wait(
-                    gpu,
-                    &addrs.gated(c),
-                    self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    cf::fault::SOURCE_WAIT,
-                )
-            }?;
+            self.wait_sources(c, cf::fault::SOURCE_WAIT)?;
             if cfg.payload == PayloadKind::Fp8E4m3 {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` is live, `c` is the
                 // control block or one of the live arm gates of `d.gates` (`arm_gate`); the
