@@ -153,8 +153,7 @@ pub unsafe fn publish_counts(
         .arg(ffn_ranks)
         .arg(&nf)
         .arg(&e)
-        .arg(&areas.counts)
-        .arg(&areas.count_flags)
+        .arg(areas)
         .arg(&me)
         .arg(&r.ctl);
     let cfg = cudarc::driver::LaunchConfig {
@@ -163,7 +162,8 @@ pub unsafe fn publish_counts(
         shared_mem_bytes: 0,
     };
     // SAFETY: afdep_cf_publish_counts(const u64* counts, const u64* peers, const u32* ffn_rank,
-    // u32 nf, u32 epr, u64 counts_off, u64 cflag_off, u32 me, const u32* ctl): reads the
+    // u32 nf, u32 epr, afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me,
+    // const u32* ctl): reads the
     // caller's live control block; block f < nf reads
     // counts (nf epr + nf, checked) and ffn_rank[f] (nf, checked), and writes epr + 1 u64 at
     // row me of the counts area and one u32 flag of workspace peers[ffn_rank[f]]; the caller
@@ -204,18 +204,14 @@ pub unsafe fn plan(
         .arg(src_ranks)
         .arg(&ns)
         .arg(&e)
-        .arg(&areas.counts)
-        .arg(&areas.count_flags)
-        .arg(&areas.plan)
-        .arg(&areas.offsets)
-        .arg(&areas.offset_flags)
+        .arg(areas)
         .arg(&me)
         .arg(&r.ctl)
         .arg(&r.timeout_ns)
         .arg(&r.err);
-    // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr, u64
-    // counts_off, u64 cflag_off, u64 plan_off, u64 offs_off, u64 oflag_off, u32 me, const u32*
-    // ctl (the caller's live control block),
+    // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr,
+    // afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me, const u32* ctl (the
+    // caller's live control block),
     // u64 timeout_ns, u32* err), one block: reads the flags and counts rows of src_rank[s] (ns
     // entries, checked) in this rank's live workspace, writes its plan (2 epr ns + epr + ns + 2
     // u64, which the caller's geometry provides), row me of each source's offsets area (epr u64)
@@ -477,21 +473,11 @@ pub unsafe fn dequant(
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let h = as_u32("hidden", hidden)?;
     let f = ctx.function(KernelId::CfDequant, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&r.ws)
-        .arg(&r.ctl)
-        .arg(&areas.plan)
-        .arg(&e)
-        .arg(&ns)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&h);
-    // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64
-    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden) (in the K-specialised
+    b.arg(&r.ws).arg(&r.ctl).arg(areas).arg(&e).arg(&ns);
+    // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, afdep_fused_layout L (by value, asserted
+    // equal to FusedLayout), u32 epr, u32 ns) (in the K-specialised
     // module, K unused): reads the caller's live control block and this rank's plan (written
     // by its afdep_cf_plan, stream order), then, for rows below min(plan rows, exp_rows), the
     // codes and scales and writes the bf16 rows of this rank's live workspace, whose areas the
