@@ -230,17 +230,19 @@ PEER_TOL = {"out_err": 2 * 4 / 256, "gx_err": 2 * 6 / 256, "gw_err": 2 * 5 / 256
 
 
 # afdep_moe::accuracy's tolerances (OUT_TOL, DX_TOL, GRAD_TOL): a peer against the f32 function
-# of docs/design.md ("Specification"), which is the reference (the peer scripts compute it themselves: oracle_* fields).
+# of docs/design.md ("Specification"), which is the reference (the peer scripts compute it
+# themselves: oracle_* fields).
 ORACLE_TOL = {"oracle_out_err": 4 / 256, "oracle_gx_err": 6 / 256, "oracle_gw_err": 5 / 256}
 
 
-def judge_oracle(row):
-    """Sets ``status`` to ``error_too_large`` (with a note) when an ``ok`` row's error against the
-    f32 oracle exceeds ORACLE_TOL or is not finite; errors not measured are left alone."""
+def _judge(row, tols, against):
+    """Sets ``status`` to ``error_too_large`` (with a note naming ``against``) when a measured
+    error of an ``ok`` row exceeds its tolerance in ``tols`` or is not finite; errors not
+    measured are left alone, and so are rows that are not ``ok``."""
     if row.get("status") != "ok":
         return row
     bad = []
-    for k, tol in ORACLE_TOL.items():
+    for k, tol in tols.items():
         v = row.get(k)
         if v is None:
             continue
@@ -248,26 +250,18 @@ def judge_oracle(row):
             bad.append(f"{k} {v:.3e} > {tol:.3e}")
     if bad:
         row["status"] = "error_too_large"
-        row["note"] = "against the f32 oracle: " + ", ".join(bad)
+        row["note"] = f"against {against}: " + ", ".join(bad)
     return row
+
+
+def judge_oracle(row):
+    """Judges an ``ok`` row's errors against the f32 oracle by ORACLE_TOL (see ``_judge``)."""
+    return _judge(row, ORACLE_TOL, "the f32 oracle")
 
 
 def judge(row):
-    """Sets ``status`` to ``error_too_large`` (with a note) when a measured error of an ``ok`` row
-    exceeds PEER_TOL or is not finite; rows without errors keep their status."""
-    if row.get("status") != "ok":
-        return row
-    bad = []
-    for k, tol in PEER_TOL.items():
-        v = row.get(k)
-        if v is None:
-            continue
-        if not math.isfinite(v) or v > tol:
-            bad.append(f"{k} {v:.3e} > {tol:.3e}")
-    if bad:
-        row["status"] = "error_too_large"
-        row["note"] = "against afdep's outputs: " + ", ".join(bad)
-    return row
+    """Judges an ``ok`` row's errors against afdep's outputs by PEER_TOL (see ``_judge``)."""
+    return _judge(row, PEER_TOL, "afdep's outputs")
 
 
 def finite_or_none(v):

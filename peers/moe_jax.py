@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Peer of afdep's MoE layer in JAX: experts through ``jax.lax.ragged_dot``.
 
-The same function as ``moe_torch.py`` (docs/design.md, "Specification: Layer and train step"), on the inputs afdep wrote
-(``afdep moe --write-inputs DIR``):
+The same function as ``moe_torch.py`` (docs/design.md, "Specification: Layer and train
+step"), on the inputs afdep wrote (``afdep moe --write-inputs DIR``):
 
 - router: ``logits = x . Wr`` in f32 (precision HIGHEST: no TF32), softmax, ``lax.top_k``,
   weights renormalised over the k when the inputs say so;

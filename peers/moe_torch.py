@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Peer of afdep's MoE layer in PyTorch: experts through ``torch._grouped_mm``.
 
-The function is the one of docs/design.md, "Specification: Layer and train step", on the inputs afdep wrote
-(``afdep moe --write-inputs DIR``):
+The function is the one of docs/design.md, "Specification: Layer and train step", on the
+inputs afdep wrote (``afdep moe --write-inputs DIR``):
 
 - router: ``logits = x . Wr`` in f32, softmax in f32, top-k (``torch.topk``), weights
   renormalised over the k when the inputs say so;
@@ -323,8 +323,8 @@ class MaxRel:
 
 
 def oracle_errors(x, P, dy, top_k, renormalize, y, dx, grads, chunk=1 << 15):
-    """The peer's outputs against the Specification's function (docs/design.md) computed here in f32, independently of
-    :func:`moe`: ``oracle_out_err``, and with ``dy`` the train step's ``oracle_gx_err`` and
+    """The peer's outputs against the Specification's function (docs/design.md) computed here
+    in f32, independently of :func:`moe`: ``oracle_out_err``, and with ``dy`` the train step's ``oracle_gx_err`` and
     ``oracle_gw_err`` (max over the parameter gradients). Expert by expert (one expert's weights
     in f32 at a time) and the shared expert by token chunks, so that the largest shapes fit next
     to the peer's own tensors; the backward is written out (SwiGLU, the weighted sum, the top-k

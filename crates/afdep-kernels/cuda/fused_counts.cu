@@ -83,8 +83,9 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // flag `me` at cflag_off there to the round of the control block ctl (release, system scope).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_publish_counts(const u64* __restrict__ counts, const u64* __restrict__ peers,
-                            const u32* __restrict__ ffn_rank, u32 nf, u32 epr, u64 counts_off,
-                            u64 cflag_off, u32 me, const u32* ctl) {
+                            const u32* __restrict__ ffn_rank, u32 nf, u32 epr,
+                            const afdep_fused_layout L, u32 me, const u32* ctl) {
+    const u64 counts_off = L.counts, cflag_off = L.count_flags;
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u32 f = blockIdx.x;
@@ -110,8 +111,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // block ctl (layout/fused.cuh); nothing runs when the round is skipped.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_plan(u8* ws, const u64* __restrict__ peers, const u32* __restrict__ src_rank,
-                  u32 ns, u32 epr, u64 counts_off, u64 cflag_off, u64 plan_off, u64 offs_off,
-                  u64 oflag_off, u32 me, const u32* ctl, u64 timeout_ns, u32* err) {
+                  u32 ns, u32 epr, const afdep_fused_layout L, u32 me, const u32* ctl,
+                  u64 timeout_ns, u32* err) {
+    const u64 counts_off = L.counts, cflag_off = L.count_flags, plan_off = L.plan;
+    const u64 offs_off = L.offsets, oflag_off = L.offset_flags;
     __shared__ u32 ok;
     __shared__ u64 part[AFDEP_BLOCK];
     if (afdep_ctl_skip(ctl)) return;

@@ -162,8 +162,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // exp_off gets bf16(f32(code) · scale) of its codes (exp_q_off) and scales (exp_sc_off). One
 // warp per row, 16 codes per lane and step; nothing when the round is skipped.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_dequant(u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64 exp_off,
-                     u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden) {
+    afdep_cf_dequant(u8* ws, const u32* ctl, const afdep_fused_layout L, u32 epr, u32 ns) {
+    const u64 plan_off = L.plan, exp_off = L.expanded, exp_q_off = L.exp_q;
+    const u64 exp_sc_off = L.exp_scales, exp_rows = L.exp_rows;
+    const u32 hidden = L.hidden;
     if (afdep_ctl_skip(ctl)) return;
     const u64 n = (u64)epr * ns;
     const u64* eo = (const u64*)(ws + plan_off) + 2 * n;

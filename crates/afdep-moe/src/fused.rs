@@ -173,6 +173,21 @@ fn geometry(cfg: &ExchangeConfig) -> FusedLayout {
     FusedLayout::new(cfg)
 }
 
+/// Appends an fp8 slab row (codes, then scales: the fp8 slab row format) to the compact view:
+/// its codes and scales, and its rows dequantised on the host (the same bits as the device's,
+/// `afdep_core::fp8`).
+fn push_fp8_compact(row: &[u8], h: usize, compact_x: &mut Vec<bf16>, rx: &mut Fp8Received) {
+    let q = &row[..h];
+    let at = h.div_ceil(16) * 16;
+    let g = fp8::scales_per_row(h);
+    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+    let mut deq = vec![bf16::ZERO; h];
+    fp8::dequantise_row(q, &sc, &mut deq);
+    compact_x.extend(deq);
+    rx.compact_q.extend_from_slice(q);
+    rx.compact_scales.extend(sc);
+}
+
 /// The fused engine of one rank; see the [module docs](self).
 ///
 /// # Launch invariant
@@ -338,6 +353,17 @@ impl FusedEngine {
         })
     }
 
+    /// `Closed` once an error closed the engine (see [`FusedEngine::round`]).
+    fn check_open(&self) -> Result<(), ExchangeError> {
+        match &self.closed {
+            Some(why) => Err(ExchangeError::Closed {
+                rank: self.rank(),
+                why: why.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ExchangeConfig {
         &self.cfg
@@ -402,13 +428,7 @@ impl FusedEngine {
         input: Option<&SourceInput>,
         expert: &dyn ExpertFn,
     ) -> Result<RoundOutput, ExchangeError> {
-        let rank = self.rank();
-        if let Some(why) = &self.closed {
-            return Err(ExchangeError::Closed {
-                rank,
-                why: why.clone(),
-            });
-        }
+        self.check_open()?;
         let r = self.round_inner(input, expert);
         if let Err(e) = &r {
             // anything but a rejected round may leave stores or waits half done
@@ -711,7 +731,6 @@ impl FusedEngine {
         sources: &[SourceCounts],
     ) -> Result<FfnReceived, ExchangeError> {
         let (h, k) = (self.cfg.hidden, self.cfg.top_k);
-        let g = fp8::scales_per_row(h);
         let geo = self.geo;
         let f = ex.f;
         let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &ex.expanded)?;
@@ -738,16 +757,7 @@ impl FusedEngine {
                     None => {
                         compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]))
                     }
-                    Some(rx) => {
-                        let q = &row[..h];
-                        let at = h.div_ceil(16) * 16;
-                        let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
-                        let mut deq = vec![bf16::ZERO; h];
-                        fp8::dequantise_row(q, &sc, &mut deq);
-                        compact_x.extend(deq);
-                        rx.compact_q.extend_from_slice(q);
-                        rx.compact_scales.extend(sc);
-                    }
+                    Some(rx) => push_fp8_compact(row, h, &mut compact_x, rx),
                 }
                 let m: Vec<u32> =
                     bytemuck::pod_collect_to_vec(&row[payload..payload + 4 * fk::meta_words(k)]);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::{
     Bootstrap, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    check_spans,
+    check_spans, concat_gathered,
 };
 
 const OK: u8 = 0;
@@ -103,26 +103,13 @@ impl Transport for HostTcp {
         const OP: &str = "all_gather";
         let me = self.rank();
         let all = self.boot.all_gather(&with_status(OK, mine))?;
-        let mut out = Vec::with_capacity(all.len() * mine.len());
         // every peer's failure takes precedence over a size mismatch, lowest rank first
         let bodies = all
             .iter()
             .enumerate()
             .map(|(p, b)| body_of(OP, me, p, b))
             .collect::<Result<Vec<_>, _>>()?;
-        for (p, body) in bodies.into_iter().enumerate() {
-            if body.len() != mine.len() {
-                return Err(TransportError::SizeMismatch {
-                    op: OP,
-                    rank: me,
-                    peer: p,
-                    expected: mine.len() as u64,
-                    got: body.len() as u64,
-                });
-            }
-            out.extend_from_slice(body);
-        }
-        Ok(out)
+        concat_gathered(OP, me, mine.len(), bodies)
     }
 
     fn all_to_all_v(

@@ -435,6 +435,32 @@ fn checked_range(
     }
 }
 
+/// Concatenates the contributions of an [`all_gather`](Transport::all_gather) in rank order,
+/// each checked to be as long as this rank's (`mine_len`): one of another length is a
+/// [`SizeMismatch`](TransportError::SizeMismatch) on `rank` naming the lowest such peer. For
+/// implementers of [`Transport`].
+pub fn concat_gathered<'a>(
+    op: &'static str,
+    rank: usize,
+    mine_len: usize,
+    bodies: impl IntoIterator<Item = &'a [u8]>,
+) -> Result<Vec<u8>, TransportError> {
+    let mut out = Vec::new();
+    for (peer, body) in bodies.into_iter().enumerate() {
+        if body.len() != mine_len {
+            return Err(TransportError::SizeMismatch {
+                op,
+                rank,
+                peer,
+                expected: mine_len as u64,
+                got: body.len() as u64,
+            });
+        }
+        out.extend_from_slice(body);
+    }
+    Ok(out)
+}
+
 /// Checks the arguments of an [`all_to_all_v`](Transport::all_to_all_v) on `rank`: both span
 /// lists have `world_size` entries, every span lies inside its buffer, and non-empty receive spans
 /// do not overlap. For implementers of [`Transport`]; the error is

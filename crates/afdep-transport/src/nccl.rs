@@ -66,6 +66,7 @@ use tracing::{debug, warn};
 use crate::device::DeviceBuffer;
 use crate::{
     Bootstrap, Span, Transport, TransportBuffer, TransportError, TransportKind, check_spans,
+    concat_gathered,
 };
 
 const KIND: TransportKind = TransportKind::Nccl;
@@ -722,20 +723,7 @@ impl Transport for Nccl {
         self.usable(OP)?;
         let me = self.rank();
         let all = self.boot.all_gather(mine)?;
-        let mut out = Vec::with_capacity(all.len() * mine.len());
-        for (p, b) in all.iter().enumerate() {
-            if b.len() != mine.len() {
-                return Err(TransportError::SizeMismatch {
-                    op: OP,
-                    rank: me,
-                    peer: p,
-                    expected: mine.len() as u64,
-                    got: b.len() as u64,
-                });
-            }
-            out.extend_from_slice(b);
-        }
-        Ok(out)
+        concat_gathered(OP, me, mine.len(), all.iter().map(Vec::as_slice))
     }
 
     fn all_to_all_v(

@@ -97,7 +97,7 @@ use ucx_rs::sys;
 
 use crate::{
     Bootstrap, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    check_spans,
+    check_spans, concat_gathered,
 };
 
 const OK: u8 = 0;
@@ -764,20 +764,7 @@ impl Transport for Ucx {
             .enumerate()
             .map(|(p, m)| body_of(OP, Coll::AllGather, me, p, m))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut out = Vec::with_capacity(world * mine.len());
-        for (p, body) in bodies.into_iter().enumerate() {
-            if body.len() != mine.len() {
-                return Err(TransportError::SizeMismatch {
-                    op: OP,
-                    rank: me,
-                    peer: p,
-                    expected: mine.len() as u64,
-                    got: body.len() as u64,
-                });
-            }
-            out.extend_from_slice(body);
-        }
-        Ok(out)
+        concat_gathered(OP, me, mine.len(), bodies)
     }
 
     fn all_to_all_v(

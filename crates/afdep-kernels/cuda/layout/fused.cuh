@@ -78,31 +78,6 @@ static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32
     }
 }
 
-// The copy epilogues' wait: thread 0 of the block waits (at most timeout_ns each) until every
-// source's dispatch flag at flag_off of ws (by rank src_rank[s], s < sources) holds round; a
-// timeout records AFDEP_FUSED_FAULT_DISPATCH_WAIT naming that source. Whether every flag came,
-// for the whole block (a barrier of the block).
-static __device__ __forceinline__ bool afdep_fused_wait_sources(const u8* ws,
-                                                                const u32* __restrict__ src_rank,
-                                                                u32 sources, u64 flag_off,
-                                                                u32 round, u64 timeout_ns,
-                                                                u32* err) {
-    __shared__ u32 ok;
-    if (threadIdx.x == 0) {
-        ok = 1;
-        AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-        for (u32 s = 0; s < sources && ok; s++) {
-            const u32* flag = (const u32*)(ws + flag_off + 4ull * src_rank[s]);
-            if (!afdep_wait_ge(flag, round, timeout_ns)) {
-                afdep_fused_fault(err, AFDEP_FUSED_FAULT_DISPATCH_WAIT, src_rank[s], round);
-                ok = 0;
-            }
-        }
-    }
-    __syncthreads();
-    return ok != 0u;
-}
-
 // The slab row of compact row c: source s is the last with slab_starts[s] <= c, the row its
 // (c - slab_starts[s])-th of cap in the slab of rank src_rank[s].
 static __device__ __forceinline__ const u8* afdep_fused_compact_row(

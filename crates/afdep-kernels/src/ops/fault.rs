@@ -380,9 +380,9 @@ mod tests {
                 }
             }
         }
-        // one per skip point and kernel: cf_dispatch, the stream epilogue, both copy epilogues,
-        // cf_wait, the combine
-        assert_eq!(seen, 6);
+        // one per skip point and wait: cf_dispatch, the stream epilogue, the copy epilogues'
+        // shared wait (afdep_fused_wait_sources), cf_wait, the combine
+        assert_eq!(seen, 5);
     }
 
     #[test]

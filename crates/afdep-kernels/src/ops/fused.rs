@@ -47,6 +47,9 @@
 //! - a **live control block** `ctl`: a round control block of `CTL_WORDS` `u32`
 //!   ([`super::fused_round`]: the control block in the workspace or one of its arm gates);
 //! - a **live error word** `err`: a writable `u32[4]`.
+//!
+//! [`RankAddrs`] bundles the four addresses of one rank (with its rank and wait bound) for the
+//! launchers that take them together.
 
 use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
@@ -167,6 +170,32 @@ fn combine_blocks_for(rows: u64, cap: u32) -> cudarc::driver::LaunchConfig {
         grid_dim: (b, 1, 1),
         block_dim: (COMBINE_BLOCK, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// One rank's device addresses for the fused kernels, typed: what the launchers' `# Safety`
+/// sections call a live workspace (`ws`), a live peer table (`peers`), a live control block
+/// (`ctl`) and a live error word (`err`), with the rank and the bound of every wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankAddrs {
+    /// This rank's workspace base.
+    pub ws: u64,
+    /// The device address of the peer table.
+    pub peers: u64,
+    /// This rank.
+    pub me: usize,
+    /// The control block the kernels read the round from.
+    pub ctl: u64,
+    /// The error word.
+    pub err: u64,
+    /// The bound of every wait, in nanoseconds.
+    pub timeout_ns: u64,
+}
+
+impl RankAddrs {
+    /// The same addresses with the control block `ctl` (a device round's arm gate).
+    pub fn gated(self, ctl: u64) -> RankAddrs {
+        RankAddrs { ctl, ..self }
     }
 }
 

@@ -19,7 +19,7 @@
 use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::fused::SlabGeometry;
+use super::fused::{RankAddrs, SlabGeometry};
 use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
@@ -117,28 +117,26 @@ pub unsafe fn counts(
     Ok(())
 }
 
-/// Publishes this source's (`me`) counts (`afdep_cf_publish_counts`): FFN rank `ffn_ranks[f]`
-/// gets its local experts' counts and this source's distinct tokens for it in row `me` of its
-/// counts area, then this source's count flag there is raised to the round of the control
-/// block at `ctl` (nothing when the round is skipped).
+/// Publishes this source's (`r.me`) counts (`afdep_cf_publish_counts`): FFN rank
+/// `ffn_ranks[f]` gets its local experts' counts and this source's distinct tokens for it in row
+/// `r.me` of its counts area (through the peer table `r.peers`), then this source's count flag
+/// there is raised to the round of the control block at `r.ctl` (nothing when the round is
+/// skipped).
 ///
 /// # Safety
 ///
-/// `peers` is a live peer table and `ctl` a live control block ([the launchers'
+/// `r.peers` is a live peer table and `r.ctl` a live control block ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); the first `ffns` entries of `ffn_ranks`
-/// and `me` are below the world, and every workspace holds the count-first areas of `areas` (a
+/// and `r.me` are below the world, and every workspace holds the count-first areas of `areas` (a
 /// counts row and a flag for every rank).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn publish_counts(
     ctx: &GpuContext,
+    r: &RankAddrs,
     counts: &CudaSlice<u64>,
-    peers: u64,
     ffn_ranks: &CudaSlice<u32>,
     ffns: usize,
     epr: usize,
     areas: &FusedLayout,
-    me: usize,
-    ctl: u64,
 ) -> Result<(), KernelError> {
     if ffns == 0 {
         return Ok(());
@@ -147,25 +145,25 @@ pub unsafe fn publish_counts(
     need("ffn ranks", ffn_ranks, ffns)?;
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
-    let me = as_u32("rank", me)?;
+    let me = as_u32("rank", r.me)?;
     let f = ctx.function(KernelId::CfPublishCounts, 0, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(counts)
-        .arg(&peers)
+        .arg(&r.peers)
         .arg(ffn_ranks)
         .arg(&nf)
         .arg(&e)
-        .arg(&areas.counts)
-        .arg(&areas.count_flags)
+        .arg(areas)
         .arg(&me)
-        .arg(&ctl);
+        .arg(&r.ctl);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (nf, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: afdep_cf_publish_counts(const u64* counts, const u64* peers, const u32* ffn_rank,
-    // u32 nf, u32 epr, u64 counts_off, u64 cflag_off, u32 me, const u32* ctl): reads the
+    // u32 nf, u32 epr, afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me,
+    // const u32* ctl): reads the
     // caller's live control block; block f < nf reads
     // counts (nf epr + nf, checked) and ffn_rank[f] (nf, checked), and writes epr + 1 u64 at
     // row me of the counts area and one u32 flag of workspace peers[ffn_rank[f]]; the caller
@@ -174,55 +172,46 @@ pub unsafe fn publish_counts(
     Ok(())
 }
 
-/// The FFN rank's (`me`) plan (`afdep_cf_plan`): waits for every source's count flag (at least
-/// the round of the control block at `ctl`, at most `timeout_ns` each; a timeout records
-/// [`fault::COUNTS_WAIT`] in `err`; nothing when the round is skipped), writes the plan into its
-/// workspace `ws` and publishes each source's block starts and offset flag. `src_ranks` holds
-/// `sources` ranks, in source order.
+/// The FFN rank's (`r.me`) plan (`afdep_cf_plan`): waits for every source's count flag (at
+/// least the round of the control block at `r.ctl`, at most `r.timeout_ns` each; a timeout
+/// records [`fault::COUNTS_WAIT`] in `r.err`; nothing when the round is skipped), writes the plan
+/// into its workspace `r.ws` and publishes each source's block starts and offset flag through
+/// `r.peers`. `src_ranks` holds `sources` ranks, in source order.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block and
-/// `err` a live error word ([the launchers' contract](crate::ops::fused#safety-of-the-launchers));
-/// every workspace holds the count-first areas of `areas` for `sources` sources and `epr` local
-/// experts; the first `sources` entries of `src_ranks` and `me` are below the world.
-#[allow(clippy::too_many_arguments)]
+/// `r.ws` is a live workspace, `r.peers` a live peer table, `r.ctl` a live control block and
+/// `r.err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); every workspace holds the count-first
+/// areas of `areas` for `sources` sources and `epr` local experts; the first `sources` entries of
+/// `src_ranks` and `r.me` are below the world.
 pub unsafe fn plan(
     ctx: &GpuContext,
-    ws: u64,
-    peers: u64,
+    r: &RankAddrs,
     src_ranks: &CudaSlice<u32>,
     sources: usize,
     epr: usize,
     areas: &FusedLayout,
-    me: usize,
-    ctl: u64,
-    timeout_ns: u64,
-    err: u64,
 ) -> Result<(), KernelError> {
     need("source ranks", src_ranks, sources)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let me = as_u32("rank", me)?;
+    let me = as_u32("rank", r.me)?;
     let f = ctx.function(KernelId::CfPlan, 0, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
-        .arg(&peers)
+    b.arg(&r.ws)
+        .arg(&r.peers)
         .arg(src_ranks)
         .arg(&ns)
         .arg(&e)
-        .arg(&areas.counts)
-        .arg(&areas.count_flags)
-        .arg(&areas.plan)
-        .arg(&areas.offsets)
-        .arg(&areas.offset_flags)
+        .arg(areas)
         .arg(&me)
-        .arg(&ctl)
-        .arg(&timeout_ns)
-        .arg(&err);
-    // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr, u64
-    // counts_off, u64 cflag_off, u64 plan_off, u64 offs_off, u64 oflag_off, u32 me, const u32*
-    // ctl (the caller's live control block),
+        .arg(&r.ctl)
+        .arg(&r.timeout_ns)
+        .arg(&r.err);
+    // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr,
+    // afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me, const u32* ctl (the
+    // caller's live control block),
     // u64 timeout_ns, u32* err), one block: reads the flags and counts rows of src_rank[s] (ns
     // entries, checked) in this rank's live workspace, writes its plan (2 epr ns + epr + ns + 2
     // u64, which the caller's geometry provides), row me of each source's offsets area (epr u64)
@@ -233,25 +222,21 @@ pub unsafe fn plan(
 }
 
 /// A bounded wait (`afdep_cf_wait`): for every rank `ranks[i]`, `i < n`, waits until its flag
-/// at `flag_off` of this rank's workspace `ws` is `>=` the round of the control block at `ctl`
-/// (at most `timeout_ns` each; nothing when the round is skipped); a
-/// timeout records `code` naming that rank in `err`.
+/// at `flag_off` of this rank's workspace `r.ws` is `>=` the round of the control block at
+/// `r.ctl` (at most `r.timeout_ns` each; nothing when the round is skipped); a timeout records
+/// `code` naming that rank in `r.err`.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
+/// `r.ws` is a live workspace, `r.ctl` a live control block and `r.err` a live error word
 /// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the first `n` entries of
 /// `ranks` are below the world and the workspace holds `world` u32 flags at `flag_off`.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn wait(
     ctx: &GpuContext,
-    ws: u64,
+    r: &RankAddrs,
     ranks: &CudaSlice<u32>,
     n: usize,
     flag_off: u64,
-    ctl: u64,
-    timeout_ns: u64,
-    err: u64,
     code: u32,
 ) -> Result<(), KernelError> {
     if n == 0 {
@@ -261,13 +246,13 @@ pub unsafe fn wait(
     let n = as_u32("ranks", n)?;
     let f = ctx.function(KernelId::CfWait, 0, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
+    b.arg(&r.ws)
         .arg(ranks)
         .arg(&n)
         .arg(&flag_off)
-        .arg(&ctl)
-        .arg(&timeout_ns)
-        .arg(&err)
+        .arg(&r.ctl)
+        .arg(&r.timeout_ns)
+        .arg(&r.err)
         .arg(&code);
     // SAFETY: afdep_cf_wait(const u8* ws, const u32* ranks, u32 n, u64 flag_off, const u32* ctl
     // (the caller's live control block), u64
@@ -457,30 +442,27 @@ pub unsafe fn stream_epilogue(
     Ok(())
 }
 
-/// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace `ws`,
-/// after the wait for every source's dispatch flag on the same stream): every expanded row of
-/// the plan `pv` (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
-/// sources stored ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]). Nothing when the round of the
-/// control block at `ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
+/// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace
+/// `r.ws`, after the wait for every source's dispatch flag on the same stream): every expanded
+/// row of the plan (at most `areas.exp_rows`) gets the bf16 values of the codes and scales the
+/// sources stored ([`FusedLayout::exp_q`], [`FusedLayout::exp_scales`]). Nothing when the round
+/// of the control block at `r.ctl` is skipped. At most `blocks` blocks. Only for fp8 areas.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace and `ctl` a live control block ([the launchers'
+/// `r.ws` is a live workspace and `r.ctl` a live control block ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the count-first areas
 /// of `areas` (fp8, 16-byte aligned) and its plan was written by this rank's [`plan`] earlier on
 /// the same stream.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn dequant(
     ctx: &GpuContext,
-    ws: u64,
+    r: &RankAddrs,
     sources: usize,
     epr: usize,
-    hidden: usize,
     areas: &FusedLayout,
-    ctl: u64,
-    top_k: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let (hidden, top_k) = (areas.hidden as usize, areas.top_k as usize);
     if areas.payload_kind() != PayloadKind::Fp8E4m3 {
         return Err(KernelError::Shape(format!(
             "dequantising expanded rows of {} payloads",
@@ -491,21 +473,11 @@ pub unsafe fn dequant(
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let h = as_u32("hidden", hidden)?;
     let f = ctx.function(KernelId::CfDequant, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
-        .arg(&ctl)
-        .arg(&areas.plan)
-        .arg(&e)
-        .arg(&ns)
-        .arg(&areas.expanded)
-        .arg(&areas.exp_q)
-        .arg(&areas.exp_scales)
-        .arg(&areas.exp_rows)
-        .arg(&h);
-    // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64
-    // exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u32 hidden) (in the K-specialised
+    b.arg(&r.ws).arg(&r.ctl).arg(areas).arg(&e).arg(&ns);
+    // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, afdep_fused_layout L (by value, asserted
+    // equal to FusedLayout), u32 epr, u32 ns) (in the K-specialised
     // module, K unused): reads the caller's live control block and this rank's plan (written
     // by its afdep_cf_plan, stream order), then, for rows below min(plan rows, exp_rows), the
     // codes and scales and writes the bf16 rows of this rank's live workspace, whose areas the

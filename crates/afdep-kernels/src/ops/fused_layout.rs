@@ -213,33 +213,17 @@ mod tests {
             .expect("the size assert");
         assert_eq!(asserted.parse::<usize>().unwrap(), size_of::<FusedLayout>());
         assert_eq!(at, size_of::<FusedLayout>(), "no padding");
-        let rust: Vec<(String, usize)> = {
-            macro_rules! offsets {
-                ($($f:ident),*) => { vec![$((stringify!($f).to_string(), offset_of!(FusedLayout, $f))),*] };
-            }
-            offsets!(
-                slab_off,
-                row_bytes,
-                meta_off,
-                ret_off,
-                count_flags,
-                offset_flags,
-                counts,
-                offsets,
-                plan,
-                row_flags,
-                expanded,
-                exp_q,
-                exp_scales,
-                exp_rows,
-                status,
-                bytes,
-                cap,
-                hidden,
-                top_k,
-                payload
-            )
-        };
+        macro_rules! offsets {
+            ($($f:ident),*) => {
+                vec![$((stringify!($f).to_string(), offset_of!(FusedLayout, $f))),*]
+            };
+        }
+        #[rustfmt::skip]
+        let rust: Vec<(String, usize)> = offsets!(
+            slab_off, row_bytes, meta_off, ret_off, count_flags, offset_flags, counts, offsets,
+            plan, row_flags, expanded, exp_q, exp_scales, exp_rows, status, bytes, cap, hidden,
+            top_k, payload
+        );
         assert_eq!(fields, rust);
     }
 

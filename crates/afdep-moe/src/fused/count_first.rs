@@ -81,7 +81,7 @@ use afdep_core::layout::FfnPlan;
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
+use afdep_kernels::ops::fused::{self as fk, RankAddrs, SlabGeometry};
 use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{GpuContext, KernelError};
@@ -205,6 +205,14 @@ impl FusedEngine {
         let slab: SlabGeometry = self.geo.slab();
         let err = self.ws + ERROR_WORD;
         let ctl = self.ws + super::CONTROL;
+        let addrs = RankAddrs {
+            ws: self.ws,
+            peers: self.peers,
+            me: rank,
+            ctl,
+            err,
+            timeout_ns,
+        };
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let need = fk::slab_row_bytes_for(cfg.payload, h, k) as u64;
@@ -268,14 +276,12 @@ impl FusedEngine {
             unsafe {
                 cf::publish_counts(
                     &self.gpu,
+                    &addrs,
                     &scratch.counts,
-                    self.peers,
                     &self.ffn_ranks,
                     nf,
                     epr,
                     &a,
-                    rank,
-                    ctl,
                 )
             }?;
         }
@@ -286,21 +292,7 @@ impl FusedEngine {
             // and `err` (this workspace's control block and error word) are live; every workspace
             // holds the areas `a` for `ns` sources and `epr` experts; `src_ranks` holds the `ns`
             // attention ranks.
-            unsafe {
-                cf::plan(
-                    &self.gpu,
-                    self.ws,
-                    self.peers,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    &a,
-                    rank,
-                    ctl,
-                    timeout_ns,
-                    err,
-                )
-            }?;
+            unsafe { cf::plan(&self.gpu, &addrs, &self.src_ranks, ns, epr, &a) }?;
         }
 
         // 3. source: the rows
@@ -372,13 +364,10 @@ impl FusedEngine {
                 unsafe {
                     cf::wait(
                         &self.gpu,
-                        self.ws,
+                        &addrs,
                         &self.src_ranks,
                         ns,
                         DISPATCH_FLAGS,
-                        ctl,
-                        timeout_ns,
-                        err,
                         cf::fault::SOURCE_WAIT,
                     )
                 }?;
@@ -386,19 +375,7 @@ impl FusedEngine {
                     // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and `ctl`
                     // are live; the workspace holds the fp8 areas `a`, and `cf::plan` above wrote
                     // the plan on this stream.
-                    unsafe {
-                        cf::dequant(
-                            &self.gpu,
-                            self.ws,
-                            ns,
-                            epr,
-                            h,
-                            &a,
-                            ctl,
-                            k,
-                            knobs.epilogue_sm_cap,
-                        )
-                    }?;
+                    unsafe { cf::dequant(&self.gpu, &addrs, ns, epr, &a, knobs.epilogue_sm_cap) }?;
                 }
             } else {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `ctl` and `err`
@@ -545,16 +522,7 @@ impl FusedEngine {
                         }
                     }
                 } else if let Some(rx) = fp8_rx.as_mut() {
-                    // the slab row's codes and scales (the fp8 slab row format), dequantised
-                    // on the host (the same bits as the device's, afdep_core::fp8)
-                    let q = &row[..h];
-                    let at = h.div_ceil(16) * 16;
-                    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
-                    let mut deq = vec![bf16::ZERO; h];
-                    fp8::dequantise_row(q, &sc, &mut deq);
-                    compact_x.extend(deq);
-                    rx.compact_q.extend_from_slice(q);
-                    rx.compact_scales.extend(sc);
+                    super::push_fp8_compact(row, h, &mut compact_x, rx);
                 } else {
                     compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
                 }

@@ -118,8 +118,8 @@ use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
-use afdep_kernels::ops::fused as fk;
 use afdep_kernels::ops::fused::SlabGeometry;
+use afdep_kernels::ops::fused::{self as fk, RankAddrs};
 use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::fused_round::{
@@ -652,12 +652,7 @@ impl FusedEngine {
     pub fn capture(&mut self, arm: impl Into<RoundArm>) -> Result<FusedGraph, ExchangeError> {
         let arm = arm.into();
         let rank = self.rank();
-        if let Some(why) = &self.closed {
-            return Err(ExchangeError::Closed {
-                rank,
-                why: why.clone(),
-            });
-        }
+        self.check_open()?;
         self.check_device(arm)?;
         self.transport.barrier()?;
         bind(&self.gpu)?;
@@ -732,13 +727,7 @@ impl FusedEngine {
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<RoundOutput, ExchangeError>,
     ) -> Result<RoundOutput, ExchangeError> {
-        let rank = self.rank();
-        if let Some(why) = &self.closed {
-            return Err(ExchangeError::Closed {
-                rank,
-                why: why.clone(),
-            });
-        }
+        self.check_open()?;
         let r = f(self);
         if let Err(e) = &r {
             let keeps = matches!(
@@ -907,6 +896,14 @@ impl FusedEngine {
         let ctl = ws + CONTROL;
         let err = ws + ERROR_WORD;
         let a = self.geo;
+        let addrs = RankAddrs {
+            ws,
+            peers,
+            me: rank,
+            ctl,
+            err,
+            timeout_ns,
+        };
         let slab = self.geo.slab();
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
@@ -1006,19 +1003,7 @@ impl FusedEngine {
             // SAFETY: the engine's launch invariant (`FusedEngine`): `peers` and `ctl` are live;
             // `ffn_ranks` holds the `nf` FFN ranks; every workspace holds the count-first areas
             // `a`.
-            unsafe {
-                cf::publish_counts(
-                    gpu,
-                    src.counts,
-                    peers,
-                    &self.ffn_ranks,
-                    nf,
-                    epr,
-                    &a,
-                    rank,
-                    ctl,
-                )
-            }?;
+            unsafe { cf::publish_counts(gpu, &addrs, src.counts, &self.ffn_ranks, nf, epr, &a) }?;
             trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
         }
         // 3. FFN (count-first): plan and offsets before the rows
@@ -1027,21 +1012,7 @@ impl FusedEngine {
             // live, `c` is the control block or one of the live arm gates of `d.gates`
             // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
             // attention ranks.
-            unsafe {
-                cf::plan(
-                    gpu,
-                    ws,
-                    peers,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    &a,
-                    rank,
-                    c,
-                    timeout_ns,
-                    err,
-                )
-            }?;
+            unsafe { cf::plan(gpu, &addrs.gated(c), &self.src_ranks, ns, epr, &a) }?;
             trace::mark(&mut d.trace, gpu, TracePhase::Plan)?;
         }
         let l = Launch {
@@ -1245,6 +1216,18 @@ struct Launch<'a> {
 }
 
 impl Launch<'_> {
+    /// The rank's addresses with the round's control block.
+    fn addrs(&self) -> RankAddrs {
+        RankAddrs {
+            ws: self.ws,
+            peers: self.peers,
+            me: self.rank,
+            ctl: self.ctl,
+            err: self.err,
+            timeout_ns: self.timeout_ns,
+        }
+    }
+
     /// The control block of a kernel of the arms `arms` (`None`: not launched in this round).
     fn gate(&self, arms: u32) -> Option<u64> {
         arm_gate(self.ctl, self.gates, self.round_arms, arms)
@@ -1312,77 +1295,52 @@ impl Launch<'_> {
         Ok(())
     }
 
+    /// FFN: the wait for every source's dispatch flag in a round of the control block `c`, a
+    /// timeout recorded as `code`.
+    fn wait_sources(&self, c: u64, code: u32) -> Result<(), ExchangeError> {
+        let ns = self.cfg.topology.attention_count();
+        // SAFETY: the engine's launch invariant (`FusedEngine`): the workspace and its error word
+        // are live, `c` is the control block or one of the live arm gates of `d.gates`
+        // (`arm_gate`); `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD`
+        // flags at `DISPATCH_FLAGS`.
+        unsafe {
+            cf::wait(
+                self.gpu,
+                &self.addrs().gated(c),
+                self.src_ranks,
+                ns,
+                DISPATCH_FLAGS,
+                code,
+            )
+        }?;
+        Ok(())
+    }
+
     /// FFN: the epilogue (payload-first: every source's flag, then the plan; the source arm:
     /// every source's flag; streaming and payload-first: the epilogue).
     fn epilogue(&self) -> Result<(), ExchangeError> {
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
-        let (h, k) = (cfg.hidden, cfg.top_k);
+        let k = cfg.top_k;
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
-        let (ws, peers, rank, a) = (self.ws, self.peers, self.rank, &self.a);
-        let (timeout_ns, err) = (self.timeout_ns, self.err);
+        let (ws, a) = (self.ws, &self.a);
+        let addrs = self.addrs();
         if let Some(c) = self.gate(PF) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
-            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
-            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
-            // `DISPATCH_FLAGS`.
-            unsafe {
-                cf::wait(
-                    gpu,
-                    ws,
-                    self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    c,
-                    timeout_ns,
-                    err,
-                    fk::fault::DISPATCH_WAIT,
-                )
-            }?;
+            self.wait_sources(c, fk::fault::DISPATCH_WAIT)?;
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
             // live, `c` is the control block or one of the live arm gates of `d.gates`
             // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
             // attention ranks.
-            unsafe {
-                cf::plan(
-                    gpu,
-                    ws,
-                    peers,
-                    self.src_ranks,
-                    ns,
-                    epr,
-                    a,
-                    rank,
-                    c,
-                    timeout_ns,
-                    err,
-                )
-            }?;
+            unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a) }?;
         }
         if let Some(c) = self.gate(SRC) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
-            // is the control block or one of the live arm gates of `d.gates` (`arm_gate`);
-            // `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD` flags at
-            // `DISPATCH_FLAGS`.
-            unsafe {
-                cf::wait(
-                    gpu,
-                    ws,
-                    self.src_ranks,
-                    ns,
-                    DISPATCH_FLAGS,
-                    c,
-                    timeout_ns,
-                    err,
-                    cf::fault::SOURCE_WAIT,
-                )
-            }?;
+            self.wait_sources(c, cf::fault::SOURCE_WAIT)?;
             if cfg.payload == PayloadKind::Fp8E4m3 {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` is live, `c` is the
                 // control block or one of the live arm gates of `d.gates` (`arm_gate`); the
                 // workspace holds the fp8 areas `a`, whose plan this rank's `cf::plan` wrote
                 // earlier on this stream.
-                unsafe { cf::dequant(gpu, ws, ns, epr, h, a, c, k, knobs.epilogue_sm_cap) }?;
+                unsafe { cf::dequant(gpu, &addrs.gated(c), ns, epr, a, knobs.epilogue_sm_cap) }?;
             }
         }
         if let Some(c) = self.gate(PF | CF) {
@@ -1402,8 +1360,8 @@ impl Launch<'_> {
                     knobs.warps_per_unit,
                     knobs.min_rows_per_unit,
                     c,
-                    timeout_ns,
-                    err,
+                    addrs.timeout_ns,
+                    addrs.err,
                     knobs.epilogue_sm_cap,
                 )
             }?;
