@@ -47,8 +47,9 @@ use super::ranks::LoadRuns;
 use super::rounds::{RoundTimes, slowest};
 use super::rows::{LoadRow, median};
 
-/// GEMM launches queued on a worker's stream at most (one running, the next ready).
-pub(super) const DEPTH: usize = 2;
+/// GEMM launches queued on a worker's stream at most (one running, two ready: the GPU never
+/// waits for the worker's poll of the events).
+pub(super) const DEPTH: usize = 3;
 /// Fewest launches of a GEMM-alone measurement.
 pub(super) const ALONE_LAUNCHES: usize = 10;
 /// Shortest host time of a GEMM-alone measurement.
