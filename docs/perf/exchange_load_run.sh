@@ -14,7 +14,7 @@
 #   table.md     the table for docs/perf/exchange.md
 #   RATIO-hHIDDEN-smSMS.log   afdep's stderr per configuration
 #
-# The matrix (about 2 minutes on one H200 with the defaults): ratios 3A:1F and 2A:2F, hidden
+# The matrix (estimated at about 2 minutes on one H200 with the defaults; not yet run): ratios 3A:1F and 2A:2F, hidden
 # 2048 and 7168, transport SM budgets 7, 23 and 24, tokens 1, 128 and 2,048 per attention rank;
 # bf16, top-8 of 128 experts, capacity 2048, identity experts (no expert kernel: the round is
 # the exchange alone), arm count-first-source (the fastest graph arm, docs/perf/exchange.md).

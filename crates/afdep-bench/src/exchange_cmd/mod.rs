@@ -25,7 +25,7 @@
 //!
 //! # Under load
 //!
-//! `--load gemm[:M,N,K]` (device rounds, ranks as threads; [`load`]) runs every token count's
+//! `--load gemm[:M,N,K]` (device rounds, ranks as threads; `load.rs`) runs every token count's
 //! rounds twice on the same engines: alone, then while a bf16 GEMM of afdep's own grouped GEMM
 //! (one group, default 8192 × 8192 × 8192) runs back to back on its own stream of every GPU
 //! the ranks use; rows then carry `load` ([`LoadRow`]: the round alone and under load, the
