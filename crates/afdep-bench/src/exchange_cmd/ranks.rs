@@ -312,7 +312,7 @@ fn group_devices(group: &[AnyTransport]) -> Vec<usize> {
 
 /// One rank's rounds of `prob`; with a load, the rounds alone, then (rank 0 between barriers:
 /// the GEMM alone, the load started) the same rounds under load, then (rank 0, after a
-/// barrier) the load stopped and checked. The [`Running`](super::load::Running) guard stops
+/// barrier) the load stopped and checked. The [`Running`] guard stops
 /// the load on every error path.
 fn rank_problem(
     a: &ExchangeArgs,
