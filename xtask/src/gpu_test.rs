@@ -9,7 +9,8 @@
 //! peer scripts (`DIR/peers/`, with `run_moe_comparison.sh` and `run_suite.sh`, the shape
 //! suite with its peers), `DIR/docs/perf/moe.md` (the
 //! document the comparison's report updates), `DIR/docs/perf/exchange_gpu_run.sh` (the
-//! single-GPU exchange latency table) and `DIR/commit.txt` (the commit it was built
+//! single-GPU exchange latency table), `DIR/docs/perf/exchange_load_run.sh` (the exchange under
+//! a GEMM load) and `DIR/commit.txt` (the commit it was built
 //! from, `-dirty` when the work tree had changes).
 
 use std::io::BufRead;
@@ -30,6 +31,10 @@ pub struct GpuTestArgs {
 }
 
 const RUN_SH: &str = include_str!("gpu_run.sh");
+
+/// The scripts of `docs/perf/` a bundle carries (as `DIR/docs/perf/NAME`, executable): the
+/// exchange latency tables and the overlap-under-load table.
+const PERF_SCRIPTS: [&str; 2] = ["exchange_gpu_run.sh", "exchange_load_run.sh"];
 
 /// Cargo features of the GPU test builds: the NCCL transport (loaded at run time, so it builds
 /// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, UCX with
@@ -216,11 +221,10 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
     let perf = dir.join("docs").join("perf");
     std::fs::create_dir_all(&perf)?;
     std::fs::copy("docs/perf/moe.md", perf.join("moe.md")).context("copying docs/perf/moe.md")?;
-    std::fs::copy(
-        "docs/perf/exchange_gpu_run.sh",
-        perf.join("exchange_gpu_run.sh"),
-    )
-    .context("copying docs/perf/exchange_gpu_run.sh")?;
+    for script in PERF_SCRIPTS {
+        std::fs::copy(format!("docs/perf/{script}"), perf.join(script))
+            .with_context(|| format!("copying docs/perf/{script}"))?;
+    }
     std::fs::write(dir.join("commit.txt"), format!("{}\n", commit_name()))?;
     let script = dir.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
@@ -234,10 +238,9 @@ pub fn run(a: GpuTestArgs) -> Result<()> {
                 std::fs::Permissions::from_mode(0o755),
             )?;
         }
-        std::fs::set_permissions(
-            perf.join("exchange_gpu_run.sh"),
-            std::fs::Permissions::from_mode(0o755),
-        )?;
+        for script in PERF_SCRIPTS {
+            std::fs::set_permissions(perf.join(script), std::fs::Permissions::from_mode(0o755))?;
+        }
     }
     let names: Vec<&str> = tests.iter().map(|(n, _)| n.as_str()).collect();
     eprintln!(

@@ -316,6 +316,30 @@ fn graph_mode_needs_the_cuda_backend() {
     assert!(stderr.contains("needs --backend cuda"), "{stderr}");
 }
 
+/// `--load` is refused with the reason before anything runs (exit status 1, no panic): a bad
+/// spec, host-planned rounds, or `--graph` without the CUDA backend.
+#[test]
+fn load_needs_device_rounds_and_a_good_spec() {
+    for (extra, why) in [
+        (&["--load", "gemm:8,12,8"][..], "multiples of 8"),
+        (&["--load", "conv"][..], "the one load is gemm"),
+        (&["--load", "gemm"][..], "--graph or --device-rounds"),
+        (
+            &["--load", "gemm", "--graph", "--backend", "cpu"][..],
+            "needs --backend cuda",
+        ),
+    ] {
+        let mut args = vec!["exchange", "--topology", "1A:1F", "--tokens", "2"];
+        args.extend(extra);
+        args.extend(SMALL);
+        let out = afdep(&args);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(why), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 /// The CLI has no fp8 rule of its own: fused + fp8 + a count-first arm goes to the engine (which
 /// carries fp8 in every arm). Without a GPU the run stops at the NVLink-IPC transport, never
 /// with `unsupported`; with one, every row is `ok` against the oracle.

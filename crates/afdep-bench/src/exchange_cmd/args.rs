@@ -250,6 +250,15 @@ pub struct ExchangeArgs {
     /// `afdep report trace --trace FILE --png OUT` draws it. Ranks as threads only.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
+    /// Run the rounds under a compute load too (`--graph` or `--device-rounds`, ranks as
+    /// threads): `gemm` (a bf16 GEMM of 8192 × 8192 × 8192) or `gemm:M,N,K`, afdep's grouped
+    /// GEMM with one group, launched back to back on its own stream of every GPU the ranks use
+    /// while the rounds run. Each token count's rounds run twice, alone and then under the load;
+    /// rows carry `load` (the round alone and loaded, the GEMM's time per launch alone and under
+    /// the rounds, both slowdowns) and `round_us` is the round under load. The GEMM's output
+    /// under load is checked against a host reference on a slice of rows and columns.
+    #[arg(long, value_name = "gemm[:M,N,K]")]
+    pub load: Option<super::load::LoadSpec>,
     /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
     #[arg(long)]
     pub topology: Option<Topology>,
@@ -491,9 +500,23 @@ pub(super) fn staged_recv_bytes(cfg: &ExchangeConfig) -> usize {
     dispatch.max(combine).max(1)
 }
 
-/// The checks of `--graph`, `--device-rounds` and `--trace` against the other flags (a clear
-/// error).
+/// The checks of `--graph`, `--device-rounds`, `--trace` and `--load` against the other flags
+/// (a clear error).
 pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
+    if a.load.is_some() {
+        if !a.device_experts() {
+            bail!(
+                "--load runs device rounds beside a GEMM: it needs --graph or --device-rounds \
+                 (with --backend cuda --transport nvlink)"
+            );
+        }
+        if a.multi_process {
+            bail!("--load: ranks as threads only (not with --multi-process)");
+        }
+        if a.fault.is_some() {
+            bail!("--load: not with --fault (the rounds run twice)");
+        }
+    }
     if a.trace.is_some() {
         if !a.device_experts() {
             bail!("--trace times the phases of device rounds: it needs --graph or --device-rounds");

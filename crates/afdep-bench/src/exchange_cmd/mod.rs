@@ -23,6 +23,15 @@
 //! per-phase times (`dispatch_us`, `combine_us` null): those come from eager rounds only.
 //! `--multi-process` works the same way (each process captures its rank's graph).
 //!
+//! # Under load
+//!
+//! `--load gemm[:M,N,K]` (device rounds, ranks as threads; `load.rs`) runs every token count's
+//! rounds twice on the same engines: alone, then while a bf16 GEMM of afdep's own grouped GEMM
+//! (one group, default 8192 × 8192 × 8192) runs back to back on its own stream of every GPU
+//! the ranks use; rows then carry `load` ([`LoadRow`]: the round alone and under load, the
+//! GEMM per launch alone and under the rounds, their slowdowns), and `round_us` is the round
+//! under load. The GEMM's output under load is checked against a host reference on a slice.
+//!
 //! # Where the ranks run
 //!
 //! By default every rank is a thread of this process (`loopback`; `nvlink` as an in-process
@@ -50,6 +59,7 @@
 //! the end (`--table FILE` also writes it as markdown).
 
 mod args;
+mod load;
 mod problem;
 mod ranks;
 mod rounds;
@@ -78,7 +88,7 @@ use problem::*;
 use ranks::*;
 use rounds::*;
 use rows::median;
-pub use rows::{ExchangeRow, table};
+pub use rows::{ExchangeRow, LoadRow, table};
 
 /// Runs `afdep exchange`: the request checked, the problems built, then each problem's rounds
 /// (threads, or this process's rank of a `--multi-process` group), checked against the oracle,
@@ -115,7 +125,10 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
             None => {
                 let runs = match &mut fused_runs {
                     Some(it) => it.next().context("a run per problem")?,
-                    None => run_threaded(&a, &res, prob)?,
+                    None => ProblemRuns {
+                        runs: run_threaded(&a, &res, prob)?,
+                        load: None,
+                    },
                 };
                 threaded_outcome(&a, prob, &runs)?
             }
@@ -129,6 +142,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     rejected,
                     combined: Vec::new(),
                     traces: Vec::new(),
+                    load: None,
                 }
             }
         };
@@ -348,11 +362,26 @@ struct Outcome {
     combined: Vec<Vec<bf16>>,
     /// Every rank's timelines of its timed rounds (`--trace`), `[rank][round]`.
     traces: Vec<Vec<RoundTrace>>,
+    /// `--load`: the rounds alone and the load's measurements.
+    load: Option<LoadRow>,
 }
 
 /// The outcome of a threaded problem from every rank's run: the attention ranks' last combined
-/// rows checked against the oracle.
-fn threaded_outcome(a: &ExchangeArgs, prob: &Problem, runs: &[RankRun]) -> Result<Outcome> {
+/// rows checked against the oracle (with `--load`, those of both passes).
+fn threaded_outcome(a: &ExchangeArgs, prob: &Problem, pr: &ProblemRuns) -> Result<Outcome> {
+    let mut out = ranks_outcome(a, prob, &pr.runs)?;
+    if let Some(l) = &pr.load {
+        let alone = ranks_outcome(a, prob, &l.alone)?;
+        if alone.status == "mismatch" {
+            out.status = "mismatch";
+        }
+        out.load = Some(load::load_row(l, &out.per_round));
+    }
+    Ok(out)
+}
+
+/// The outcome of one pass of a threaded problem's rounds.
+fn ranks_outcome(a: &ExchangeArgs, prob: &Problem, runs: &[RankRun]) -> Result<Outcome> {
     let combined: Vec<Vec<bf16>> = prob
         .cfg
         .topology
@@ -385,6 +414,7 @@ fn threaded_outcome(a: &ExchangeArgs, prob: &Problem, runs: &[RankRun]) -> Resul
         rejected: runs[0].rejected,
         combined,
         traces: runs.iter().map(|r| r.traces.clone()).collect(),
+        load: None,
     })
 }
 
@@ -438,6 +468,7 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
         experts_us: col(|t| t.experts),
         combine_us: phase(|t| t.combine),
         phases_us: (!out.traces.is_empty()).then(|| trace_file::phase_medians(&out.traces)),
+        load: out.load.clone(),
         status: out.status.to_string(),
         kernel_digest: afdep_kernels::source_digest(),
         pid: std::process::id(),

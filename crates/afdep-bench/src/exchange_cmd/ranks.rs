@@ -19,6 +19,7 @@ use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 
 use super::args::*;
+use super::load::{AloneGemm, LoadSet, LoadSpec, LoadedGemm, Running};
 use super::problem::*;
 use super::rounds::*;
 
@@ -269,31 +270,105 @@ pub(super) fn fused_rank(
     })
 }
 
+/// A problem's runs in a threaded run: every rank's (with `--load`, the rounds under load),
+/// and with `--load` the same rounds alone and the load's measurements.
+pub(super) struct ProblemRuns {
+    pub(super) runs: Vec<RankRun>,
+    pub(super) load: Option<LoadRuns>,
+}
+
+/// The `--load` part of a problem's runs.
+pub(super) struct LoadRuns {
+    pub(super) spec: LoadSpec,
+    /// Every rank's run of the same rounds without the load (before the loaded ones).
+    pub(super) alone: Vec<RankRun>,
+    /// The GEMM alone, per device (right before the loaded rounds).
+    pub(super) gemm_alone: Vec<AloneGemm>,
+    /// The GEMM while the rounds ran, per device, checked.
+    pub(super) gemm_loaded: Vec<LoadedGemm>,
+}
+
+/// One rank's share of a problem: its run (under load with `--load`) and, with `--load`, its
+/// run alone and (rank 0) the load's measurements.
+type RankProblem = (
+    RankRun,
+    Option<RankRun>,
+    Option<(Vec<AloneGemm>, Vec<LoadedGemm>)>,
+);
+
+/// The distinct devices of a group's NvlinkIpc ranks, ascending.
+fn group_devices(group: &[AnyTransport]) -> Vec<usize> {
+    let mut d: Vec<usize> = group
+        .iter()
+        .filter_map(|t| match t {
+            AnyTransport::Nvlink(n) => Some(n.device()),
+            _ => None,
+        })
+        .collect();
+    d.sort_unstable();
+    d.dedup();
+    d
+}
+
+/// One rank's rounds of `prob`; with a load, the rounds alone, then (rank 0 between barriers:
+/// the GEMM alone, the load started) the same rounds under load, then (rank 0, after a
+/// barrier) the load stopped and checked. The [`Running`] guard stops
+/// the load on every error path.
+fn rank_problem(
+    a: &ExchangeArgs,
+    rank: usize,
+    eng: &mut dyn ExchangeEngine,
+    prob: &Problem,
+    load: Option<&LoadSet>,
+) -> Result<RankProblem> {
+    let first = rank_rounds(eng, prob, a.expert, a.warmup, a.rounds, a.fault)?;
+    let Some(set) = load else {
+        return Ok((first, None, None));
+    };
+    eng.barrier()?;
+    let gemm_alone = match rank {
+        0 => Some(set.alone()?),
+        _ => None,
+    };
+    let running = match rank {
+        0 => Some(set.run()?),
+        _ => None,
+    };
+    eng.barrier()?;
+    let loaded = rank_rounds(eng, prob, a.expert, a.warmup, a.rounds, a.fault)?;
+    eng.barrier()?;
+    let gemm_loaded = running.map(Running::stop).transpose()?;
+    Ok((loaded, Some(first), gemm_alone.zip(gemm_loaded)))
+}
+
 /// A threaded fused run: one in-process NvlinkIpc group and one engine per rank thread for all
-/// the problems (set up once: windows, kernel loads, the graph); returns `[problem][rank]`. No
-/// engine is dropped before every rank has finished (see the fused engine's docs).
+/// the problems (set up once: windows, kernel loads, the graph; with `--load`, the load's
+/// workers on the group's devices before them); returns each problem's runs. No engine is
+/// dropped before every rank has finished (see the fused engine's docs).
 pub(super) fn run_fused_threads(
     a: &ExchangeArgs,
     res: &Resolved,
     probs: &[Problem],
     bar: &ProgressBar,
-) -> Result<Vec<Vec<RankRun>>> {
+) -> Result<Vec<ProblemRuns>> {
     let world = res.cfg.topology.world_size();
     let group = AnyTransport::group(res.kind, world, &res.options)?;
+    // the load's workers are set up (and dropped: stopped, joined) outside the rank threads
+    let load = match a.load {
+        Some(spec) => Some(LoadSet::new(
+            spec,
+            &group_devices(&group),
+            res.options.timeout,
+        )?),
+        None => None,
+    };
     let outcomes = run_group(
         group,
         |_, t| fused_rank(a, &res.cfg, t, rank_params(probs, a.device_experts())?),
         |rank, eng| {
             let mut out = Vec::with_capacity(probs.len());
             for prob in probs {
-                out.push(rank_rounds(
-                    eng.as_mut(),
-                    prob,
-                    a.expert,
-                    a.warmup,
-                    a.rounds,
-                    a.fault,
-                )?);
+                out.push(rank_problem(a, rank, eng.as_mut(), prob, load.as_ref())?);
                 if rank == 0 {
                     bar.inc(1);
                 }
@@ -301,12 +376,29 @@ pub(super) fn run_fused_threads(
             Ok(out)
         },
     );
-    let per_rank: Vec<Vec<RankRun>> = by_rank(outcomes)?;
+    let per_rank: Vec<Vec<RankProblem>> = by_rank(outcomes)?;
     // transpose to [problem][rank]
-    let mut out: Vec<Vec<RankRun>> = (0..probs.len()).map(|_| Vec::new()).collect();
+    let mut out: Vec<ProblemRuns> = (0..probs.len())
+        .map(|_| ProblemRuns {
+            runs: Vec::new(),
+            load: load.as_ref().map(|l| LoadRuns {
+                spec: l.spec(),
+                alone: Vec::new(),
+                gemm_alone: Vec::new(),
+                gemm_loaded: Vec::new(),
+            }),
+        })
+        .collect();
     for runs in per_rank {
-        for (p, run) in runs.into_iter().enumerate() {
-            out[p].push(run);
+        for (p, (run, alone, gemm)) in runs.into_iter().enumerate() {
+            out[p].runs.push(run);
+            if let Some(l) = out[p].load.as_mut() {
+                l.alone.extend(alone);
+                if let Some((g_alone, g_loaded)) = gemm {
+                    l.gemm_alone = g_alone;
+                    l.gemm_loaded = g_loaded;
+                }
+            }
         }
     }
     Ok(out)

@@ -72,12 +72,60 @@ pub struct ExchangeRow {
     /// kernel).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases_us: Option<std::collections::BTreeMap<String, f64>>,
-    /// `ok`, `mismatch` (against the oracle), or `unverified`.
+    /// With `--load`: the rounds alone and under the load, and the load's GEMM alone and under
+    /// the rounds ([`LoadRow`]); `round_us` and the other times of the row are then the rounds
+    /// under load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<LoadRow>,
+    /// `ok`, `mismatch` (against the oracle; with `--load`: in either pass), or `unverified`.
     pub status: String,
     /// Digest of the kernel sources.
     pub kernel_digest: String,
     /// The process that printed the row (the arms runner checks its arms ran apart).
     pub pid: u32,
+}
+
+/// `--load gemm[:M,N,K]` (docs/perf/exchange.md, "Overlap under load"): the same rounds run
+/// twice on the same engines, first alone, then while a bf16 GEMM runs back to back on its own
+/// stream of every GPU the ranks use; and the GEMM timed alone (right before) and under the
+/// rounds. Times are medians; GEMM fields come from the device where the GEMM slowed down most.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadRow {
+    /// The load, `gemm:M,N,K` (`C[M×N] = A[M×K]·B[K×N]`, bf16, f32 accumulation).
+    pub load: String,
+    /// The devices that ran it (the ranks' GPUs; emulated ranks: one).
+    pub devices: Vec<usize>,
+    /// Median round without the load, µs (slowest rank per round, as `round_us`).
+    pub round_us_alone: f64,
+    /// Median round under the load, µs (the row's `round_us`).
+    pub round_us_loaded: f64,
+    /// `round_us_loaded / round_us_alone`.
+    pub round_slowdown: Option<f64>,
+    /// Median device time of one GEMM launch alone, µs (CUDA events around each launch).
+    pub gemm_us_alone: f64,
+    /// Median device time of one GEMM launch while the rounds ran, µs (launches that had begun
+    /// when the rounds ended).
+    pub gemm_us_loaded: f64,
+    /// `gemm_us_loaded / gemm_us_alone`.
+    pub gemm_slowdown: Option<f64>,
+    /// `2·M·N·K / gemm_us_alone`, TFLOP/s.
+    pub gemm_tflops_alone: f64,
+    /// `2·M·N·K / gemm_us_loaded`, TFLOP/s.
+    pub gemm_tflops_loaded: f64,
+    /// GEMM launches timed alone.
+    pub gemm_launches_alone: usize,
+    /// GEMM launches timed under the rounds.
+    pub gemm_launches_loaded: usize,
+    /// Host time from the load's first launch running to its stop (the loaded rounds, warm-ups
+    /// and barriers included), µs.
+    pub window_us: f64,
+    /// The timed loaded rounds' device time (slowest rank, summed) over `window_us`: the share
+    /// of the load's time that a round ran beside it (the GEMM's slowdown is diluted by the
+    /// rest).
+    pub round_duty: f64,
+    /// Elements of the GEMM's output under load checked against the host reference, every
+    /// device together (a mismatch fails the run).
+    pub gemm_checked: usize,
 }
 
 /// The `mode` of rows written before it existed.
@@ -118,6 +166,46 @@ pub fn table(rows: &[ExchangeRow]) -> String {
             phase(r.combine_us),
             r.wall_us,
             r.timing,
+            r.status
+        ));
+    }
+    if rows.iter().any(|r| r.load.is_some()) {
+        t.push_str(&load_table(rows));
+    }
+    t
+}
+
+/// The table of the `--load` rows: the round alone and under load, the GEMM alone and under the
+/// rounds, and their slowdowns.
+fn load_table(rows: &[ExchangeRow]) -> String {
+    let mut t = String::from(
+        "\n| topology | mode | arm | hidden | transport SMs | tokens | load | round µs alone | round \
+         µs loaded | round slowdown | GEMM µs alone | GEMM µs loaded | GEMM slowdown | GEMM \
+         TFLOP/s alone / loaded | duty | status |\n|---|---|---|---:|---:|---:|---|---:|---:|---:\
+         |---:|---:|---:|---:|---:|---|\n",
+    );
+    let x = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}×"));
+    for r in rows {
+        let Some(l) = &r.load else { continue };
+        t.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {:.1} | {:.1} | {} | {:.0} / \
+             {:.0} | {:.2} | {} |\n",
+            r.topology,
+            r.mode,
+            r.arm,
+            r.hidden,
+            r.transport_sms,
+            r.tokens.iter().max().copied().unwrap_or(0),
+            l.load,
+            l.round_us_alone,
+            l.round_us_loaded,
+            x(l.round_slowdown),
+            l.gemm_us_alone,
+            l.gemm_us_loaded,
+            x(l.gemm_slowdown),
+            l.gemm_tflops_alone,
+            l.gemm_tflops_loaded,
+            l.round_duty,
             r.status
         ));
     }

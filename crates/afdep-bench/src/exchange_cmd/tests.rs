@@ -1,7 +1,7 @@
 //! Unit tests of `afdep exchange`.
 
 use super::*;
-use super::{args::*, problem::*, ranks::*, rows::*};
+use super::{args::*, problem::*, ranks::*, rounds::*, rows::*};
 use afdep_core::ExchangeConfig;
 use afdep_moe::{DispatchArm, RoundArm};
 
@@ -34,6 +34,7 @@ fn row(mode: &str, phases: Option<f64>) -> ExchangeRow {
         experts_us: 0.0,
         combine_us: phases,
         phases_us: None,
+        load: None,
         status: "ok".into(),
         kernel_digest: "d".into(),
         pid: 7,
@@ -111,4 +112,212 @@ fn a_graph_run_takes_one_parameter_set() {
     assert_eq!(rank_params(&differ, false).unwrap(), Some(&shape(1)));
     assert_eq!(rank_params(&[prob(None), prob(None)], true).unwrap(), None);
     assert_eq!(rank_params(&[], true).unwrap(), None);
+}
+
+fn args(extra: &[&str]) -> Result<ExchangeArgs, clap::Error> {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ExchangeArgs,
+    }
+    let mut v = vec!["afdep", "--backend", "cuda", "--transport", "nvlink"];
+    v.extend_from_slice(extra);
+    Cli::try_parse_from(v).map(|c| c.a)
+}
+
+/// `--load gemm` is 8192³; `gemm:M,N,K` any sizes the GEMM takes; anything else is refused
+/// with the reason.
+#[test]
+fn load_specs_parse() {
+    use super::load::LoadSpec;
+    let d: LoadSpec = "gemm".parse().unwrap();
+    assert_eq!((d.m, d.n, d.k), (8192, 8192, 8192));
+    assert_eq!(d.label(), "gemm:8192,8192,8192");
+    let s: LoadSpec = "gemm:100, 256,64".parse().unwrap();
+    assert_eq!((s.m, s.n, s.k), (100, 256, 64));
+    assert_eq!(s.flops(), 2.0 * 100.0 * 256.0 * 64.0);
+    for (bad, why) in [
+        ("conv", "the one load is gemm"),
+        ("gemm:1,2", "three sizes"),
+        ("gemm:1,8,8,8", "three sizes"),
+        ("gemm:0,8,8", "positive"),
+        ("gemm:8,12,8", "multiples of 8"),
+        ("gemm:8,8,12", "multiples of 8"),
+        ("gemm:a,8,8", "positive integers"),
+        ("gemm:65536,65536,8", "2^31"),
+    ] {
+        let e = bad.parse::<LoadSpec>().unwrap_err();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
+    // through the command line
+    let a = args(&["--graph", "--load", "gemm:512,512,512"]).unwrap();
+    assert_eq!(a.load.map(|l| (l.m, l.n, l.k)), Some((512, 512, 512)));
+    assert!(args(&["--graph", "--load", "gemm:512"]).is_err());
+    assert_eq!(args(&["--graph"]).unwrap().load, None);
+}
+
+/// `--load` needs device rounds, threads and no fault.
+#[test]
+fn load_needs_device_rounds_on_threads() {
+    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
+    ok(&["--graph", "--load", "gemm"]).unwrap();
+    ok(&["--device-rounds", "--load", "gemm"]).unwrap();
+    let e = ok(&["--load", "gemm"]).unwrap_err().to_string();
+    assert!(e.contains("--graph or --device-rounds"), "{e}");
+    let e = ok(&["--graph", "--multi-process", "--load", "gemm"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("threads only"), "{e}");
+    let e = ok(&["--graph", "--fault", "reject@0:1", "--load", "gemm"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--fault"), "{e}");
+}
+
+/// Slowdown is loaded over alone, and nothing when either time is missing or not positive.
+#[test]
+fn slowdown_math() {
+    use super::load::{slowdown, tflops};
+    assert_eq!(slowdown(150.0, 100.0), Some(1.5));
+    assert_eq!(slowdown(80.0, 100.0), Some(0.8));
+    assert_eq!(slowdown(f64::NAN, 100.0), None);
+    assert_eq!(slowdown(100.0, 0.0), None);
+    assert_eq!(slowdown(-1.0, 100.0), None);
+    // 2·8192³ flops in 2 ms: 549.8 TFLOP/s
+    let t = tflops(2.0 * 8192f64.powi(3), 2000.0);
+    assert!((t - 549.755).abs() < 0.01, "{t}");
+    assert!(tflops(1.0, 0.0).is_nan());
+}
+
+fn times(round: &[f64]) -> Vec<RoundTimes> {
+    round
+        .iter()
+        .map(|&r| RoundTimes {
+            round: r,
+            ..RoundTimes::default()
+        })
+        .collect()
+}
+
+fn rank_run(round: &[f64]) -> RankRun {
+    RankRun {
+        last: None,
+        times: times(round),
+        rejected: 0,
+        traces: Vec::new(),
+    }
+}
+
+/// The load row: rounds per pass as the slowest rank per round, medians, slowdowns; the GEMM
+/// fields from the device that slowed down most; the duty of the rounds in the window.
+#[test]
+fn the_load_row_takes_medians_and_the_worst_device() {
+    use super::load::{AloneGemm, LoadSpec, LoadedGemm, load_row};
+    let spec: LoadSpec = "gemm:128,128,128".parse().unwrap();
+    let l = LoadRuns {
+        spec,
+        // rank 1 is the slower in rounds 0 and 2: per round 12, 10, 14 → median 12
+        alone: vec![rank_run(&[10.0, 10.0, 9.0]), rank_run(&[12.0, 8.0, 14.0])],
+        gemm_alone: vec![
+            AloneGemm {
+                device: 0,
+                launch_us: vec![100.0, 101.0, 99.0],
+            },
+            AloneGemm {
+                device: 1,
+                launch_us: vec![50.0, 50.0, 50.0],
+            },
+        ],
+        gemm_loaded: vec![
+            LoadedGemm {
+                device: 0,
+                launch_us: vec![110.0, 120.0, 130.0],
+                window_us: 400.0,
+                checked: 256,
+            },
+            LoadedGemm {
+                device: 1,
+                launch_us: vec![100.0, 100.0],
+                window_us: 300.0,
+                checked: 256,
+            },
+        ],
+    };
+    let r = load_row(&l, &times(&[18.0, 30.0, 24.0]));
+    assert_eq!(r.load, "gemm:128,128,128");
+    assert_eq!(r.devices, vec![0, 1]);
+    assert_eq!((r.round_us_alone, r.round_us_loaded), (12.0, 24.0));
+    assert_eq!(r.round_slowdown, Some(2.0));
+    // device 1: 100 / 50 = 2× against device 0's 120 / 100
+    assert_eq!((r.gemm_us_alone, r.gemm_us_loaded), (50.0, 100.0));
+    assert_eq!(r.gemm_slowdown, Some(2.0));
+    assert_eq!((r.gemm_launches_alone, r.gemm_launches_loaded), (3, 2));
+    assert_eq!(r.window_us, 300.0);
+    assert_eq!(r.round_duty, 72.0 / 300.0);
+    assert_eq!(r.gemm_checked, 512);
+    assert!((r.gemm_tflops_alone - spec.flops() / 50.0 * 1e-6).abs() < 1e-12);
+    // in the row's JSON and table; rows without a load have no `load` key
+    let mut g = row("graph", None);
+    g.load = Some(r.clone());
+    let v = serde_json::to_value(&g).unwrap();
+    assert_eq!(v["load"]["round_slowdown"], 2.0);
+    let back: ExchangeRow = serde_json::from_value(v).unwrap();
+    assert_eq!(back.load, Some(r));
+    let plain = serde_json::to_value(row("graph", None)).unwrap();
+    assert!(plain.get("load").is_none(), "{plain}");
+    let t = table(&[g, row("graph", None)]);
+    assert!(
+        t.contains("| 3A:1F | graph | auto | 2048 | 24 | 8 | gemm:128,128,128 | 12.0 | 24.0 | 2.00× | 50.0 | 100.0 | 2.00× |"),
+        "{t}"
+    );
+    assert!(!table(&[row("graph", None)]).contains("GEMM"));
+}
+
+/// The host reference of the load's check accepts the exact product and refuses NaN (the
+/// poisoned, unwritten output), zero and a neighbour's value.
+#[test]
+fn the_gemm_check_can_fail() {
+    use super::load::{LoadError, LoadSpec, check_points, check_slice, operand};
+    let spec: LoadSpec = "gemm:16,64,256".parse().unwrap();
+    let exact = |r: usize, c: usize| -> f64 {
+        (0..spec.k)
+            .map(|k| {
+                f64::from(operand(0x0a0a_0a0a, r * spec.k + k).to_f32())
+                    * f64::from(operand(0x0b0b_0b0b, k * spec.n + c).to_f32())
+            })
+            .sum()
+    };
+    let (rows, cols) = check_points(&spec);
+    assert_eq!(rows, vec![0, 5, 10, 15]);
+    assert_eq!((cols.len(), cols[0], cols[cols.len() - 1]), (64, 0, 63));
+    for &r in &rows {
+        let good: Vec<bf16> = cols.iter().map(|&c| bf16::from_f64(exact(r, c))).collect();
+        check_slice(&spec, 0, r, &cols, &good).unwrap();
+    }
+    let good: Vec<bf16> = cols.iter().map(|&c| bf16::from_f64(exact(5, c))).collect();
+    for bad in [bf16::NAN, bf16::ZERO, bf16::from_f64(exact(6, cols[3]))] {
+        let mut v = good.clone();
+        v[3] = bad;
+        // a value equal to the reference by chance would not be wrong
+        if bad == good[3] {
+            continue;
+        }
+        match check_slice(&spec, 2, 5, &cols, &v) {
+            Err(LoadError::Mismatch {
+                device: 2,
+                row: 5,
+                col,
+                ..
+            }) => assert_eq!(col, cols[3]),
+            other => panic!("{other:?}"),
+        }
+    }
+    // the operands are the same everywhere and in [-1, 1]
+    assert_eq!(operand(1, 7), operand(1, 7));
+    assert!(
+        (0..1000)
+            .map(|i| operand(3, i).to_f32())
+            .all(|v| (-1.0..=1.0).contains(&v))
+    );
 }
