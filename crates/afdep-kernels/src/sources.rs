@@ -233,6 +233,24 @@ pub enum KernelId {
     GemmDxAdd,
     /// Grouped GEMM: data gradient added to an accumulator, cast to bf16.
     GemmDxAcc,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): forward up-projection with SwiGLU.
+    GemmWsUpSwiglu,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection into rows.
+    GemmWsDownStore,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection scattered into token order.
+    GemmWsDownScatter,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection added to an accumulator, cast to bf16.
+    GemmWsDownAcc,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): dy·W2ᵀ with the SwiGLU backward.
+    GemmWsDhDswiglu,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient into rows.
+    GemmWsDxStore,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient scattered into token order.
+    GemmWsDxScatter,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added in place (f32).
+    GemmWsDxAdd,
+    /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added to an accumulator, cast to bf16.
+    GemmWsDxAcc,
     /// Grouped GEMM: weight-gradient partials.
     GemmWgrad,
     /// Sum of weight-gradient partials in split order.
@@ -351,7 +369,7 @@ pub enum KernelId {
 
 impl KernelId {
     /// Every kernel.
-    pub const ALL: [KernelId; 74] = [
+    pub const ALL: [KernelId; 83] = [
         KernelId::RouterLogits,
         KernelId::RouterLogitsMma,
         KernelId::RouterTopk,
@@ -372,6 +390,15 @@ impl KernelId {
         KernelId::GemmDxScatter,
         KernelId::GemmDxAdd,
         KernelId::GemmDxAcc,
+        KernelId::GemmWsUpSwiglu,
+        KernelId::GemmWsDownStore,
+        KernelId::GemmWsDownScatter,
+        KernelId::GemmWsDownAcc,
+        KernelId::GemmWsDhDswiglu,
+        KernelId::GemmWsDxStore,
+        KernelId::GemmWsDxScatter,
+        KernelId::GemmWsDxAdd,
+        KernelId::GemmWsDxAcc,
         KernelId::GemmWgrad,
         KernelId::GemmReduce,
         KernelId::MoeCombine,
@@ -518,6 +545,15 @@ impl KernelId {
             KernelId::GemmDxScatter => "afdep_gemm_dx_scatter",
             KernelId::GemmDxAdd => "afdep_gemm_dx_add",
             KernelId::GemmDxAcc => "afdep_gemm_dx_acc",
+            KernelId::GemmWsUpSwiglu => "afdep_gemm_ws_up_swiglu",
+            KernelId::GemmWsDownStore => "afdep_gemm_ws_down_store",
+            KernelId::GemmWsDownScatter => "afdep_gemm_ws_down_scatter",
+            KernelId::GemmWsDownAcc => "afdep_gemm_ws_down_acc",
+            KernelId::GemmWsDhDswiglu => "afdep_gemm_ws_dh_dswiglu",
+            KernelId::GemmWsDxStore => "afdep_gemm_ws_dx_store",
+            KernelId::GemmWsDxScatter => "afdep_gemm_ws_dx_scatter",
+            KernelId::GemmWsDxAdd => "afdep_gemm_ws_dx_add",
+            KernelId::GemmWsDxAcc => "afdep_gemm_ws_dx_acc",
             KernelId::GemmWgrad => "afdep_gemm_wgrad",
             KernelId::GemmReduce => "afdep_gemm_reduce",
             KernelId::MoeCombine => "afdep_moe_combine",
