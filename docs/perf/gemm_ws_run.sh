@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
   | tee "$out/gpu.txt"
 cat "$B/commit.txt" 2>/dev/null | tee -a "$out/gpu.txt"
 if [ "$mode" = check ]; then
-  "$B/run.sh" --only gpu_gemm,gpu_layer --skip-ignored --timeout 150 --logs "$out/logs"
+  "$B/run.sh" --only gpu_gemm,gpu_layer,gpu_fault --skip-ignored --timeout 150 --logs "$out/logs"
   tail -5 "$out/logs/summary.txt" 2>/dev/null
   : > "$out/ab.jsonl"
   for st in "mixtral-8x7b 16384" "gpt-oss-120b 4096" "qwen3-30b-a3b 32768"; do

@@ -1065,79 +1065,80 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         }
         if (!tma_a) cp_async_wait<0>();
     } else {
-    // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
-    const u32 wc = role - 1;  // rows 64 wc .. of the tile
-    const u32 warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
-    const u32 gq = lane / 4, tq = lane % 4;
-    for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
-        const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
-        float acc[128];
+        // ---- consumers ----
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
+        const u32 wc = role - 1;  // rows 64 wc .. of the tile
+        const u32 warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
+        const u32 gq = lane / 4, tq = lane % 4;
+        for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
+            const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
+            float acc[128];
 #pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-        u32 prev = 0;
-        for (u32 kt = 0; kt < ktiles; kt++) {
-            const u32 full = full0 + 8 * stage;
-            mbar_wait_bounded(p, full, phase, kt, dead);
-            if (!tma_a) fence_proxy_async();  // the producers' cp.async writes, for wgmma
-            const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
-            wgmma_fence();
+            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+            u32 prev = 0;
+            for (u32 kt = 0; kt < ktiles; kt++) {
+                const u32 full = full0 + 8 * stage;
+                mbar_wait_bounded(p, full, phase, kt, dead);
+                if (!tma_a) fence_proxy_async();  // the producers' cp.async writes, for wgmma
+                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < WS_BK / 16; ks++) {
-                const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
-                const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
-                                      : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
-                wgmma_m64n256k16<B_KMAJ ? 0 : 1>(acc, da, db);
+                for (int ks = 0; ks < WS_BK / 16; ks++) {
+                    const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
+                    const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
+                                          : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                    wgmma_m64n256k16<B_KMAJ ? 0 : 1>(acc, da, db);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                // kt - 1's wgmmas have retired: its stage may be refilled.
+                if (kt > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+                prev = stage;
+                if (++stage == WS_STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
             }
-            wgmma_commit();
-            wgmma_wait<1>();
-            // kt - 1's wgmmas have retired: its stage may be refilled.
-            if (kt > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
-            prev = stage;
-            if (++stage == WS_STAGES) {
-                stage = 0;
-                phase ^= 1u;
-            }
-        }
-        wgmma_wait<0>();
-        if (ktiles > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+            wgmma_wait<0>();
+            if (ktiles > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
 
-        // Epilogue straight from the accumulators (element 4 j + 2 h + e: row 16 warp + gq +
-        // 8 h, column 8 j + 2 tq + e of the warpgroup's 64 x 256).
+            // Epilogue straight from the accumulators (element 4 j + 2 h + e: row 16 warp + gq +
+            // 8 h, column 8 j + 2 tq + e of the warpgroup's 64 x 256).
 #pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            const u32 r = wc * 64 + warp * 16 + gq + hr * 8;
-            const bool live = (u64)r < w.rows;
-            const u64 row = w.row0 + r;
-            float gpart = 0.0f;
-            if (live) {
-                float wt = 1.0f;
-                u64 srow = 0;
-                if (p.r_idx) {
-                    const u32 slot = ((const u32*)p.r_idx)[row];
-                    if (p.weights) wt = ((const float*)p.weights)[slot];
-                    if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
-                }
-#pragma unroll
-                for (int j = 0; j < (DUAL_N ? 16 : 32); j++) {
-                    const u32 col = w.n0 + j * 8 + 2 * tq;
-                    if (col >= p.n) continue;
-                    const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
-                    float u0 = 0.0f, u1 = 0.0f;
-                    if (DUAL_N) {
-                        u0 = acc[4 * (j + 16) + 2 * hr];
-                        u1 = acc[4 * (j + 16) + 2 * hr + 1];
+            for (int hr = 0; hr < 2; hr++) {
+                const u32 r = wc * 64 + warp * 16 + gq + hr * 8;
+                const bool live = (u64)r < w.rows;
+                const u64 row = w.row0 + r;
+                float gpart = 0.0f;
+                if (live) {
+                    float wt = 1.0f;
+                    u64 srow = 0;
+                    if (p.r_idx) {
+                        const u32 slot = ((const u32*)p.r_idx)[row];
+                        if (p.weights) wt = ((const float*)p.weights)[slot];
+                        if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
                     }
-                    epi_rows<EPI>(p, row, col, v0, v1, u0, u1, wt, srow, gpart);
+#pragma unroll
+                    for (int j = 0; j < (DUAL_N ? 16 : 32); j++) {
+                        const u32 col = w.n0 + j * 8 + 2 * tq;
+                        if (col >= p.n) continue;
+                        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+                        float u0 = 0.0f, u1 = 0.0f;
+                        if (DUAL_N) {
+                            u0 = acc[4 * (j + 16) + 2 * hr];
+                            u1 = acc[4 * (j + 16) + 2 * hr + 1];
+                        }
+                        epi_rows<EPI>(p, row, col, v0, v1, u0, u1, wt, srow, gpart);
+                    }
                 }
-            }
-            if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
-                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
-                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
-                if (live && tq == 0) atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
+                if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
+                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
+                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
+                    if (live && tq == 0)
+                        atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
+                }
             }
         }
-    }
     }  // consumers
 }
 

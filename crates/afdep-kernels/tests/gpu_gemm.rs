@@ -778,15 +778,3 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         );
     }
 }
-
-/// The tile rule: the record's shapes stay on the classic kernel, the large ones go to ws.
-#[test]
-fn tile_rule_keeps_the_record_on_the_classic_kernel() {
-    // record: up (N 2·128, K 512), down (N 512, K 128), shared down (N 512, K 1024)
-    assert_eq!(gemm::engine_for(256, 512), Engine::Classic);
-    assert_eq!(gemm::engine_for(512, 128), Engine::Classic);
-    assert_eq!(gemm::engine_for(512, 1024), Engine::Classic);
-    // Mixtral-like: up (N 2·14336, K 4096), down (N 4096, K 14336)
-    assert_eq!(gemm::engine_for(2 * 14336, 4096), Engine::Ws);
-    assert_eq!(gemm::engine_for(4096, 14336), Engine::Ws);
-}

@@ -1143,5 +1143,45 @@ mod tests {
             SMEM_BYTES,
             STAGES * 2 * define("BM") * define("AFDEP_GEMM_BK") * 2 + define("ATOM_BYTES")
         );
+        assert_eq!(WS_TILE_M, define("WS_BM"));
+        assert_eq!(WS_TILE_N, define("WS_BN"));
+        assert_eq!(WS_TILE_K, define("WS_BK"));
+        assert_eq!(WS_STAGES, define("WS_STAGES"));
+        assert_eq!(WS_BLOCK as usize, define("WS_THREADS"));
+        // WS_SMEM_DYN_BYTES = WS_STAGES * (WS_A_BYTES + WS_B_BYTES) + ATOM_BYTES.
+        assert_eq!(
+            WS_SMEM_BYTES,
+            define("WS_STAGES") * (define("WS_BM") + define("WS_BN")) * define("WS_BK") * 2
+                + define("ATOM_BYTES")
+        );
+        // The producer's and the consumers' registers fill what the launch gives 384 threads
+        // at one block per SM (168 each, a multiple of 8 below 65,536 / 384).
+        assert_eq!(
+            128 * define("WS_PRODUCER_REGS") + 256 * define("WS_CONSUMER_REGS"),
+            384 * 168
+        );
+    }
+
+    /// The tile rule: the record's shapes stay on the classic kernel, the large ones go to
+    /// ws (unless AFDEP_GEMM_ENGINE overrides the rule for the process).
+    #[test]
+    fn tile_rule_keeps_the_record_on_the_classic_kernel() {
+        if std::env::var_os("AFDEP_GEMM_ENGINE").is_some() {
+            return;
+        }
+        // record: up (N 2·128, K 512), down (N 512, K 128), shared up (N 2·1024, K 512),
+        // shared down (N 512, K 1024)
+        for (n, k) in [(256, 512), (512, 128), (2048, 512), (512, 1024)] {
+            assert_eq!(engine_for(n, k), Engine::Classic, "N {n} K {k}");
+        }
+        // Mixtral-like up (N 2·14336, K 4096) and down (N 4096, K 14336); GPT-OSS-like dx
+        // (N 2880, K 2·2880); Qwen3-like down (N 2048, K 768)
+        for (n, k) in [(2 * 14336, 4096), (4096, 14336), (2880, 5760), (2048, 768)] {
+            assert_eq!(engine_for(n, k), Engine::Ws, "N {n} K {k}");
+        }
+        force_engine(Some(Engine::Ws));
+        assert_eq!(engine_for(256, 512), Engine::Ws);
+        force_engine(None);
+        assert_eq!(engine_for(256, 512), Engine::Classic);
     }
 }
