@@ -19,11 +19,11 @@ if [ "$mode" = check ]; then
   "$B/run.sh" --only gpu_gemm,gpu_layer,gpu_fault --skip-ignored --timeout 150 --logs "$out/logs"
   tail -5 "$out/logs/summary.txt" 2>/dev/null
   : > "$out/ab.jsonl"
-  for st in "mixtral-8x7b 16384" "gpt-oss-120b 4096" "qwen3-30b-a3b 32768"; do
-    set -- $st
+  for st in ${AB_CELLS:-mixtral-8x7b:16384:sorted,fused_gsum gpt-oss-120b:4096:sorted}; do
+    set -- ${st//:/ }
     for eng in classic ws; do
       AFDEP_GEMM_ENGINE=$eng timeout 90 "$B/bin/afdep" moe --backend cuda --shape "$1" \
-        --tokens "$2" --dispatch sorted,fused_gsum --iters "${AB_ITERS:-5}" \
+        --tokens "$2" --dispatch "$3" --iters "${AB_ITERS:-5}" \
         --json-out "/tmp/wsb/ab-$eng.jsonl" > "/tmp/wsb/ab-$1-$eng.log" 2>&1 \
         || echo "afdep moe $1 $2 $eng: rc $?"
       tail -2 "/tmp/wsb/ab-$1-$eng.log"
