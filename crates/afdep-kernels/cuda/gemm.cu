@@ -821,9 +821,9 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // - Warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and only loads: thread 0
 //   issues the TMA boxes of a stage (B always; A where its rows are contiguous) against the
 //   stage's `full` mbarrier; where A is gathered through a_idx (or has no tensor map), all 128
-//   producer threads load its rows by cp.async and each arrives on `full` when its copies have
-//   landed (cp.async.mbarrier.arrive.noinc). Before refilling a stage the producer waits for
-//   its `empty` mbarrier.
+//   producer threads load its rows by cp.async and each arrives on `full` once its copies have
+//   landed and it has fenced them into the async proxy (WS_CP_LAG). Before refilling a stage
+//   the producer waits for its `empty` mbarrier.
 // - Warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc): consumer c
 //   computes rows 64c .. 64c + 63 of a 128 x 256 output tile with wgmma m64n256k16 (128 f32
 //   accumulators per thread), one wgmma batch in flight; when a stage's wgmmas have retired,
@@ -847,6 +847,12 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #define WS_BK 64
 #define WS_STAGES 4
 #define WS_PANEL 8
+// cp.async A (gathered rows): a producer thread arrives on a stage's `full` barrier WS_CP_LAG
+// stages after issuing it, once cp.async.wait_group says it landed and the thread has fenced
+// it into the async proxy (fence.proxy.async, as the classic kernel does before its barrier).
+// At most 2 with 4 stages: the consumers release stage i - 4 only after consuming i - 3, so
+// the producer waiting to refill it must already have arrived on i - 3.
+#define WS_CP_LAG 2
 #define WS_A_BYTES (WS_BM * WS_BK * 2)
 #define WS_B_BYTES (WS_BN * WS_BK * 2)
 #define WS_STAGE_BYTES (WS_A_BYTES + WS_B_BYTES)
@@ -861,11 +867,6 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 
 static __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Arrives on the barrier when all of this thread's earlier cp.async copies have landed (the
-// arrival is counted in the barrier's expected count: .noinc).
-static __device__ __forceinline__ void cp_async_mbar_arrive(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 // Barrier 1 among the producer warpgroup's 128 threads.
 static __device__ __forceinline__ void producer_sync() {
@@ -1015,6 +1016,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         const u32 pt = threadIdx.x;
         // With A by TMA only thread 0 loads; the other producer threads are done.
         const bool loads = !tma_a || pt == 0;
+        u32 issued = 0;  // cp.async stages this thread issued
         // A thread whose wait ran out (dead) keeps walking the schedule without waiting or
         // issuing, so that every producer thread reaches every producer_sync.
         for (u32 t = blockIdx.x; loads && t < total; t += gridDim.x) {
@@ -1055,7 +1057,15 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                         const bool ok = off != ~0ull && kk < p.k;
                         cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? a + off + kk : a, ok);
                     }
-                    cp_async_mbar_arrive(full);
+                    cp_async_commit();
+                    // The stage issued WS_CP_LAG stages ago has landed: fence it into the async
+                    // proxy (wgmma reads it) and arrive.
+                    if (issued >= WS_CP_LAG) {
+                        cp_async_wait<WS_CP_LAG>();
+                        fence_proxy_async();
+                        mbar_arrive(full0 + 8 * ((stage + WS_STAGES - WS_CP_LAG) % WS_STAGES));
+                    }
+                    issued++;
                 }
                 if (++stage == WS_STAGES) {
                     stage = 0;
@@ -1063,7 +1073,13 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                 }
             }
         }
-        if (!tma_a) cp_async_wait<0>();
+        if (!tma_a && !dead) {
+            // The last stages (at most WS_CP_LAG) not yet arrived on.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
+                mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));
+        }
     } else {
         // ---- consumers ----
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
@@ -1079,8 +1095,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             for (u32 kt = 0; kt < ktiles; kt++) {
                 const u32 full = full0 + 8 * stage;
                 mbar_wait_bounded(p, full, phase, kt, dead);
-                if (!tma_a) fence_proxy_async();  // the producers' cp.async writes, for wgmma
-                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                    const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < WS_BK / 16; ks++) {
