@@ -18,7 +18,11 @@ set -u
 tgz=$1; out=$2; mode=${3:-check}; shift 3 || shift $#
 mkdir -p "$out" /tmp/wsb && tar xzf "$tgz" -C /tmp/wsb || exit 2
 B=/tmp/wsb/gemm-b
-export AFDEP_KERNEL_CACHE=/tmp/wsb/kernel-cache AFDEP_REQUIRE_GPU=1
+# AFDEP_TEST_WS=1: the ws engine's GPU tests run (they skip while the engine is off by
+# default); AFDEP_GEMM_ENGINE=auto: the tile rule (ops::gemm::shape_rule) picks the engine
+# wherever a step below does not name one.
+export AFDEP_KERNEL_CACHE=/tmp/wsb/kernel-cache AFDEP_REQUIRE_GPU=1 AFDEP_TEST_WS=1
+export AFDEP_GEMM_ENGINE=${AFDEP_GEMM_ENGINE:-auto}
 [ -d "$(dirname "$tgz")/kernel-cache" ] && cp -r "$(dirname "$tgz")/kernel-cache" /tmp/wsb/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
   | tee "$out/gpu.txt"

@@ -416,6 +416,19 @@ fn dx_odd_sizes_match_a_host_gemm() {
     }
 }
 
+/// Whether the ws engine's GPU tests run: once the engine is on by default
+/// (`gemm::WS_BY_DEFAULT`), or with `AFDEP_TEST_WS=1` (it has not yet passed on a GPU: until
+/// it has, main's GPU matrix skips these tests).
+fn ws_tests_on() -> bool {
+    let on = gemm::WS_BY_DEFAULT || std::env::var_os("AFDEP_TEST_WS").is_some_and(|v| v == "1");
+    if !on {
+        println!(
+            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
+        );
+    }
+    on
+}
+
 /// Restores the tile rule on this thread when dropped.
 struct ForcedEngine;
 
@@ -487,6 +500,9 @@ fn f32s(ctx: &afdep_kernels::GpuContext, d: &CudaSlice<bf16>) -> Vec<f32> {
 /// poisoned.
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
+    if !ws_tests_on() {
+        return;
+    }
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(Engine::Ws);
     let mut r = rng(97);

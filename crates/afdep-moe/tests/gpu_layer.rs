@@ -479,6 +479,15 @@ fn odd_widths_match_the_oracle() {
 /// to the classic kernel), with and without a shared expert.
 #[test]
 fn ws_engine_odd_shapes_match_the_oracle() {
+    // Off until the ws engine has passed on a GPU (it is off by default): AFDEP_TEST_WS=1.
+    if !afdep_kernels::ops::gemm::WS_BY_DEFAULT
+        && std::env::var_os("AFDEP_TEST_WS").is_none_or(|v| v != "1")
+    {
+        println!(
+            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
+        );
+        return;
+    }
     afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
     let restore = RestoreEngine;
     odd_sweep(

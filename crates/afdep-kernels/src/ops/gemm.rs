@@ -83,33 +83,48 @@ pub enum Engine {
     Ws,
 }
 
-/// The tile rule: the engine for a rows problem with `n_total` output columns (the SwiGLU
-/// up-projection: 2 × width, the columns of W1 and W3 it computes) and inner size `k`.
+/// Whether [`engine_for`] applies [`shape_rule`] by default. `false` until the ws engine has
+/// passed the GPU tests: it has not run on a GPU yet (2026-12-05: no device machine could be
+/// started, docs/perf/moe.md), so every rows GEMM stays on [`Engine::Classic`] unless
+/// `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for another.
+pub const WS_BY_DEFAULT: bool = false;
+
+/// The tile rule by shape: the engine for a rows problem with `n_total` output columns (the
+/// SwiGLU up-projection: 2 × width, the columns of W1 and W3 it computes) and inner size `k`.
 /// [`Engine::Ws`] where both are at least [`WS_MIN_DIM`], else [`Engine::Classic`]: a
 /// 128 × 256 tile with one block per SM needs K long enough to fill its 4-stage pipeline and
 /// N wide enough not to waste half a tile; the record shape (d_model 512, width 128) stays
-/// on the classic kernel, where it was tuned. The measured justification is in
-/// docs/perf/moe.md (2026-12-05). The process environment `AFDEP_GEMM_ENGINE=classic|ws`
-/// (read once) or [`force_engine`] (this thread) overrides the rule; a problem the ws engine
-/// cannot describe by tensor maps (B not TMA-aligned, a K split not a multiple of 64) runs
-/// on the classic kernel whatever is asked.
-pub fn engine_for(n_total: usize, k: usize) -> Engine {
-    if let Some(e) = FORCE.with(std::cell::Cell::get) {
-        return e;
-    }
-    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
-    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_ENGINE").as_deref() {
-        Ok("classic") => Some(Engine::Classic),
-        Ok("ws") => Some(Engine::Ws),
-        _ => None,
-    });
-    if let Some(e) = env {
-        return e;
-    }
+/// on the classic kernel, where it was tuned. Reasoning and (once run) measurements:
+/// docs/perf/moe.md (2026-12-05).
+pub fn shape_rule(n_total: usize, k: usize) -> Engine {
     if n_total.min(k) >= WS_MIN_DIM {
         Engine::Ws
     } else {
         Engine::Classic
+    }
+}
+
+/// The engine a rows problem runs on: [`force_engine`]'s choice on this thread, else the
+/// process environment `AFDEP_GEMM_ENGINE` (read once: `classic`, `ws`, or `auto` for
+/// [`shape_rule`]), else [`shape_rule`] where [`WS_BY_DEFAULT`], else [`Engine::Classic`].
+/// A problem the ws engine cannot describe by tensor maps (B not TMA-aligned, a K split not
+/// a multiple of 64) runs on the classic kernel whatever is asked.
+pub fn engine_for(n_total: usize, k: usize) -> Engine {
+    if let Some(e) = FORCE.with(std::cell::Cell::get) {
+        return e;
+    }
+    static ENV: std::sync::OnceLock<Option<Option<Engine>>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_ENGINE").as_deref() {
+        Ok("classic") => Some(Some(Engine::Classic)),
+        Ok("ws") => Some(Some(Engine::Ws)),
+        Ok("auto") => Some(None),
+        _ => None,
+    });
+    match env {
+        Some(Some(e)) => e,
+        Some(None) => shape_rule(n_total, k),
+        None if WS_BY_DEFAULT => shape_rule(n_total, k),
+        None => Engine::Classic,
     }
 }
 
@@ -1163,25 +1178,30 @@ mod tests {
     }
 
     /// The tile rule: the record's shapes stay on the classic kernel, the large ones go to
-    /// ws (unless AFDEP_GEMM_ENGINE overrides the rule for the process).
+    /// ws; the default follows WS_BY_DEFAULT; force_engine overrides it on this thread.
     #[test]
     fn tile_rule_keeps_the_record_on_the_classic_kernel() {
-        if std::env::var_os("AFDEP_GEMM_ENGINE").is_some() {
-            return;
-        }
         // record: up (N 2·128, K 512), down (N 512, K 128), shared up (N 2·1024, K 512),
         // shared down (N 512, K 1024)
         for (n, k) in [(256, 512), (512, 128), (2048, 512), (512, 1024)] {
-            assert_eq!(engine_for(n, k), Engine::Classic, "N {n} K {k}");
+            assert_eq!(shape_rule(n, k), Engine::Classic, "N {n} K {k}");
         }
         // Mixtral-like up (N 2·14336, K 4096) and down (N 4096, K 14336); GPT-OSS-like dx
         // (N 2880, K 2·2880); Qwen3-like down (N 2048, K 768)
         for (n, k) in [(2 * 14336, 4096), (4096, 14336), (2880, 5760), (2048, 768)] {
-            assert_eq!(engine_for(n, k), Engine::Ws, "N {n} K {k}");
+            assert_eq!(shape_rule(n, k), Engine::Ws, "N {n} K {k}");
+        }
+        if std::env::var_os("AFDEP_GEMM_ENGINE").is_none() {
+            let want = if WS_BY_DEFAULT {
+                Engine::Ws
+            } else {
+                Engine::Classic
+            };
+            assert_eq!(engine_for(4096, 14336), want);
+            assert_eq!(engine_for(256, 512), Engine::Classic);
         }
         force_engine(Some(Engine::Ws));
         assert_eq!(engine_for(256, 512), Engine::Ws);
         force_engine(None);
-        assert_eq!(engine_for(256, 512), Engine::Classic);
     }
 }
