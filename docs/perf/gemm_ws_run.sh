@@ -31,11 +31,11 @@ if [ "$mode" = one ]; then
   t0=$(date +%s); end=$(( t0 + ${DEADLINE:-150} ))
   left() { local l=$(( end - $(date +%s) )); [ $l -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
   {
-    timeout "$(left 35)" "$B/tests/gpu_gemm" --test-threads=1 2>&1 | grep -E "^test |worst|panicked|error|result" | head -40
+    timeout "$(left ${T_GEMM:-35})" "$B/tests/gpu_gemm" --test-threads=1 2>&1 | grep -E "^test |worst|panicked|error|result" | head -40
     echo "gpu_gemm rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
-    timeout "$(left 15)" "$B/tests/gpu_fault" 2>&1 | grep -E "^test |panicked|result" | head
+    timeout "$(left ${T_FAULT:-15})" "$B/tests/gpu_fault" 2>&1 | grep -E "^test |panicked|result" | head
     echo "gpu_fault rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
-    timeout "$(left 25)" "$B/tests/gpu_layer" ws_engine 2>&1 | grep -E "^test |compared|panicked|failures|result|W=" | head -40
+    timeout "$(left ${T_LAYER:-25})" "$B/tests/gpu_layer" ws_engine 2>&1 | grep -E "^test |compared|panicked|failures|result|W=" | head -40
     echo "gpu_layer ws rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
   } > "$out/run.txt" 2>&1
   cat "$out/run.txt"
@@ -43,11 +43,11 @@ if [ "$mode" = one ]; then
   for eng in ws classic; do
     wflag=(); [ $eng = ws ] && wflag=(--write-inputs $W)
     AFDEP_GEMM_ENGINE=$eng timeout "$(left 40)" "$B/bin/afdep" moe --backend cuda \
-      --shape mixtral-8x7b --tokens 16384 --dispatch sorted --iters 3 "${wflag[@]}" \
+      --shape mixtral-8x7b --tokens "${AB_TOKENS:-16384}" --dispatch sorted --iters 3 "${wflag[@]}" \
       --json-out "$out/afdep.jsonl" > /tmp/wsb/$eng.log 2>&1
     echo "afdep $eng rc $? at $(( $(date +%s) - t0 ))s"; tail -2 /tmp/wsb/$eng.log
   done
-  timeout "$(left 60)" python3 "$B/peers/moe_torch.py" --inputs $W/mixtral-8x7b --tokens 16384 \
+  timeout "$(left 60)" python3 "$B/peers/moe_torch.py" --inputs $W/mixtral-8x7b --tokens "${AB_TOKENS:-16384}" \
     --iters 3 --warmups 2 --no-oracle --impls eager --json-out "$out/torch.jsonl" > /tmp/wsb/torch.log 2>&1
   echo "torch rc $? at $(( $(date +%s) - t0 ))s"; tail -3 /tmp/wsb/torch.log
   python3 - "$out" <<'PY'
