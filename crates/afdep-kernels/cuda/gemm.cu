@@ -812,3 +812,365 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         }
     }
 }
+
+// =============================================================================================
+// The warp-specialised ROWS engine ("ws"): the large shapes (docs/perf/moe.md, 2026-12-05).
+//
+// Block: 384 threads = three warpgroups and one block per SM (its shared memory allows no
+// second), persistent over the same device-side tile schedule as gemm_rows.
+// - Warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and only loads: thread 0
+//   issues the TMA boxes of a stage (B always; A where its rows are contiguous) against the
+//   stage's `full` mbarrier; where A is gathered through a_idx (or has no tensor map), all 128
+//   producer threads load its rows by cp.async and each arrives on `full` once its copies have
+//   landed and it has fenced them into the async proxy (WS_CP_LAG). Before refilling a stage
+//   the producer waits for its `empty` mbarrier.
+// - Warpgroups 1 and 2, the consumers, take the registers (setmaxnreg.inc): consumer c
+//   computes rows 64c .. 64c + 63 of a 128 x 256 output tile with wgmma m64n256k16 (128 f32
+//   accumulators per thread), one wgmma batch in flight; when a stage's wgmmas have retired,
+//   each consumer warp arrives on the stage's `empty` barrier. The epilogue (the same epi_rows
+//   as gemm_rows) runs straight from the accumulators while the producer already loads the
+//   next tile's stages: the overlap the two-warpgroup kernel lacked.
+// - Stages: WS_STAGES of a 128 x 64 A tile (16 KiB) and a 256 x 64 B tile (32 KiB), both with
+//   the 128-byte swizzle (K-major A and B: 128-byte rows; N-major B: four 64-column blocks of
+//   64 k-rows, LBO 8 KiB apart).
+// - Tile order inside a group: panels of WS_PANEL m-tiles, m fastest inside a panel, so the
+//   SMs working at once share a few A panels and B column slabs in L2 instead of every SM
+//   streaming its own weight slab from DRAM for each m-tile.
+// - Every mbarrier wait is bounded (mbar_wait_bounded): a consumer whose `full` wait runs out
+//   records the fault and stops waiting and arriving; the producer then runs out on `empty`,
+//   records nothing new (the first fault wins) and stops issuing. No trap, no hang.
+// The host (ops::gemm::Engine) chooses this engine or gemm_rows per problem.
+
+#define WS_THREADS 384
+#define WS_BM 128
+#define WS_BN 256
+#define WS_BK 64
+#define WS_STAGES 4
+#define WS_PANEL 8
+// cp.async A (gathered rows): a producer thread arrives on a stage's `full` barrier WS_CP_LAG
+// stages after issuing it, once cp.async.wait_group says it landed and the thread has fenced
+// it into the async proxy (fence.proxy.async, as the classic kernel does before its barrier).
+// At most 2 with 4 stages: the consumers release stage i - 4 only after consuming i - 3, so
+// the producer waiting to refill it must already have arrived on i - 3.
+#define WS_CP_LAG 2
+#define WS_A_BYTES (WS_BM * WS_BK * 2)
+#define WS_B_BYTES (WS_BN * WS_BK * 2)
+#define WS_STAGE_BYTES (WS_A_BYTES + WS_B_BYTES)
+// Bytes between the 64-column blocks of an N-major B tile (64 k-rows of 128 bytes).
+#define WS_NBLOCK_BYTES (WS_BK * 128)
+// Must equal afdep_kernels::ops::gemm::WS_SMEM_BYTES.
+#define WS_SMEM_DYN_BYTES (WS_STAGES * WS_STAGE_BYTES + ATOM_BYTES)
+// Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64,512, what the launch gives
+// (384 x 168); at 40 the producer spilled.
+#define WS_PRODUCER_REGS 56
+#define WS_CONSUMER_REGS 224
+
+static __device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Barrier 1 among the producer warpgroup's 128 threads.
+static __device__ __forceinline__ void producer_sync() {
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+}
+
+// One wgmma m64n256k16 (bf16 in, f32 accumulate into d), both operands in shared memory.
+template <int TRANS_B>
+static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, %131;\n"
+        "}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_B));
+}
+
+// The ws tile t of the schedule: group g, first row row0, rows (<= WS_BM), first column n0.
+struct WsTile {
+    u32 g;
+    u64 row0, rows;
+    u32 n0;
+};
+static __device__ __forceinline__ WsTile ws_tile(const GemmProblem& p, const u32* prefix, u32 t,
+                                                 u32 ntiles_n, u32 cols) {
+    u32 lo = 0, hi = p.groups;  // invariant: prefix[lo] <= t < prefix[hi]
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (prefix[mid] <= t) lo = mid; else hi = mid;
+    }
+    WsTile w;
+    w.g = lo;
+    const u64 gb = group_begin(p, lo), ge = group_end(p, lo, p.m);
+    const u32 mtiles = (u32)((ge - gb + WS_BM - 1) / WS_BM);
+    const u32 local = t - prefix[lo];
+    // Panels of WS_PANEL m-tiles (the last one may be shorter), m fastest inside a panel.
+    const u32 panel = local / (WS_PANEL * ntiles_n), inside = local % (WS_PANEL * ntiles_n);
+    const u32 pm = mtiles - panel * WS_PANEL < WS_PANEL ? mtiles - panel * WS_PANEL : WS_PANEL;
+    const u32 mt = panel * WS_PANEL + inside % pm, nt = inside / pm;
+    w.row0 = gb + (u64)mt * WS_BM;
+    w.rows = ge - w.row0 < WS_BM ? ge - w.row0 : WS_BM;
+    w.n0 = nt * cols;
+    return w;
+}
+
+// The producer's B boxes of one stage for group g, columns from n0, k from k0; returns their
+// bytes (a 64-column block that starts at or past n is not loaded: its columns are not
+// stored). K-major: one box of 64 k x 256 n (b, or b2 from b_split on, a multiple of 64).
+// N-major: four boxes of 64 n x 64 k: b at n0 + 64 j, or with DUAL_N b at n0, n0 + 64 and b2
+// at the same columns.
+template <bool B_KMAJ, bool DUAL_N>
+static __device__ __forceinline__ u32 ws_b_bytes(const GemmProblem& p, u32 n0) {
+    if (B_KMAJ) return WS_B_BYTES;
+    u32 blocks = 0;
+#pragma unroll
+    for (u32 j = 0; j < (DUAL_N ? 2u : 4u); j++) blocks += n0 + 64 * j < p.n ? 1u : 0u;
+    return (DUAL_N ? 2u : 1u) * blocks * WS_NBLOCK_BYTES;
+}
+template <bool B_KMAJ, bool DUAL_N>
+static __device__ __forceinline__ void ws_load_b(const GemmProblem& p, const TmaMap* tb,
+                                                 const TmaMap* tb2, u32 g, u32 sb, u32 n0,
+                                                 u32 k0, u32 bar) {
+    if (B_KMAJ) {
+        const bool second = p.b2 && k0 >= p.b_split;
+        tma_load_3d(sb, second ? tb2 : tb, (i32)(second ? k0 - p.b_split : k0), (i32)n0, (i32)g,
+                    bar);
+    } else {
+#pragma unroll
+        for (u32 j = 0; j < (DUAL_N ? 2u : 4u); j++) {
+            const u32 nn = n0 + 64 * j;
+            if (nn >= p.n) continue;
+            tma_load_3d(sb + j * WS_NBLOCK_BYTES, tb, (i32)nn, (i32)k0, (i32)g, bar);
+            if (DUAL_N)
+                tma_load_3d(sb + (j + 2) * WS_NBLOCK_BYTES, tb2, (i32)nn, (i32)k0, (i32)g, bar);
+        }
+    }
+}
+
+template <bool B_KMAJ, bool DUAL_N, int EPI>
+static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const TmaMap* ta,
+                                                    const TmaMap* tb, const TmaMap* tb2) {
+    static_assert(!DUAL_N || !B_KMAJ, "dual-N B is N-major");
+    extern __shared__ __align__(1024) u8 smem_dyn[];
+    __shared__ u32 tile_prefix[AFDEP_GEMM_MAX_GROUPS + 1];
+    __shared__ u64 row_off[WS_BM];
+    __shared__ __align__(8) u64 bars[2 * WS_STAGES];  // full[s], then empty[s]
+    const u32 base = stages_base(smem_dyn);
+    const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * WS_STAGES;
+    const bool tma_a = (p.tma & AFDEP_GEMM_TMA_A) != 0;
+    if (threadIdx.x == 0) {
+        for (u32 s = 0; s < WS_STAGES; s++) {
+            // full: the TMA issuer's expect_tx arrival, plus one per producer thread where A
+            // is loaded by cp.async; empty: one arrival per consumer warp.
+            mbar_init(full0 + 8 * s, tma_a ? 1u : 129u);
+            mbar_init(empty0 + 8 * s, 8u);
+        }
+        mbar_init_fence();
+    }
+    const u32 cols = DUAL_N ? WS_BN / 2 : WS_BN;
+    const u32 ntiles_n = (p.n + cols - 1) / cols;
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (u32 g = 0; g < p.groups; g++) {
+            tile_prefix[g] = acc;
+            const u64 rows = group_end(p, g, p.m) - group_begin(p, g);
+            acc += (u32)((rows + WS_BM - 1) / WS_BM) * ntiles_n;
+        }
+        tile_prefix[p.groups] = acc;
+    }
+    __syncthreads();
+    const u32 total = tile_prefix[p.groups];
+    const u32 ktiles = (p.k + WS_BK - 1) / WS_BK;
+    const u32 role = threadIdx.x / 128;
+    bool dead = false;
+    u32 stage = 0, phase = 0;
+
+    if (role == 0) {
+        // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
+        const u32 pt = threadIdx.x;
+        // With A by TMA only thread 0 loads; the other producer threads are done.
+        const bool loads = !tma_a || pt == 0;
+        u32 issued = 0;  // cp.async stages this thread issued
+        // A thread whose wait ran out (dead) keeps walking the schedule without waiting or
+        // issuing, so that every producer thread reaches every producer_sync.
+        for (u32 t = blockIdx.x; loads && t < total; t += gridDim.x) {
+            const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
+            if (!tma_a) {
+                producer_sync();  // every producer thread has issued the previous tile
+                const u32 r = pt;
+                if ((u64)r < w.rows) {
+                    const u64 row = w.row0 + r;
+                    const u64 arow = p.a_idx ? (u64)(((const u32*)p.a_idx)[row] / p.a_div) : row;
+                    row_off[r] = arow * p.lda;
+                } else {
+                    row_off[r] = ~0ull;
+                }
+                producer_sync();
+            }
+            const u32 tx =
+                (tma_a ? WS_A_BYTES : 0u) + ws_b_bytes<B_KMAJ, DUAL_N>(p, w.n0) + p.inject_tx;
+            for (u32 kt = 0; kt < ktiles; kt++) {
+                const u32 full = full0 + 8 * stage, empty = empty0 + 8 * stage;
+                mbar_wait_bounded(p, empty, phase ^ 1u, kt, dead);
+                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                const u32 k0 = kt * WS_BK;
+                if (pt == 0 && !dead) {
+                    mbar_arrive_expect_tx(full, tx);
+                    if (tma_a) tma_load_2d(sa, ta, (i32)k0, (i32)w.row0, full);
+                    ws_load_b<B_KMAJ, DUAL_N>(p, tb, tb2, w.g, sb, w.n0, k0, full);
+                }
+                if (!tma_a && !dead) {
+                    // 128 rows x 8 chunks of 16 bytes: thread pt loads chunk pt % 8 of rows
+                    // pt / 8 + 16 i; k past K and rows past the group are zero-filled.
+                    const u16* a = (const u16*)p.a;
+                    const u32 c = pt % 8, kk = k0 + c * 8;
+#pragma unroll
+                    for (u32 i = 0; i < 8; i++) {
+                        const u32 r = pt / 8 + 16 * i;
+                        const u64 off = row_off[r];
+                        const bool ok = off != ~0ull && kk < p.k;
+                        cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? a + off + kk : a, ok);
+                    }
+                    cp_async_commit();
+                    // The stage issued WS_CP_LAG stages ago has landed: fence it into the async
+                    // proxy (wgmma reads it) and arrive.
+                    if (issued >= WS_CP_LAG) {
+                        cp_async_wait<WS_CP_LAG>();
+                        fence_proxy_async();
+                        mbar_arrive(full0 + 8 * ((stage + WS_STAGES - WS_CP_LAG) % WS_STAGES));
+                    }
+                    issued++;
+                }
+                if (++stage == WS_STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+        }
+        if (!tma_a && !dead) {
+            // The last stages (at most WS_CP_LAG) not yet arrived on.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
+                mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));
+        }
+    } else {
+        // ---- consumers ----
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
+        const u32 wc = role - 1;  // rows 64 wc .. of the tile
+        const u32 warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
+        const u32 gq = lane / 4, tq = lane % 4;
+        for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
+            const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
+            float acc[128];
+#pragma unroll
+            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+            u32 prev = 0;
+            for (u32 kt = 0; kt < ktiles; kt++) {
+                const u32 full = full0 + 8 * stage;
+                mbar_wait_bounded(p, full, phase, kt, dead);
+                    const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < WS_BK / 16; ks++) {
+                    const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
+                    const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
+                                          : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                    wgmma_m64n256k16<B_KMAJ ? 0 : 1>(acc, da, db);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                // kt - 1's wgmmas have retired: its stage may be refilled.
+                if (kt > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+                prev = stage;
+                if (++stage == WS_STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+            wgmma_wait<0>();
+            if (ktiles > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+
+            // Epilogue straight from the accumulators (element 4 j + 2 h + e: row 16 warp + gq +
+            // 8 h, column 8 j + 2 tq + e of the warpgroup's 64 x 256).
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const u32 r = wc * 64 + warp * 16 + gq + hr * 8;
+                const bool live = (u64)r < w.rows;
+                const u64 row = w.row0 + r;
+                float gpart = 0.0f;
+                if (live) {
+                    float wt = 1.0f;
+                    u64 srow = 0;
+                    if (p.r_idx) {
+                        const u32 slot = ((const u32*)p.r_idx)[row];
+                        if (p.weights) wt = ((const float*)p.weights)[slot];
+                        if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
+                    }
+#pragma unroll
+                    for (int j = 0; j < (DUAL_N ? 16 : 32); j++) {
+                        const u32 col = w.n0 + j * 8 + 2 * tq;
+                        if (col >= p.n) continue;
+                        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+                        float u0 = 0.0f, u1 = 0.0f;
+                        if (DUAL_N) {
+                            u0 = acc[4 * (j + 16) + 2 * hr];
+                            u1 = acc[4 * (j + 16) + 2 * hr + 1];
+                        }
+                        epi_rows<EPI>(p, row, col, v0, v1, u0, u1, wt, srow, gpart);
+                    }
+                }
+                if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
+                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
+                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
+                    if (live && tq == 0)
+                        atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
+                }
+            }
+        }
+    }  // consumers
+}
+
+#define WS_ENTRY(name, BKMAJ, DUAL, EPI)                                                     \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                              \
+        name(GemmProblem p, const __grid_constant__ TmaMap ta,                               \
+             const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {        \
+        gemm_rows_ws<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                   \
+    }
+
+// The same nine ROWS problems as above, on the warp-specialised engine.
+WS_ENTRY(afdep_gemm_ws_up_swiglu, false, true, AFDEP_EPI_SWIGLU)
+WS_ENTRY(afdep_gemm_ws_down_store, false, false, AFDEP_EPI_STORE)
+WS_ENTRY(afdep_gemm_ws_down_scatter, false, false, AFDEP_EPI_SCATTER)
+WS_ENTRY(afdep_gemm_ws_down_acc, false, false, AFDEP_EPI_ACC_BF16)
+WS_ENTRY(afdep_gemm_ws_dh_dswiglu, true, false, AFDEP_EPI_DSWIGLU)
+WS_ENTRY(afdep_gemm_ws_dx_store, true, false, AFDEP_EPI_STORE)
+WS_ENTRY(afdep_gemm_ws_dx_scatter, true, false, AFDEP_EPI_SCATTER)
+WS_ENTRY(afdep_gemm_ws_dx_add, true, false, AFDEP_EPI_ADD_F32)
+WS_ENTRY(afdep_gemm_ws_dx_acc, true, false, AFDEP_EPI_ACC_BF16)

@@ -191,6 +191,24 @@ kernel_registry! {
         GemmDxAdd = "afdep_gemm_dx_add",
         /// Grouped GEMM: data gradient added to an accumulator, cast to bf16.
         GemmDxAcc = "afdep_gemm_dx_acc",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): forward up-projection with SwiGLU.
+        GemmWsUpSwiglu = "afdep_gemm_ws_up_swiglu",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection into rows.
+        GemmWsDownStore = "afdep_gemm_ws_down_store",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection scattered into token order.
+        GemmWsDownScatter = "afdep_gemm_ws_down_scatter",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): down-projection added to an accumulator, cast to bf16.
+        GemmWsDownAcc = "afdep_gemm_ws_down_acc",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): dy·W2ᵀ with the SwiGLU backward.
+        GemmWsDhDswiglu = "afdep_gemm_ws_dh_dswiglu",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient into rows.
+        GemmWsDxStore = "afdep_gemm_ws_dx_store",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient scattered into token order.
+        GemmWsDxScatter = "afdep_gemm_ws_dx_scatter",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added in place (f32).
+        GemmWsDxAdd = "afdep_gemm_ws_dx_add",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added to an accumulator, cast to bf16.
+        GemmWsDxAcc = "afdep_gemm_ws_dx_acc",
         /// Grouped GEMM: weight-gradient partials.
         GemmWgrad = "afdep_gemm_wgrad",
         /// Sum of weight-gradient partials in split order.

@@ -4,7 +4,7 @@
 //! slots), a rejected route table, and a CUDA-graph replay of a train step with new routing
 //! each replay; odd shapes (W 40 and 24; E 5, 12 and 60; K 1 and 3; T 0, 1 and 257); non-finite
 //! router inputs (refused as the oracle refuses them) and non-finite expert weights
-//! (propagated); zero tokens. Outputs are poisoned before each step, so unwritten elements are
+//! (propagated); zero tokens; the warp-specialised GEMM engine forced at odd shapes. Outputs are poisoned before each step, so unwritten elements are
 //! NaN and fail. Every tensor is judged per group (out and dx per token, weight gradients per
 //! expert) with `afdep_moe::accuracy`'s tolerances, derived from the layer's bf16 roundings.
 //!
@@ -482,6 +482,44 @@ fn odd_widths_match_the_oracle() {
         &[(64, 40, 12, 3, 0), (96, 24, 5, 1, 40), (72, 40, 60, 3, 24)],
         &[1, 257],
     );
+}
+
+/// The warp-specialised GEMM engine forced for every rows GEMM the layer launches from this
+/// thread (the tile rule picks it only at large shapes, too slow for the CPU oracle): every
+/// strategy, forward and train step, E 5 / 12 / 60, K 1-3, T 0, 1 and 257, widths that are
+/// multiples of 64 (the data gradient's W1 | W3 split on the ws engine) and not (it falls back
+/// to the classic kernel), with and without a shared expert.
+#[test]
+fn ws_engine_odd_shapes_match_the_oracle() {
+    // Off until the ws engine has passed on a GPU (it is off by default): AFDEP_TEST_WS=1.
+    if !afdep_kernels::ops::gemm::WS_BY_DEFAULT
+        && std::env::var_os("AFDEP_TEST_WS").is_none_or(|v| v != "1")
+    {
+        println!(
+            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
+        );
+        return;
+    }
+    afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
+    let restore = RestoreEngine;
+    odd_sweep(
+        &[
+            (136, 64, 60, 3, 0),
+            (96, 128, 5, 1, 40),
+            (264, 192, 12, 2, 136),
+        ],
+        &[0, 1, 257],
+    );
+    drop(restore);
+}
+
+/// Restores the GEMM tile rule on this thread when dropped (also when the sweep panics).
+struct RestoreEngine;
+
+impl Drop for RestoreEngine {
+    fn drop(&mut self) {
+        afdep_kernels::ops::gemm::force_engine(None);
+    }
 }
 
 /// A NaN or infinity in x or in the router weights: every strategy, forward and train step,

@@ -51,6 +51,93 @@ const K_CHUNK: usize = 8;
 /// Most groups per launch (`AFDEP_GEMM_MAX_GROUPS`).
 pub const MAX_GROUPS: usize = 1024;
 
+/// Output rows per tile of the warp-specialised engine ([`Engine::Ws`], `WS_BM`).
+pub const WS_TILE_M: usize = 128;
+/// Output columns per tile of [`Engine::Ws`] (`WS_BN`; the SwiGLU up-projection's tile is
+/// 128 columns of W1 beside the same 128 of W3).
+pub const WS_TILE_N: usize = 256;
+/// K per stage of [`Engine::Ws`] (`WS_BK`: 128-byte rows, 128-byte swizzle).
+pub const WS_TILE_K: usize = 64;
+/// Pipeline stages of [`Engine::Ws`] (`WS_STAGES`).
+pub const WS_STAGES: usize = 4;
+/// Threads per block of [`Engine::Ws`] (`WS_THREADS`): a producer and two consumer
+/// warpgroups.
+pub const WS_BLOCK: u32 = 384;
+/// Dynamic shared memory of [`Engine::Ws`] (`WS_SMEM_DYN_BYTES`): four stages of a 128 × 64
+/// A tile and a 256 × 64 B tile plus the 1 KiB alignment slack, 193 KiB (one block per SM).
+pub const WS_SMEM_BYTES: usize = WS_STAGES * (WS_TILE_M + WS_TILE_N) * WS_TILE_K * 2 + 1024;
+
+/// The smallest of a rows problem's output columns (both halves of the SwiGLU
+/// up-projection counted) and K from which [`engine_for`] picks [`Engine::Ws`].
+pub const WS_MIN_DIM: usize = 768;
+
+/// The kernel family a rows GEMM runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// The two-warpgroup kernel (`gemm_rows`): 128 × 128 tiles, K 32 per stage, 6 stages,
+    /// two blocks per SM, no warp specialisation. Best at small N and K (the record's shape).
+    Classic,
+    /// The warp-specialised kernel (`gemm_rows_ws`): a TMA/cp.async producer warpgroup and
+    /// two wgmma m64n256k16 consumer warpgroups, 128 × 256 tiles, K 64 per stage, 4 stages
+    /// with full/empty mbarriers, one block per SM.
+    Ws,
+}
+
+/// Whether [`engine_for`] applies [`shape_rule`] by default. `false` until the ws engine has
+/// passed the GPU tests: it has not run on a GPU yet (2026-12-05: no device machine could be
+/// started, docs/perf/moe.md), so every rows GEMM stays on [`Engine::Classic`] unless
+/// `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for another.
+pub const WS_BY_DEFAULT: bool = false;
+
+/// The tile rule by shape: the engine for a rows problem with `n_total` output columns (the
+/// SwiGLU up-projection: 2 × width, the columns of W1 and W3 it computes) and inner size `k`.
+/// [`Engine::Ws`] where both are at least [`WS_MIN_DIM`], else [`Engine::Classic`]: a
+/// 128 × 256 tile with one block per SM needs K long enough to fill its 4-stage pipeline and
+/// N wide enough not to waste half a tile; the record shape (d_model 512, width 128) stays
+/// on the classic kernel, where it was tuned. Reasoning and (once run) measurements:
+/// docs/perf/moe.md (2026-12-05).
+pub fn shape_rule(n_total: usize, k: usize) -> Engine {
+    if n_total.min(k) >= WS_MIN_DIM {
+        Engine::Ws
+    } else {
+        Engine::Classic
+    }
+}
+
+/// The engine a rows problem runs on: [`force_engine`]'s choice on this thread, else the
+/// process environment `AFDEP_GEMM_ENGINE` (read once: `classic`, `ws`, or `auto` for
+/// [`shape_rule`]), else [`shape_rule`] where [`WS_BY_DEFAULT`], else [`Engine::Classic`].
+/// A problem the ws engine cannot describe by tensor maps (B not TMA-aligned, a K split not
+/// a multiple of 64) runs on the classic kernel whatever is asked.
+pub fn engine_for(n_total: usize, k: usize) -> Engine {
+    if let Some(e) = FORCE.with(std::cell::Cell::get) {
+        return e;
+    }
+    static ENV: std::sync::OnceLock<Option<Option<Engine>>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_ENGINE").as_deref() {
+        Ok("classic") => Some(Some(Engine::Classic)),
+        Ok("ws") => Some(Some(Engine::Ws)),
+        Ok("auto") => Some(None),
+        _ => None,
+    });
+    match env {
+        Some(Some(e)) => e,
+        Some(None) => shape_rule(n_total, k),
+        None if WS_BY_DEFAULT => shape_rule(n_total, k),
+        None => Engine::Classic,
+    }
+}
+
+thread_local! {
+    static FORCE: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the rows GEMMs launched from this thread use `engine` whatever their shape (`None`:
+/// the rule of [`engine_for`] again). For tests and same-build comparisons.
+pub fn force_engine(engine: Option<Engine>) {
+    FORCE.with(|f| f.set(engine));
+}
+
 /// The device descriptor (`cuda/layout/gemm_problem.cuh`), field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -275,9 +362,38 @@ struct RowMaps {
     b2: Option<TmaMap>,
 }
 
+/// The box sizes of an engine's tensor maps: K per stage, and the n rows of a K-major B box
+/// (N-major B boxes are 64 n wide for both engines).
+#[derive(Debug, Clone, Copy)]
+struct Boxes {
+    k: usize,
+    kmaj_n: usize,
+}
+
+impl Boxes {
+    fn of(engine: Engine) -> Boxes {
+        match engine {
+            Engine::Classic => Boxes {
+                k: TILE_K,
+                kmaj_n: TILE_N,
+            },
+            Engine::Ws => Boxes {
+                k: WS_TILE_K,
+                kmaj_n: WS_TILE_N,
+            },
+        }
+    }
+}
+
 /// The map of a K-major A operand with contiguous rows: `rows × k` bf16, `lda` elements
-/// between rows; boxes of 128 rows × [`TILE_K`].
-fn map_a(addr: u64, k: usize, rows: usize, lda: usize) -> Result<Option<TmaMap>, KernelError> {
+/// between rows; boxes of 128 rows × the engine's K.
+fn map_a(
+    bx: Boxes,
+    addr: u64,
+    k: usize,
+    rows: usize,
+    lda: usize,
+) -> Result<Option<TmaMap>, KernelError> {
     if !tma::enabled() {
         return Ok(None);
     }
@@ -286,14 +402,15 @@ fn map_a(addr: u64, k: usize, rows: usize, lda: usize) -> Result<Option<TmaMap>,
         addr,
         &[k as u64, rows as u64],
         &[(lda * 2) as u64],
-        &[TILE_K as u32, TILE_M as u32],
-        Swizzle::for_row_bytes(TILE_K * 2),
+        &[bx.k as u32, TILE_M as u32],
+        Swizzle::for_row_bytes(bx.k * 2),
     )
 }
 
 /// The map of an N-major B (`groups × k × n`, `ldb` between k rows, `b_gs` between groups);
-/// boxes of 64 n × [`TILE_K`] k (one half of a tile), 128-byte swizzle.
+/// boxes of 64 n × the engine's K (a 64-column block of a tile), 128-byte swizzle.
 fn map_b_nmajor(
+    bx: Boxes,
     addr: u64,
     n: usize,
     k: usize,
@@ -309,14 +426,15 @@ fn map_b_nmajor(
         addr,
         &[n as u64, k as u64, groups as u64],
         &[(ldb * 2) as u64, (b_gs * 2) as u64],
-        &[(TILE_N / 2) as u32, TILE_K as u32, 1],
+        &[64, bx.k as u32, 1],
         Swizzle::B128,
     )
 }
 
 /// The map of a K-major B (`groups × n × k`, `ldb` between n rows, `b_gs` between groups);
-/// boxes of [`TILE_K`] k × 128 n.
+/// boxes of the engine's K × its tile's n.
 fn map_b_kmajor(
+    bx: Boxes,
     addr: u64,
     k: usize,
     n: usize,
@@ -332,9 +450,51 @@ fn map_b_kmajor(
         addr,
         &[k as u64, n as u64, groups as u64],
         &[(ldb * 2) as u64, (b_gs * 2) as u64],
-        &[TILE_K as u32, TILE_N as u32, 1],
-        Swizzle::for_row_bytes(TILE_K * 2),
+        &[bx.k as u32, bx.kmaj_n as u32, 1],
+        Swizzle::for_row_bytes(bx.k * 2),
     )
+}
+
+/// A rows problem's two kernels (classic, ws), its output columns per engine tile count
+/// (`n_tile`: the columns one tile covers is what differs), and the size the rule reads.
+struct RowsKernels {
+    classic: KernelId,
+    ws: KernelId,
+    /// Output columns (the up-projection: its width, each tile covering half of its columns
+    /// from W1 and half from W3).
+    n: usize,
+    /// Whether the tiles hold two B halves (the SwiGLU up-projection).
+    dual: bool,
+}
+
+/// Chooses the engine of a rows problem (the rule of [`engine_for`], then whether its maps
+/// exist), builds its maps and launches it. `maps(boxes)` encodes the problem's maps for an
+/// engine's boxes; `row_tiles` bounds the 128-row tiles.
+fn launch_rows_auto(
+    ctx: &GpuContext,
+    ks: RowsKernels,
+    p: &mut GemmProblem,
+    row_tiles: u64,
+    maps: impl Fn(Boxes) -> Result<RowMaps, KernelError>,
+) -> Result<(), KernelError> {
+    let n_total = if ks.dual { 2 * ks.n } else { ks.n };
+    if engine_for(n_total, p.k as usize) == Engine::Ws {
+        let m = maps(Boxes::of(Engine::Ws))?;
+        // The ws engine loads B by TMA only (b and b2 both mapped where b2 exists; a K split
+        // between them at a multiple of its K per stage).
+        let b_ok = m.b.is_some()
+            && (p.b2 == 0 || m.b2.is_some())
+            && (ks.dual || p.b2 == 0 || p.b_split as usize % WS_TILE_K == 0);
+        if b_ok {
+            let cols = if ks.dual { WS_TILE_N / 2 } else { WS_TILE_N };
+            let tiles = row_tiles * ks.n.div_ceil(cols) as u64;
+            return launch_rows(ctx, ks.ws, Engine::Ws, p, m, tiles);
+        }
+    }
+    let cols = if ks.dual { TILE_N / 2 } else { TILE_N };
+    let tiles = row_tiles * ks.n.div_ceil(cols) as u64;
+    let m = maps(Boxes::of(Engine::Classic))?;
+    launch_rows(ctx, ks.classic, Engine::Classic, p, m, tiles)
 }
 
 /// Launches a rows `kernel` with its tensor maps: the operands with a map load by TMA (a pair
@@ -342,6 +502,7 @@ fn map_b_kmajor(
 fn launch_rows(
     ctx: &GpuContext,
     kernel: KernelId,
+    engine: Engine,
     p: &mut GemmProblem,
     maps: RowMaps,
     tiles: u64,
@@ -358,7 +519,7 @@ fn launch_rows(
         b.unwrap_or_default(),
         b2.unwrap_or_default(),
     );
-    launch(ctx, kernel, p, tiles, Some((&ta, &tb, &tb2)))
+    launch(ctx, kernel, engine, p, tiles, Some((&ta, &tb, &tb2)))
 }
 
 /// Launches `kernel` on a persistent grid of at most `tiles` blocks; rows kernels get their
@@ -366,6 +527,7 @@ fn launch_rows(
 fn launch(
     ctx: &GpuContext,
     kernel: KernelId,
+    engine: Engine,
     p: &mut GemmProblem,
     tiles: u64,
     maps: Option<(&TmaMap, &TmaMap, &TmaMap)>,
@@ -378,13 +540,17 @@ fn launch(
     } else {
         TMA_WAIT_MS
     };
+    let (block, smem) = match engine {
+        Engine::Classic => (BLOCK, SMEM_BYTES as u32),
+        Engine::Ws => (WS_BLOCK, WS_SMEM_BYTES as u32),
+    };
     let f = ctx.function(kernel, 0, 0)?;
-    let resident = ctx.persistent_blocks(kernel, BLOCK, SMEM_BYTES as u32)?;
+    let resident = ctx.persistent_blocks(kernel, block, smem)?;
     let blocks = tiles.clamp(1, u64::from(resident));
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: SMEM_BYTES as u32,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
     };
     let p = &*p;
     let mut b = ctx.stream().launch_builder(&f);
@@ -494,17 +660,24 @@ pub fn up_swiglu(
         p.c3 = ptrs.w(b);
     }
     p.c = ptrs.w(h);
-    let tiles = tiles * width.div_ceil(TILE_N / 2) as u64;
-    let maps = RowMaps {
-        a: if gather.is_none() {
-            map_a(p.a, hidden, cap, hidden)?
-        } else {
-            None
-        },
-        b: map_b_nmajor(p.b, width, hidden, g, width, hidden * width)?,
-        b2: map_b_nmajor(p.b2, width, hidden, g, width, hidden * width)?,
+    let (pa, pb, pb2) = (p.a, p.b, p.b2);
+    let ks = RowsKernels {
+        classic: KernelId::GemmUpSwiglu,
+        ws: KernelId::GemmWsUpSwiglu,
+        n: width,
+        dual: true,
     };
-    launch_rows(ctx, KernelId::GemmUpSwiglu, &mut p, maps, tiles)
+    launch_rows_auto(ctx, ks, &mut p, tiles, |bx| {
+        Ok(RowMaps {
+            a: if gather.is_none() {
+                map_a(bx, pa, hidden, cap, hidden)?
+            } else {
+                None
+            },
+            b: map_b_nmajor(bx, pb, width, hidden, g, width, hidden * width)?,
+            b2: map_b_nmajor(bx, pb2, width, hidden, g, width, hidden * width)?,
+        })
+    })
 }
 
 fn set_out<'a>(
@@ -602,23 +775,31 @@ pub fn down(
         k: wk,
         ..Default::default()
     };
-    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * hidden.div_ceil(TILE_N) as u64;
-    let kernel = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
-        0 => KernelId::GemmDownStore,
-        1 => KernelId::GemmDownScatter,
-        3 => KernelId::GemmDownAcc,
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
+    let (classic, ws) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => (KernelId::GemmDownStore, KernelId::GemmWsDownStore),
+        1 => (KernelId::GemmDownScatter, KernelId::GemmWsDownScatter),
+        3 => (KernelId::GemmDownAcc, KernelId::GemmWsDownAcc),
         _ => {
             return Err(KernelError::Unsupported(
                 "the down-projection has no in-place add".into(),
             ));
         }
     };
-    let maps = RowMaps {
-        a: map_a(p.a, width, cap, width)?,
-        b: map_b_nmajor(p.b, hidden, width, g, hidden, width * hidden)?,
-        b2: None,
+    let (pa, pb) = (p.a, p.b);
+    let ks = RowsKernels {
+        classic,
+        ws,
+        n: hidden,
+        dual: false,
     };
-    launch_rows(ctx, kernel, &mut p, maps, tiles)
+    launch_rows_auto(ctx, ks, &mut p, tiles, |bx| {
+        Ok(RowMaps {
+            a: map_a(bx, pa, width, cap, width)?,
+            b: map_b_nmajor(bx, pb, hidden, width, g, hidden, width * hidden)?,
+            b2: None,
+        })
+    })
 }
 
 /// The backward of the down-projection and of SwiGLU: `G = dy_r·W2_eᵀ` (`dy` read at row `r`
@@ -665,7 +846,7 @@ pub fn dh_dswiglu(
         c3: ptrs.r(io.b),
         ..Default::default()
     };
-    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * width.div_ceil(TILE_N) as u64;
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
     if let Some(gt) = gather {
         need("gather index", gt.index, cap)?;
         p.a_idx = ptrs.r(gt.index);
@@ -689,16 +870,24 @@ pub fn dh_dswiglu(
         p.c4 = ptrs.w(hw);
     }
     p.c = ptrs.w(io.dab);
-    let maps = RowMaps {
-        a: if p.a_idx == 0 {
-            map_a(p.a, hidden, cap, hidden)?
-        } else {
-            None
-        },
-        b: map_b_kmajor(p.b, hidden, width, g, hidden, width * hidden)?,
-        b2: None,
+    let (pa, pb, gathered) = (p.a, p.b, p.a_idx != 0);
+    let ks = RowsKernels {
+        classic: KernelId::GemmDhDswiglu,
+        ws: KernelId::GemmWsDhDswiglu,
+        n: width,
+        dual: false,
     };
-    launch_rows(ctx, KernelId::GemmDhDswiglu, &mut p, maps, tiles)
+    launch_rows_auto(ctx, ks, &mut p, tiles, |bx| {
+        Ok(RowMaps {
+            a: if gathered {
+                None
+            } else {
+                map_a(bx, pa, hidden, cap, hidden)?
+            },
+            b: map_b_kmajor(bx, pb, hidden, width, g, hidden, width * hidden)?,
+            b2: None,
+        })
+    })
 }
 
 /// The data gradient `v = [da | db]_r·[W1_e | W3_e]ᵀ` (`dab`: `capacity × 2·width`; `w1`,
@@ -745,31 +934,39 @@ pub fn dx(
     } else {
         p.k = mult("width", width, 8)?;
     }
-    let tiles = set_groups(&mut p, &mut ptrs, &groups)? * hidden.div_ceil(TILE_N) as u64;
-    let kernel = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
-        0 => KernelId::GemmDxStore,
-        1 => KernelId::GemmDxScatter,
-        2 => KernelId::GemmDxAdd,
-        _ => KernelId::GemmDxAcc,
+    let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
+    let (classic, ws) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => (KernelId::GemmDxStore, KernelId::GemmWsDxStore),
+        1 => (KernelId::GemmDxScatter, KernelId::GemmWsDxScatter),
+        2 => (KernelId::GemmDxAdd, KernelId::GemmWsDxAdd),
+        _ => (KernelId::GemmDxAcc, KernelId::GemmWsDxAcc),
     };
-    // With W3 the K tiles switch from W1 to W3 at `width`: by TMA only when no tile straddles
-    // the switch (the cp.async loader splits at any multiple of 8).
-    let b_tma = w3.is_none() || width % TILE_K == 0;
     let k_b = if w3.is_some() { width } else { p.k as usize };
-    let maps = RowMaps {
-        a: map_a(p.a, p.k as usize, cap, halves * width)?,
-        b: if b_tma {
-            map_b_kmajor(p.b, k_b, hidden, g, width, hidden * width)?
-        } else {
-            None
-        },
-        b2: if b_tma && w3.is_some() {
-            map_b_kmajor(p.b2, k_b, hidden, g, width, hidden * width)?
-        } else {
-            None
-        },
+    let (pa, pb, pb2, pk) = (p.a, p.b, p.b2, p.k as usize);
+    let ks = RowsKernels {
+        classic,
+        ws,
+        n: hidden,
+        dual: false,
     };
-    launch_rows(ctx, kernel, &mut p, maps, tiles)
+    launch_rows_auto(ctx, ks, &mut p, tiles, |bx| {
+        // With W3 the K tiles switch from W1 to W3 at `width`: by TMA only when no tile
+        // straddles the switch (the classic cp.async loader splits at any multiple of 8).
+        let b_tma = w3.is_none() || width % bx.k == 0;
+        Ok(RowMaps {
+            a: map_a(bx, pa, pk, cap, halves * width)?,
+            b: if b_tma {
+                map_b_kmajor(bx, pb, k_b, hidden, g, width, hidden * width)?
+            } else {
+                None
+            },
+            b2: if b_tma && w3.is_some() {
+                map_b_kmajor(bx, pb2, k_b, hidden, g, width, hidden * width)?
+            } else {
+                None
+            },
+        })
+    })
 }
 
 /// One operand of a weight gradient: row `r` of the sum reads `buf[row(r)·ld ..][..cols]`,
@@ -838,14 +1035,28 @@ pub fn wgrad(
             p.b_split = as_u32("split column", n1)?;
         }
         let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64;
-        return launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None);
+        return launch(
+            ctx,
+            KernelId::GemmWgrad,
+            Engine::Classic,
+            &mut p,
+            tiles,
+            None,
+        );
     }
     {
         let mut ptrs = Ptrs::new(stream);
         let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, splits)?;
         p.c = ptrs.w(ws);
         let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
-        launch(ctx, KernelId::GemmWgrad, &mut p, tiles, None)?;
+        launch(
+            ctx,
+            KernelId::GemmWgrad,
+            Engine::Classic,
+            &mut p,
+            tiles,
+            None,
+        )?;
     }
     let f = ctx.function(KernelId::GemmReduce, 0, 0)?;
     let total = (gcount * m * n) as u64;
@@ -947,5 +1158,50 @@ mod tests {
             SMEM_BYTES,
             STAGES * 2 * define("BM") * define("AFDEP_GEMM_BK") * 2 + define("ATOM_BYTES")
         );
+        assert_eq!(WS_TILE_M, define("WS_BM"));
+        assert_eq!(WS_TILE_N, define("WS_BN"));
+        assert_eq!(WS_TILE_K, define("WS_BK"));
+        assert_eq!(WS_STAGES, define("WS_STAGES"));
+        assert_eq!(WS_BLOCK as usize, define("WS_THREADS"));
+        // WS_SMEM_DYN_BYTES = WS_STAGES * (WS_A_BYTES + WS_B_BYTES) + ATOM_BYTES.
+        assert_eq!(
+            WS_SMEM_BYTES,
+            define("WS_STAGES") * (define("WS_BM") + define("WS_BN")) * define("WS_BK") * 2
+                + define("ATOM_BYTES")
+        );
+        // The producer's and the consumers' registers fill what the launch gives 384 threads
+        // at one block per SM (168 each, a multiple of 8 below 65,536 / 384).
+        assert_eq!(
+            128 * define("WS_PRODUCER_REGS") + 256 * define("WS_CONSUMER_REGS"),
+            384 * 168
+        );
+    }
+
+    /// The tile rule: the record's shapes stay on the classic kernel, the large ones go to
+    /// ws; the default follows WS_BY_DEFAULT; force_engine overrides it on this thread.
+    #[test]
+    fn tile_rule_keeps_the_record_on_the_classic_kernel() {
+        // record: up (N 2·128, K 512), down (N 512, K 128), shared up (N 2·1024, K 512),
+        // shared down (N 512, K 1024)
+        for (n, k) in [(256, 512), (512, 128), (2048, 512), (512, 1024)] {
+            assert_eq!(shape_rule(n, k), Engine::Classic, "N {n} K {k}");
+        }
+        // Mixtral-like up (N 2·14336, K 4096) and down (N 4096, K 14336); GPT-OSS-like dx
+        // (N 2880, K 2·2880); Qwen3-like down (N 2048, K 768)
+        for (n, k) in [(2 * 14336, 4096), (4096, 14336), (2880, 5760), (2048, 768)] {
+            assert_eq!(shape_rule(n, k), Engine::Ws, "N {n} K {k}");
+        }
+        if std::env::var_os("AFDEP_GEMM_ENGINE").is_none() {
+            let want = if WS_BY_DEFAULT {
+                Engine::Ws
+            } else {
+                Engine::Classic
+            };
+            assert_eq!(engine_for(4096, 14336), want);
+            assert_eq!(engine_for(256, 512), Engine::Classic);
+        }
+        force_engine(Some(Engine::Ws));
+        assert_eq!(engine_for(256, 512), Engine::Ws);
+        force_engine(None);
     }
 }
