@@ -39,6 +39,11 @@
 // PREFETCH + 2). BK, PREFETCH and the blocks per SM the ROWS kernels are compiled for
 // (AFDEP_GEMM_MIN_BLOCKS) are set below; afdep_kernels::ops::gemm mirrors them.
 //
+// A second engine for the ROWS problems, warp-specialised (a producer warpgroup, two wgmma
+// m64n256k16 consumer warpgroups, 128 x 256 tiles, full/empty mbarriers), is at the end of this
+// file (gemm_rows_ws, the afdep_gemm_ws_* entry points); the host picks one per problem
+// (afdep_kernels::ops::gemm::engine_for).
+//
 // Summation order: each output is one f32 accumulator fed by the tensor-core products in
 // ascending k-tile order (the order inside one wgmma is the hardware's). This is not the CPU
 // oracle's order; results agree within the bf16 tolerance documented in afdep-moe.

@@ -17,6 +17,11 @@
 //! wait that runs out is recorded in the context's fault word
 //! ([`GpuContext::take_fault`]).
 //!
+//! Two engines for the rows problems ([`Engine`]): the classic two-warpgroup kernel and a
+//! warp-specialised one (a TMA/cp.async producer warpgroup, two wgmma consumer warpgroups,
+//! 128 × 256 tiles); [`engine_for`] picks one per problem ([`shape_rule`], off by default
+//! until the ws engine has passed on a GPU: [`WS_BY_DEFAULT`]).
+//!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
 //! [`KernelError::Unsupported`] otherwise.
