@@ -528,7 +528,7 @@ impl FusedEngine {
         self.device.as_ref()?.timer.as_ref()?.last
     }
 
-    /// Turns phase tracing of device rounds on or off ([`trace`](super::trace)): with it on,
+    /// Turns phase tracing of device rounds on or off (timelines, [`RoundTrace`]): with it on,
     /// every device round launched or captured afterwards stamps the device timer at each of
     /// its phase boundaries, and [`FusedEngine::last_trace`] gives the last completed round's
     /// timeline (a replay: only of a graph captured with tracing on). The stamp buffer is

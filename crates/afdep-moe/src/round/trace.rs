@@ -1,10 +1,10 @@
 //! The timeline of a round: its phases on the device timer, per rank (what a traced device
-//! round of the fused engine gives, [`crate::fused::trace`]).
+//! round of the fused engine gives, [`FusedEngine::set_trace`](crate::FusedEngine::set_trace)).
 
 use serde::Serialize;
 
 /// A phase of a device round as a timeline names it (the numbered steps of
-/// [`device_round`](super::device_round)'s sequencer).
+/// [`device_round`](crate::fused::device_round)'s sequencer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TracePhase {
