@@ -136,33 +136,29 @@ pub(super) fn fused_engine(
     Ok(eng)
 }
 
-/// One rank of a `--graph` run: its fused engine with device rounds prepared and round timing
-/// on, and the graph of the run's arm, captured once; each round replays it.
-pub(super) struct GraphRank {
-    // dropped before the engine whose buffers it uses
-    pub(super) graph: FusedGraph,
-    pub(super) eng: FusedEngine,
-}
-
-/// One rank of a `--device-rounds` run: its fused engine with device rounds prepared and round
-/// timing on; each round is an eager device round of `arm`.
+/// One rank of a run of device rounds: its fused engine with device rounds prepared and round
+/// timing on; each round replays the graph of the run's arm, captured once (`--graph`), or
+/// runs an eager device round of that arm (`--device-rounds`).
 pub(super) struct DeviceRank {
-    pub(super) eng: FusedEngine,
-    pub(super) arm: RoundArm,
+    // dropped before the engine whose buffers it uses
+    graph: Option<FusedGraph>,
+    eng: FusedEngine,
+    arm: RoundArm,
 }
 
-/// This rank's fused engine over its NvlinkIpc transport with device rounds prepared (device
-/// experts from `expert`: the identity with no expert kernel, exact; or the SwiGLU experts of
-/// `params`), round timing on, tracing on with `trace`, and the arm selected (`auto`: the
-/// rule, on the device).
-fn device_engine(
+/// A [`DeviceRank`] over this rank's NvlinkIpc transport: device experts from `expert` (the
+/// identity with no expert kernel, exact; or the SwiGLU experts of `params`), round timing on,
+/// tracing on with `trace`, the arm selected (`auto`: the rule, on the device), and with
+/// `graph` the capture (collective).
+pub(super) fn device_rank(
     cfg: &ExchangeConfig,
     t: AnyTransport,
     arm: ArmArg,
     expert: ExpertArg,
     params: Option<&LayerParams>,
     trace: bool,
-) -> Result<FusedEngine> {
+    graph: bool,
+) -> Result<DeviceRank> {
     let t = t
         .into_nvlink()
         .map_err(|t| anyhow::anyhow!("the fused engine needs nvlink, got {}", t.kind()))?;
@@ -181,21 +177,12 @@ fn device_engine(
         eng.set_trace(true)?;
     }
     select_arm(&mut eng, arm)?;
-    Ok(eng)
-}
-
-/// A [`GraphRank`]: [`device_engine`], then the capture (collective).
-pub(super) fn graph_rank(
-    cfg: &ExchangeConfig,
-    t: AnyTransport,
-    arm: ArmArg,
-    expert: ExpertArg,
-    params: Option<&LayerParams>,
-    trace: bool,
-) -> Result<GraphRank> {
-    let mut eng = device_engine(cfg, t, arm, expert, params, trace)?;
-    let graph = eng.capture(round_arm(arm))?;
-    Ok(GraphRank { graph, eng })
+    let arm = round_arm(arm);
+    let graph = match graph {
+        true => Some(eng.capture(arm)?),
+        false => None,
+    };
+    Ok(DeviceRank { graph, eng, arm })
 }
 
 impl ExchangeEngine for DeviceRank {
@@ -207,7 +194,10 @@ impl ExchangeEngine for DeviceRank {
         input: Option<&SourceInput>,
         _expert: &dyn ExpertFn,
     ) -> Result<RoundOutput, ExchangeError> {
-        self.eng.device_round(self.arm, input)
+        match &self.graph {
+            Some(g) => self.eng.replay(g, input),
+            None => self.eng.device_round(self.arm, input),
+        }
     }
     fn barrier(&mut self) -> Result<(), TransportError> {
         self.eng.transport_mut().barrier()
@@ -223,48 +213,20 @@ impl ExchangeEngine for DeviceRank {
     }
 }
 
-impl ExchangeEngine for GraphRank {
-    fn rank(&self) -> usize {
-        self.eng.rank()
-    }
-    fn round(
-        &mut self,
-        input: Option<&SourceInput>,
-        _expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError> {
-        self.eng.replay(&self.graph, input)
-    }
-    fn barrier(&mut self) -> Result<(), TransportError> {
-        self.eng.transport_mut().barrier()
-    }
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<u8>, TransportError> {
-        self.eng.transport_mut().all_gather(mine)
-    }
-    fn round_time(&self) -> Option<Duration> {
-        self.eng.last_round_time()
-    }
-    fn round_trace(&self) -> Option<RoundTrace> {
-        self.eng.last_trace().cloned()
-    }
-}
-
-/// This rank's fused engine of the run: host-planned eager rounds ([`fused_engine`]), with
-/// `--graph` graph replays ([`graph_rank`]), with `--device-rounds` eager device rounds
-/// ([`DeviceRank`]); device experts from `params`.
+/// This rank's fused engine of the run: host-planned eager rounds ([`fused_engine`]), or with
+/// `--graph` / `--device-rounds` device rounds ([`device_rank`]; device experts from
+/// `params`).
 pub(super) fn fused_rank(
     a: &ExchangeArgs,
     cfg: &ExchangeConfig,
     t: AnyTransport,
     params: Option<&LayerParams>,
 ) -> Result<Box<dyn ExchangeEngine>> {
-    let trace = a.trace.is_some();
-    Ok(if a.graph {
-        Box::new(graph_rank(cfg, t, a.arm, a.expert, params, trace)?)
-    } else if a.device_rounds {
-        Box::new(DeviceRank {
-            eng: device_engine(cfg, t, a.arm, a.expert, params, trace)?,
-            arm: round_arm(a.arm),
-        })
+    Ok(if a.device_experts() {
+        let trace = a.trace.is_some();
+        Box::new(device_rank(
+            cfg, t, a.arm, a.expert, params, trace, a.graph,
+        )?)
     } else {
         Box::new(fused_engine(cfg, t, a.arm)?)
     })
