@@ -484,23 +484,13 @@ fn odd_widths_match_the_oracle() {
     );
 }
 
-/// The warp-specialised GEMM engine forced for every rows GEMM the layer launches from this
-/// thread (the tile rule picks it only at large shapes, too slow for the CPU oracle): every
+/// The classic GEMM kernel forced for every rows GEMM the layer launches from this thread
+/// (every other test here runs the default engine, the warp-specialised one): every
 /// strategy, forward and train step, E 5 / 12 / 60, K 1-3, T 0, 1 and 257, widths that are
-/// multiples of 64 (the data gradient's W1 | W3 split on the ws engine) and not (it falls back
-/// to the classic kernel), with and without a shared expert.
+/// multiples of 64 and not, with and without a shared expert.
 #[test]
-fn ws_engine_odd_shapes_match_the_oracle() {
-    // Off until the ws engine has passed on a GPU (it is off by default): AFDEP_TEST_WS=1.
-    if !afdep_kernels::ops::gemm::WS_BY_DEFAULT
-        && std::env::var_os("AFDEP_TEST_WS").is_none_or(|v| v != "1")
-    {
-        println!(
-            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
-        );
-        return;
-    }
-    afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
+fn classic_engine_odd_shapes_match_the_oracle() {
+    afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Classic));
     let restore = RestoreEngine;
     odd_sweep(
         &[
@@ -513,7 +503,7 @@ fn ws_engine_odd_shapes_match_the_oracle() {
     drop(restore);
 }
 
-/// Restores the GEMM tile rule on this thread when dropped (also when the sweep panics).
+/// Restores the default GEMM engine on this thread when dropped (also when the sweep panics).
 struct RestoreEngine;
 
 impl Drop for RestoreEngine {
