@@ -45,9 +45,9 @@ pub mod timing;
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
 pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
+pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 #[cfg(feature = "nccl")]
 pub use nccl_device::NcclDeviceEngine;
-pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use round::{
     DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,
     RoundArm, RoundOutput, RoundTrace, TracePhase, run_group,

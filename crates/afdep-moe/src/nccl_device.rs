@@ -411,12 +411,8 @@ impl NcclDeviceEngine {
         bind(&self.gpu)?;
         let tokens = match input {
             Some(inp) => {
-                self.bufs.upload_input(
-                    &self.gpu,
-                    &inp.x,
-                    &inp.routes.idx,
-                    &inp.routes.weights,
-                )?;
+                self.bufs
+                    .upload_input(&self.gpu, &inp.x, &inp.routes.idx, &inp.routes.weights)?;
                 inp.routes.tokens
             }
             None => {
@@ -462,12 +458,14 @@ impl NcclDeviceEngine {
         let received = match (self.ffn_index, self.keep_received) {
             (Some(f), true) => {
                 let (slabs, ws) = self.bufs.read_received(&self.gpu)?;
-                Some(received_of(self.bufs.geometry(), f, &slabs, &ws).map_err(|what| {
-                    ExchangeError::Input {
-                        rank: self.rank(),
-                        what,
-                    }
-                })?)
+                Some(
+                    received_of(self.bufs.geometry(), f, &slabs, &ws).map_err(|what| {
+                        ExchangeError::Input {
+                            rank: self.rank(),
+                            what,
+                        }
+                    })?,
+                )
             }
             _ => None,
         };
@@ -526,7 +524,10 @@ pub fn received_of(
         let slab = &slabs[s * g.slab_bytes()..(s + 1) * g.slab_bytes()];
         let rows = u32::from_le_bytes(slab[..4].try_into().unwrap()) as usize;
         if rows > g.cap {
-            return Err(format!("source {s}'s slab holds {rows} rows, capacity {}", g.cap));
+            return Err(format!(
+                "source {s}'s slab holds {rows} rows, capacity {}",
+                g.cap
+            ));
         }
         slab_offsets.push(slab_offsets[s] + rows as u64);
         for r in 0..rows {
@@ -677,10 +678,18 @@ mod tests {
         let eo_last = 8 * (2 * 6 + 3);
         let good = ws[eo_last..eo_last + 8].to_vec();
         ws[eo_last..eo_last + 8].copy_from_slice(&(g.exp_rows() as u64 + 1).to_le_bytes());
-        assert!(received_of(&g, 0, &slabs, &ws).unwrap_err().contains("rows"));
+        assert!(
+            received_of(&g, 0, &slabs, &ws)
+                .unwrap_err()
+                .contains("rows")
+        );
         ws[eo_last..eo_last + 8].copy_from_slice(&good);
         slabs[..4].copy_from_slice(&5u32.to_le_bytes());
-        assert!(received_of(&g, 0, &slabs, &ws).unwrap_err().contains("capacity"));
+        assert!(
+            received_of(&g, 0, &slabs, &ws)
+                .unwrap_err()
+                .contains("capacity")
+        );
         assert!(received_of(&g, 0, &slabs[..10], &ws).is_err());
     }
 

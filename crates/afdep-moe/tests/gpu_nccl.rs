@@ -288,8 +288,15 @@ fn check(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], experts:
             );
         }
         if let Some(f) = cfg.topology.ffn_index(rank) {
-            let rx = r.received.as_ref().expect("an FFN rank keeps what it received");
-            assert_eq!(rx, &want_rx[f], "{}: dispatch to FFN rank {f} differs", cfg.topology);
+            let rx = r
+                .received
+                .as_ref()
+                .expect("an FFN rank keeps what it received");
+            assert_eq!(
+                rx, &want_rx[f],
+                "{}: dispatch to FFN rank {f} differs",
+                cfg.topology
+            );
         }
     }
 }
