@@ -44,7 +44,7 @@
 //! pair sends one whole slab each way, whatever the round's token count:
 //! `16 + capacity × row_bytes` dispatch bytes (`row_bytes = align16(4 + 8K) + align16(2 ×
 //! hidden)`) and `capacity × hidden × 4` return bytes
-//! ([`NcclGeometry`](afdep_kernels::ops::nccl_round::NcclGeometry)), the row counts riding in
+//! ([`NcclGeometry`]), the row counts riding in
 //! the slab headers. A round of T tokens per source where every token has a slot on every FFN
 //! rank moves the fraction `T / capacity` of those bytes as payload; the rest is padding. At
 //! hidden 7168, K = 8 and capacity 2048 that is 28.2 MiB dispatch + 56 MiB return per pair and
@@ -613,11 +613,14 @@ mod tests {
         }
     }
 
+    /// A compact row: token, local ids, weights.
+    type Row = (u32, [i32; 2], [f32; 2]);
+
     /// Slabs and a workspace as the device would write them for two sources.
     fn device_bytes(g: &NcclGeometry) -> (Vec<u8>, Vec<u8>) {
         let mut slabs = vec![0u8; g.sources * g.slab_bytes()];
         // source 0: tokens 1 and 3 (ids {0, -1}, {2, 1}); source 1: token 0 (ids {-1, 1})
-        let rows: [&[(u32, [i32; 2], [f32; 2])]; 2] = [
+        let rows: [&[Row]; 2] = [
             &[(1, [0, -1], [0.5, 0.0]), (3, [2, 1], [0.25, 0.75])],
             &[(0, [-1, 1], [0.0, 1.0])],
         ];

@@ -214,7 +214,6 @@ fn staged_engine_over_nccl_matches_the_oracle() {
 // ranks needs n GPUs, and the tests of a larger group print `SKIP` on a machine with fewer
 // (even with AFDEP_REQUIRE_GPU, which still fails a machine without NCCL or a GPU).
 
-#[allow(dead_code)]
 mod exchange_common;
 
 use afdep_moe::{DeviceExperts, ExchangeEngine, NcclDeviceEngine};

@@ -18,7 +18,7 @@
 //! 4. the return exchange (NCCL);
 //! 5. source: [`NcclRoundBuffers::combine`]: the fixed-order sum of the partials, cast to bf16.
 //!
-//! The round's token count is a device word ([`NcclRoundBuffers::tokens_addr`]) written before
+//! The round's token count is a device word ([`NcclRoundBuffers::set_tokens`]) written before
 //! the round, so the launches depend on no host value that changes between rounds.
 
 use afdep_core::bf16;
