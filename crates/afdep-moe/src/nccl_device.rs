@@ -32,25 +32,33 @@
 //!    arithmetic (`afdep_core::oracle::exchange`), so results are bit-identical to the oracle
 //!    for the identity and scale experts.
 //!
-//! Steps 2 to 8 are one fixed sequence of launches and NCCL calls on the engine's stream whose
-//! sizes are all fixed at set-up: [`NcclDeviceEngine::capture`] records them in a CUDA graph
-//! (NCCL 2.9 or later captures its groups), and later rounds replay it with new inputs.
+//! Steps 2 to 8 are one sequence of launches and NCCL calls on the engine's stream with no host
+//! work between them; with the capacity-padded sizes below they depend on no value that changes
+//! between rounds, so [`NcclDeviceEngine::capture`] records them in a CUDA graph (NCCL 2.9 or
+//! later captures its groups), and later rounds replay it with new inputs.
 //!
-//! # Capacity-padded slabs: the bytes they cost
+//! # Slab sizes: exact in eager rounds, capacity-padded in graphs
 //!
 //! `ncclSend`/`ncclRecv` take their byte counts on the host, and a captured graph freezes them.
-//! A round with variable sizes would need the counts on the host first (a count exchange and a
-//! synchronisation in the middle of the round: not capturable). So every (source, FFN rank)
-//! pair sends one whole slab each way, whatever the round's token count:
-//! `16 + capacity × row_bytes` dispatch bytes (`row_bytes = align16(4 + 8K) + align16(2 ×
-//! hidden)`) and `capacity × hidden × 4` return bytes
-//! ([`NcclGeometry`]), the row counts riding in
-//! the slab headers. A round of T tokens per source where every token has a slot on every FFN
-//! rank moves the fraction `T / capacity` of those bytes as payload; the rest is padding. At
-//! hidden 7168, K = 8 and capacity 2048 that is 28.2 MiB dispatch + 56 MiB return per pair and
-//! round, so the capacity should be set near the largest round (what `afdep exchange` does).
+//!
+//! - **Eager rounds** ([`NcclDeviceEngine::round`] without a capture): step 1's count phase
+//!   already gives every rank every source's per-FFN-rank token counts, so each pair sends
+//!   exactly its slab's header and rows and gets exactly its partial rows back
+//!   ([`pair_bytes`]): the all-to-all-v with host-known split sizes that
+//!   `torch.distributed.all_to_all_single` runs.
+//! - **Graph replays** ([`NcclDeviceEngine::capture`]): sizes fixed at capture, so every
+//!   (source, FFN rank) pair sends one whole slab each way, whatever the round's token count:
+//!   `16 + capacity × row_bytes` dispatch bytes (`row_bytes = align16(4 + 8K) + align16(2 ×
+//!   hidden)`) and `capacity × hidden × 4` return bytes ([`NcclGeometry`]), the row counts
+//!   riding in the slab headers. A round of T tokens per source moves at most the fraction
+//!   `T / capacity` of those bytes as payload; the rest is padding. At the tables' setting
+//!   (hidden 2048, K = 8, capacity 2048) that is 8.2 MiB dispatch + 16 MiB return per pair and
+//!   round (3A:1F: 24.5 + 48 MiB, at 1 token as at 2,048); at hidden 7168 and capacity 2048,
+//!   28.2 + 56 MiB per pair. So a graph's capacity should be set near the largest round.
+//!
 //! A dispatch row carries its own metadata (token, ids, weights: 80 bytes at K = 8), so no
-//! separate count or route exchange is needed.
+//! separate route exchange is needed, and the FFN rank's plan comes from the received slabs on
+//! the device in both modes.
 //!
 //! # Ranks and GPUs
 //!
@@ -70,7 +78,7 @@
 
 use std::time::{Duration, Instant};
 
-use afdep_core::layout::FfnPlan;
+use afdep_core::layout::{FfnPlan, SourceCounts};
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaGraph, sys};
@@ -98,13 +106,14 @@ pub fn geometry(cfg: &ExchangeConfig) -> NcclGeometry {
 
 /// The NCCL device engine of one rank; see the [module docs](self).
 pub struct NcclDeviceEngine {
+    // dropped first: it holds the communicator's captured groups
+    graph: Option<CudaGraph>,
     cfg: ExchangeConfig,
     transport: Nccl,
     gpu: GpuContext,
     bufs: NcclRoundBuffers,
     src_index: Option<usize>,
     ffn_index: Option<usize>,
-    graph: Option<CudaGraph>,
     timer: Option<(CudaEvent, CudaEvent)>,
     last_time: Option<Duration>,
     poison: bool,
@@ -278,7 +287,7 @@ impl NcclDeviceEngine {
         let s = self.gpu.stream().clone();
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(KernelError::driver("beginning a graph capture"))?;
-        let launched = self.launch_round();
+        let launched = self.launch_round(None);
         let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
         let captured = launched.and_then(|()| {
             let g = ended
@@ -324,31 +333,36 @@ impl NcclDeviceEngine {
         Ok(())
     }
 
-    /// Steps 2 to 8 of a round on the engine's stream (what a graph captures).
-    fn launch_round(&mut self) -> Result<(), ExchangeError> {
+    /// Steps 2 to 8 of a round on the engine's stream (what a graph captures). `counts`: every
+    /// source's counts of an eager round (exact slab sizes, [`pair_bytes`]); `None`: whole
+    /// slabs (a capture).
+    fn launch_round(&mut self, counts: Option<&[SourceCounts]>) -> Result<(), ExchangeError> {
         let g = *self.bufs.geometry();
         let topo = self.cfg.topology;
+        let sizes = |s: usize, f: usize| pair_bytes(&g, counts.map(|c| c[s].ffn_tokens[f]));
+        let me_src = self.src_index;
+        let me_ffn = self.ffn_index;
         let gpu = &self.gpu;
         if self.src_index.is_some() {
             self.bufs.pack(gpu)?;
         }
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
-        if self.src_index.is_some() {
+        if let Some(s) = me_src {
             for f in 0..g.ffn_ranks {
                 sends.push(RawPart {
                     peer: topo.ffn_rank(f),
                     addr: self.bufs.send_slab(gpu, f)?,
-                    bytes: g.slab_bytes(),
+                    bytes: sizes(s, f).0,
                 });
             }
         }
-        if self.ffn_index.is_some() {
+        if let Some(f) = me_ffn {
             for s in 0..g.sources {
                 recvs.push(RawPart {
                     peer: s,
                     addr: self.bufs.recv_slab(gpu, s)?,
-                    bytes: g.slab_bytes(),
+                    bytes: sizes(s, f).0,
                 });
             }
         }
@@ -356,7 +370,7 @@ impl NcclDeviceEngine {
         let gpu = &self.gpu;
         sends.clear();
         recvs.clear();
-        if self.ffn_index.is_some() {
+        if let Some(f) = me_ffn {
             self.bufs.expand(gpu)?;
             self.bufs.experts(gpu)?;
             self.bufs.reduce(gpu)?;
@@ -364,16 +378,16 @@ impl NcclDeviceEngine {
                 sends.push(RawPart {
                     peer: s,
                     addr: self.bufs.ret_send_slab(gpu, s)?,
-                    bytes: g.ret_slab_bytes(),
+                    bytes: sizes(s, f).1,
                 });
             }
         }
-        if self.src_index.is_some() {
+        if let Some(s) = me_src {
             for f in 0..g.ffn_ranks {
                 recvs.push(RawPart {
                     peer: topo.ffn_rank(f),
                     addr: self.bufs.ret_recv_slab(gpu, f)?,
-                    bytes: g.ret_slab_bytes(),
+                    bytes: sizes(s, f).1,
                 });
             }
         }
@@ -391,9 +405,9 @@ impl NcclDeviceEngine {
         let t0 = Instant::now();
         // a rejected route fails every rank here, before anything moves, and leaves the engine
         // open
-        count_phase(&self.cfg, &mut self.transport, input)?;
+        let counts = count_phase(&self.cfg, &mut self.transport, input)?;
         let counted = t0.elapsed();
-        let out = self.device_part(input, t0, counted);
+        let out = self.device_part(input, &counts, t0, counted);
         if let Err(e) = &out {
             self.closed = Some(e.to_string());
             self.last_time = None;
@@ -404,6 +418,7 @@ impl NcclDeviceEngine {
     fn device_part(
         &mut self,
         input: Option<&SourceInput>,
+        counts: &[SourceCounts],
         t0: Instant,
         counted: Duration,
     ) -> Result<RoundOutput, ExchangeError> {
@@ -437,7 +452,7 @@ impl NcclDeviceEngine {
             Some(g) => g
                 .launch()
                 .map_err(KernelError::driver("launching the round's graph"))?,
-            None => self.launch_round()?,
+            None => self.launch_round(Some(counts))?,
         }
         if let Some((_, stop)) = &self.timer {
             stop.record(self.gpu.stream())
@@ -480,6 +495,21 @@ impl NcclDeviceEngine {
                 combine: Duration::ZERO,
             },
         })
+    }
+}
+
+/// The bytes of one (source, FFN rank) pair's dispatch and return slabs in a round: with the
+/// pair's compact row count `rows` (an eager round: every rank has every source's counts from
+/// the count phase) the header and those rows, and `rows` f32 partial rows back (the exact
+/// all-to-all-v); `None` (a captured graph, whose sizes are frozen) the whole capacity-padded
+/// slabs. Every rank computes the same sizes for a pair, so each send matches its receive.
+pub fn pair_bytes(g: &NcclGeometry, rows: Option<u64>) -> (usize, usize) {
+    match rows {
+        Some(n) => {
+            let n = (n as usize).min(g.cap);
+            (HEADER_BYTES + n * g.row_bytes(), n * g.hidden * 4)
+        }
+        None => (g.slab_bytes(), g.ret_slab_bytes()),
     }
 }
 
@@ -694,6 +724,18 @@ mod tests {
                 .contains("capacity")
         );
         assert!(received_of(&g, 0, &slabs[..10], &ws).is_err());
+    }
+
+    #[test]
+    fn eager_pairs_move_their_rows_and_graphs_whole_slabs() {
+        let g = geo();
+        assert_eq!(pair_bytes(&g, Some(0)), (HEADER_BYTES, 0));
+        assert_eq!(
+            pair_bytes(&g, Some(3)),
+            (HEADER_BYTES + 3 * g.row_bytes(), 3 * 5 * 4)
+        );
+        assert_eq!(pair_bytes(&g, None), (g.slab_bytes(), g.ret_slab_bytes()));
+        assert_eq!(pair_bytes(&g, Some(4)), pair_bytes(&g, None));
     }
 
     #[test]

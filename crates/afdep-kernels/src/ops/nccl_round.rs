@@ -188,7 +188,11 @@ impl NcclRoundBuffers {
         }
         as_u32("rows of a slab", geo.sources * cap)?;
         as_u32("expanded rows", geo.exp_rows())?;
+        // every module of the round, loaded now (a load inside a round could synchronise)
         ctx.function(KernelId::NcclPack, 0, as_u32("top_k", k)?)?;
+        if scales.is_some() {
+            ctx.function(KernelId::RoundExperts, 0, as_u32("top_k", k)?)?;
+        }
         let source = if source {
             Some(SourceBufs {
                 x: zeros(ctx, cap * h)?,
