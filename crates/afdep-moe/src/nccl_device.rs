@@ -176,6 +176,11 @@ impl NcclDeviceEngine {
         let local = GpuContext::new(transport.device())
             .map_err(ExchangeError::from)
             .and_then(|gpu| {
+                // SAFETY: no buffer of this context exists yet, and every buffer the engine
+                // allocates is allocated, used and freed on the context's one stream (its
+                // kernels and NCCL groups alike), whose order is all the synchronisation they
+                // need; without per-buffer events a capture holds kernel and NCCL nodes only.
+                unsafe { gpu.cuda().disable_event_tracking() };
                 let bufs = NcclRoundBuffers::new(
                     &gpu,
                     geo,
