@@ -740,10 +740,11 @@ mod tests {
         );
         let v = runtime_variants();
         // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue, device round, fp8
+        // combine, count-first counts, dispatch, streaming epilogue, device round, NCCL round
+        // (top-k), fp8
         assert_eq!(
             v.len(),
-            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 1
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
         );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }
