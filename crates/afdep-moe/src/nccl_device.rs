@@ -283,13 +283,25 @@ impl NcclDeviceEngine {
     }
 
     /// Records steps 2 to 8 of a round (module docs) in a CUDA graph, which every later round
-    /// replays. Collective (barriers before and after); every rank must capture. The capture
-    /// runs nothing.
+    /// replays. Collective (barriers before and after); every rank must capture. First one
+    /// eager round of no tokens with the graph's padded sizes runs, so that NCCL sets up its
+    /// connections to every peer outside the capture; the capture itself runs nothing.
     pub fn capture(&mut self) -> Result<(), ExchangeError> {
+        const OP: &str = "nccl_device.capture";
         self.check_open()?;
         self.transport.barrier()?;
         bind(&self.gpu)?;
         let s = self.gpu.stream().clone();
+        let warmed = self
+            .bufs
+            .set_tokens(&self.gpu, 0)
+            .map_err(ExchangeError::from)
+            .and_then(|()| self.launch_round(None))
+            .and_then(|()| Ok(self.transport.wait_stream(&s, OP)?));
+        if let Err(e) = warmed {
+            self.closed = Some(e.to_string());
+            return Err(e);
+        }
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(KernelError::driver("beginning a graph capture"))?;
         let launched = self.launch_round(None);
