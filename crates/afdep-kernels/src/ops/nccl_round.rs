@@ -28,7 +28,7 @@ use super::fused_round::{self as fr, PlanView};
 use super::{as_u32, grid, zeros};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
-use crate::sources::KernelId;
+use crate::sources::{KernelId, SourceFile};
 
 /// Bytes of a dispatch slab's header (`AFDEP_NCCL_HEADER`).
 pub const HEADER_BYTES: usize = 16;
@@ -188,10 +188,14 @@ impl NcclRoundBuffers {
         }
         as_u32("rows of a slab", geo.sources * cap)?;
         as_u32("expanded rows", geo.exp_rows())?;
-        // every module of the round, loaded now (a load inside a round could synchronise)
-        ctx.function(KernelId::NcclPack, 0, as_u32("top_k", k)?)?;
+        // every kernel of the round, loaded now (a load inside a round could synchronise)
+        for id in SourceFile::NcclRound.kernels() {
+            ctx.function(id, 0, as_u32("top_k", k)?)?;
+        }
         if scales.is_some() {
-            ctx.function(KernelId::RoundExperts, 0, as_u32("top_k", k)?)?;
+            // fr::experts runs the K = 1 module's kernel (it does not depend on top-k), as
+            // ops::fused::preload loads it
+            ctx.function(KernelId::RoundExperts, 0, 1)?;
         }
         let source = if source {
             Some(SourceBufs {
