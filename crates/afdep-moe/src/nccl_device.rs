@@ -161,21 +161,24 @@ impl NcclDeviceEngine {
         let src_index = cfg.topology.attention_index(rank);
         let ffn_index = cfg.topology.ffn_index(rank);
         let scales = match (experts, ffn_index) {
+            // the same on every rank given the same experts: no rank waits for the others
             (DeviceExperts::SwiGlu(_), _) => return Err(unsupported("the SwiGLU device expert")),
             (DeviceExperts::Scale(s), Some(f)) => {
                 let e = cfg.placement().experts_of(f);
-                let local = s.get(e.clone()).ok_or_else(|| ExchangeError::Input {
-                    rank,
-                    what: format!("{} expert scales, experts {e:?} needed", s.len()),
-                })?;
-                Some(local.to_vec())
+                match s.get(e.clone()) {
+                    Some(local) => Ok(Some(local.to_vec())),
+                    None => Err(ExchangeError::Input {
+                        rank,
+                        what: format!("{} expert scales, experts {e:?} needed", s.len()),
+                    }),
+                }
             }
-            _ => None,
+            _ => Ok(None),
         };
         // every rank's set-up verdict before anything that could wait for a peer
-        let local = GpuContext::new(transport.device())
-            .map_err(ExchangeError::from)
-            .and_then(|gpu| {
+        let local = scales
+            .and_then(|scales| Ok((scales, GpuContext::new(transport.device())?)))
+            .and_then(|(scales, gpu)| {
                 // SAFETY: no buffer of this context exists yet, and every buffer the engine
                 // allocates is allocated, used and freed on the context's one stream (its
                 // kernels and NCCL groups alike), whose order is all the synchronisation they
