@@ -23,14 +23,16 @@
 //!    expert), expert-major, source-minor, compact order within a block).
 //! 5. **experts** (FFN): [`DeviceExperts::Scale`] by `afdep_round_experts` (the fused device
 //!    round's expert kernel); [`DeviceExperts::Identity`] runs no kernel (the partials read the
-//!    expanded rows).
+//!    expanded rows); [`DeviceExperts::SwiGlu`] by the fused device round's grouped SwiGLU
+//!    GEMMs over the expanded rows, groups from the device plan's expert offsets (within the
+//!    bf16 tolerance of the oracle, [`crate::accuracy`], not bit-identical).
 //! 6. **reduce** (FFN, `afdep_nccl_reduce`): per compact row the f32 partial
 //!    `Σ_{k ascending, on f} w_k · y_k` into the **return slab** of its source.
 //! 7. **return exchange** (one NCCL group, the other way).
 //! 8. **combine** (source, `afdep_nccl_combine`): per token, `0 + Σ_{f ascending}` of the
 //!    partials of the FFN ranks holding one of its slots, cast to bf16 once: the oracle's
 //!    arithmetic (`afdep_core::oracle::exchange`), so results are bit-identical to the oracle
-//!    for the identity and scale experts.
+//!    for the identity and scale experts, and what an FFN rank received always is.
 //!
 //! Steps 2 to 8 are one sequence of launches and NCCL calls on the engine's stream with no host
 //! work between them; with the capacity-padded sizes below they depend on no value that changes
@@ -73,8 +75,8 @@
 //! A rejected route is [`ExchangeError::Route`] on every rank and leaves the engine usable.
 //! Any other failure of a round (a kernel or driver error, an NCCL error or time-out, which
 //! abort the communicator) closes the engine: [`ExchangeError::Closed`] afterwards. fp8 payloads
-//! and the SwiGLU device expert are not supported by this engine (an [`ExchangeError::Input`]
-//! at set-up, the same on every rank).
+//! are not supported by this engine (an [`ExchangeError::Input`] at set-up, the same on every
+//! rank).
 
 use std::time::{Duration, Instant};
 
@@ -82,13 +84,14 @@ use afdep_core::layout::{FfnPlan, SourceCounts};
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaGraph, sys};
-use afdep_kernels::ops::nccl_round::{HEADER_BYTES, NcclGeometry, NcclRoundBuffers};
+use afdep_kernels::ops::nccl_round::{HEADER_BYTES, NcclExperts, NcclGeometry, NcclRoundBuffers};
 use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::{Nccl, RawPart, Transport, TransportError};
 use tracing::debug;
 
 use crate::error::ExchangeError;
 use crate::fused::DeviceExperts;
+use crate::fused::device_round::{SwigluBufs, swiglu, swiglu_bufs};
 use crate::round::{ExchangeEngine, ExpertFn, PhaseTimes, RoundOutput, agree, count_phase};
 
 /// The geometry of a config's NCCL device round.
@@ -112,6 +115,8 @@ pub struct NcclDeviceEngine {
     transport: Nccl,
     gpu: GpuContext,
     bufs: NcclRoundBuffers,
+    /// An FFN rank's SwiGLU experts (the fused device round's grouped GEMMs).
+    swiglu: Option<SwigluBufs>,
     src_index: Option<usize>,
     ffn_index: Option<usize>,
     timer: Option<(CudaEvent, CudaEvent)>,
@@ -141,8 +146,8 @@ fn bind(gpu: &GpuContext) -> Result<(), KernelError> {
 impl NcclDeviceEngine {
     /// Sets up one rank, collective: the config agreement of every engine, the device buffers
     /// (capacity-sized) and the kernels (compiled or read from the cache now, outside any
-    /// round), on `transport`'s device, with `experts` as the FFN ranks' experts. fp8 payloads
-    /// and [`DeviceExperts::SwiGlu`] are [`ExchangeError::Input`] on every rank.
+    /// round), on `transport`'s device, with `experts` as the FFN ranks' experts (every rank
+    /// must pass the same). fp8 payloads are [`ExchangeError::Input`] on every rank.
     pub fn new(
         cfg: ExchangeConfig,
         mut transport: Nccl,
@@ -161,8 +166,6 @@ impl NcclDeviceEngine {
         let src_index = cfg.topology.attention_index(rank);
         let ffn_index = cfg.topology.ffn_index(rank);
         let scales = match (experts, ffn_index) {
-            // the same on every rank given the same experts: no rank waits for the others
-            (DeviceExperts::SwiGlu(_), _) => return Err(unsupported("the SwiGLU device expert")),
             (DeviceExperts::Scale(s), Some(f)) => {
                 let e = cfg.placement().experts_of(f);
                 match s.get(e.clone()) {
@@ -184,19 +187,24 @@ impl NcclDeviceEngine {
                 // kernels and NCCL groups alike), whose order is all the synchronisation they
                 // need; without per-buffer events a capture holds kernel and NCCL nodes only.
                 unsafe { gpu.cuda().disable_event_tracking() };
-                let bufs = NcclRoundBuffers::new(
-                    &gpu,
-                    geo,
-                    src_index.is_some(),
-                    ffn_index,
-                    scales.as_deref(),
-                )?;
+                let kind = match (experts, scales.as_deref()) {
+                    (DeviceExperts::SwiGlu(_), _) => NcclExperts::External,
+                    (_, Some(s)) => NcclExperts::Scale(s),
+                    _ => NcclExperts::Identity,
+                };
+                let bufs = NcclRoundBuffers::new(&gpu, geo, src_index.is_some(), ffn_index, kind)?;
+                let swiglu = match (experts, ffn_index) {
+                    (DeviceExperts::SwiGlu(lp), Some(f)) => {
+                        Some(swiglu_bufs(&gpu, &cfg, lp, f, geo.exp_rows())?)
+                    }
+                    _ => None,
+                };
                 gpu.synchronize()?;
-                Ok((gpu, bufs))
+                Ok((gpu, bufs, swiglu))
             });
         let ok = [u8::from(local.is_ok())];
         let all = transport.all_gather(&ok)?;
-        let (gpu, bufs) = local?;
+        let (gpu, bufs, swiglu) = local?;
         if let Some(peer) = all.iter().position(|&b| b == 0) {
             return Err(ExchangeError::Transport(TransportError::PeerFailed {
                 op: "nccl_device.new",
@@ -216,6 +224,7 @@ impl NcclDeviceEngine {
             transport,
             gpu,
             bufs,
+            swiglu,
             src_index,
             ffn_index,
             graph: None,
@@ -392,7 +401,13 @@ impl NcclDeviceEngine {
         recvs.clear();
         if let Some(f) = me_ffn {
             self.bufs.expand(gpu)?;
-            self.bufs.experts(gpu)?;
+            match self.swiglu.as_mut() {
+                Some(sw) => {
+                    let (pv, y) = self.bufs.expert_io(gpu)?;
+                    swiglu(gpu, &pv, sw, y)?;
+                }
+                None => self.bufs.experts(gpu)?,
+            }
             self.bufs.reduce(gpu)?;
             for s in 0..g.sources {
                 sends.push(RawPart {
@@ -480,6 +495,10 @@ impl NcclDeviceEngine {
         }
         let stream = self.gpu.stream().clone();
         self.transport.wait_stream(&stream, OP)?;
+        if self.swiglu.is_some() {
+            // a GEMM's bounded TMA wait that ran out
+            self.gpu.take_fault()?;
+        }
         if let Some((start, stop)) = &self.timer {
             let ms = start
                 .elapsed_ms(stop)

@@ -208,8 +208,8 @@ fn staged_engine_over_nccl_matches_the_oracle() {
 // ---------------------------------------------------------------------------------------------
 // The NCCL device engine (afdep_moe::nccl_device): packing, expansion, experts and combine on
 // the GPU, grouped ncclSend/ncclRecv of capacity-padded slabs, eager and replayed from a CUDA
-// graph, bit-identical to the oracle (identity and scale experts), outputs poisoned before every
-// round, what each FFN rank received (the device's plan, expanded rows and compact view) equal to
+// graph, bit-identical to the oracle (identity and scale experts; SwiGLU within the bf16
+// tolerance), outputs poisoned before every round, what each FFN rank received (the device's plan, expanded rows and compact view) equal to
 // the oracle's dispatch. NCCL refuses two ranks of one communicator on one GPU: a group of n
 // ranks needs n GPUs, and the tests of a larger group print `SKIP` on a machine with fewer
 // (even with AFDEP_REQUIRE_GPU, which still fails a machine without NCCL or a GPU).
@@ -402,4 +402,59 @@ fn device_engine_2a2f_matches_the_oracle() {
 #[test]
 fn device_engine_ep2_matches_the_oracle() {
     device_group_matches_the_oracle("EP2", 64, 8, 2);
+}
+
+/// The SwiGLU experts (the fused device round's grouped GEMMs over the device plan's groups):
+/// the combine within the bf16 tolerance of the oracle's `expert_rows`, what each FFN rank
+/// received bit for bit, eager and graph giving the same bits; EP1 on one GPU, 2A:2F on 4.
+#[test]
+fn device_engine_swiglu_is_within_tolerance() {
+    for topo in ["EP1", "2A:2F"] {
+        let mut cfg = device_cfg(topo, 64, 12, 2);
+        cfg.capacity = 40;
+        let p = exchange_common::params(&cfg, 32, 7);
+        let experts = DeviceExperts::SwiGlu(std::sync::Arc::new(p.clone()));
+        let a = cfg.topology.attention_count();
+        let rounds = vec![
+            sources(&cfg, &[37, 0][..a], Some(3), 101),
+            sources(&cfg, &[1, 40][..a], None, 102),
+        ];
+        let mut by_mode = Vec::new();
+        for graph in [false, true] {
+            let Some(g) = nccl_group(cfg.topology.world_size()) else {
+                return;
+            };
+            by_mode.push(run_device(g, &cfg, &rounds, &experts, graph));
+        }
+        for (i, inp) in rounds.iter().enumerate() {
+            let want = reference::exchange(&cfg, inp, experts.host()).unwrap();
+            let want_rx = reference::dispatch(&cfg, inp).unwrap();
+            for (rank, r) in by_mode[0][i].iter().enumerate() {
+                let r = r
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{topo} rank {rank}: {e}"));
+                if let Some(s) = cfg.topology.attention_index(rank) {
+                    let got = r.combined.as_ref().unwrap();
+                    assert!(
+                        got.iter().all(|v| !v.is_nan()),
+                        "NaN in rank {rank}'s output"
+                    );
+                    let err = afdep_moe::accuracy::max_rel_err(got, &want[s]);
+                    assert!(
+                        err <= afdep_moe::accuracy::OUT_TOL,
+                        "{topo} round {i} source {s}: error {err}"
+                    );
+                    println!("{topo} round {i} source {s}: max rel err {err:.2e}");
+                }
+                if let Some(f) = cfg.topology.ffn_index(rank) {
+                    assert_eq!(r.received.as_ref().unwrap(), &want_rx[f]);
+                }
+                let replayed = by_mode[1][i][rank].as_ref().unwrap();
+                assert!(
+                    replayed.combined == r.combined,
+                    "{topo} round {i} rank {rank}: the graph differs from the eager round"
+                );
+            }
+        }
+    }
 }

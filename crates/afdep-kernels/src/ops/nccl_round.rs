@@ -110,6 +110,18 @@ impl NcclGeometry {
     }
 }
 
+/// The experts an FFN rank's [`NcclRoundBuffers`] are made for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NcclExperts<'a> {
+    /// Every expert returns its rows: no expert kernel, the partials read the expanded rows.
+    Identity,
+    /// `y = bf16(f32(x) · scales[l])` for local expert l (`afdep_round_experts`): one f32 per
+    /// local expert.
+    Scale(&'a [f32]),
+    /// The caller's experts write the output rows ([`NcclRoundBuffers::expert_io`]).
+    External,
+}
+
 /// A source's buffers.
 struct SourceBufs {
     x: CudaSlice<bf16>,
@@ -129,8 +141,11 @@ struct FfnBufs {
     ws: CudaSlice<u8>,
     slot_map: CudaSlice<u32>,
     row_map: CudaSlice<u32>,
-    /// The scale expert's outputs and scales (`None`: the identity expert).
-    scaled: Option<(CudaSlice<f32>, CudaSlice<bf16>)>,
+    /// The scale expert's scales (`None`: the identity expert or the caller's experts).
+    scales: Option<CudaSlice<f32>>,
+    /// The experts' output rows (`None`: the identity expert, whose partials read the
+    /// expanded rows).
+    y: Option<CudaSlice<bf16>>,
     ret_send: CudaSlice<f32>,
     /// A control block whose verdict is go (zeros), for `afdep_round_experts`.
     ctl: CudaSlice<u32>,
@@ -171,14 +186,13 @@ fn one_block() -> LaunchConfig {
 
 impl NcclRoundBuffers {
     /// Zeroed buffers of one rank: a source's when `source`, an FFN rank's (FFN index `ffn`)
-    /// when `ffn` is some; `scales` (one f32 per local expert of that FFN rank) selects the
-    /// scale expert, `None` the identity expert. Loads the module for `geo.top_k`.
+    /// when `ffn` is some, for `experts`. Loads the kernels for `geo.top_k`.
     pub fn new(
         ctx: &GpuContext,
         geo: NcclGeometry,
         source: bool,
         ffn: Option<usize>,
-        scales: Option<&[f32]>,
+        experts: NcclExperts<'_>,
     ) -> Result<NcclRoundBuffers, KernelError> {
         let (h, cap, k) = (geo.hidden, geo.cap, geo.top_k);
         if cap == 0 || h == 0 || k == 0 || geo.epr == 0 || geo.sources == 0 || geo.ffn_ranks == 0 {
@@ -192,7 +206,7 @@ impl NcclRoundBuffers {
         for id in SourceFile::NcclRound.kernels() {
             ctx.function(id, 0, as_u32("top_k", k)?)?;
         }
-        if scales.is_some() {
+        if matches!(experts, NcclExperts::Scale(_)) {
             // fr::experts runs the K = 1 module's kernel (it does not depend on top-k), as
             // ops::fused::preload loads it
             ctx.function(KernelId::RoundExperts, 0, 1)?;
@@ -212,8 +226,8 @@ impl NcclRoundBuffers {
         };
         let ffn = match ffn {
             Some(index) => {
-                let scaled = match scales {
-                    Some(s) => {
+                let scales = match experts {
+                    NcclExperts::Scale(s) => {
                         if s.len() != geo.epr {
                             return Err(KernelError::Shape(format!(
                                 "{} expert scales for {} local experts",
@@ -221,13 +235,19 @@ impl NcclRoundBuffers {
                                 geo.epr
                             )));
                         }
-                        let dev = ctx
-                            .stream()
-                            .clone_htod(s)
-                            .map_err(KernelError::driver("uploading the expert scales"))?;
-                        Some((dev, zeros(ctx, geo.exp_rows() * h)?))
+                        Some(
+                            ctx.stream()
+                                .clone_htod(s)
+                                .map_err(KernelError::driver("uploading the expert scales"))?,
+                        )
                     }
-                    None => None,
+                    NcclExperts::Identity | NcclExperts::External => None,
+                };
+                let y = match experts {
+                    NcclExperts::Identity => None,
+                    NcclExperts::Scale(_) | NcclExperts::External => {
+                        Some(zeros(ctx, geo.exp_rows() * h)?)
+                    }
                 };
                 Some(FfnBufs {
                     index,
@@ -235,7 +255,8 @@ impl NcclRoundBuffers {
                     ws: zeros(ctx, geo.exp_off() + geo.exp_rows() * h * 2)?,
                     slot_map: zeros(ctx, geo.sources * cap * k)?,
                     row_map: zeros(ctx, geo.exp_rows())?,
-                    scaled,
+                    scales,
+                    y,
                     ret_send: zeros(ctx, geo.sources * cap * h)?,
                     ctl: zeros(ctx, fr::CTL_WORDS)?,
                 })
@@ -333,7 +354,7 @@ impl NcclRoundBuffers {
             // mutably for the call; `_r` orders later uses after the memset.
             unsafe { cudarc::driver::result::memset_d8_async(p, 0xFF, bytes, stream.cu_stream()) }
                 .map_err(KernelError::driver("poisoning the expanded rows"))?;
-            if let Some((_, y)) = b.scaled.as_mut() {
+            if let Some(y) = b.y.as_mut() {
                 super::poison(ctx, y)?;
             }
             super::poison(ctx, &mut b.ret_send)?;
@@ -503,7 +524,7 @@ impl NcclRoundBuffers {
     }
 
     /// FFN: the scale expert over the expanded rows (`afdep_round_experts`); nothing for the
-    /// identity expert.
+    /// identity expert or the caller's ([`NcclExperts::External`]).
     pub fn experts(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
         let g = self.geo;
         let blocks = self.blocks;
@@ -513,7 +534,7 @@ impl NcclRoundBuffers {
             .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
         let ws = addr(ctx, &b.ws);
         let ctl = addr(ctx, &b.ctl);
-        let Some((scales, y)) = b.scaled.as_mut() else {
+        let (Some(scales), Some(y)) = (b.scales.as_ref(), b.y.as_mut()) else {
             return Ok(());
         };
         let pv = PlanView {
@@ -543,8 +564,8 @@ impl NcclRoundBuffers {
             .ffn
             .as_mut()
             .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
-        let y = match &b.scaled {
-            Some((_, y)) => addr(ctx, y),
+        let y = match &b.y {
+            Some(y) => addr(ctx, y),
             None => addr(ctx, &b.ws) + g.exp_off() as u64,
         };
         let f = ctx.function(KernelId::NcclReduce, 0, k)?;
@@ -565,6 +586,35 @@ impl NcclRoundBuffers {
         // ns × cap × hidden.
         unsafe { l.launch(grid(u64::from(blocks))?) }.map_err(launch_err(KernelId::NcclReduce))?;
         Ok(())
+    }
+
+    /// FFN, [`NcclExperts::External`]: where the plan and the expanded rows are (written by
+    /// [`expand`](NcclRoundBuffers::expand) in stream order: the plan at 0, expert offsets
+    /// included, `exp_rows` rows at `exp_off`) and the output rows (`exp_rows × hidden`, in
+    /// expanded order) that [`reduce`](NcclRoundBuffers::reduce) reads.
+    pub fn expert_io(
+        &mut self,
+        ctx: &GpuContext,
+    ) -> Result<(PlanView, &mut CudaSlice<bf16>), KernelError> {
+        let g = self.geo;
+        let b = self
+            .ffn
+            .as_mut()
+            .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
+        let pv = PlanView {
+            ws: addr(ctx, &b.ws),
+            plan_off: 0,
+            epr: g.epr,
+            sources: g.sources,
+            exp_off: g.exp_off() as u64,
+            exp_rows: g.exp_rows() as u64,
+            hidden: g.hidden,
+        };
+        let y = b
+            .y
+            .as_mut()
+            .ok_or_else(|| KernelError::Shape("the identity expert has no output rows".into()))?;
+        Ok((pv, y))
     }
 
     /// Source: the combined rows of the round's tokens from the received partials.
