@@ -3,7 +3,8 @@
 //! the communicator still usable), and the staged engine (classic EP on one rank) over NCCL
 //! bit-identical to the oracle, a rejected round included. Without NCCL, a driver or a GPU each
 //! test prints `SKIP: <reason>` and passes, unless `AFDEP_REQUIRE_GPU=1` (the GPU machine's run
-//! script sets it), which makes the missing piece a failure.
+//! script sets it), which makes the missing piece a failure. One test at a time (the exchange
+//! tests' lock): a graph capture must not overlap another test's synchronising calls.
 
 use std::time::Duration;
 
@@ -45,6 +46,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn self_exchange_with_odd_spans() {
+    let _serial = exchange_common::serial();
     let Some(mut t) = world_of_one() else { return };
     assert_eq!((t.rank(), t.world_size()), (0, 1));
     assert_eq!(t.kind(), TransportKind::Nccl);
@@ -79,6 +81,7 @@ fn self_exchange_with_odd_spans() {
 
 #[test]
 fn size_mismatch_and_bad_spans_are_typed_and_leave_it_usable() {
+    let _serial = exchange_common::serial();
     let Some(mut t) = world_of_one() else { return };
     let mut send = t.alloc(64).unwrap();
     send.write(0, &pattern(64, 1)).unwrap();
@@ -121,6 +124,7 @@ fn size_mismatch_and_bad_spans_are_typed_and_leave_it_usable() {
 
 #[test]
 fn nccl_needs_a_gpu_per_rank() {
+    let _serial = exchange_common::serial();
     if world_of_one().is_none() {
         return;
     }
@@ -158,6 +162,7 @@ fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
 
 #[test]
 fn staged_engine_over_nccl_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     let Some(t) = world_of_one() else { return };
     let cfg = ExchangeConfig::new("EP1".parse().unwrap(), 64, 8, 3, 4096).unwrap();
     let p = LayerParams::random(
@@ -306,6 +311,7 @@ fn device_cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> Exchan
 
 #[test]
 fn device_engine_on_one_rank_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     // hidden 100: the scalar copies; 128: the 16-byte ones; odd token counts, none, capacity
     for (hidden, top_k) in [(100usize, 3usize), (128, 8)] {
         let cfg = device_cfg("EP1", hidden, 16, top_k);
@@ -328,6 +334,7 @@ fn device_engine_on_one_rank_matches_the_oracle() {
 
 #[test]
 fn device_engine_rejects_a_route_and_runs_the_next_round() {
+    let _serial = exchange_common::serial();
     let Some(mut g) = nccl_group(1) else { return };
     let cfg = device_cfg("EP1", 64, 8, 2);
     let experts = DeviceExperts::index_scale(8);
@@ -364,6 +371,7 @@ fn device_engine_rejects_a_route_and_runs_the_next_round() {
 
 #[test]
 fn device_engine_rejects_what_it_does_not_support() {
+    let _serial = exchange_common::serial();
     let Some(mut g) = nccl_group(1) else { return };
     let mut cfg = device_cfg("EP1", 128, 8, 2);
     cfg.payload = afdep_core::PayloadKind::Fp8E4m3;
@@ -372,7 +380,8 @@ fn device_engine_rejects_what_it_does_not_support() {
 }
 
 /// Every ratio's rounds (a hot expert, uneven ranks, a zero-token rank, a round with no token)
-/// on one group of `topo`, eager and from a graph, scale and identity experts.
+/// on one group of `topo`, eager and from a graph, scale and identity experts. (The caller holds
+/// the test lock: a capture must not overlap another test's synchronising calls.)
 fn device_group_matches_the_oracle(topo: &str, hidden: usize, experts: usize, top_k: usize) {
     let cfg = device_cfg(topo, hidden, experts, top_k);
     let rounds = every_ratio_rounds(&cfg);
@@ -391,16 +400,19 @@ fn device_group_matches_the_oracle(topo: &str, hidden: usize, experts: usize, to
 
 #[test]
 fn device_engine_3a1f_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     device_group_matches_the_oracle("3A:1F", 72, 16, 6);
 }
 
 #[test]
 fn device_engine_2a2f_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     device_group_matches_the_oracle("2A:2F", 136, 16, 8);
 }
 
 #[test]
 fn device_engine_ep2_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     device_group_matches_the_oracle("EP2", 64, 8, 2);
 }
 
@@ -409,6 +421,7 @@ fn device_engine_ep2_matches_the_oracle() {
 /// received bit for bit, eager and graph giving the same bits; EP1 on one GPU, 2A:2F on 4.
 #[test]
 fn device_engine_swiglu_is_within_tolerance() {
+    let _serial = exchange_common::serial();
     for topo in ["EP1", "2A:2F"] {
         let mut cfg = device_cfg(topo, 64, 12, 2);
         cfg.capacity = 40;
