@@ -286,7 +286,7 @@ struct FfnBufs {
 /// device plan's expert offsets), the GEMM's input rows (a copy of the expanded area: the GEMM
 /// takes device buffers) and the SwiGLU activations.
 #[derive(Debug)]
-struct SwigluBufs {
+pub(crate) struct SwigluBufs {
     w1: CudaSlice<bf16>,
     w3: CudaSlice<bf16>,
     w2: CudaSlice<bf16>,
@@ -1055,39 +1055,13 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// FFN rank `f`'s SwiGLU buffers, and one GEMM over empty groups (loads the GEMM kernels,
-    /// sets their occupancy and fault word up: nothing of that may happen during a capture).
+    /// FFN rank `f`'s SwiGLU buffers ([`swiglu_bufs`]).
     fn swiglu_bufs(
         &self,
         lp: &afdep_core::oracle::LayerParams,
         f: usize,
     ) -> Result<SwigluBufs, ExchangeError> {
-        let p = self.cfg.placement();
-        let (h, wd) = (self.cfg.hidden, lp.shape.width);
-        let e = p.experts_of(f);
-        let per = h * wd;
-        let rows = self.geo.exp_rows as usize;
-        let mut sw = SwigluBufs {
-            w1: upload(&self.gpu, &lp.w1[e.start * per..e.end * per])?,
-            w3: upload(&self.gpu, &lp.w3[e.start * per..e.end * per])?,
-            w2: upload(&self.gpu, &lp.w2[e.start * per..e.end * per])?,
-            width: wd,
-            offsets: zeros(&self.gpu, p.experts_per_rank + 1)?,
-            x: zeros(&self.gpu, rows.max(1) * h)?,
-            h: zeros(&self.gpu, rows.max(1) * wd)?,
-        };
-        let mut y: CudaSlice<bf16> = zeros(&self.gpu, rows.max(1) * h)?;
-        swiglu_gemms(
-            &self.gpu,
-            p.experts_per_rank,
-            rows.max(1),
-            h,
-            &mut sw,
-            &mut y,
-        )?;
-        self.gpu.synchronize()?;
-        self.gpu.take_fault()?;
-        Ok(sw)
+        swiglu_bufs(&self.gpu, &self.cfg, lp, f, self.geo.exp_rows as usize)
     }
 
     /// After a device round's launches: waits, checks faults and the verdict, reads the results.
@@ -1514,11 +1488,41 @@ impl Launch<'_> {
     }
 }
 
+/// FFN rank `f`'s SwiGLU buffers for at most `rows` expanded rows, and one GEMM over empty
+/// groups (loads the GEMM kernels, sets their occupancy and fault word up: nothing of that may
+/// happen during a capture). Shared with the NCCL device engine.
+pub(crate) fn swiglu_bufs(
+    gpu: &GpuContext,
+    cfg: &afdep_core::ExchangeConfig,
+    lp: &afdep_core::oracle::LayerParams,
+    f: usize,
+    rows: usize,
+) -> Result<SwigluBufs, ExchangeError> {
+    let p = cfg.placement();
+    let (h, wd) = (cfg.hidden, lp.shape.width);
+    let e = p.experts_of(f);
+    let per = h * wd;
+    let mut sw = SwigluBufs {
+        w1: upload(gpu, &lp.w1[e.start * per..e.end * per])?,
+        w3: upload(gpu, &lp.w3[e.start * per..e.end * per])?,
+        w2: upload(gpu, &lp.w2[e.start * per..e.end * per])?,
+        width: wd,
+        offsets: zeros(gpu, p.experts_per_rank + 1)?,
+        x: zeros(gpu, rows.max(1) * h)?,
+        h: zeros(gpu, rows.max(1) * wd)?,
+    };
+    let mut y: CudaSlice<bf16> = zeros(gpu, rows.max(1) * h)?;
+    swiglu_gemms(gpu, p.experts_per_rank, rows.max(1), h, &mut sw, &mut y)?;
+    gpu.synchronize()?;
+    gpu.take_fault()?;
+    Ok(sw)
+}
+
 /// The SwiGLU experts of a device round: the device plan's expert offsets and the expanded rows
 /// copied into the GEMM's buffers (device copies, in stream order), then the grouped up- and
 /// down-projection GEMMs into `y`. On a skipped round the copies read the previous plan
 /// (offsets never above the expanded area's rows) and the outputs are never returned.
-fn swiglu(
+pub(crate) fn swiglu(
     gpu: &GpuContext,
     pv: &PlanView,
     sw: &mut SwigluBufs,
