@@ -38,7 +38,7 @@ pub mod timing;
 #[cfg(feature = "fault-injection")]
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
-pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
+pub use fused::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 pub use round::{
     DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,
