@@ -30,7 +30,9 @@ SCALES = [0.5 + 0.25 * e for e in range(CONFIG["experts"])]
 
 
 def config(payload: str) -> dict:
-    return dict(CONFIG, payload=payload,
+    """The test's config with `payload`; fp8 rows need a multiple of 128 channels."""
+    hidden = 128 if payload == "fp8_e4m3" else CONFIG["hidden"]
+    return dict(CONFIG, payload=payload, hidden=hidden,
                 transport={"kind": "nvlink", "device": 0, "timeout_ms": 20000})
 
 
@@ -44,8 +46,8 @@ def experts_of(kind: str):
 
 def main():
     out_path, rounds, arm, payload, kind = sys.argv[1:6]
-    ex = afdep.Exchange(config(payload), engine="fused", rounds=rounds, arm=arm,
-                        experts=experts_of(kind))
+    cfg = config(payload)
+    ex = afdep.Exchange(cfg, engine="fused", rounds=rounds, arm=arm, experts=experts_of(kind))
     attn = ex.role == "attention"
     dev = torch.device("cuda", 0)
     seen = {"rank": ex.rank, "role": ex.role, "rounds_mode": ex.rounds, "out": {},
@@ -53,7 +55,7 @@ def main():
     for r, tokens in PLAN.items():
         try:
             if attn:
-                x, idx, w = inputs(r, tokens)[ex.rank]
+                x, idx, w = inputs(r, tokens, cfg["hidden"])[ex.rank]
                 if r == BAD_WEIGHT and ex.rank == 2:
                     w = w.clone()
                     w[4, 1] = float("nan")
@@ -61,7 +63,7 @@ def main():
                 if r == BAD_DEVICE and ex.rank == 1:
                     x = x.cpu()
                 fill = 0.0 if r in (BAD_WEIGHT, BAD_DEVICE) else float("nan")
-                out = torch.full((tokens[ex.rank], CONFIG["hidden"]), fill, dtype=torch.bfloat16,
+                out = torch.full((tokens[ex.rank], cfg["hidden"]), fill, dtype=torch.bfloat16,
                                  device=dev)
                 got = ex.round(x, idx, w, out=out)
                 assert got is out, "round() returns the given out tensor"

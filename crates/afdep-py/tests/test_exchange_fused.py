@@ -15,8 +15,8 @@ import torch
 
 import afdep
 from conftest import cuda_or_skip
-from exchange_common import CONFIG, inputs, swiglu_weights
-from exchange_fused_worker import BAD_DEVICE, BAD_WEIGHT, PLAN, SCALES
+from exchange_common import inputs, swiglu_weights
+from exchange_fused_worker import BAD_DEVICE, BAD_WEIGHT, PLAN, SCALES, config
 from helpers import assert_close, tolerance
 from test_exchange import launch
 
@@ -47,16 +47,17 @@ def test_fused_exchange(tmp_path, rounds, arm, payload, experts):
     seen = run_ranks(tmp_path, rounds, arm, payload, experts)
     assert [s["role"] for s in seen] == ["attention"] * 3 + ["ffn"] * 2
     assert all(s["rounds_mode"] == rounds for s in seen)
-    cfg = dict(CONFIG, payload=payload)
+    cfg = config(payload)
+    del cfg["transport"]
     host = afdep.ScaleExperts(SCALES) if experts == "scale" else afdep.SwiGLU(*swiglu_weights())
     for r, tokens in PLAN.items():
         if r in (BAD_WEIGHT, BAD_DEVICE):
             continue
-        want = afdep.exchange_oracle(cfg, inputs(r, tokens), host)
+        want = afdep.exchange_oracle(cfg, inputs(r, tokens, cfg["hidden"]), host)
         for a in range(3):
             assert seen[a]["errors"].get(r) is None, (r, a, seen[a]["errors"][r])
             got = seen[a]["out"][r]
-            assert got.shape == (tokens[a], CONFIG["hidden"]), (r, a, got.shape)
+            assert got.shape == (tokens[a], cfg["hidden"]), (r, a, got.shape)
             assert torch.isfinite(got.float()).all(), f"round {r}, rank {a}: unwritten rows"
             if experts == "scale":
                 assert torch.equal(got.view(torch.int16), want[a].view(torch.int16)), (
