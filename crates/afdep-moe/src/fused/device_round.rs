@@ -55,6 +55,13 @@
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
 //!
+//! [`FusedEngine::device_round_on_stream`] and [`FusedEngine::replay_on_stream`] do the same
+//! from a caller's device buffers ([`BorrowedRound`]) ordered on the caller's stream (the Python
+//! bindings: torch tensors on PyTorch's current stream): an event joins the caller's stream
+//! into this rank's stream, the inputs are copied device to device into the fixed buffers, the
+//! combined rows device to device into the caller's output after the round, and an event joins
+//! the rank's stream back; only the verdict is read on the host.
+//!
 //! [`FusedEngine::set_round_timing`] times whole rounds on the device: a barrier of every rank
 //! after the input is loaded, then CUDA events on the rank's stream around the round's launches
 //! (a replay: around the graph launch); [`FusedEngine::last_round_time`] (`afdep exchange
