@@ -3,10 +3,11 @@
 //! the Python bindings' path, `afdep.Exchange(engine="fused")`), over NvlinkIpc in-process
 //! ranks on one GPU.
 //!
-//! Every rank captures one graph (`RoundArm::Auto`), then runs each round three ways: an eager
+//! Every rank captures one graph (`RoundArm::Auto`), then runs each round four ways: an eager
 //! device round from the host (`device_round`), an eager device round on its own stream and
-//! buffers (`device_round_on_stream`) and a graph replay on them (`replay_on_stream`), the
-//! caller's output buffer filled with NaN first. Every rank's combined rows must be
+//! buffers (`device_round_on_stream`), a graph replay on them (`replay_on_stream`), and a
+//! replay queued without waiting whose verdict `finish_queued` reads after, the caller's
+//! output buffer filled with NaN first. Every rank's combined rows must be
 //! bit-identical to the oracle (the device expert's host twin) in each way; the rounds change
 //! token counts from replay to replay (odd counts, a zero-token rank, no token anywhere, a rank
 //! at capacity). A non-finite weight on one source: the typed route error on every rank in both
@@ -35,8 +36,13 @@ use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The three ways a round runs.
-const WAYS: [&str; 3] = ["host", "on_stream", "replay_on_stream"];
+/// The ways a round runs.
+const WAYS: [&str; 4] = [
+    "host",
+    "on_stream",
+    "replay_on_stream",
+    "replay_on_stream without waiting, then finish_queued",
+];
 
 /// What one rank got from one round in one way: its combined rows (attention ranks).
 type Got = Result<Option<Vec<bf16>>, ExchangeError>;
@@ -66,6 +72,7 @@ fn on_stream(
     graph: Option<&FusedGraph>,
     s: &Arc<CudaStream>,
     input: Option<&SourceInput>,
+    wait: bool,
 ) -> Got {
     let h = eng.config().hidden;
     let bufs = input.map(|inp| {
@@ -90,10 +97,15 @@ fn on_stream(
     // is its own allocation; `s` is a live stream of that context, not capturing.
     let r = unsafe {
         match graph {
-            Some(g) => eng.replay_on_stream(g, borrowed.as_ref(), s.cu_stream()),
-            None => eng.device_round_on_stream(RoundArm::Auto, borrowed.as_ref(), s.cu_stream()),
+            Some(g) => eng.replay_on_stream(g, borrowed.as_ref(), s.cu_stream(), wait),
+            None => {
+                eng.device_round_on_stream(RoundArm::Auto, borrowed.as_ref(), s.cu_stream(), wait)
+            }
         }
     };
+    // without waiting, the verdict is read now (the rows are ready once `s` passes the round,
+    // read below on `s`)
+    let r = r.and_then(|()| if wait { Ok(()) } else { eng.finish_queued() });
     // the output is read even after an error: a rejected round leaves the poisoned rows
     let out = bufs.map(|(t, .., o)| {
         let mut v: Vec<bf16> = s.clone_dtoh(&o).unwrap();
@@ -143,9 +155,10 @@ fn run(c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) -> Option<Vec<Vec<Vec<Go
                     for inp in rounds {
                         let mine = cfg.topology.attention_index(rank).map(|i| &inp[i]);
                         let host = eng.device_round(RoundArm::Auto, mine).map(|o| o.combined);
-                        let eager = on_stream(&mut eng, None, &s, mine);
-                        let replay = on_stream(&mut eng, Some(&graph), &s, mine);
-                        out.push(vec![host, eager, replay]);
+                        let eager = on_stream(&mut eng, None, &s, mine, true);
+                        let replay = on_stream(&mut eng, Some(&graph), &s, mine, true);
+                        let queued = on_stream(&mut eng, Some(&graph), &s, mine, false);
+                        out.push(vec![host, eager, replay, queued]);
                     }
                     (out, eng, graph)
                 })

@@ -8,9 +8,10 @@
 //! and into the torch tensors' device memory (device-to-device copies into and out of the
 //! round's capacity-sized buffers, which a captured graph keeps), ordered on PyTorch's current
 //! stream by events: no row crosses the host and the caller's stream is never waited for by
-//! the host. The host waits once per round for the engine's own stream, to read the round's
-//! verdict, so that a rejected route raises `afdep.RouteError` (rank, token, slot, value) on
-//! every rank, as the staged engine's rounds do. The experts run on the device
+//! the host. By default the host then waits once per round for the engine's own stream, to
+//! read the round's verdict, so that a rejected route raises `afdep.RouteError` (rank, token,
+//! slot, value) on every rank, as the staged engine's rounds do; with `wait=False` that read is
+//! deferred to the next round or `finish` (no host wait in the round at all). The experts run on the device
 //! ([`DeviceExperts`]): afdep's SwiGLU, per-expert scales or the identity, fixed at
 //! construction (a device round has no host step in which a Python callable could run).
 
@@ -253,8 +254,10 @@ impl FusedRank {
     /// One round (collective), queued on `stream` (a `cudaStream_t` as an int). Attention
     /// ranks pass capsules of `x`, `topk_idx`, `topk_weights` and `out`; FFN ranks pass None.
     /// A tensor that fails the checks still takes part in the round, as a rank without input
-    /// (so every rank's round is rejected instead of waiting), then raises here.
-    #[pyo3(signature = (x, topk_idx, topk_weights, out, stream))]
+    /// (so every rank's round is rejected instead of waiting), then raises here. With `wait`
+    /// false the verdict is read later (the next round, or `finish`), which raise its error.
+    #[pyo3(signature = (x, topk_idx, topk_weights, out, stream, wait=true))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
     fn round(
         &mut self,
         py: Python<'_>,
@@ -263,6 +266,7 @@ impl FusedRank {
         topk_weights: Option<Bound<'_, PyAny>>,
         out: Option<Bound<'_, PyAny>>,
         stream: usize,
+        wait: bool,
     ) -> PyResult<()> {
         let attention = self.role() == "attention";
         let checked: PyResult<Option<Tensors>> = match (x, topk_idx, topk_weights, out) {
@@ -306,6 +310,9 @@ impl FusedRank {
             }),
             _ => None,
         };
+        // a rank whose tensors failed the checks reads the round's verdict now: its own error
+        // is raised here, and no deferred one is left for its next round
+        let wait = wait || checked.is_err();
         // SAFETY: the views were checked (CUDA device of this rank, dtype, shape, contiguity,
         // `out` overlapping no input); the Python side keeps the tensors alive for the call and
         // they are used on `stream` only, which the round joins before returning; `stream` is
@@ -315,14 +322,23 @@ impl FusedRank {
             match &self.graph {
                 Some(g) => self
                     .engine
-                    .replay_on_stream(g, borrowed.as_ref(), cu_stream),
-                None => self
-                    .engine
-                    .device_round_on_stream(self.arm, borrowed.as_ref(), cu_stream),
+                    .replay_on_stream(g, borrowed.as_ref(), cu_stream, wait),
+                None => {
+                    self.engine
+                        .device_round_on_stream(self.arm, borrowed.as_ref(), cu_stream, wait)
+                }
             }
         };
         // the caller's mistake first: it is why the round was rejected everywhere
         checked?;
         r.map_err(|e| exchange_error(py, &e))
+    }
+
+    /// Reads the verdict of the round queued by `round(..., wait=False)`, if any (one host
+    /// wait for the engine's stream), raising its error.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.engine
+            .finish_queued()
+            .map_err(|e| exchange_error(py, &e))
     }
 }

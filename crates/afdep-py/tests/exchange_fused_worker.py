@@ -1,6 +1,7 @@
 """One rank of the fused-engine exchange test (run by test_exchange_fused.py with AFDEP_RANK
-etc. set; every rank on CUDA device 0): argv = out_path rounds arm payload experts. Runs the
-rounds of PLAN on CUDA tensors, with `out` filled with NaN before each good round (so a row
+etc. set; every rank on CUDA device 0): argv = out_path rounds arm payload experts wait.
+Runs the rounds of PLAN on CUDA tensors (wait "nowait": each queued without waiting for its
+verdict, read by `synchronize()` after it, or for round 1 by round 2's call), with `out` filled with NaN before each good round (so a row
 the round did not write shows), a non-finite route weight on attention rank 2 in round 3 and
 a CPU tensor on attention rank 1 in round 6 (both must fail every rank's round with a typed
 error, `out` must then read NaN, and the next round must work). Writes what it saw to
@@ -45,7 +46,8 @@ def experts_of(kind: str):
 
 
 def main():
-    out_path, rounds, arm, payload, kind = sys.argv[1:6]
+    out_path, rounds, arm, payload, kind, wait_mode = sys.argv[1:7]
+    wait = wait_mode == "wait"
     cfg = config(payload)
     ex = afdep.Exchange(cfg, engine="fused", rounds=rounds, arm=arm, experts=experts_of(kind))
     attn = ex.role == "attention"
@@ -65,12 +67,14 @@ def main():
                 fill = 0.0 if r in (BAD_WEIGHT, BAD_DEVICE) else float("nan")
                 out = torch.full((tokens[ex.rank], cfg["hidden"]), fill, dtype=torch.bfloat16,
                                  device=dev)
-                got = ex.round(x, idx, w, out=out)
+                got = ex.round(x, idx, w, out=out, wait=wait)
                 assert got is out, "round() returns the given out tensor"
             else:
-                got = ex.round()
+                got = ex.round(wait=wait)
                 assert got is None
-            seen["arms"][r] = ex.last_arm
+            if wait or r != 1:
+                ex.synchronize()  # (waiting: nothing left to read)
+                seen["arms"][r] = ex.last_arm
         except afdep.RouteError as e:
             seen["errors"][r] = ("RouteError", e.kind, e.rank, e.token, e.slot, str(e.value),
                                  e.reporter)

@@ -423,6 +423,26 @@ pub(super) struct DeviceRound {
     trace: Option<Tracer>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
+    /// A round queued on the caller's stream whose verdict is not read yet
+    /// ([`FusedEngine::device_round_on_stream`] with `wait` false).
+    queued: Option<Queued>,
+}
+
+/// A queued round's state until its verdict is read ([`FusedEngine::finish_queued`]).
+#[derive(Debug)]
+struct Queued {
+    arm: RoundArm,
+    local: Option<ExchangeError>,
+    t0: Instant,
+}
+
+/// A round's output without rows (the on-stream rounds write theirs into the caller's buffer).
+fn no_output() -> RoundOutput {
+    RoundOutput {
+        combined: None,
+        received: None,
+        times: PhaseTimes::default(),
+    }
 }
 
 /// A dispatch + combine round of one rank captured in a CUDA graph ([`FusedEngine::capture`]);
@@ -592,6 +612,7 @@ impl FusedEngine {
             trace: None,
             src,
             ffn,
+            queued: None,
         });
         Ok(())
     }
@@ -840,6 +861,13 @@ impl FusedEngine {
     /// stream). Attention ranks pass `Some`, FFN-only ranks `None`; `arm` as in
     /// [`FusedEngine::device_round`]. Collective.
     ///
+    /// With `wait` false the round is only queued: its verdict is read by this engine's next
+    /// on-stream round before it queues anything (which then returns the earlier round's error
+    /// instead, on every rank alike, without queuing its own) or by
+    /// [`FusedEngine::finish_queued`]; the host never waits for the round itself, and the
+    /// output is ready once `stream` passes it (NaN if the verdict turns out a rejection).
+    /// Another device round, replay or capture refuses to run while a round is queued.
+    ///
     /// This rank's stream waits (on the device) for the work queued so far on `stream`, copies
     /// the rows, routes and weights device to device into the round's input buffers, runs the
     /// round, copies the combined rows device to device into `out` (the poisoned rows, NaN,
@@ -861,11 +889,12 @@ impl FusedEngine {
         arm: impl Into<RoundArm>,
         input: Option<&BorrowedRound>,
         stream: sys::CUstream,
+        wait: bool,
     ) -> Result<(), ExchangeError> {
         let arm = arm.into();
         self.guarded(|eng| {
             // SAFETY: the caller's contract.
-            unsafe { eng.on_stream(arm, None, input, stream) }
+            unsafe { eng.on_stream(arm, None, input, stream, wait) }
         })
         .map(drop)
     }
@@ -874,7 +903,8 @@ impl FusedEngine {
     /// `stream`: the graph's fixed input buffers are refilled device to device from `input`
     /// (new rows and routes every replay), the graph is launched on this rank's stream, the
     /// combined rows are copied into `input.out`, with the stream ordering and the one host
-    /// wait for the verdict of [`FusedEngine::device_round_on_stream`]. Collective.
+    /// wait for the verdict of [`FusedEngine::device_round_on_stream`] (or, with `wait` false,
+    /// its deferred verdict). Collective.
     ///
     /// # Safety
     /// As [`FusedEngine::device_round_on_stream`].
@@ -883,6 +913,7 @@ impl FusedEngine {
         graph: &FusedGraph,
         input: Option<&BorrowedRound>,
         stream: sys::CUstream,
+        wait: bool,
     ) -> Result<(), ExchangeError> {
         let rank = self.rank();
         if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
@@ -893,7 +924,7 @@ impl FusedEngine {
         }
         self.guarded(|eng| {
             // SAFETY: the caller's contract.
-            unsafe { eng.on_stream(graph.arm, Some(graph), input, stream) }
+            unsafe { eng.on_stream(graph.arm, Some(graph), input, stream, wait) }
         })
         .map(drop)
     }
@@ -909,7 +940,10 @@ impl FusedEngine {
         graph: Option<&FusedGraph>,
         input: Option<&BorrowedRound>,
         stream: sys::CUstream,
+        wait: bool,
     ) -> Result<RoundOutput, ExchangeError> {
+        // the verdict of a round queued before, first
+        self.read_queued()?;
         let t0 = Instant::now();
         bind(&self.gpu)?;
         let own = self.gpu.stream().cu_stream();
@@ -941,10 +975,34 @@ impl FusedEngine {
         let joined = unsafe { order_streams(own, stream) };
         let local = queued?;
         joined?;
+        if !wait {
+            let d = self.device.as_mut().expect("checked by load_input");
+            d.queued = Some(Queued { arm, local, t0 });
+            return Ok(no_output());
+        }
         let out = self.finish_device_round(arm, None, local, t0)?;
         self.read_round_time()?;
         self.read_trace()?;
         Ok(out)
+    }
+
+    /// Reads the verdict of the round queued by an on-stream round with `wait` false, if any
+    /// (one host wait for this rank's stream): its error, as the round would have returned it
+    /// with `wait` true. Not collective (every rank reads its own).
+    pub fn finish_queued(&mut self) -> Result<(), ExchangeError> {
+        self.guarded(|eng| eng.read_queued().map(|()| no_output()))
+            .map(drop)
+    }
+
+    /// [`FusedEngine::finish_queued`]'s body.
+    fn read_queued(&mut self) -> Result<(), ExchangeError> {
+        let Some(q) = self.device.as_mut().and_then(|d| d.queued.take()) else {
+            return Ok(());
+        };
+        self.finish_device_round(q.arm, None, q.local, q.t0)?;
+        self.read_round_time()?;
+        self.read_trace()?;
+        Ok(())
     }
 
     /// Runs `f` unless the engine is closed; any error but a rejected route or a caller's input
@@ -970,13 +1028,19 @@ impl FusedEngine {
     }
 
     fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
-        if self.device.is_none() {
-            return Err(ExchangeError::Input {
+        match &self.device {
+            None => Err(ExchangeError::Input {
                 rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
-            });
+            }),
+            Some(d) if d.queued.is_some() => Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "a round queued without waiting is not finished: call \
+                       FusedEngine::finish_queued first"
+                    .into(),
+            }),
+            Some(_) => Ok(()),
         }
-        Ok(())
     }
 
     /// Copies a source's input into the device buffers and its token count and arm request

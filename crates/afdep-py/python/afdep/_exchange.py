@@ -161,9 +161,10 @@ class Exchange:
     the tensors and the combined rows written into the output tensor on the device (copied
     device to device into and out of the round's fixed buffers), with the engine's stream
     ordered after the caller's by CUDA events; the host waits once per round for the engine's
-    stream, to read the round's verdict (a rejected route raises on every rank). Rounds cannot
-    be captured by ``torch.cuda.graph`` (``afdep.CaptureError``; ``rounds="graph"`` is afdep's
-    own capture).
+    stream, to read the round's verdict (a rejected route raises on every rank), unless
+    ``round(..., wait=False)`` defers that read (:meth:`round`, :meth:`synchronize`). Rounds
+    cannot be captured by ``torch.cuda.graph`` (``afdep.CaptureError``; ``rounds="graph"`` is
+    afdep's own capture).
 
     Raises (construction): ``ValueError`` / ``TypeError`` for bad arguments and
     ``afdep.ConfigError`` for a bad config (both before connecting), ``afdep.TransportError``
@@ -229,6 +230,7 @@ class Exchange:
         topk_weights: Optional[torch.Tensor] = None,
         experts: Optional[Experts] = None,
         out: Optional[torch.Tensor] = None,
+        wait: bool = True,
     ) -> Union[torch.Tensor, Received, None]:
         """One round (collective: every rank calls it).
 
@@ -248,7 +250,11 @@ class Exchange:
         construction). A rank whose tensors fail the checks still joins the round without
         input, so that every other rank's round is rejected (``afdep.RouteError`` of kind
         ``over_capacity`` naming it) instead of waiting, then raises its ``TypeError`` /
-        ``ValueError``.
+        ``ValueError``. The host waits for the round once, to read its verdict; with
+        ``wait=False`` it does not: the round is only queued, the rows are ready when the stream
+        passes it, and the verdict is read by the next ``round()`` (before it queues anything:
+        it then raises the earlier round's error instead, on every rank alike) or by
+        :meth:`synchronize`; a rejected round's rows read NaN.
 
         Raises:
             afdep.RouteError: a route was rejected on some attention rank (every rank raises
@@ -260,9 +266,11 @@ class Exchange:
             afdep.CaptureError: (fused) the current stream is capturing a CUDA graph.
         """
         if self.engine == "fused":
-            return self._fused_round(x, topk_idx, topk_weights, experts, out)
-        if out is not None:
-            raise ValueError("out is the fused engine's (the staged engine returns new rows)")
+            return self._fused_round(x, topk_idx, topk_weights, experts, out, wait)
+        if out is not None or not wait:
+            raise ValueError(
+                "out and wait are the fused engine's (the staged engine returns new rows)"
+            )
         h = self.config["hidden"]
         if self.role == "ffn":
             if experts is None:
@@ -279,7 +287,15 @@ class Exchange:
             return _bf16_rows(combined, h)
         return _received(received, h, self.config["top_k"])
 
-    def _fused_round(self, x, topk_idx, topk_weights, experts, out):
+    def synchronize(self) -> None:
+        """The fused engine: reads the verdict of the last round queued with ``wait=False``
+        (one host wait for the engine's stream), raising its error (``afdep.RouteError``,
+        ...); nothing when none is pending. The staged engine: nothing (its rounds are done
+        when they return)."""
+        if self.engine == "fused":
+            self._rank.finish()
+
+    def _fused_round(self, x, topk_idx, topk_weights, experts, out, wait):
         if experts is not None:
             raise ValueError("engine=\"fused\" takes its experts at construction, not per round")
         tensors = (x, topk_idx, topk_weights)
@@ -291,7 +307,7 @@ class Exchange:
         stream = torch.cuda.current_stream(self._rank.device).cuda_stream
         # the tensors stay referenced (`caps`, `tensors`, `out`) until the call returns; the
         # round is joined onto `stream`, on which torch orders their reuse
-        self._rank.round(*caps, stream)
+        self._rank.round(*caps, stream, wait)
         return out if self.role == "attention" else None
 
 

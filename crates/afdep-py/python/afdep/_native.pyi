@@ -166,11 +166,15 @@ class FusedRank:
         topk_weights: Optional[Capsule],
         out: Optional[Capsule],
         stream: int,
+        wait: bool = True,
     ) -> None:
         """One round queued on ``stream`` (a ``cudaStream_t`` as an int): attention ranks pass
         capsules of CUDA tensors x [T, H] bf16, topk_idx [T, K] int32, topk_weights [T, K]
         float32 and out [T, H] bf16 (written); FFN ranks pass None. Waits on the host for the
-        engine's stream once, for the round's verdict."""
+        engine's stream once, for the round's verdict; with ``wait=False`` the verdict is read
+        by the next round or ``finish`` (which raise its error)."""
+    def finish(self) -> None:
+        """Reads the verdict of a round queued with ``wait=False`` (raising its error)."""
 
 def exchange_oracle(
     config_json: str, inputs: List[Tuple[Capsule, Capsule, Capsule]], experts: ExpertsArg
