@@ -1,11 +1,11 @@
 """One rank of the fused-engine exchange test (run by test_exchange_fused.py with AFDEP_RANK
 etc. set; every rank on CUDA device 0): argv = out_path rounds arm payload experts wait.
 Runs the rounds of PLAN on CUDA tensors (wait "nowait": each queued without waiting for its
-verdict, read by `synchronize()` after it, or for round 1 by round 2's call), with `out` filled with NaN before each good round (so a row
-the round did not write shows), a non-finite route weight on attention rank 2 in round 3 and
-a CPU tensor on attention rank 1 in round 6 (both must fail every rank's round with a typed
-error, `out` must then read NaN, and the next round must work). Writes what it saw to
-out_path (torch.save)."""
+verdict, read by `synchronize()` after it, or for round 1 by round 2's call), with `out`
+filled with NaN before each good round (so a row the round did not write shows), a
+non-finite route weight on attention rank 2 in round 3 and a CPU tensor on attention rank 1
+in round 6 (both must fail every rank's round with a typed error, `out` must then read NaN,
+and the next round must work). Writes what it saw to out_path (torch.save)."""
 
 import sys
 
