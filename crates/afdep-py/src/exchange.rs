@@ -194,13 +194,20 @@ pub(crate) fn experts_of(cfg: &ExchangeConfig, experts: &Bound<'_, PyAny>) -> Py
         shared: 0,
         renormalize: true,
     };
-    let bf = |v: &View| -> Vec<bf16> { v.read_f32().into_iter().map(bf16::from_f32).collect() };
+    // SAFETY: the views' capsules are this function's arguments, alive for the call; torch
+    // does not touch the tensors while the GIL is held.
+    let bf = |v: &View| -> PyResult<Vec<bf16>> {
+        Ok(unsafe { v.read_f32() }?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect())
+    };
     Ok(Experts::SwiGlu(Box::new(LayerParams {
         shape,
         wr: vec![bf16::ZERO; h * e],
-        w1: bf(&w1),
-        w3: bf(&w3),
-        w2: bf(&w2),
+        w1: bf(&w1)?,
+        w3: bf(&w3)?,
+        w2: bf(&w2)?,
         s1: Vec::new(),
         s3: Vec::new(),
         s2: Vec::new(),
@@ -275,12 +282,17 @@ fn source_input(
     w.expect_dtype(&[DType::F32])?;
     w.expect_shape(&[t, cfg.top_k])?;
     Ok(SourceInput {
-        x: x.read_f32().into_iter().map(bf16::from_f32).collect(),
+        // SAFETY: the capsules are this function's arguments, alive for the call; torch does
+        // not touch the tensors while the GIL is held.
+        x: unsafe { x.read_f32() }?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect(),
         routes: Routes {
             tokens: t,
             top_k: cfg.top_k,
-            idx: idx.read_i32(),
-            weights: w.read_f32(),
+            idx: unsafe { idx.read_i32() }?,
+            weights: unsafe { w.read_f32() }?,
         },
     })
 }
