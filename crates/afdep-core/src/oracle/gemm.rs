@@ -54,7 +54,7 @@ pub trait Real:
     );
 }
 
-fn extent(rows: usize, cols: usize, rs: isize, cs: isize) -> usize {
+pub(crate) fn extent(rows: usize, cols: usize, rs: isize, cs: isize) -> usize {
     if rows == 0 || cols == 0 {
         return 0;
     }

@@ -27,7 +27,7 @@
 //! The scale of a nonlinear function is its derivative's magnitude times the argument's scale
 //! (`exp`: `e^v·s`), so the bound stays first-order.
 
-use super::gemm::Real;
+use super::gemm::{Real, extent};
 
 /// A value and the magnitude of the terms it was computed from (see the module).
 #[derive(Debug, Clone, Copy, Default)]
@@ -162,6 +162,17 @@ impl Real for Scaled {
                 x.iter().map(|e| e.s).collect(),
             )
         };
+        // only the elements the strides address (a caller may pass the rest of a larger array)
+        let (ea, eb, ec) = (
+            extent(m, k, rsa, csa),
+            extent(k, n, rsb, csb),
+            extent(m, n, rsc, csc),
+        );
+        assert!(
+            a.len() >= ea && b.len() >= eb && c.len() >= ec,
+            "gemm: operand too short"
+        );
+        let (a, b, c) = (&a[..ea], &b[..eb], &mut c[..ec]);
         let (av, aa, as_) = split(a);
         let (bv, ba, bs) = split(b);
         let mut cv: Vec<f64> = c.iter().map(|e| e.v).collect();
