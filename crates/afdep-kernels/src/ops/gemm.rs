@@ -128,6 +128,46 @@ pub fn force_engine(engine: Option<Engine>) {
     FORCE.with(|f| f.set(engine));
 }
 
+/// The engine the weight gradients ([`wgrad`]) run on unless `AFDEP_GEMM_WGRAD` or
+/// [`force_wgrad_engine`] asks for the other: [`Engine::Classic`], the two-warpgroup KSUM
+/// kernel. The warp-specialised KSUM kernel (`gemm_ksum_ws`: 128 × 256 tiles, TMA for the
+/// contiguous operands, cp.async for the gathered ones) has not been validated on a GPU yet
+/// (docs/perf/moe.md, 2026-12-05 (c)), so it runs only when asked for.
+pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Classic;
+
+/// The engine the weight gradients run on: [`force_wgrad_engine`]'s choice on this thread,
+/// else the process environment `AFDEP_GEMM_WGRAD` (read once: `classic` or `ws`; `auto` or
+/// unset: [`DEFAULT_WGRAD_ENGINE`]). Independent of the rows engine ([`engine_for`]).
+pub fn wgrad_engine_for() -> Engine {
+    if let Some(e) = FORCE_WGRAD.with(std::cell::Cell::get) {
+        return e;
+    }
+    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_WGRAD").as_deref() {
+        Ok("classic") => Some(Engine::Classic),
+        Ok("ws") => Some(Engine::Ws),
+        Ok("auto") | Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_GEMM_WGRAD is neither classic, ws nor auto: the default engine is used"
+            );
+            None
+        }
+    });
+    env.unwrap_or(DEFAULT_WGRAD_ENGINE)
+}
+
+thread_local! {
+    static FORCE_WGRAD: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the weight gradients launched from this thread use `engine` (`None`: the rule of
+/// [`wgrad_engine_for`] again). For tests and same-build comparisons.
+pub fn force_wgrad_engine(engine: Option<Engine>) {
+    FORCE_WGRAD.with(|f| f.set(engine));
+}
+
 /// The device descriptor (`cuda/layout/gemm_problem.cuh`), field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -508,18 +548,19 @@ fn launch_rows(
         b.unwrap_or_default(),
         b2.unwrap_or_default(),
     );
-    launch(ctx, kernel, engine, p, tiles, Some((&ta, &tb, &tb2)))
+    launch(ctx, kernel, engine, p, tiles, &[&ta, &tb, &tb2])
 }
 
-/// Launches `kernel` on a persistent grid of at most `tiles` blocks; rows kernels get their
-/// three tensor maps after the problem.
+/// Launches `kernel` on a persistent grid of at most `tiles` blocks; the kernel's tensor maps
+/// follow the problem (rows kernels: A, B, b2; the ws weight gradient: A, B; the classic
+/// weight gradient: none).
 fn launch(
     ctx: &GpuContext,
     kernel: KernelId,
     engine: Engine,
     p: &mut GemmProblem,
     tiles: u64,
-    maps: Option<(&TmaMap, &TmaMap, &TmaMap)>,
+    maps: &[&TmaMap],
 ) -> Result<(), KernelError> {
     p.fault = ctx.fault_word()?;
     let inject = INJECT.load(std::sync::atomic::Ordering::SeqCst);
@@ -544,12 +585,13 @@ fn launch(
     let p = &*p;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(p);
-    if let Some((ta, tb, tb2)) = maps {
-        b.arg(ta).arg(tb).arg(tb2);
+    for m in maps {
+        b.arg(*m);
     }
     // SAFETY: every kernel of gemm.cu takes one GemmProblem by value (layout asserted on both
-    // sides), the rows kernels then three TmaMaps by value (only those whose `tma` bit is set
-    // are read; each was encoded for a live buffer of the problem with the sizes checked
+    // sides), the rows kernels then three TmaMaps by value, afdep_gemm_ws_wgrad two and
+    // afdep_gemm_wgrad none (the callers pass exactly those; only the maps whose `tma` bit is
+    // set are read; each was encoded for a live buffer of the problem with the sizes checked
     // below, and TMA never reads outside the sizes it encodes). The fault word is the
     // context's live 16-byte buffer. The callers below fill it with pointers to live buffers whose sizes they checked
     // against the problem: the kernel reads A rows `< capacity` (or gathered rows the index
@@ -1015,6 +1057,7 @@ pub fn wgrad(
         need("workspace", ws, gcount * splits * m * n)?;
     }
     let stream = ctx.stream();
+    let engine = wgrad_engine_for();
     if direct {
         let mut ptrs = Ptrs::new(stream);
         let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, 1)?;
@@ -1023,29 +1066,13 @@ pub fn wgrad(
             p.c3 = ptrs.w(o2);
             p.b_split = as_u32("split column", n1)?;
         }
-        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64;
-        return launch(
-            ctx,
-            KernelId::GemmWgrad,
-            Engine::Classic,
-            &mut p,
-            tiles,
-            None,
-        );
+        return launch_ksum(ctx, engine, &mut p, &groups, a, b);
     }
     {
         let mut ptrs = Ptrs::new(stream);
         let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, splits)?;
         p.c = ptrs.w(ws);
-        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
-        launch(
-            ctx,
-            KernelId::GemmWgrad,
-            Engine::Classic,
-            &mut p,
-            tiles,
-            None,
-        )?;
+        launch_ksum(ctx, engine, &mut p, &groups, a, b)?;
     }
     let f = ctx.function(KernelId::GemmReduce, 0, 0)?;
     let total = (gcount * m * n) as u64;
@@ -1071,6 +1098,67 @@ pub fn wgrad(
     unsafe { bld.launch(grid(total.div_ceil(u64::from(BLOCK)).min(1 << 16))?) }
         .map_err(launch_err(KernelId::GemmReduce))?;
     Ok(())
+}
+
+/// Launches a k-sum problem (`p` complete but for its tensor maps) on `engine`: the classic
+/// kernel, or the ws kernel with a map for each operand whose rows are contiguous and
+/// describable ([`map_ksum`]; the others load by cp.async).
+fn launch_ksum(
+    ctx: &GpuContext,
+    engine: Engine,
+    p: &mut GemmProblem,
+    groups: &Groups<'_>,
+    a: KOperand<'_>,
+    b: KOperand<'_>,
+) -> Result<(), KernelError> {
+    let (m, n, g, splits) = (
+        p.m as usize,
+        p.n as usize,
+        p.groups as u64,
+        u64::from(p.splits),
+    );
+    match engine {
+        Engine::Classic => {
+            let tiles = g * (m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64 * splits;
+            launch(ctx, KernelId::GemmWgrad, Engine::Classic, p, tiles, &[])
+        }
+        Engine::Ws => {
+            let rows = groups.capacity();
+            let ta = map_ksum(p.a, a, m, rows)?;
+            let tb = map_ksum(p.b, b, n, rows)?;
+            p.tma = if ta.is_some() { TMA_A } else { 0 } | if tb.is_some() { TMA_B } else { 0 };
+            let tiles = g * (m.div_ceil(WS_TILE_M) * n.div_ceil(WS_TILE_N)) as u64 * splits;
+            let (ta, tb) = (ta.unwrap_or_default(), tb.unwrap_or_default());
+            launch(ctx, KernelId::GemmWsWgrad, Engine::Ws, p, tiles, &[&ta, &tb])
+        }
+    }
+}
+
+/// The map of a k-sum operand for the ws engine, where its rows are contiguous: `rows × cols`
+/// bf16 (`op.ld` elements between rows) at `addr`, boxes of 64 columns × 64 rows, 128-byte
+/// swizzle (one 64-column block of a stage). `None` (the operand loads by cp.async): gathered,
+/// TMA off, a buffer shorter than the rows it would describe, more rows than a box coordinate
+/// reaches, or an address / stride the hardware cannot describe.
+fn map_ksum(
+    addr: u64,
+    op: KOperand<'_>,
+    cols: usize,
+    rows: usize,
+) -> Result<Option<TmaMap>, KernelError> {
+    if op.gather.is_some() || !tma::enabled() || rows == 0 || rows > i32::MAX as usize {
+        return Ok(None);
+    }
+    if op.buf.len() < (rows - 1) * op.ld + cols {
+        return Ok(None);
+    }
+    tma::encode_bf16(
+        "k-sum operand",
+        addr,
+        &[cols as u64, rows as u64],
+        &[(op.ld * 2) as u64],
+        &[64, WS_TILE_K as u32],
+        Swizzle::B128,
+    )
 }
 
 /// The k-sum problem of [`wgrad`] without its outputs: operands, sizes, groups, gathers.
