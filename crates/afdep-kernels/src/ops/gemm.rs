@@ -1129,7 +1129,14 @@ fn launch_ksum(
             p.tma = if ta.is_some() { TMA_A } else { 0 } | if tb.is_some() { TMA_B } else { 0 };
             let tiles = g * (m.div_ceil(WS_TILE_M) * n.div_ceil(WS_TILE_N)) as u64 * splits;
             let (ta, tb) = (ta.unwrap_or_default(), tb.unwrap_or_default());
-            launch(ctx, KernelId::GemmWsWgrad, Engine::Ws, p, tiles, &[&ta, &tb])
+            launch(
+                ctx,
+                KernelId::GemmWsWgrad,
+                Engine::Ws,
+                p,
+                tiles,
+                &[&ta, &tb],
+            )
         }
     }
 }
@@ -1252,6 +1259,36 @@ mod tests {
             128 * define("WS_PRODUCER_REGS") + 256 * define("WS_CONSUMER_REGS"),
             384 * 168
         );
+        // The same for the ws weight-gradient kernel's split.
+        assert_eq!(
+            128 * define("WSK_PRODUCER_REGS") + 256 * define("WSK_CONSUMER_REGS"),
+            384 * 168
+        );
+    }
+
+    /// The weight gradients run on the classic kernel unless asked (the ws KSUM kernel is
+    /// not validated on a GPU yet); force_wgrad_engine overrides it on this thread, `None`
+    /// gives the default back, and the rows engine's switch does not move it.
+    #[test]
+    fn wgrad_engine_is_classic_unless_forced() {
+        assert_eq!(DEFAULT_WGRAD_ENGINE, Engine::Classic);
+        let env = std::env::var_os("AFDEP_GEMM_WGRAD").is_none();
+        if env {
+            assert_eq!(wgrad_engine_for(), Engine::Classic);
+        }
+        force_engine(Some(Engine::Ws));
+        if env {
+            assert_eq!(wgrad_engine_for(), Engine::Classic);
+        }
+        force_engine(None);
+        force_wgrad_engine(Some(Engine::Ws));
+        assert_eq!(wgrad_engine_for(), Engine::Ws);
+        force_wgrad_engine(Some(Engine::Classic));
+        assert_eq!(wgrad_engine_for(), Engine::Classic);
+        force_wgrad_engine(None);
+        if env {
+            assert_eq!(wgrad_engine_for(), DEFAULT_WGRAD_ENGINE);
+        }
     }
 
     /// The default engine is ws; force_engine overrides it on this thread and `None` gives
