@@ -14,8 +14,10 @@
 //   outside the tensor. Rows of a box past the group's end belong to the next group (or are
 //   zero): their accumulators are discarded by the epilogue.
 // - cp.async (SASS LDGSTS), 16 bytes per thread per chunk: A rows read through an index (the
-//   gather strategies: slot -> token), both operands of the weight gradients (gathered, and cut
-//   at the group's end inside a K tile, which a box cannot express), and any dense operand the
+//   gather strategies: slot -> token), both operands of the classic kernel's weight gradients
+//   (gathered, and cut at the group's end inside a K tile, which a box cannot express; the ws
+//   KSUM kernel at the end of this file loads the contiguous ones by TMA and zeroes the rows
+//   past the cut in shared memory), and any dense operand the
 //   host could not describe by a tensor map (alignment; a K split between W1 and W3 that is not
 //   a multiple of BK). The host chooses per launch (GemmProblem::tma).
 // Every mbarrier wait is bounded (GemmProblem::wait_ms): a wait that runs out records a fault in
@@ -42,7 +44,8 @@
 // A second engine for the ROWS problems, warp-specialised (a producer warpgroup, two wgmma
 // m64n256k16 consumer warpgroups, 128 x 256 tiles, full/empty mbarriers), is at the end of this
 // file (gemm_rows_ws, the afdep_gemm_ws_* entry points); the host picks one per problem
-// (afdep_kernels::ops::gemm::engine_for).
+// (afdep_kernels::ops::gemm::engine_for). After it, the same engine for the KSUM problems
+// (gemm_ksum_ws, afdep_gemm_ws_wgrad), off unless asked (ops::gemm::wgrad_engine_for).
 //
 // Summation order: each output is one f32 accumulator fed by the tensor-core products in
 // ascending k-tile order (the order inside one wgmma is the hardware's). This is not the CPU

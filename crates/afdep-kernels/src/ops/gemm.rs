@@ -21,6 +21,10 @@
 //! warp-specialised one (a TMA/cp.async producer warpgroup, two wgmma consumer warpgroups,
 //! 128 × 256 tiles); [`engine_for`] picks one per problem ([`DEFAULT_ENGINE`], the ws engine
 //! by measurement, unless `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for the classic one).
+//! The weight gradients have the same two ([`wgrad_engine_for`]): the classic k-sum kernel by
+//! default ([`DEFAULT_WGRAD_ENGINE`]), the warp-specialised one (128 × 256 tiles, TMA for the
+//! contiguous operands, cp.async for the gathered ones) only where `AFDEP_GEMM_WGRAD=ws` or
+//! [`force_wgrad_engine`] asks for it: it has not been validated on a GPU yet.
 //!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
