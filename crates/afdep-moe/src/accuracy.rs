@@ -72,9 +72,26 @@
 //! On the H200 (2026-12-04, merged `54d4e73`) such columns measured 2.0–4.0e-2 per column at
 //! T = 1 and 33 with K = E or small E (every strategy alike, the router backward being
 //! shared), while the tensor stayed within its tolerance. A per-column check needs the terms'
-//! scale, `|X|ᵀ·(P ⊙ (|G| + |ḡ|))` from the reference, which the reference does not yet
-//! return; [`max_col_err`] is kept for it.
-
+//! scale: the elementwise bound below has it for every element of `dWr` (so for every
+//! column); [`max_col_err`] stays for reports.
+//!
+//! # Elementwise: the first-order bound of each element's terms
+//! Every metric above divides by a largest magnitude (of the tensor, a token, an expert), so
+//! an element whose own sum cancels is judged on other elements' scale. The GPU tests also
+//! judge **every element** on its own terms ([`check_elementwise`]): the oracle is run a second
+//! time in `afdep_core::oracle::scaled::Scaled` (values with the magnitude `s` of the terms
+//! they were computed from: a sum's `s` is its terms' `s` summed, whatever their signs), and
+//! element `i` must be within `(r·u + 2·k·2^-24 + 1e-5)·s_i + 2u·(1 + 2u)·|b_i|`. To first
+//! order this is a bound, not an estimate: one stage of bf16 roundings (each intermediate of
+//! the stage off by at most `u` relative) moves an output by at most `u·s`, so `r` stages
+//! ([`layer_roundings`]: the table's counts) by `r·u·s`; reordered f32 sums of at most `k`
+//! terms add `k·2^-24·s` on each side; the GPU router's logits are within `1e-5` of their
+//! terms' magnitude (`afdep_kernels::ops::router`); both sides' final casts add `u·|b|` each.
+//! It covers exactly the cases the per-group metric cannot: the router gradient's columns of
+//! experts whose terms cancel (`dWr` is judged per element here, so per expert column too) and
+//! a shared-expert row at one token. The 25 % `dS2` row of the H200 run of 2026-12-04 will be
+//! judged by it: within the bound, it was cancellation; outside, a real error.
+//!
 use half::bf16;
 
 /// `max |a − b| / max |b|` (see the module); NaN or infinity in `a` gives `+∞`.

@@ -44,7 +44,7 @@ pub mod timing;
 #[cfg(feature = "fault-injection")]
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
-pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
+pub use fused::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 #[cfg(feature = "nccl")]
 pub use nccl_device::NcclDeviceEngine;

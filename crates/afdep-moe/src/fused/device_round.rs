@@ -55,6 +55,13 @@
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
 //!
+//! [`FusedEngine::device_round_on_stream`] and [`FusedEngine::replay_on_stream`] do the same
+//! from a caller's device buffers ([`BorrowedRound`]) ordered on the caller's stream (the Python
+//! bindings: torch tensors on PyTorch's current stream): an event joins the caller's stream
+//! into this rank's stream, the inputs are copied device to device into the fixed buffers, the
+//! combined rows device to device into the caller's output after the round, and an event joins
+//! the rank's stream back; only the verdict is read on the host.
+//!
 //! [`FusedEngine::set_round_timing`] times whole rounds on the device: a barrier of every rank
 //! after the input is loaded, then CUDA events on the rank's stream around the round's launches
 //! (a replay: around the graph launch); [`FusedEngine::last_round_time`] (`afdep exchange
@@ -177,6 +184,113 @@ impl DeviceExperts {
             DeviceExperts::Identity => rows.to_vec(),
         }
     }
+}
+
+/// A source's input and output of a device round in the caller's device memory
+/// ([`FusedEngine::device_round_on_stream`], [`FusedEngine::replay_on_stream`]): device
+/// pointers (`CUdeviceptr`) of contiguous buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct BorrowedRound {
+    /// The round's token count T on this rank (above the capacity: the round is rejected,
+    /// over capacity, on every rank).
+    pub tokens: usize,
+    /// The rows, T × hidden bf16.
+    pub x: u64,
+    /// The routes' expert ids, T × top-k i32.
+    pub idx: u64,
+    /// The routes' weights, T × top-k f32.
+    pub weights: u64,
+    /// The combined rows, T × hidden bf16 (written).
+    pub out: u64,
+}
+
+/// Where a device round's source input comes from: the host ([`SourceInput`], copied host to
+/// device) or the caller's device buffers ([`BorrowedRound`], copied device to device).
+#[derive(Debug, Clone, Copy)]
+enum Feed<'a> {
+    Host(Option<&'a SourceInput>),
+    Device(Option<&'a BorrowedRound>),
+}
+
+/// Copies `n` elements from the caller's device pointer `src` into `dst`, on the context's
+/// stream.
+///
+/// # Safety
+/// `src` is a live device allocation of `gpu`'s device holding `n` elements of `T`, not written
+/// until the stream passes the copy; `n <= dst.len()`.
+unsafe fn copy_dtod<T: afdep_kernels::cudarc::driver::DeviceRepr>(
+    gpu: &GpuContext,
+    dst: &mut CudaSlice<T>,
+    src: u64,
+    n: usize,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::cudarc::driver::DevicePtrMut;
+    debug_assert!(n <= dst.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    let (d, _guard) = dst.device_ptr_mut(stream);
+    // SAFETY: the caller's contract; `d` holds at least `n` elements.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(d, src, n * std::mem::size_of::<T>(), stream.cu_stream()) }
+        .result()
+        .map_err(KernelError::driver("copying the caller's input"))?;
+    Ok(())
+}
+
+/// Copies the first `n` elements of `src` to the caller's device pointer `dst`, on the
+/// context's stream.
+///
+/// # Safety
+/// `dst` is a live device allocation of `gpu`'s device holding `n` elements of `T`, used by
+/// nobody else until the stream passes the copy; `n <= src.len()`.
+unsafe fn copy_dtod_out<T: afdep_kernels::cudarc::driver::DeviceRepr>(
+    gpu: &GpuContext,
+    dst: u64,
+    src: &CudaSlice<T>,
+    n: usize,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::cudarc::driver::DevicePtr;
+    debug_assert!(n <= src.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    let (s, _guard) = src.device_ptr(stream);
+    // SAFETY: the caller's contract; `s` holds at least `n` elements.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, s, n * std::mem::size_of::<T>(), stream.cu_stream()) }
+        .result()
+        .map_err(KernelError::driver("copying the combined rows out"))?;
+    Ok(())
+}
+
+/// Makes `later` wait (on the device) for everything queued so far on `first`: an event
+/// recorded on `first`, waited for by `later`, released by the driver once passed.
+///
+/// # Safety
+/// Both are live streams of the bound context (or null, the legacy default stream).
+unsafe fn order_streams(first: sys::CUstream, later: sys::CUstream) -> Result<(), ExchangeError> {
+    let drv = KernelError::driver;
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: plain driver calls on an event created here and streams of the bound context.
+    unsafe {
+        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            .result()
+            .map_err(drv("creating an event"))?;
+        let r = sys::cuEventRecord(ev, first)
+            .result()
+            .map_err(drv("recording an event"))
+            .and_then(|()| {
+                sys::cuStreamWaitEvent(later, ev, 0)
+                    .result()
+                    .map_err(drv("waiting on an event"))
+            });
+        let d = sys::cuEventDestroy_v2(ev)
+            .result()
+            .map_err(drv("destroying an event"));
+        r.and(d)?;
+    }
+    Ok(())
 }
 
 /// Options of device rounds ([`FusedEngine::prepare_device`]).
@@ -309,6 +423,26 @@ pub(super) struct DeviceRound {
     trace: Option<Tracer>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
+    /// A round queued on the caller's stream whose verdict is not read yet
+    /// ([`FusedEngine::device_round_on_stream`] with `wait` false).
+    queued: Option<Queued>,
+}
+
+/// A queued round's state until its verdict is read ([`FusedEngine::finish_queued`]).
+#[derive(Debug)]
+struct Queued {
+    arm: RoundArm,
+    local: Option<ExchangeError>,
+    t0: Instant,
+}
+
+/// A round's output without rows (the on-stream rounds write theirs into the caller's buffer).
+fn no_output() -> RoundOutput {
+    RoundOutput {
+        combined: None,
+        received: None,
+        times: PhaseTimes::default(),
+    }
 }
 
 /// A dispatch + combine round of one rank captured in a CUDA graph ([`FusedEngine::capture`]);
@@ -478,6 +612,7 @@ impl FusedEngine {
             trace: None,
             src,
             ffn,
+            queued: None,
         });
         Ok(())
     }
@@ -633,7 +768,7 @@ impl FusedEngine {
         let arm = arm.into();
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(arm, input)?;
+            let local = eng.load_input(arm, Feed::Host(input))?;
             eng.clear_trace(None)?;
             eng.round_event(true)?;
             eng.launch_device_round(arm)?;
@@ -705,7 +840,7 @@ impl FusedEngine {
         }
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(graph.arm, input)?;
+            let local = eng.load_input(graph.arm, Feed::Host(input))?;
             bind(&eng.gpu)?;
             eng.clear_trace(Some(graph.trace_order.as_deref()))?;
             eng.round_event(true)?;
@@ -719,6 +854,155 @@ impl FusedEngine {
             eng.read_trace()?;
             Ok(out)
         })
+    }
+
+    /// Runs one device round eagerly on the caller's device buffers, ordered on the caller's
+    /// `stream` ([`BorrowedRound`]; the Python bindings: torch tensors on PyTorch's current
+    /// stream). Attention ranks pass `Some`, FFN-only ranks `None`; `arm` as in
+    /// [`FusedEngine::device_round`]. Collective.
+    ///
+    /// With `wait` false the round is only queued: its verdict is read by this engine's next
+    /// on-stream round before it queues anything (which then returns the earlier round's error
+    /// instead, on every rank alike, without queuing its own) or by
+    /// [`FusedEngine::finish_queued`]; the host never waits for the round itself, and the
+    /// output is ready once `stream` passes it (NaN if the verdict turns out a rejection).
+    /// Another device round, replay or capture refuses to run while a round is queued.
+    ///
+    /// This rank's stream waits (on the device) for the work queued so far on `stream`, copies
+    /// the rows, routes and weights device to device into the round's input buffers, runs the
+    /// round, copies the combined rows device to device into `out` (the poisoned rows, NaN,
+    /// when the round is rejected and poisoning is on), and `stream` waits (on the device) for
+    /// all of it: nothing on the host waits for `stream`, and no row crosses the host. Then
+    /// the host waits once for this rank's stream, to read the round's verdict and faults, so
+    /// that a rejected route is [`ExchangeError::Route`] (as in [`FusedEngine::device_round`])
+    /// and a late peer [`ExchangeError::DeviceTimeout`]. The rows are copied, not lent: the
+    /// round's buffers are capacity-sized and a captured graph keeps their addresses.
+    ///
+    /// # Safety
+    /// The pointers of `input` must be live device allocations of this rank's device, in the
+    /// primary context (PyTorch's), holding `tokens` rows each ([`BorrowedRound`]); nobody may
+    /// write the inputs, or read or write `out`, until `stream` passes the round, and `out`
+    /// overlaps no input. `stream` must be a live stream of that context, or null (the legacy
+    /// default stream), and must not be capturing a CUDA graph.
+    pub unsafe fn device_round_on_stream(
+        &mut self,
+        arm: impl Into<RoundArm>,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<(), ExchangeError> {
+        let arm = arm.into();
+        self.guarded(|eng| {
+            // SAFETY: the caller's contract.
+            unsafe { eng.on_stream(arm, None, input, stream, wait) }
+        })
+        .map(drop)
+    }
+
+    /// [`FusedEngine::replay`] on the caller's device buffers, ordered on the caller's
+    /// `stream`: the graph's fixed input buffers are refilled device to device from `input`
+    /// (new rows and routes every replay), the graph is launched on this rank's stream, the
+    /// combined rows are copied into `input.out`, with the stream ordering and the one host
+    /// wait for the verdict of [`FusedEngine::device_round_on_stream`] (or, with `wait` false,
+    /// its deferred verdict). Collective.
+    ///
+    /// # Safety
+    /// As [`FusedEngine::device_round_on_stream`].
+    pub unsafe fn replay_on_stream(
+        &mut self,
+        graph: &FusedGraph,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
+            return Err(ExchangeError::Input {
+                rank,
+                what: "the graph was captured by another engine".into(),
+            });
+        }
+        self.guarded(|eng| {
+            // SAFETY: the caller's contract.
+            unsafe { eng.on_stream(graph.arm, Some(graph), input, stream, wait) }
+        })
+        .map(drop)
+    }
+
+    /// The body of [`FusedEngine::device_round_on_stream`] (`graph` `None`) and
+    /// [`FusedEngine::replay_on_stream`].
+    ///
+    /// # Safety
+    /// As [`FusedEngine::device_round_on_stream`].
+    unsafe fn on_stream(
+        &mut self,
+        arm: RoundArm,
+        graph: Option<&FusedGraph>,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<RoundOutput, ExchangeError> {
+        // the verdict of a round queued before, first
+        self.read_queued()?;
+        let t0 = Instant::now();
+        bind(&self.gpu)?;
+        let own = self.gpu.stream().cu_stream();
+        // SAFETY: both are live streams of the bound context (the caller's contract).
+        unsafe { order_streams(stream, own)? };
+        let queued = (|| -> Result<Option<ExchangeError>, ExchangeError> {
+            let local = self.load_input(arm, Feed::Device(input))?;
+            self.clear_trace(graph.map(|g| g.trace_order.as_deref()))?;
+            self.round_event(true)?;
+            match graph {
+                Some(g) => g
+                    .graph
+                    .launch()
+                    .map_err(KernelError::driver("launching the round's graph"))?,
+                None => self.launch_device_round(arm)?,
+            }
+            self.round_event(false)?;
+            if let (Some(b), Some(s)) = (input, self.device.as_ref().and_then(|d| d.src.as_ref())) {
+                let n = b.tokens.min(self.cfg.capacity) * self.cfg.hidden;
+                // SAFETY: `out` holds `tokens` rows (the caller's contract); the source is the
+                // round's output buffer of the capacity's rows.
+                unsafe { copy_dtod_out(&self.gpu, b.out, &s.out, n)? };
+            }
+            Ok(local)
+        })();
+        // the join, also after an error: whatever was queued is ordered before the caller's
+        // later work
+        // SAFETY: as above, the other way round.
+        let joined = unsafe { order_streams(own, stream) };
+        let local = queued?;
+        joined?;
+        if !wait {
+            let d = self.device.as_mut().expect("checked by load_input");
+            d.queued = Some(Queued { arm, local, t0 });
+            return Ok(no_output());
+        }
+        let out = self.finish_device_round(arm, None, local, t0)?;
+        self.read_round_time()?;
+        self.read_trace()?;
+        Ok(out)
+    }
+
+    /// Reads the verdict of the round queued by an on-stream round with `wait` false, if any
+    /// (one host wait for this rank's stream): its error, as the round would have returned it
+    /// with `wait` true. Not collective (every rank reads its own).
+    pub fn finish_queued(&mut self) -> Result<(), ExchangeError> {
+        self.guarded(|eng| eng.read_queued().map(|()| no_output()))
+            .map(drop)
+    }
+
+    /// [`FusedEngine::finish_queued`]'s body.
+    fn read_queued(&mut self) -> Result<(), ExchangeError> {
+        let Some(q) = self.device.as_mut().and_then(|d| d.queued.take()) else {
+            return Ok(());
+        };
+        self.finish_device_round(q.arm, None, q.local, q.t0)?;
+        self.read_round_time()?;
+        self.read_trace()?;
+        Ok(())
     }
 
     /// Runs `f` unless the engine is closed; any error but a rejected route or a caller's input
@@ -744,13 +1028,19 @@ impl FusedEngine {
     }
 
     fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
-        if self.device.is_none() {
-            return Err(ExchangeError::Input {
+        match &self.device {
+            None => Err(ExchangeError::Input {
                 rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
-            });
+            }),
+            Some(d) if d.queued.is_some() => Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "a round queued without waiting is not finished: call \
+                       FusedEngine::finish_queued first"
+                    .into(),
+            }),
+            Some(_) => Ok(()),
         }
-        Ok(())
     }
 
     /// Copies a source's input into the device buffers and its token count and arm request
@@ -762,7 +1052,7 @@ impl FusedEngine {
     fn load_input(
         &mut self,
         arm: RoundArm,
-        input: Option<&SourceInput>,
+        input: Feed<'_>,
     ) -> Result<Option<ExchangeError>, ExchangeError> {
         self.check_device(arm)?;
         let rank = self.rank();
@@ -771,7 +1061,22 @@ impl FusedEngine {
         let is_src = cfg.topology.attention_index(rank).is_some();
         let mut local = None;
         let tokens: u32 = match (is_src, input) {
-            (true, Some(inp)) => {
+            (true, Feed::Device(Some(b))) => {
+                // rows beyond the capacity are not copied (the round is rejected anyway)
+                let n = b.tokens.min(cap);
+                let d = self.device.as_mut().expect("checked");
+                let s = d.src.as_mut().expect("a source has source buffers");
+                // SAFETY: the caller's contract (`device_round_on_stream`): the three buffers
+                // hold `b.tokens` rows of their element type and are not written until the
+                // stream passes the round; the destinations are capacity-sized.
+                unsafe {
+                    copy_dtod(&self.gpu, &mut s.x, b.x, n * h)?;
+                    copy_dtod(&self.gpu, &mut s.idx, b.idx, n * k)?;
+                    copy_dtod(&self.gpu, &mut s.w, b.weights, n * k)?;
+                }
+                u32::try_from(b.tokens).unwrap_or(u32::MAX)
+            }
+            (true, Feed::Host(Some(inp))) => {
                 let t = inp.routes.tokens;
                 let shaped = inp.routes.top_k == k
                     && inp.routes.idx.len() == t * k
@@ -810,40 +1115,38 @@ impl FusedEngine {
                     u32::try_from(t).unwrap_or(u32::MAX)
                 }
             }
-            (true, None) => {
+            (true, Feed::Host(None) | Feed::Device(None)) => {
                 local = Some(ExchangeError::Input {
                     rank,
                     what: "an attention rank was given no input".into(),
                 });
                 u32::MAX
             }
-            (false, Some(_)) => {
+            (false, Feed::Host(Some(_)) | Feed::Device(Some(_))) => {
                 local = Some(ExchangeError::Input {
                     rank,
                     what: "an FFN-only rank was given input".into(),
                 });
                 0
             }
-            (false, None) => 0,
+            (false, Feed::Host(None) | Feed::Device(None)) => 0,
         };
         let request = match arm {
             RoundArm::Fixed(a) => arm_code(a),
             RoundArm::Auto => self.arm.map_or(fr::arm::AUTO, arm_code),
         };
-        // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1)
-        let words = [tokens, request];
+        // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1),
+        // each written by a memset of its value (no host buffer: nothing to wait for)
         bind(&self.gpu)?;
-        // SAFETY: the control block's token and request words lie in this rank's workspace (the
-        // geometry fits it, checked at set-up); `words` outlives the copy, which is waited for
-        // below (the synchronisation also makes the pageable copies above complete).
-        unsafe {
-            cures::memcpy_htod_async(
-                self.ws + CONTROL + 4 * CTL_TOKENS as u64,
-                &words,
-                self.gpu.stream().cu_stream(),
-            )
+        let stream = self.gpu.stream().cu_stream();
+        for (i, word) in [tokens, request].into_iter().enumerate() {
+            let at = self.ws + CONTROL + 4 * (CTL_TOKENS + i) as u64;
+            // SAFETY: the control block's token and request words lie in this rank's workspace
+            // (the geometry fits it, checked at set-up); the memset is ordered on the stream.
+            unsafe { sys::cuMemsetD32Async(at, word, 1, stream) }
+                .result()
+                .map_err(KernelError::driver("writing the token count"))?;
         }
-        .map_err(KernelError::driver("writing the token count"))?;
         if self.poison {
             let d = self.device.as_mut().expect("checked");
             if let Some(s) = d.src.as_mut() {
@@ -873,7 +1176,11 @@ impl FusedEngine {
                 }
             }
         }
-        self.gpu.synchronize()?;
+        // a host feed's pageable copies complete here; a device feed is only queued (round
+        // timing's barrier, which follows, needs no wait: the events are on the stream)
+        if matches!(input, Feed::Host(_)) {
+            self.gpu.synchronize()?;
+        }
         Ok(local)
     }
 
