@@ -76,15 +76,16 @@ pub const WS_BLOCK: u32 = 384;
 /// A tile and a 256 × 64 B tile plus the 1 KiB alignment slack, 193 KiB (one block per SM).
 pub const WS_SMEM_BYTES: usize = WS_STAGES * (WS_TILE_M + WS_TILE_N) * WS_TILE_K * 2 + 1024;
 
-/// The kernel family a rows GEMM runs on.
+/// The kernel family a GEMM runs on: rows problems by [`engine_for`], weight gradients by
+/// [`wgrad_engine_for`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
-    /// The two-warpgroup kernel (`gemm_rows`): 128 × 128 tiles, K 32 per stage, 6 stages,
-    /// two blocks per SM, no warp specialisation. Best at small N and K (the record's shape).
+    /// The two-warpgroup kernels (`gemm_rows`, `gemm_ksum`): 128 × 128 tiles, K 32 per
+    /// stage, 6 stages, no warp specialisation (rows: two blocks per SM).
     Classic,
-    /// The warp-specialised kernel (`gemm_rows_ws`): a TMA/cp.async producer warpgroup and
-    /// two wgmma m64n256k16 consumer warpgroups, 128 × 256 tiles, K 64 per stage, 4 stages
-    /// with full/empty mbarriers, one block per SM.
+    /// The warp-specialised kernels (`gemm_rows_ws`, `gemm_ksum_ws`): a TMA/cp.async
+    /// producer warpgroup and two wgmma m64n256k16 consumer warpgroups, 128 × 256 tiles, K 64
+    /// per stage, 4 stages with full/empty mbarriers, one block per SM.
     Ws,
 }
 
