@@ -14,8 +14,10 @@
 //   outside the tensor. Rows of a box past the group's end belong to the next group (or are
 //   zero): their accumulators are discarded by the epilogue.
 // - cp.async (SASS LDGSTS), 16 bytes per thread per chunk: A rows read through an index (the
-//   gather strategies: slot -> token), both operands of the weight gradients (gathered, and cut
-//   at the group's end inside a K tile, which a box cannot express), and any dense operand the
+//   gather strategies: slot -> token), both operands of the classic kernel's weight gradients
+//   (gathered, and cut at the group's end inside a K tile, which a box cannot express; the ws
+//   KSUM kernel at the end of this file loads the contiguous ones by TMA and zeroes the rows
+//   past the cut in shared memory), and any dense operand the
 //   host could not describe by a tensor map (alignment; a K split between W1 and W3 that is not
 //   a multiple of BK). The host chooses per launch (GemmProblem::tma).
 // Every mbarrier wait is bounded (GemmProblem::wait_ms): a wait that runs out records a fault in
@@ -42,7 +44,8 @@
 // A second engine for the ROWS problems, warp-specialised (a producer warpgroup, two wgmma
 // m64n256k16 consumer warpgroups, 128 x 256 tiles, full/empty mbarriers), is at the end of this
 // file (gemm_rows_ws, the afdep_gemm_ws_* entry points); the host picks one per problem
-// (afdep_kernels::ops::gemm::engine_for).
+// (afdep_kernels::ops::gemm::engine_for). After it, the same engine for the KSUM problems
+// (gemm_ksum_ws, afdep_gemm_ws_wgrad), off unless asked (ops::gemm::wgrad_engine_for).
 //
 // Summation order: each output is one f32 accumulator fed by the tensor-core products in
 // ascending k-tile order (the order inside one wgmma is the hardware's). This is not the CPU
@@ -879,7 +882,8 @@ static __device__ __forceinline__ void producer_sync() {
 }
 
 // One wgmma m64n256k16 (bf16 in, f32 accumulate into d), both operands in shared memory.
-template <int TRANS_B>
+// TRANS_A / TRANS_B: 0 = K-major, 1 = M- / N-major.
+template <int TRANS_A, int TRANS_B>
 static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n"
@@ -894,7 +898,7 @@ static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 des
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, %131;\n"
+        "}, %128, %129, p, 1, 1, %131, %132;\n"
         "}\n"
         :
           "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -913,7 +917,7 @@ static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 des
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_B));
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
 }
 
 // The ws tile t of the schedule: group g, first row row0, rows (<= WS_BM), first column n0.
@@ -1107,7 +1111,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                     const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
                     const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
                                           : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
-                    wgmma_m64n256k16<B_KMAJ ? 0 : 1>(acc, da, db);
+                    wgmma_m64n256k16<0, B_KMAJ ? 0 : 1>(acc, da, db);
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
@@ -1179,3 +1183,321 @@ WS_ENTRY(afdep_gemm_ws_dx_store, true, false, AFDEP_EPI_STORE)
 WS_ENTRY(afdep_gemm_ws_dx_scatter, true, false, AFDEP_EPI_SCATTER)
 WS_ENTRY(afdep_gemm_ws_dx_add, true, false, AFDEP_EPI_ADD_F32)
 WS_ENTRY(afdep_gemm_ws_dx_acc, true, false, AFDEP_EPI_ACC_BF16)
+
+// =============================================================================================
+// The warp-specialised KSUM engine (weight gradients; docs/perf/moe.md, 2026-12-05 (c)). Off
+// unless the host asks for it (ops::gemm::wgrad_engine_for).
+//
+// The rows engine's skeleton (384 threads, one block per SM, a producer warpgroup and two wgmma
+// consumer warpgroups, WS_STAGES stages of 48 KiB with full / empty mbarriers, bounded waits)
+// over the KSUM problem: tiles (group, chunk, m tile, n tile) of 128 m x 256 n, K = the
+// chunk's rows, WS_BK k-rows per stage. Both operand tiles are MN-major: a stage holds 64
+// k-rows of 128 A columns (two 64-column blocks) and of 256 B columns (four blocks), each
+// block 64 rows x 128 bytes with the 128-byte swizzle (the TMA box layout, and what wgmma
+// reads with transposed descriptors: LBO = the block stride, SBO = the 8-row atom).
+// - An operand whose rows are contiguous (its AFDEP_GEMM_TMA_* bit: A = 1, B = 2) loads by TMA:
+//   producer thread 0 issues one 64 x 64 box per block that starts below M / N. A box
+//   delivers 64 rows whatever the chunk: in the chunk's last k-tile the rows past its end
+//   (another group's, or unwritten rows of the buffer, possibly NaN) are zeroed in shared
+//   memory by the consumers after the full wait, each writer runs fence.proxy.async, and the
+//   256 consumer threads meet at named barrier 2 before the stage's wgmmas (reasoning in the
+//   doc: once per chunk, and the producer and the stage's arrival count stay as they are).
+// - A gathered operand (or one without a map) loads by cp.async from all 128 producer
+//   threads, zero-filled past the chunk's end and past M / N; each thread arrives on a
+//   stage's full barrier WS_CP_LAG stages after issuing it, as the rows engine's gathered A.
+//   The source rows of a stage come from a double-buffered row table in shared memory that
+//   producer threads fill one stage ahead (threads 0-63: A's 64 rows, 64-127: B's; the index
+//   load is issued before the empty wait and consumed after the copies).
+// - Tile order inside (group, chunk): the dimension with fewer tiles fastest, so the tiles in
+//   flight share a few slabs of one operand and all of the other's in L2.
+// - Epilogues of gemm_ksum: with one chunk and c2, bf16 straight into the gradient (columns
+//   from b_split on into c3 when given); otherwise the chunk's f32 partial for
+//   afdep_gemm_reduce.
+
+// 64-column blocks of a KSUM stage's A and B tiles.
+#define WSK_A_BLOCKS (WS_BM / 64)
+#define WSK_B_BLOCKS (WS_BN / 64)
+static_assert(WS_A_BYTES == WSK_A_BLOCKS * WS_NBLOCK_BYTES, "A tile = its 64-column blocks");
+static_assert(WS_B_BYTES == WSK_B_BLOCKS * WS_NBLOCK_BYTES, "B tile = its 64-column blocks");
+static_assert(WS_BK == 64, "a KSUM stage is 64 k-rows: one producer thread per row and operand");
+// Registers per thread after setmaxnreg (128 x 72 + 256 x 216 = 64,512, the launch's 384 x
+// 168): the producer resolves gathered rows and walks 64-bit chunk bounds (at the rows
+// engine's 56 it spilled 72 bytes); the consumers' 128 accumulators fit 216.
+#define WSK_PRODUCER_REGS 72
+#define WSK_CONSUMER_REGS 216
+
+// Barrier 2 among the two consumer warpgroups' 256 threads.
+static __device__ __forceinline__ void consumer_sync() {
+    asm volatile("bar.sync 2, 256;" ::: "memory");
+}
+
+// The KSUM ws tile t: group g, chunk s, first m / n, the chunk's rows kb .. ke.
+struct WsKTile {
+    u32 g, s, m0, n0;
+    u64 kb, ke;
+    u32 ktiles;
+};
+static __device__ __forceinline__ WsKTile wsk_tile(const GemmProblem& p, u32 t, u32 mtiles,
+                                                   u32 ntiles) {
+    const u32 per = mtiles * ntiles;
+    const u32 inner = t % per, rest = t / per;
+    WsKTile w;
+    w.s = rest % p.splits;
+    w.g = rest / p.splits;
+    const u32 mt = ntiles <= mtiles ? inner / ntiles : inner % mtiles;
+    const u32 nt = ntiles <= mtiles ? inner % ntiles : inner / mtiles;
+    w.m0 = mt * WS_BM;
+    w.n0 = nt * WS_BN;
+    const u64 gb = group_begin(p, w.g), ge = group_end(p, w.g, p.k);
+    u64 chunk = (ge - gb + p.splits - 1) / p.splits;
+    chunk = (chunk + WS_BK - 1) / WS_BK * WS_BK;
+    w.kb = gb + (u64)w.s * chunk < ge ? gb + (u64)w.s * chunk : ge;
+    w.ke = w.kb + chunk < ge ? w.kb + chunk : ge;
+    w.ktiles = (u32)((w.ke - w.kb + WS_BK - 1) / WS_BK);
+    return w;
+}
+
+// 64-column blocks of a tile from column c0 that start below lim (at most `blocks`).
+static __device__ __forceinline__ u32 wsk_blocks(u32 c0, u32 lim, u32 blocks) {
+    u32 n = 0;
+    for (u32 j = 0; j < blocks; j++) n += c0 + 64 * j < lim ? 1u : 0u;
+    return n;
+}
+
+// Element offset of the source row of chunk row `row` (~0 at or past `end`).
+static __device__ __forceinline__ u64 wsk_src(u64 idx, u32 div, u64 ld, u64 row, u64 end) {
+    if (row >= end) return ~0ull;
+    const u64 src = idx ? (u64)(__ldg((const u32*)idx + row) / div) : row;
+    return src * ld;
+}
+
+// cp.async of one MN-major operand tile of BLOCKS 64-column blocks by the 128 producer threads:
+// k-row r (source offset off[r], ~0 = zero) and 16-byte chunk c of the row's BLOCKS * 8.
+template <u32 BLOCKS>
+static __device__ __forceinline__ void wsk_copy(const u16* src, u32 s, const u64* off, u32 col0,
+                                                u32 lim, u32 pt) {
+    constexpr u32 CH = BLOCKS * 8;
+    constexpr u32 ROWS_PER = 128 / CH;  // 8 (A) or 4 (B): a divisor of the swizzle's 8 rows
+    static_assert(8 % ROWS_PER == 0, "the rows of one pass stay inside a swizzle atom");
+    // Row r = r0 + ROWS_PER i with r0 < ROWS_PER, so r % 8 = r0 | (ROWS_PER i % 8) and the
+    // chunk's swizzled position is (c % 8) ^ r0 ^ (ROWS_PER i % 8): one value of the thread
+    // and a constant per i (written so, the compiler keeps one register, not one per i).
+    const u32 r0 = pt / CH, c = pt % CH;
+    const u32 cc = col0 + c * 8;
+    const bool col_ok = cc < lim;
+    const u32 s0 = s + (c / 8) * WS_NBLOCK_BYTES + r0 * 128 + (((c & 7) ^ r0) << 4);
+#pragma unroll
+    for (u32 i = 0; i < WS_BK / ROWS_PER; i++) {
+        const u64 o = off[r0 + ROWS_PER * i];
+        const bool ok = col_ok && o != ~0ull;
+        cp_async16((s0 ^ (((ROWS_PER * i) & 7u) << 4)) + ROWS_PER * i * 128,
+                   ok ? src + o + cc : src, ok);
+    }
+}
+
+static __device__ __forceinline__ void gemm_ksum_ws(const GemmProblem& p, const TmaMap* ta,
+                                                    const TmaMap* tb) {
+    extern __shared__ __align__(1024) u8 smem_dyn[];
+    // Source row offsets of the stage being issued and of the next: [buffer][A, B][k-row].
+    __shared__ u64 src_off[2][2][WS_BK];
+    __shared__ __align__(8) u64 bars[2 * WS_STAGES];  // full[s], then empty[s]
+    const u32 base = stages_base(smem_dyn);
+    const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * WS_STAGES;
+    const bool tma_a = (p.tma & AFDEP_GEMM_TMA_A) != 0, tma_b = (p.tma & AFDEP_GEMM_TMA_B) != 0;
+    const bool tma = tma_a || tma_b, cp = !(tma_a && tma_b);
+    if (threadIdx.x == 0) {
+        for (u32 s = 0; s < WS_STAGES; s++) {
+            // full: the TMA issuer's expect_tx arrival, plus one per producer thread where an
+            // operand is loaded by cp.async; empty: one arrival per consumer warp.
+            mbar_init(full0 + 8 * s, (tma ? 1u : 0u) + (cp ? 128u : 0u));
+            mbar_init(empty0 + 8 * s, 8u);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const u32 mtiles = (p.m + WS_BM - 1) / WS_BM, ntiles = (p.n + WS_BN - 1) / WS_BN;
+    const u32 total = p.groups * mtiles * ntiles * p.splits;
+    const u32 role = threadIdx.x / 128;
+    bool dead = false;
+    u32 stage = 0, phase = 0;
+
+    if (role == 0) {
+        // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WSK_PRODUCER_REGS));
+        const u32 pt = threadIdx.x;
+        // With both operands by TMA only thread 0 loads; the other producer threads are done.
+        const bool loads = cp || pt == 0;
+        // The row this thread resolves: operand pt / 64 (A, B), k-row pt % 64; only for an
+        // operand loaded by cp.async.
+        const u32 rop = pt / WS_BK, rr = pt % WS_BK;
+        const bool resolves = rop == 0 ? !tma_a : !tma_b;
+        const u64 ridx = rop == 0 ? p.a_idx : p.b_idx;
+        const u32 rdiv = rop == 0 ? p.a_div : p.b_div;
+        const u64 rld = rop == 0 ? p.lda : p.ldb;
+        u32 issued = 0;  // cp.async stages this thread issued
+        // A thread whose wait ran out (dead) keeps walking the schedule without waiting or
+        // issuing, so that every producer thread reaches every producer_sync.
+        for (u32 t = blockIdx.x; loads && t < total; t += gridDim.x) {
+            const WsKTile w = wsk_tile(p, t, mtiles, ntiles);
+            const u32 tx = (tma_a ? wsk_blocks(w.m0, p.m, WSK_A_BLOCKS) : 0u) * WS_NBLOCK_BYTES +
+                           (tma_b ? wsk_blocks(w.n0, p.n, WSK_B_BLOCKS) : 0u) * WS_NBLOCK_BYTES +
+                           p.inject_tx;
+            if (cp) {
+                // The rows of k-tile 0 (every reader of buffer 0 passed the last sync).
+                if (resolves) src_off[0][rop][rr] = wsk_src(ridx, rdiv, rld, w.kb + rr, w.ke);
+                producer_sync();
+            }
+            for (u32 kt = 0; kt < w.ktiles; kt++) {
+                const u32 full = full0 + 8 * stage, empty = empty0 + 8 * stage;
+                const u64 k0 = w.kb + (u64)kt * WS_BK;
+                // The source row of k-tile kt + 1: the index load is in flight through the
+                // wait and the copies below.
+                const u64 next = cp && resolves ? wsk_src(ridx, rdiv, rld, k0 + WS_BK + rr, w.ke)
+                                                : ~0ull;
+                mbar_wait_bounded(p, empty, phase ^ 1u, kt, dead);
+                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                if (pt == 0 && tma && !dead) {
+                    mbar_arrive_expect_tx(full, tx);
+                    if (tma_a) {
+#pragma unroll
+                        for (u32 j = 0; j < WSK_A_BLOCKS; j++)
+                            if (w.m0 + 64 * j < p.m)
+                                tma_load_2d(sa + j * WS_NBLOCK_BYTES, ta, (i32)(w.m0 + 64 * j),
+                                            (i32)k0, full);
+                    }
+                    if (tma_b) {
+#pragma unroll
+                        for (u32 j = 0; j < WSK_B_BLOCKS; j++)
+                            if (w.n0 + 64 * j < p.n)
+                                tma_load_2d(sb + j * WS_NBLOCK_BYTES, tb, (i32)(w.n0 + 64 * j),
+                                            (i32)k0, full);
+                    }
+                }
+                if (cp) {
+                    const u32 buf = kt & 1u;
+                    if (!dead) {
+                        if (!tma_a)
+                            wsk_copy<WSK_A_BLOCKS>((const u16*)p.a, sa, src_off[buf][0], w.m0,
+                                                   p.m, pt);
+                        if (!tma_b)
+                            wsk_copy<WSK_B_BLOCKS>((const u16*)p.b, sb, src_off[buf][1], w.n0,
+                                                   p.n, pt);
+                        cp_async_commit();
+                        // The stage issued WS_CP_LAG stages ago has landed: fence it into the
+                        // async proxy (wgmma reads it) and arrive.
+                        if (issued >= WS_CP_LAG) {
+                            cp_async_wait<WS_CP_LAG>();
+                            fence_proxy_async();
+                            mbar_arrive(full0 + 8 * ((stage + WS_STAGES - WS_CP_LAG) % WS_STAGES));
+                        }
+                        issued++;
+                    }
+                    if (resolves) src_off[buf ^ 1u][rop][rr] = next;
+                    producer_sync();  // kt + 1's rows are written; kt's are read
+                }
+                if (++stage == WS_STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+        }
+        if (cp && !dead) {
+            // The last stages (at most WS_CP_LAG) not yet arrived on.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
+                mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));
+        }
+    } else {
+        // ---- consumers ----
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WSK_CONSUMER_REGS));
+        const u32 wc = role - 1;  // m rows 64 wc .. of the tile: A block wc
+        const u32 ct = threadIdx.x - 128;
+        const u32 warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
+        const u32 gq = lane / 4, tq = lane % 4;
+        // The TMA-loaded blocks of a stage (A's, then B's: contiguous from tma_first).
+        const u32 zblocks = (tma_a ? WSK_A_BLOCKS : 0u) + (tma_b ? WSK_B_BLOCKS : 0u);
+        const u32 zfirst = tma_a ? 0u : WSK_A_BLOCKS;
+        for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
+            const WsKTile w = wsk_tile(p, t, mtiles, ntiles);
+            float acc[128];
+#pragma unroll
+            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+            u32 prev = 0;
+            for (u32 kt = 0; kt < w.ktiles; kt++) {
+                const u32 full = full0 + 8 * stage;
+                mbar_wait_bounded(p, full, phase, kt, dead);
+                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                const u64 left = w.ke - (w.kb + (u64)kt * WS_BK);
+                if (left < WS_BK && zblocks) {
+                    // The chunk ends inside this k-tile: zero k-rows `valid` .. 63 of every
+                    // TMA-loaded block (whole 128-byte rows: the swizzle does not matter).
+                    const u32 valid = (u32)left, per = (WS_BK - valid) * 8;
+                    for (u32 i = ct; i < zblocks * per; i += 256) {
+                        const u32 blk = zfirst + i / per, rest = i % per;
+                        const u32 addr = sa + blk * WS_NBLOCK_BYTES + (valid + rest / 8) * 128 +
+                                         (rest % 8) * 16;
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr),
+                                     "r"(0u)
+                                     : "memory");
+                    }
+                    fence_proxy_async();
+                    consumer_sync();
+                }
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < WS_BK / 16; ks++) {
+                    const u64 da =
+                        smem_desc(sa + wc * WS_NBLOCK_BYTES + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                    const u64 db = smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                    wgmma_m64n256k16<1, 1>(acc, da, db);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                // kt - 1's wgmmas have retired: its stage may be refilled.
+                if (kt > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+                prev = stage;
+                if (++stage == WS_STAGES) {
+                    stage = 0;
+                    phase ^= 1u;
+                }
+            }
+            wgmma_wait<0>();
+            if (w.ktiles > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+
+            // Epilogue straight from the accumulators (element 4 j + 2 h + e: m row 16 warp +
+            // gq + 8 h of the consumer's 64, n column 8 j + 2 tq + e of the tile's 256).
+            const bool direct = p.splits == 1 && p.c2;
+            const u32 n1 = p.c3 ? p.b_split : p.n;
+            float* part = (float*)p.c + ((u64)w.g * p.splits + w.s) * (u64)p.m * p.n;
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                const u32 m = w.m0 + wc * 64 + warp * 16 + gq + hr * 8;
+                if (m >= p.m) continue;
+                const u64 row = (u64)w.g * p.m + m;
+#pragma unroll
+                for (int j = 0; j < 32; j++) {
+                    const u32 n = w.n0 + j * 8 + 2 * tq;
+                    if (n >= p.n) continue;
+                    const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+                    if (direct) {
+                        // n is even and n1 a multiple of 8: the pair stays on one side.
+                        const u32 v = pack_bf16(v0, v1);
+                        if (n < n1) *(u32*)((u16*)p.c2 + row * n1 + n) = v;
+                        else *(u32*)((u16*)p.c3 + row * (p.n - n1) + (n - n1)) = v;
+                    } else {
+                        *(float2*)(part + (u64)m * p.n + n) = make_float2(v0, v1);
+                    }
+                }
+            }
+        }
+    }  // consumers
+}
+
+// Weight gradients on the ws engine: the tensor maps of A and B ([rows][cols], boxes of 64 x
+// 64); a map whose AFDEP_GEMM_TMA_* bit is clear is not read.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    afdep_gemm_ws_wgrad(GemmProblem p, const __grid_constant__ TmaMap ta,
+                        const __grid_constant__ TmaMap tb) {
+    gemm_ksum_ws(p, &ta, &tb);
+}

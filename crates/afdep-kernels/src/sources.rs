@@ -209,8 +209,10 @@ kernel_registry! {
         GemmWsDxAdd = "afdep_gemm_ws_dx_add",
         /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added to an accumulator, cast to bf16.
         GemmWsDxAcc = "afdep_gemm_ws_dx_acc",
-        /// Grouped GEMM: weight-gradient partials.
+        /// Grouped GEMM: weight gradients (bf16, or f32 partials per chunk).
         GemmWgrad = "afdep_gemm_wgrad",
+        /// Warp-specialised grouped GEMM (`gemm.cu`'s ws KSUM engine): weight gradients.
+        GemmWsWgrad = "afdep_gemm_ws_wgrad",
         /// Sum of weight-gradient partials in split order.
         GemmReduce = "afdep_gemm_reduce",
     }

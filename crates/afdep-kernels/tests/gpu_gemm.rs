@@ -784,3 +784,187 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         );
     }
 }
+
+/// Forces the weight-gradient engine on this thread; the default comes back when dropped.
+struct ForcedWgradEngine;
+
+impl ForcedWgradEngine {
+    fn new(engine: Engine) -> Self {
+        gemm::force_wgrad_engine(Some(engine));
+        ForcedWgradEngine
+    }
+}
+
+impl Drop for ForcedWgradEngine {
+    fn drop(&mut self) {
+        gemm::force_wgrad_engine(None);
+    }
+}
+
+/// The warp-specialised weight-gradient kernel (forced on this thread) against a host f64
+/// GEMM: groups of 0, 1, 257, 2100, 45, 700 and 3 rows (K not a multiple of the 64-row stage,
+/// so every group's last stage ends inside it); M and N not multiples of the 128 × 256 tile
+/// nor of its 64-column blocks, with more m-tiles than n-tiles and fewer (both tile orders);
+/// each operand contiguous (TMA) or gathered through an index with a divisor (cp.async), all
+/// four combinations; one chunk (the direct bf16 store, with the `[dW1 | dW3]` column split)
+/// and three chunks (f32 partials and the reduce). Every element outside the operands (rows
+/// past the groups' end up to the capacity, the padding columns of each row, the rows no
+/// index names) is NaN, so a stage row that is not zeroed past a group's end, or a column
+/// read past M / N, shows; outputs are poisoned first.
+#[test]
+fn ws_wgrad_odd_sizes_match_a_host_gemm() {
+    let Some(ctx) = gpu() else { return };
+    let _ws = ForcedWgradEngine::new(Engine::Ws);
+    let mut r = rng(131);
+    let sizes = [0usize, 1, 257, 2100, 45, 700, 3];
+    let g = sizes.len();
+    let rows: usize = sizes.iter().sum();
+    let cap = rows + 40;
+    let (od, offsets) = groups_of(&ctx, &sizes);
+    let nan = bf16::from_f32(f32::NAN);
+    // An operand of `cols` columns: `nrows` rows of `ld` elements, random inside, NaN in the
+    // padding columns and in the rows from `live` on.
+    let operand = |r: &mut ChaCha8Rng, nrows: usize, live: usize, cols: usize, ld: usize| {
+        let mut v = rand_bf16(r, nrows * ld);
+        for (i, x) in v.iter_mut().enumerate() {
+            if i / ld >= live || i % ld >= cols {
+                *x = nan;
+            }
+        }
+        v
+    };
+    // (m, n, n1): 2 m-tiles x 2 n-tiles (the second of 72 m and of 72 n: one full and one
+    // 8-column block), and 1 m-tile x 3 n-tiles (the last of 88 n).
+    for (m, n, n1) in [(200usize, 328usize, 136usize), (72, 600, 264)] {
+        for (a_gathered, b_gathered) in [(false, true), (true, false), (false, false), (true, true)]
+        {
+            let (lda, ldb) = (m + 8, n + 24);
+            // Gathered: sum row j reads row index[j] / div of a buffer with NaN rows that no
+            // index names; contiguous: row j of a buffer of `cap` rows, NaN from `rows` on.
+            let (a_div, b_div) = (2usize, 3usize);
+            let a_idx = permutation(&mut r, rows);
+            let b_idx = permutation(&mut r, rows);
+            let a_rows = if a_gathered {
+                rows.div_ceil(a_div) + 5
+            } else {
+                cap
+            };
+            let b_rows = if b_gathered {
+                rows.div_ceil(b_div) + 5
+            } else {
+                cap
+            };
+            let a_live = if a_gathered {
+                rows.div_ceil(a_div)
+            } else {
+                rows
+            };
+            let b_live = if b_gathered {
+                rows.div_ceil(b_div)
+            } else {
+                rows
+            };
+            let a = operand(&mut r, a_rows, a_live, m, lda);
+            let b = operand(&mut r, b_rows, b_live, n, ldb);
+            let arow = |j: usize| {
+                if a_gathered {
+                    a_idx[j] as usize / a_div
+                } else {
+                    j
+                }
+            };
+            let brow = |j: usize| {
+                if b_gathered {
+                    b_idx[j] as usize / b_div
+                } else {
+                    j
+                }
+            };
+            let mut want = vec![0f64; g * m * n];
+            let mut mag = vec![0f64; g * m * n];
+            for e in 0..g {
+                for j in offsets[e] as usize..offsets[e + 1] as usize {
+                    let (ar, br) = (arow(j) * lda, brow(j) * ldb);
+                    for i in 0..m {
+                        let av = f64::from(a[ar + i].to_f32());
+                        let o = (e * m + i) * n;
+                        for (jj, bv) in b[br..br + n].iter().enumerate() {
+                            let p = av * f64::from(bv.to_f32());
+                            want[o + jj] += p;
+                            mag[o + jj] += p.abs();
+                        }
+                    }
+                }
+            }
+            let (ad, bd, aid, bid) = (
+                up(&ctx, &a),
+                up(&ctx, &b),
+                up(&ctx, &a_idx),
+                up(&ctx, &b_idx),
+            );
+            for splits in [1usize, 3] {
+                let mut ws =
+                    zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
+                poison(&ctx, &mut ws).unwrap();
+                let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
+                let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
+                poison(&ctx, &mut out).unwrap();
+                poison(&ctx, &mut out2).unwrap();
+                gemm::wgrad(
+                    &ctx,
+                    Groups::Experts {
+                        offsets: &od,
+                        experts: g,
+                        capacity: cap,
+                    },
+                    KOperand {
+                        buf: &ad,
+                        ld: lda,
+                        gather: a_gathered.then_some(Gather {
+                            index: &aid,
+                            div: a_div,
+                        }),
+                    },
+                    KOperand {
+                        buf: &bd,
+                        ld: ldb,
+                        gather: b_gathered.then_some(Gather {
+                            index: &bid,
+                            div: b_div,
+                        }),
+                    },
+                    m,
+                    n,
+                    splits,
+                    &mut ws,
+                    &mut out,
+                    Some((&mut out2, n1)),
+                )
+                .unwrap();
+                ctx.take_fault().unwrap();
+                let (o1, o2) = (f32s(&ctx, &out), f32s(&ctx, &out2));
+                let mut got = vec![0f32; g * m * n];
+                for e in 0..g {
+                    for i in 0..m {
+                        for j in 0..n {
+                            got[(e * m + i) * n + j] = if j < n1 {
+                                o1[(e * m + i) * n1 + j]
+                            } else {
+                                o2[(e * m + i) * (n - n1) + j - n1]
+                            };
+                        }
+                    }
+                }
+                check(
+                    &format!(
+                        "ws wgrad m {m} n {n} n1 {n1} A gathered {a_gathered} B gathered \
+                         {b_gathered} splits {splits}"
+                    ),
+                    &got,
+                    &want,
+                    &mag,
+                );
+            }
+        }
+    }
+}

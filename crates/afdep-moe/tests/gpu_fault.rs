@@ -3,7 +3,9 @@
 //! boxes deliver), a train step neither hangs nor traps: it returns
 //! [`KernelError::DeviceFault`] within a bound, its outputs read as NaN (no partial output that
 //! looks valid), and the next step on the same layer and context, injection off, matches the
-//! CPU oracle; on both GEMM engines. A test binary of its own: the injection is process-wide.
+//! CPU oracle; on both GEMM engines, and with the warp-specialised weight-gradient kernel
+//! forced (its waits run out too: the step is still bounded). A test binary of its own: the
+//! injection is process-wide.
 //!
 //! Without a usable driver the test prints `SKIP: <reason>` and passes, unless
 //! `AFDEP_REQUIRE_GPU=1` (the GPU bundle sets it).
@@ -17,7 +19,7 @@ use afdep_core::oracle::layer::train_step_with_routes;
 use afdep_core::oracle::params::random_tokens;
 use afdep_kernels::KernelError;
 use afdep_kernels::ops::download;
-use afdep_kernels::ops::gemm::{Engine, force_engine, inject_tma_fault};
+use afdep_kernels::ops::gemm::{Engine, force_engine, force_wgrad_engine, inject_tma_fault};
 use afdep_moe::accuracy::{OUT_TOL, max_rel_err};
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 use common::{gpu, hot_routes, shape};
@@ -36,15 +38,19 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
     let (want, _) = train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
     // sorted: A and B by TMA; gather: B by TMA, A rows by cp.async. On the default engine
     // (the warp-specialised one, whose consumers run out on `full` and its producer then on
-    // `empty`) and on the classic kernel (forced).
+    // `empty`) and on the classic kernel (forced); then the default rows engine with the ws
+    // weight-gradient kernel forced (sorted: both its operands by TMA; gather: one gathered).
     let cases = [
-        (None, Dispatch::Sorted),
-        (None, Dispatch::Gather),
-        (Some(Engine::Classic), Dispatch::Sorted),
-        (Some(Engine::Classic), Dispatch::Gather),
+        (None, None, Dispatch::Sorted),
+        (None, None, Dispatch::Gather),
+        (Some(Engine::Classic), None, Dispatch::Sorted),
+        (Some(Engine::Classic), None, Dispatch::Gather),
+        (None, Some(Engine::Ws), Dispatch::Sorted),
+        (None, Some(Engine::Ws), Dispatch::Gather),
     ];
-    for (engine, d) in cases {
+    for (engine, wgrad, d) in cases {
         force_engine(engine);
+        force_wgrad_engine(wgrad);
         let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
         layer.upload_params(&ctx, &params).unwrap();
         layer.upload_x(&ctx, &x).unwrap();
@@ -58,20 +64,25 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
         inject_tma_fault(0, 0);
         match r {
             Err(LayerGpuError::Kernel(KernelError::DeviceFault { what, .. })) => {
-                assert!(what.contains("TMA"), "{d} {engine:?}: {what}");
+                assert!(
+                    what.contains("TMA"),
+                    "{d} {engine:?} wgrad {wgrad:?}: {what}"
+                );
             }
-            other => panic!("{d} {engine:?}: expected a device fault, got {other:?}"),
+            other => {
+                panic!("{d} {engine:?} wgrad {wgrad:?}: expected a device fault, got {other:?}")
+            }
         }
         // Each GEMM's blocks give up after one 50 ms wait per thread; a step has a handful
         // of GEMM launches.
         assert!(
             took < Duration::from_secs(10),
-            "{d} {engine:?}: the faulty step took {took:?}"
+            "{d} {engine:?} wgrad {wgrad:?}: the faulty step took {took:?}"
         );
         let out = download(&ctx, layer.out()).unwrap();
         assert!(
             out.iter().all(|v| v.to_f32().is_nan()),
-            "{d} {engine:?}: the outputs of a faulted step are poisoned"
+            "{d} {engine:?} wgrad {wgrad:?}: the outputs of a faulted step are poisoned"
         );
 
         // The same layer and context work afterwards.
@@ -80,9 +91,10 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
         let e = max_rel_err(&out, &want);
         assert!(
             e <= OUT_TOL,
-            "{d} {engine:?}: after the fault, out error {e} > {OUT_TOL}"
+            "{d} {engine:?} wgrad {wgrad:?}: after the fault, out error {e} > {OUT_TOL}"
         );
         ctx.take_fault().unwrap();
     }
     force_engine(None);
+    force_wgrad_engine(None);
 }

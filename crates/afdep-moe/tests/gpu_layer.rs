@@ -604,6 +604,37 @@ impl Drop for RestoreEngine {
     }
 }
 
+/// The warp-specialised weight-gradient kernel forced for every weight gradient the layer
+/// launches from this thread (the default is the classic KSUM kernel; the rows GEMMs keep
+/// the default engine): every strategy (the sorted one's contiguous operands by TMA, the
+/// gathered ones by cp.async), forward and train step, E 5 / 12 / 60, K 1-3, widths and
+/// hiddens that are not multiples of the 128 × 256 tile, with and without a shared expert;
+/// T 0, 1, 257, and 2100 (the shared expert's and the router's gradients then sum in two
+/// chunks: f32 partials and the reduce).
+#[test]
+fn ws_wgrad_engine_odd_shapes_match_the_oracle() {
+    afdep_kernels::ops::gemm::force_wgrad_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
+    let restore = RestoreWgradEngine;
+    odd_sweep(
+        &[
+            (136, 64, 60, 3, 0),
+            (96, 328, 5, 1, 40),
+            (264, 192, 12, 2, 136),
+        ],
+        &[0, 1, 257, 2100],
+    );
+    drop(restore);
+}
+
+/// Restores the default weight-gradient engine on this thread when dropped.
+struct RestoreWgradEngine;
+
+impl Drop for RestoreWgradEngine {
+    fn drop(&mut self) {
+        afdep_kernels::ops::gemm::force_wgrad_engine(None);
+    }
+}
+
 /// A NaN or infinity in x or in the router weights: every strategy, forward and train step,
 /// refuses the step with the oracle's `RouteError::NonFiniteLogit` (same token and expert),
 /// outputs poisoned, and the next clean step is correct. A NaN in W1 is not refused: it

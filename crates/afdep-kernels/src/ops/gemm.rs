@@ -21,6 +21,10 @@
 //! warp-specialised one (a TMA/cp.async producer warpgroup, two wgmma consumer warpgroups,
 //! 128 × 256 tiles); [`engine_for`] picks one per problem ([`DEFAULT_ENGINE`], the ws engine
 //! by measurement, unless `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for the classic one).
+//! The weight gradients have the same two ([`wgrad_engine_for`]): the classic k-sum kernel by
+//! default ([`DEFAULT_WGRAD_ENGINE`]), the warp-specialised one (128 × 256 tiles, TMA for the
+//! contiguous operands, cp.async for the gathered ones) only where `AFDEP_GEMM_WGRAD=ws` or
+//! [`force_wgrad_engine`] asks for it: it has not been validated on a GPU yet.
 //!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
@@ -72,15 +76,16 @@ pub const WS_BLOCK: u32 = 384;
 /// A tile and a 256 × 64 B tile plus the 1 KiB alignment slack, 193 KiB (one block per SM).
 pub const WS_SMEM_BYTES: usize = WS_STAGES * (WS_TILE_M + WS_TILE_N) * WS_TILE_K * 2 + 1024;
 
-/// The kernel family a rows GEMM runs on.
+/// The kernel family a GEMM runs on: rows problems by [`engine_for`], weight gradients by
+/// [`wgrad_engine_for`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
-    /// The two-warpgroup kernel (`gemm_rows`): 128 × 128 tiles, K 32 per stage, 6 stages,
-    /// two blocks per SM, no warp specialisation. Best at small N and K (the record's shape).
+    /// The two-warpgroup kernels (`gemm_rows`, `gemm_ksum`): 128 × 128 tiles, K 32 per
+    /// stage, 6 stages, no warp specialisation (rows: two blocks per SM).
     Classic,
-    /// The warp-specialised kernel (`gemm_rows_ws`): a TMA/cp.async producer warpgroup and
-    /// two wgmma m64n256k16 consumer warpgroups, 128 × 256 tiles, K 64 per stage, 4 stages
-    /// with full/empty mbarriers, one block per SM.
+    /// The warp-specialised kernels (`gemm_rows_ws`, `gemm_ksum_ws`): a TMA/cp.async
+    /// producer warpgroup and two wgmma m64n256k16 consumer warpgroups, 128 × 256 tiles, K 64
+    /// per stage, 4 stages with full/empty mbarriers, one block per SM.
     Ws,
 }
 
@@ -126,6 +131,46 @@ thread_local! {
 /// the rule of [`engine_for`] again). For tests and same-build comparisons.
 pub fn force_engine(engine: Option<Engine>) {
     FORCE.with(|f| f.set(engine));
+}
+
+/// The engine the weight gradients ([`wgrad`]) run on unless `AFDEP_GEMM_WGRAD` or
+/// [`force_wgrad_engine`] asks for the other: [`Engine::Classic`], the two-warpgroup KSUM
+/// kernel. The warp-specialised KSUM kernel (`gemm_ksum_ws`: 128 × 256 tiles, TMA for the
+/// contiguous operands, cp.async for the gathered ones) has not been validated on a GPU yet
+/// (docs/perf/moe.md, 2026-12-05 (c)), so it runs only when asked for.
+pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Classic;
+
+/// The engine the weight gradients run on: [`force_wgrad_engine`]'s choice on this thread,
+/// else the process environment `AFDEP_GEMM_WGRAD` (read once: `classic` or `ws`; `auto` or
+/// unset: [`DEFAULT_WGRAD_ENGINE`]). Independent of the rows engine ([`engine_for`]).
+pub fn wgrad_engine_for() -> Engine {
+    if let Some(e) = FORCE_WGRAD.with(std::cell::Cell::get) {
+        return e;
+    }
+    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_WGRAD").as_deref() {
+        Ok("classic") => Some(Engine::Classic),
+        Ok("ws") => Some(Engine::Ws),
+        Ok("auto") | Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_GEMM_WGRAD is neither classic, ws nor auto: the default engine is used"
+            );
+            None
+        }
+    });
+    env.unwrap_or(DEFAULT_WGRAD_ENGINE)
+}
+
+thread_local! {
+    static FORCE_WGRAD: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the weight gradients launched from this thread use `engine` (`None`: the rule of
+/// [`wgrad_engine_for`] again). For tests and same-build comparisons.
+pub fn force_wgrad_engine(engine: Option<Engine>) {
+    FORCE_WGRAD.with(|f| f.set(engine));
 }
 
 /// The device descriptor (`cuda/layout/gemm_problem.cuh`), field for field.
@@ -508,18 +553,19 @@ fn launch_rows(
         b.unwrap_or_default(),
         b2.unwrap_or_default(),
     );
-    launch(ctx, kernel, engine, p, tiles, Some((&ta, &tb, &tb2)))
+    launch(ctx, kernel, engine, p, tiles, &[&ta, &tb, &tb2])
 }
 
-/// Launches `kernel` on a persistent grid of at most `tiles` blocks; rows kernels get their
-/// three tensor maps after the problem.
+/// Launches `kernel` on a persistent grid of at most `tiles` blocks; the kernel's tensor maps
+/// follow the problem (rows kernels: A, B, b2; the ws weight gradient: A, B; the classic
+/// weight gradient: none).
 fn launch(
     ctx: &GpuContext,
     kernel: KernelId,
     engine: Engine,
     p: &mut GemmProblem,
     tiles: u64,
-    maps: Option<(&TmaMap, &TmaMap, &TmaMap)>,
+    maps: &[&TmaMap],
 ) -> Result<(), KernelError> {
     p.fault = ctx.fault_word()?;
     let inject = INJECT.load(std::sync::atomic::Ordering::SeqCst);
@@ -544,12 +590,13 @@ fn launch(
     let p = &*p;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(p);
-    if let Some((ta, tb, tb2)) = maps {
-        b.arg(ta).arg(tb).arg(tb2);
+    for m in maps {
+        b.arg(*m);
     }
     // SAFETY: every kernel of gemm.cu takes one GemmProblem by value (layout asserted on both
-    // sides), the rows kernels then three TmaMaps by value (only those whose `tma` bit is set
-    // are read; each was encoded for a live buffer of the problem with the sizes checked
+    // sides), the rows kernels then three TmaMaps by value, afdep_gemm_ws_wgrad two and
+    // afdep_gemm_wgrad none (the callers pass exactly those; only the maps whose `tma` bit is
+    // set are read; each was encoded for a live buffer of the problem with the sizes checked
     // below, and TMA never reads outside the sizes it encodes). The fault word is the
     // context's live 16-byte buffer. The callers below fill it with pointers to live buffers whose sizes they checked
     // against the problem: the kernel reads A rows `< capacity` (or gathered rows the index
@@ -1015,6 +1062,7 @@ pub fn wgrad(
         need("workspace", ws, gcount * splits * m * n)?;
     }
     let stream = ctx.stream();
+    let engine = wgrad_engine_for();
     if direct {
         let mut ptrs = Ptrs::new(stream);
         let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, 1)?;
@@ -1023,29 +1071,13 @@ pub fn wgrad(
             p.c3 = ptrs.w(o2);
             p.b_split = as_u32("split column", n1)?;
         }
-        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64;
-        return launch(
-            ctx,
-            KernelId::GemmWgrad,
-            Engine::Classic,
-            &mut p,
-            tiles,
-            None,
-        );
+        return launch_ksum(ctx, engine, &mut p, &groups, a, b);
     }
     {
         let mut ptrs = Ptrs::new(stream);
         let mut p = ksum_problem(&mut ptrs, &groups, a, b, mm, nn, splits)?;
         p.c = ptrs.w(ws);
-        let tiles = (gcount * m.div_ceil(TILE_M) * n.div_ceil(TILE_N) * splits) as u64;
-        launch(
-            ctx,
-            KernelId::GemmWgrad,
-            Engine::Classic,
-            &mut p,
-            tiles,
-            None,
-        )?;
+        launch_ksum(ctx, engine, &mut p, &groups, a, b)?;
     }
     let f = ctx.function(KernelId::GemmReduce, 0, 0)?;
     let total = (gcount * m * n) as u64;
@@ -1071,6 +1103,74 @@ pub fn wgrad(
     unsafe { bld.launch(grid(total.div_ceil(u64::from(BLOCK)).min(1 << 16))?) }
         .map_err(launch_err(KernelId::GemmReduce))?;
     Ok(())
+}
+
+/// Launches a k-sum problem (`p` complete but for its tensor maps) on `engine`: the classic
+/// kernel, or the ws kernel with a map for each operand whose rows are contiguous and
+/// describable ([`map_ksum`]; the others load by cp.async).
+fn launch_ksum(
+    ctx: &GpuContext,
+    engine: Engine,
+    p: &mut GemmProblem,
+    groups: &Groups<'_>,
+    a: KOperand<'_>,
+    b: KOperand<'_>,
+) -> Result<(), KernelError> {
+    let (m, n, g, splits) = (
+        p.m as usize,
+        p.n as usize,
+        p.groups as u64,
+        u64::from(p.splits),
+    );
+    match engine {
+        Engine::Classic => {
+            let tiles = g * (m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64 * splits;
+            launch(ctx, KernelId::GemmWgrad, Engine::Classic, p, tiles, &[])
+        }
+        Engine::Ws => {
+            let rows = groups.capacity();
+            let ta = map_ksum(p.a, a, m, rows)?;
+            let tb = map_ksum(p.b, b, n, rows)?;
+            p.tma = if ta.is_some() { TMA_A } else { 0 } | if tb.is_some() { TMA_B } else { 0 };
+            let tiles = g * (m.div_ceil(WS_TILE_M) * n.div_ceil(WS_TILE_N)) as u64 * splits;
+            let (ta, tb) = (ta.unwrap_or_default(), tb.unwrap_or_default());
+            launch(
+                ctx,
+                KernelId::GemmWsWgrad,
+                Engine::Ws,
+                p,
+                tiles,
+                &[&ta, &tb],
+            )
+        }
+    }
+}
+
+/// The map of a k-sum operand for the ws engine, where its rows are contiguous: `rows × cols`
+/// bf16 (`op.ld` elements between rows) at `addr`, boxes of 64 columns × 64 rows, 128-byte
+/// swizzle (one 64-column block of a stage). `None` (the operand loads by cp.async): gathered,
+/// TMA off, a buffer shorter than the rows it would describe, more rows than a box coordinate
+/// reaches, or an address / stride the hardware cannot describe.
+fn map_ksum(
+    addr: u64,
+    op: KOperand<'_>,
+    cols: usize,
+    rows: usize,
+) -> Result<Option<TmaMap>, KernelError> {
+    if op.gather.is_some() || !tma::enabled() || rows == 0 || rows > i32::MAX as usize {
+        return Ok(None);
+    }
+    if op.buf.len() < (rows - 1) * op.ld + cols {
+        return Ok(None);
+    }
+    tma::encode_bf16(
+        "k-sum operand",
+        addr,
+        &[cols as u64, rows as u64],
+        &[(op.ld * 2) as u64],
+        &[64, WS_TILE_K as u32],
+        Swizzle::B128,
+    )
 }
 
 /// The k-sum problem of [`wgrad`] without its outputs: operands, sizes, groups, gathers.
@@ -1164,6 +1264,36 @@ mod tests {
             128 * define("WS_PRODUCER_REGS") + 256 * define("WS_CONSUMER_REGS"),
             384 * 168
         );
+        // The same for the ws weight-gradient kernel's split.
+        assert_eq!(
+            128 * define("WSK_PRODUCER_REGS") + 256 * define("WSK_CONSUMER_REGS"),
+            384 * 168
+        );
+    }
+
+    /// The weight gradients run on the classic kernel unless asked (the ws KSUM kernel is
+    /// not validated on a GPU yet); force_wgrad_engine overrides it on this thread, `None`
+    /// gives the default back, and the rows engine's switch does not move it.
+    #[test]
+    fn wgrad_engine_is_classic_unless_forced() {
+        assert_eq!(DEFAULT_WGRAD_ENGINE, Engine::Classic);
+        let env = std::env::var_os("AFDEP_GEMM_WGRAD").is_none();
+        if env {
+            assert_eq!(wgrad_engine_for(), Engine::Classic);
+        }
+        force_engine(Some(Engine::Ws));
+        if env {
+            assert_eq!(wgrad_engine_for(), Engine::Classic);
+        }
+        force_engine(None);
+        force_wgrad_engine(Some(Engine::Ws));
+        assert_eq!(wgrad_engine_for(), Engine::Ws);
+        force_wgrad_engine(Some(Engine::Classic));
+        assert_eq!(wgrad_engine_for(), Engine::Classic);
+        force_wgrad_engine(None);
+        if env {
+            assert_eq!(wgrad_engine_for(), DEFAULT_WGRAD_ENGINE);
+        }
     }
 
     /// The default engine is ws; force_engine overrides it on this thread and `None` gives

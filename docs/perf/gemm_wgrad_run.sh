@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 17 item 2, the warp-specialised weight gradients (ws KSUM), one device call:
+#   docs/perf/gemm_wgrad_run.sh BUNDLE_DIR OUT
+# BUNDLE_DIR: the folder `cargo xtask gpu-test --bundle DIR` made. OUT gets gpu.txt,
+# tests.txt and ab.jsonl.
+# 1. The GPU tests of the ws KSUM kernel (each forces the engine itself):
+#    gpu_gemm ws_wgrad_odd_sizes_match_a_host_gemm (host f64 reference, ~10-30 s),
+#    gpu_layer ws_wgrad_engine_odd_shapes_match_the_oracle, and the classic KSUM test
+#    wgrad_matches_a_host_gemm beside them.
+# 2. Only if both ws tests passed: `afdep moe --backend cuda` at the Mixtral-like shape,
+#    16,384 tokens, sorted and fused_gsum, with AFDEP_GEMM_WGRAD=classic then =ws (separate
+#    processes, same binary; the rows GEMMs on their default engine), every row checked
+#    against the GPU reference path (`status`). The train-step difference is the weight
+#    gradients' (the forward must not move).
+set -u
+B=$1; out=$2
+mkdir -p "$out"
+export AFDEP_REQUIRE_GPU=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
+  | tee "$out/gpu.txt"
+cat "$B/commit.txt" 2>/dev/null | tee -a "$out/gpu.txt"
+ok=1
+{
+  timeout 240 "$B/tests/gpu_gemm" wgrad --test-threads=1 --nocapture 2>&1 \
+    | grep -E "^test |worst|panicked|error|result"
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "gpu_gemm wgrad: FAILED"; ok=0; }
+  timeout 300 "$B/tests/gpu_layer" ws_wgrad_engine_odd_shapes_match_the_oracle --exact \
+    --nocapture 2>&1 | grep -E "^test |compared|panicked|failures|result|W=" | head -60
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "gpu_layer ws_wgrad: FAILED"; ok=0; }
+  echo "tests ok=$ok"
+} 2>&1 | tee "$out/tests.txt"
+grep -q "tests ok=1" "$out/tests.txt" || { echo "tests failed: no timing"; exit 1; }
+: > "$out/ab.jsonl"
+for eng in classic ws; do
+  AFDEP_GEMM_WGRAD=$eng timeout 180 "$B/bin/afdep" moe --backend cuda --shape mixtral-8x7b \
+    --tokens 16384 --dispatch sorted,fused_gsum --iters "${AB_ITERS:-5}" \
+    --json-out "/tmp/wgrad-$eng.jsonl" > "/tmp/wgrad-$eng.log" 2>&1 || echo "afdep $eng: rc $?"
+  tail -2 "/tmp/wgrad-$eng.log"
+  sed "s/^{/{\"wgrad_engine\":\"$eng\",/" "/tmp/wgrad-$eng.jsonl" >> "$out/ab.jsonl"
+done
+python3 - "$out/ab.jsonl" <<'PY'
+import json, sys
+print("| dispatch | wgrad engine | fwd ms | train ms | train TFLOP/s | status | digest |")
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    print(f"| {r['dispatch']} | {r['wgrad_engine']} | {r['fwd_ms']:.2f} | {r['train_ms']:.2f} | "
+          f"{r['train_tflops']:.0f} | {r['status']} | {r['digest']} |")
+PY
