@@ -15,7 +15,9 @@
 set -u
 B=$1; out=$2
 mkdir -p "$out"
-export AFDEP_REQUIRE_GPU=1
+# AFDEP_TEST_WGRAD_WS=1: the ws weight-gradient tests run (they SKIP in the matrix until the
+# kernel has passed on a GPU).
+export AFDEP_REQUIRE_GPU=1 AFDEP_TEST_WGRAD_WS=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
   | tee "$out/gpu.txt"
 cat "$B/commit.txt" 2>/dev/null | tee -a "$out/gpu.txt"

@@ -604,6 +604,21 @@ impl Drop for RestoreEngine {
     }
 }
 
+/// Whether the tests of the warp-specialised weight-gradient kernel run: once it is the
+/// default (`gemm::DEFAULT_WGRAD_ENGINE`), or with `AFDEP_TEST_WGRAD_WS=1`. Until it has
+/// passed on a GPU the matrix leaves them out with a SKIP line (its first GPU run sets the
+/// variable: docs/perf/gemm_wgrad_run.sh).
+fn wgrad_ws_tests_on() -> bool {
+    let on = afdep_kernels::ops::gemm::DEFAULT_WGRAD_ENGINE == afdep_kernels::ops::gemm::Engine::Ws
+        || std::env::var_os("AFDEP_TEST_WGRAD_WS").is_some_and(|v| v == "1");
+    if !on {
+        println!(
+            "SKIP: the ws weight-gradient kernel is off by default and not yet verified on a GPU (AFDEP_TEST_WGRAD_WS=1 runs this test)"
+        );
+    }
+    on
+}
+
 /// The warp-specialised weight-gradient kernel forced for every weight gradient the layer
 /// launches from this thread (the default is the classic KSUM kernel; the rows GEMMs keep
 /// the default engine): every strategy (the sorted one's contiguous operands by TMA, the
@@ -613,6 +628,9 @@ impl Drop for RestoreEngine {
 /// chunks: f32 partials and the reduce).
 #[test]
 fn ws_wgrad_engine_odd_shapes_match_the_oracle() {
+    if !wgrad_ws_tests_on() {
+        return;
+    }
     afdep_kernels::ops::gemm::force_wgrad_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
     let restore = RestoreWgradEngine;
     odd_sweep(
