@@ -661,7 +661,12 @@ impl MoeLayer {
             top_k: k,
         };
         match self.dispatch {
-            Dispatch::Sorted | Dispatch::FusedGsum => {
+            Dispatch::Sorted | Dispatch::FusedGsum | Dispatch::Gather => {
+                // the router weight applied in the GEMM's epilogue (gather) or in the combine
+                let (row_w, combine_w) = match self.dispatch {
+                    Dispatch::Gather => (Some(rw), None),
+                    _ => (None, Some(&self.routes.weights)),
+                };
                 gemm::down(
                     ctx,
                     groups,
@@ -671,32 +676,10 @@ impl MoeLayer {
                     hd,
                     RowsOut::Store {
                         out: &mut self.rows,
-                        weights: None,
+                        weights: row_w,
                     },
                 )?;
-                moe::combine(
-                    ctx,
-                    &self.rows,
-                    hd,
-                    &self.layout,
-                    Some(&self.routes.weights),
-                    &mut self.acc,
-                )?;
-            }
-            Dispatch::Gather => {
-                gemm::down(
-                    ctx,
-                    groups,
-                    &self.h,
-                    &self.params.w2,
-                    w,
-                    hd,
-                    RowsOut::Store {
-                        out: &mut self.rows,
-                        weights: Some(rw),
-                    },
-                )?;
-                moe::combine(ctx, &self.rows, hd, &self.layout, None, &mut self.acc)?;
+                moe::combine(ctx, &self.rows, hd, &self.layout, combine_w, &mut self.acc)?;
             }
             Dispatch::Fused => {
                 ctx.stream()
