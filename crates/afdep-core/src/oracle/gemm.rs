@@ -70,29 +70,20 @@ pub struct StridedMut<'a, T> {
 
 /// `data` row-major with `ld` elements per row.
 pub fn rows<T>(data: &[T], ld: usize) -> Strided<'_, T> {
-    Strided {
-        data,
-        rs: ld as isize,
-        cs: 1,
-    }
+    let (rs, cs) = (ld as isize, 1);
+    Strided { data, rs, cs }
 }
 
 /// `data` stored row-major with `ld` elements per row, read transposed.
 pub fn cols<T>(data: &[T], ld: usize) -> Strided<'_, T> {
-    Strided {
-        data,
-        rs: 1,
-        cs: ld as isize,
-    }
+    let (rs, cs) = (1, ld as isize);
+    Strided { data, rs, cs }
 }
 
 /// `data` row-major with `ld` elements per row, written.
 pub fn rows_mut<T>(data: &mut [T], ld: usize) -> StridedMut<'_, T> {
-    StridedMut {
-        data,
-        rs: ld as isize,
-        cs: 1,
-    }
+    let (rs, cs) = (ld as isize, 1);
+    StridedMut { data, rs, cs }
 }
 
 fn extent(rows: usize, cols: usize, rs: isize, cs: isize) -> usize {
