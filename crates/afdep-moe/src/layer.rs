@@ -599,23 +599,13 @@ impl MoeLayer {
             self.validator.launch_routed(
                 ctx,
                 &self.logits,
-                &self.routes.idx,
-                &self.routes.weights,
-                tokens,
-                k,
+                &self.routes,
                 &RouteRules::layer(&sh),
                 0,
             )?;
         } else {
-            self.validator.launch(
-                ctx,
-                &self.routes.idx,
-                &self.routes.weights,
-                tokens,
-                k,
-                &RouteRules::layer(&sh),
-                0,
-            )?;
+            self.validator
+                .launch(ctx, &self.routes, &RouteRules::layer(&sh), 0)?;
         }
         if tokens == 0 {
             // Nothing to route, compute or combine: the outputs are empty.
