@@ -612,15 +612,7 @@ impl MoeLayer {
             return Ok(());
         }
         self.layout.build(ctx, &self.routes.idx)?;
-        let groups = Groups::Experts {
-            offsets: &self.layout.offsets,
-            experts: e,
-            capacity: slots,
-        };
-        let gather = Gather {
-            index: &self.layout.row_slot,
-            div: k,
-        };
+        let (groups, gather, rw) = expert_views(&self.layout, &self.routes.weights, e, k, slots);
         let (xin, xg) = if self.dispatch == Dispatch::Sorted {
             permute(ctx, &self.x, hd, &self.layout, &mut self.xs)?;
             (&self.xs, None)
@@ -645,11 +637,6 @@ impl MoeLayer {
             a_out,
             b_out,
         )?;
-        let rw = RowWeights {
-            row_slot: &self.layout.row_slot,
-            weights: &self.routes.weights,
-            top_k: k,
-        };
         match self.dispatch {
             Dispatch::Sorted | Dispatch::FusedGsum | Dispatch::Gather => {
                 // the router weight applied in the GEMM's epilogue (gather) or in the combine
@@ -758,20 +745,7 @@ impl MoeLayer {
             }
             return Ok(());
         }
-        let groups = Groups::Experts {
-            offsets: &self.layout.offsets,
-            experts: e,
-            capacity: slots,
-        };
-        let gather = Gather {
-            index: &self.layout.row_slot,
-            div: k,
-        };
-        let rw = RowWeights {
-            row_slot: &self.layout.row_slot,
-            weights: &self.routes.weights,
-            top_k: k,
-        };
+        let (groups, gather, rw) = expert_views(&self.layout, &self.routes.weights, e, k, slots);
         if router {
             stream
                 .memset_zeros(&mut self.gsum)
@@ -1103,4 +1077,31 @@ fn upload_into<T: afdep_kernels::cudarc::driver::DeviceRepr + Copy>(
         .memcpy_htod(src, dst)
         .map_err(KernelError::driver(format!("uploading {what}")))?;
     Ok(())
+}
+
+/// The GEMMs' views of the expert layout of one pass (`slots` = tokens × `top_k` rows over
+/// `experts` groups): the groups, the gather of token rows by slot, and the router weight of
+/// each row (`weights`, by slot).
+fn expert_views<'a>(
+    layout: &'a ExpertLayout,
+    weights: &'a CudaSlice<f32>,
+    experts: usize,
+    top_k: usize,
+    slots: usize,
+) -> (Groups<'a>, Gather<'a>, RowWeights<'a>) {
+    let groups = Groups::Experts {
+        offsets: &layout.offsets,
+        experts,
+        capacity: slots,
+    };
+    let gather = Gather {
+        index: &layout.row_slot,
+        div: top_k,
+    };
+    let rw = RowWeights {
+        row_slot: &layout.row_slot,
+        weights,
+        top_k,
+    };
+    (groups, gather, rw)
 }
