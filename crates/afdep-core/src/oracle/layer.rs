@@ -13,7 +13,7 @@
 //!   [`train_step_t`], [`expert_rows_t`], with [`ParamsT`], [`GradsT`], [`ForwardT`].
 //!
 //! # Order of operations (the bit-exact contract)
-//! Every matrix product is one call of the [`gemm`](crate::oracle::gemm) module per block; each
+//! Every matrix product is one call of the [`gemm`] module per block; each
 //! element of a product is one dot product whose order depends only on the inner size, so a
 //! product's rows do not depend on how many rows are computed together or how the rows are split
 //! into tasks. All splits are fixed sizes (never the thread count): same inputs, same bits, on
