@@ -33,15 +33,9 @@
 # `ENGINE="--backend cpu --transport loopback" HIDDEN=16 TOKENS=1,8 ROUNDS=2` is a dry run of
 # this script on a machine without a GPU).
 set -euo pipefail
-if [ $# -ne 2 ]; then
-  echo "usage: $0 BUNDLE OUT" >&2
-  exit 2
-fi
-bundle=$(cd "$1" && pwd)
-mkdir -p "$2"
-out=$(cd "$2" && pwd)
-afdep="$bundle/bin/afdep"
-[ -x "$afdep" ] || { echo "no executable $afdep" >&2; exit 2; }
+# shellcheck source=docs/perf/bundle_common.sh
+. "$(dirname "$0")/bundle_common.sh"
+perf_start "$@"
 arms=${ARMS:-payload-first,count-first,count-first-source}
 repeats=${REPEATS:-3}
 rounds=${ROUNDS:-20}
@@ -55,14 +49,9 @@ if [ "${GRAPH:-0}" = 1 ]; then
   engine="$engine --graph"
   mode=graph
 fi
-export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$out/kernel-cache}
 
 {
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
-  echo "gpus: $(nvidia-smi -L 2>/dev/null | wc -l)"
-  echo "kernel digest: $("$afdep" kernels --digest)"
-  echo "commit: $(cat "$bundle/commit.txt" 2>/dev/null || echo unknown)"
+  perf_env
   echo "arms: $arms; repeats $repeats; rounds $rounds (+$warmup warm-up) per token count and process"
   if [ "$mode" = graph ]; then
     echo "mode: graph (CUDA-graph replays of device rounds, device identity experts; round = the slowest rank's whole replay; no per-phase times)"

@@ -28,15 +28,9 @@
 # rank emulation; "--backend cuda --transport nvlink --one-gpu-per-rank" on a machine with a GPU
 # per rank: the load then runs on every GPU).
 set -euo pipefail
-if [ $# -ne 2 ]; then
-  echo "usage: $0 BUNDLE OUT" >&2
-  exit 2
-fi
-bundle=$(cd "$1" && pwd)
-mkdir -p "$2"
-out=$(cd "$2" && pwd)
-afdep="$bundle/bin/afdep"
-[ -x "$afdep" ] || { echo "no executable $afdep" >&2; exit 2; }
+# shellcheck source=docs/perf/bundle_common.sh
+. "$(dirname "$0")/bundle_common.sh"
+perf_start "$@"
 load=${LOAD:-gemm:8192,8192,8192}
 ratios=${RATIOS:-"3A:1F 2A:2F"}
 hiddens=${HIDDENS:-"2048 7168"}
@@ -47,14 +41,9 @@ rounds=${ROUNDS:-50}
 warmup=${WARMUP:-5}
 mode=${MODE:---graph}
 engine=${ENGINE:-"--backend cuda --transport nvlink --device 0"}
-export AFDEP_KERNEL_CACHE=${AFDEP_KERNEL_CACHE:-$out/kernel-cache}
 
 {
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
-  echo "gpus: $(nvidia-smi -L 2>/dev/null | wc -l)"
-  echo "kernel digest: $("$afdep" kernels --digest)"
-  echo "commit: $(cat "$bundle/commit.txt" 2>/dev/null || echo unknown)"
+  perf_env
   echo "load: $load; arm $arm; $mode; rounds $rounds (+$warmup warm-up) per pass and token count"
   echo "engine: $engine"
 } | tee "$out/env.txt"

@@ -32,6 +32,13 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).to_string()
 }
 
+/// Runs afdep, which must fail; its stderr.
+fn refused(args: &[&str]) -> String {
+    let out = afdep(args);
+    assert!(!out.status.success(), "afdep {args:?} succeeded");
+    text(&out.stderr)
+}
+
 fn rows(stdout: &str) -> Vec<serde_json::Value> {
     stdout
         .lines()
@@ -186,7 +193,7 @@ fn arms_runner_refuses_bad_arguments() {
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     // a child that fails for another reason stops the runner with its error
-    let out = afdep(&[
+    let stderr = refused(&[
         "exchange-arms",
         "--arms",
         "payload-first",
@@ -200,8 +207,6 @@ fn arms_runner_refuses_bad_arguments() {
         "--hidden",
         "0",
     ]);
-    let stderr = text(&out.stderr);
-    assert!(!out.status.success());
     assert!(stderr.contains("hidden"), "{stderr}");
 }
 
@@ -385,7 +390,7 @@ fn fused_fp8_count_first_arms_are_passed_to_the_engine() {
 
 #[test]
 fn the_fused_backend_needs_nvlink() {
-    let out = afdep(&[
+    let stderr = refused(&[
         "exchange",
         "--backend",
         "cuda",
@@ -394,8 +399,6 @@ fn the_fused_backend_needs_nvlink() {
         "--topology",
         "1A:1F",
     ]);
-    let stderr = text(&out.stderr);
-    assert!(!out.status.success());
     assert!(
         stderr.contains("fused engine") && stderr.contains("--transport nvlink"),
         "{stderr}"
@@ -524,7 +527,6 @@ fn bad_config_files_name_the_field() {
             "{text_:?}: want {want:?} in {stderr}"
         );
     }
-    let out = afdep(&["exchange", "--config", "/nonexistent/afdep.toml"]);
-    assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("/nonexistent/afdep.toml"));
+    let stderr = refused(&["exchange", "--config", "/nonexistent/afdep.toml"]);
+    assert!(stderr.contains("/nonexistent/afdep.toml"));
 }

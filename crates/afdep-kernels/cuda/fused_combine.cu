@@ -43,34 +43,34 @@ static __device__ __forceinline__ void afdep_bf16x8_to_f32(uint4 v, float* f) {
     }
 }
 
-// FFN rank (FFN index `f`). ws: this rank's workspace, its slabs at slab_off (source rank r, row
-// i at (r cap + i) row_bytes; the metadata at meta_off within a row: layout/fused.cuh); ctl: its
-// control block (nothing when skipped). src_rank[s] for s < ns: the attention ranks; so[ns + 1]:
-// the compact view's row offsets per source (FfnPlan::slab_offsets); bs[epr ns]: the plan's block
-// starts (read only when rel != 0: the metadata's expanded_row[k] is then the slot's position
-// in its (expert, source) block; else the expanded row itself). y: the expert outputs, y_rows
-// expanded rows of hidden bf16 (a slot whose row lies past them contributes nothing: never for
-// a consistent plan, and the poisoned output shows it). The partial of token t of source s goes
-// to peers[src_rank[s]] + ret_off + (f cap + t) 4 hidden. One warp per compact row, grid-stride;
-// 8 channels per lane, 16-byte loads and stores when hidden is a multiple of 8.
+// FFN rank (FFN index `f`). ws: this rank's workspace, of layout L (by value, layout/fused.cuh;
+// slab_off, cap, row_bytes, meta_off, ret_off and hidden below are its fields): its slabs at
+// slab_off (source rank r, row i at (r cap + i) row_bytes; the metadata at meta_off within a row:
+// layout/fused.cuh); ctl: its control block (nothing when skipped). src_rank[s] for s < ns: the
+// attention ranks; so[ns + 1]: the compact view's row offsets per source (FfnPlan::slab_offsets);
+// bs[epr ns]: the plan's block starts (read only when rel != 0: the metadata's expanded_row[k] is
+// then the slot's position in its (expert, source) block; else the expanded row itself). y: the
+// expert outputs, y_rows expanded rows of hidden bf16 (a slot whose row lies past them contributes
+// nothing: never for a consistent plan, and the poisoned output shows it). The partial of token t
+// of source s goes to peers[src_rank[s]] + ret_off + (f cap + t) 4 hidden. One warp per compact
+// row, grid-stride; 8 channels per lane, 16-byte loads and stores when hidden is a multiple of 8.
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce(const u8* ws, const u32* ctl, const u64* __restrict__ peers,
                                const u32* __restrict__ src_rank, u32 ns,
                                const u64* __restrict__ so, const u64* __restrict__ bs, u32 rel,
-                               u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off,
-                               const u16* __restrict__ y, u64 y_rows, u64 ret_off, u32 f,
-                               u32 hidden) {
+                               const afdep_fused_layout L, const u16* __restrict__ y, u64 y_rows,
+                               u32 f) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_COMBINE_WARPS;
     const u64 items = so[ns];
-    const bool vec = (hidden & 7u) == 0;
+    const bool vec = (L.hidden & 7u) == 0;
     for (u64 j = (u64)blockIdx.x * AFDEP_COMBINE_WARPS + threadIdx.x / 32; j < items; j += warps) {
         u32 s = 0;
         while (s + 1 < ns && so[s + 1] <= j) s++;
         const u64 i = j - so[s];
         const u32* meta =
-            (const u32*)(ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes + meta_off);
+            (const u32*)(ws + L.slab_off + ((u64)src_rank[s] * L.cap + i) * L.row_bytes + L.meta_off);
         // lane k < K: slot k's expanded row (AFDEP_FUSED_NO_ROW: not on this rank) and weight
         u64 row = AFDEP_FUSED_NO_ROW;
         float wt = 0.0f;
@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
             }
         }
         const u32 t = meta[0];
-        if (t >= cap) continue;  // never for a consistent compact view
+        if (t >= L.cap) continue;  // never for a consistent compact view
         u64 rows[K];
         float w[K];
 #pragma unroll
@@ -95,13 +95,13 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
             w[k] = __shfl_sync(0xffffffffu, wt, k);
         }
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_RETURN_ROWS, j % 5 == 2, 20000);
-        float* dst = (float*)((u8*)peers[src_rank[s]] + ret_off + ((u64)f * cap + t) * 4ull * hidden);
+        float* dst = (float*)((u8*)peers[src_rank[s]] + L.ret_off + ((u64)f * L.cap + t) * 4ull * L.hidden);
         if (vec) {
-            for (u32 c0 = lane * 8; c0 < hidden; c0 += 32 * 8) {
+            for (u32 c0 = lane * 8; c0 < L.hidden; c0 += 32 * 8) {
                 uint4 v[K];
 #pragma unroll
                 for (int k = 0; k < K; k++)
-                    v[k] = rows[k] != AFDEP_FUSED_NO_ROW ? afdep_ld_nc_v4(y + rows[k] * hidden + c0)
+                    v[k] = rows[k] != AFDEP_FUSED_NO_ROW ? afdep_ld_nc_v4(y + rows[k] * L.hidden + c0)
                                                          : make_uint4(0u, 0u, 0u, 0u);
                 float p[8];
 #pragma unroll
@@ -120,29 +120,29 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
                                                      __float_as_uint(p[6]), __float_as_uint(p[7])));
             }
         } else {
-            for (u32 c = lane; c < hidden; c += 32) {
+            for (u32 c = lane; c < L.hidden; c += 32) {
                 float p = 0.0f;
 #pragma unroll
                 for (int k = 0; k < K; k++)
                     if (rows[k] != AFDEP_FUSED_NO_ROW)
-                        p = __fadd_rn(p, __fmul_rn(w[k], afdep_bf16_to_f32(y[rows[k] * hidden + c])));
+                        p = __fadd_rn(p, __fmul_rn(w[k], afdep_bf16_to_f32(y[rows[k] * L.hidden + c])));
                 dst[c] = p;
             }
         }
     }
 }
 
-// Source. ws: this rank's workspace (the combine flags at flag_off by FFN rank, the return area
-// at ret_off: ffns × cap rows of hidden f32, by FFN index); ffn_rank[f] for f < ffns: the FFN
-// ranks, ascending; ctl: the control block (round, verdict, tokens: nothing when skipped);
-// idx: the routes (tokens × K, validated: expert e >= 0 is on FFN index e / epr, masked < 0).
-// One warp per token, grid-stride, 8 channels per lane; every block first waits for every flag
-// (thread 0, at most timeout_ns) and a block whose wait runs out records the fault and leaves.
+// Source. ws: this rank's workspace, of layout L (ret_off, cap, hidden; the combine flags at
+// flag_off by FFN rank, the return area at ret_off: ffns × cap rows of hidden f32, by FFN index);
+// ffn_rank[f] for f < ffns: the FFN ranks, ascending; ctl: the control block (round, verdict,
+// tokens: nothing when skipped); idx: the routes (tokens × K, validated: expert e >= 0 is on FFN
+// index e / epr, masked < 0). One warp per token, grid-stride, 8 channels per lane; every block
+// first waits for every flag (thread 0, at most timeout_ns) and a block whose wait runs out records
+// the fault and leaves.
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine(const u8* ws, const u32* __restrict__ ffn_rank, u32 ffns, u64 flag_off,
-                        u64 ret_off, const i32* __restrict__ idx, u32 epr, u32 cap,
-                        const u32* ctl, u32 hidden, u64 timeout_ns, u32* err,
-                        u16* __restrict__ out) {
+                        const afdep_fused_layout L, const i32* __restrict__ idx, u32 epr,
+                        const u32* ctl, u64 timeout_ns, u32* err, u16* __restrict__ out) {
     __shared__ u32 ok;
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
@@ -163,9 +163,9 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_COMBINE_WARPS;
     // written by the FFN ranks before their flags (acquired above): coherent loads only
-    const float* ret = (const float*)(ws + ret_off);
-    const bool vec = (hidden & 7u) == 0;
-    for (u64 t = (u64)blockIdx.x * AFDEP_COMBINE_WARPS + threadIdx.x / 32; t < tokens && t < cap; t += warps) {
+    const float* ret = (const float*)(ws + L.ret_off);
+    const bool vec = (L.hidden & 7u) == 0;
+    for (u64 t = (u64)blockIdx.x * AFDEP_COMBINE_WARPS + threadIdx.x / 32; t < tokens && t < L.cap; t += warps) {
         // the FFN ranks that own a slot of t
         u64 mask = 0;
         if (lane < K) {
@@ -175,13 +175,13 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
         if (vec) {
-            for (u32 c0 = lane * 8; c0 < hidden; c0 += 32 * 8) {
+            for (u32 c0 = lane * 8; c0 < L.hidden; c0 += 32 * 8) {
                 float acc[8];
 #pragma unroll
                 for (int c = 0; c < 8; c++) acc[c] = 0.0f;
                 for (u32 f = 0; f < ffns; f++) {
                     if (((mask >> f) & 1ull) == 0) continue;
-                    const float4* p = (const float4*)(ret + ((u64)f * cap + t) * hidden + c0);
+                    const float4* p = (const float4*)(ret + ((u64)f * L.cap + t) * L.hidden + c0);
                     const float4 a = p[0], b = p[1];
                     acc[0] = __fadd_rn(acc[0], a.x);
                     acc[1] = __fadd_rn(acc[1], a.y);
@@ -197,14 +197,14 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
                 for (int i = 0; i < 4; i++)
                     o[i] = (u32)afdep_f32_to_bf16(acc[2 * i]) |
                            ((u32)afdep_f32_to_bf16(acc[2 * i + 1]) << 16);
-                afdep_st_v4(out + t * hidden + c0, make_uint4(o[0], o[1], o[2], o[3]));
+                afdep_st_v4(out + t * L.hidden + c0, make_uint4(o[0], o[1], o[2], o[3]));
             }
         } else {
-            for (u32 c = lane; c < hidden; c += 32) {
+            for (u32 c = lane; c < L.hidden; c += 32) {
                 float acc = 0.0f;
                 for (u32 f = 0; f < ffns; f++)
-                    if ((mask >> f) & 1ull) acc = __fadd_rn(acc, ret[((u64)f * cap + t) * hidden + c]);
-                out[t * hidden + c] = afdep_f32_to_bf16(acc);
+                    if ((mask >> f) & 1ull) acc = __fadd_rn(acc, ret[((u64)f * L.cap + t) * L.hidden + c]);
+                out[t * L.hidden + c] = afdep_f32_to_bf16(acc);
             }
         }
     }

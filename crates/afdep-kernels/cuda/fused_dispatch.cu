@@ -37,14 +37,15 @@ static __device__ __forceinline__ void afdep_fused_dispatch_rows(
     }
 }
 
+// The entries take the workspace layout by value (afdep_fused_layout, layout/fused.cuh); the
+// rows function reads its slab fields.
 #define AFDEP_FUSED_DISPATCH_PARAMS                                                               \
     const u16 *__restrict__ x, const u32 *__restrict__ token, const u32 *__restrict__ dst_rank,  \
         const u32 *__restrict__ slab_row, const u32 *__restrict__ meta, u32 meta_words,          \
-        u64 rows, const u64 *__restrict__ peers, u64 slab_off, u32 me, u32 cap, u64 row_bytes,   \
-        u32 hidden
+        u64 rows, const u64 *__restrict__ peers, const afdep_fused_layout L, u32 me
 #define AFDEP_FUSED_DISPATCH_ARGS                                                                 \
-    x, token, dst_rank, slab_row, meta, meta_words, rows, peers, slab_off, me, cap, row_bytes,   \
-        hidden
+    x, token, dst_rank, slab_row, meta, meta_words, rows, peers, L.slab_off, me, L.cap,          \
+        L.row_bytes, L.hidden
 
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_fused_dispatch(AFDEP_FUSED_DISPATCH_PARAMS) {

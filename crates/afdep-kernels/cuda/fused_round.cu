@@ -38,22 +38,22 @@ static_assert(AFDEP_STATUS_TOKENS >= AFDEP_ROUTE_ERROR_WORDS &&
 // a gate holds a control block's round, verdict and tokens; one gate per set of the three arms
 static_assert(AFDEP_ARM_GATES == 1 << 3 && AFDEP_ARM_AUTO == 3, "arm gates");
 
-// One block. ws: this rank's (`me`) workspace (control block at ctl_off, status area at
-// status_off); peers: the peer table of `world` ranks. src_index: this rank's attention index
-// (AFDEP_NO_SOURCE for an FFN-only rank), whose routes idx / w hold up to `cap` tokens.
+// One block. ws: this rank's (`me`) workspace, of layout L (by value, layout/fused.cuh: the
+// status area at L.status, the capacity L.cap), ctl its control block; peers: the peer table
+// of `world` ranks. src_index: this rank's attention index (AFDEP_NO_SOURCE for an FFN-only
+// rank), whose routes idx / w hold up to `cap` tokens.
 // experts / owned: the route rules. A status wait runs at most timeout_ns, then records
 // AFDEP_FUSED_FAULT_STATUS_WAIT naming the late rank and sets the verdict to faulted.
 // payload: null, or (a source with fp8 payloads) the state of afdep_round_check_payload, whose
 // word is this source's verdict word when its routes pass. bucket: the arm rule's count-first
 // threshold (~0: never). gates: this rank's arm gates (u32[AFDEP_ARM_GATES][AFDEP_CTL_WORDS]).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_begin(u8* ws, const u64* __restrict__ peers, u32 world, u32 me, u32 src_index,
-                      const i32* __restrict__ idx, const float* __restrict__ w, u64 cap,
-                      u64 experts, u64 owned, u64 ctl_off, u64 status_off, u64 timeout_ns,
+    afdep_round_begin(u8* ws, u32* ctl, const u64* __restrict__ peers, u32 world, u32 me,
+                      u32 src_index, const i32* __restrict__ idx, const float* __restrict__ w,
+                      const afdep_fused_layout L, u64 experts, u64 owned, u64 timeout_ns,
                       u32* err, const u32* payload, u64 bucket, u32* __restrict__ gates) {
     __shared__ unsigned long long best;  // smallest offence key (~0: none)
     __shared__ u32 round;
-    u32* ctl = (u32*)(ws + ctl_off);
     const u32 tid = threadIdx.x;
     if (blockIdx.x != 0) return;
     if (tid == 0) {
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     __syncthreads();
     const u64 tokens = afdep_ctl_tokens(ctl);
     if (src_index != AFDEP_NO_SOURCE) {
-        if (tokens > cap) {
+        if (tokens > L.cap) {
             if (tid == 0) best = 0;  // key 0: over capacity
         } else {
             for (u64 t = tid; t < tokens; t += AFDEP_BLOCK) {
@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     if (tid != 0) return;
     u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
     if (src_index != AFDEP_NO_SOURCE && best != ~0ull) {
-        afdep_route_word(word, best, src_index, tokens, cap, idx, w, experts, owned);
+        afdep_route_word(word, best, src_index, tokens, L.cap, idx, w, experts, owned);
     } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
         // valid routes: the payload check's word (zero when every travelling row is finite)
 #pragma unroll
@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     const u32 request = ctl[AFDEP_CTL_ARM_REQUEST];
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
     for (u32 q = 0; q < world; q++) {
-        u32* rec = (u32*)((u8*)peers[q] + status_off) + mine;
+        u32* rec = (u32*)((u8*)peers[q] + L.status) + mine;
 #pragma unroll
         for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) rec[i] = word[i];
         rec[AFDEP_STATUS_TOKENS] = afdep_sat_u32(tokens);
@@ -98,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     __threadfence_system();
     AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
     for (u32 q = 0; q < world; q++)
-        afdep_st_release_sys((u32*)((u8*)peers[q] + status_off) + mine + AFDEP_STATUS_WORDS - 1,
+        afdep_st_release_sys((u32*)((u8*)peers[q] + L.status) + mine + AFDEP_STATUS_WORDS - 1,
                              round);
     // every rank's record of this round (all of them, also after a rejection: a rank publishes
     // round r + 1 only after reading every record of round r, which keeps the parity slots safe)
@@ -108,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     u32 odd_request = 0;
     for (u32 q = 0; q < world; q++) {
         const volatile u32* rec =
-            (const volatile u32*)(ws + status_off) + ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS;
+            (const volatile u32*)(ws + L.status) + ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS;
         if (!afdep_wait_ge((const u32*)(rec + AFDEP_STATUS_WORDS - 1), round, timeout_ns)) {
             afdep_fused_fault(err, AFDEP_FUSED_FAULT_STATUS_WAIT, q, round);
             verdict = AFDEP_CTL_FAULTED;
@@ -200,25 +200,25 @@ static __device__ __forceinline__ Plan afdep_plan(const u8* ws, u64 plan_off, u3
 }
 
 // The device expert of the exchange tests and latency runs, over the plan's expanded rows (at
-// exp_off of this rank's workspace ws, at most exp_rows): y[j] = bf16(f32(x[j]) * scale[l]) for
-// row j of local expert l (one rounding: bit-reproducible). One warp per row, grid-stride.
+// exp_off of this rank's workspace ws, at most exp_rows; the plan at plan_off: the fields of its
+// layout L): y[j] = bf16(f32(x[j]) * scale[l]) for row j of local expert l (one rounding:
+// bit-reproducible). One warp per row, grid-stride.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_round_experts(const u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns, u64 exp_off,
-                        u64 exp_rows, const float* __restrict__ scale, u16* __restrict__ y,
-                        u32 hidden) {
+    afdep_round_experts(const u8* ws, const u32* ctl, const afdep_fused_layout L, u32 epr, u32 ns,
+                        const float* __restrict__ scale, u16* __restrict__ y) {
     if (afdep_ctl_skip(ctl)) return;
-    const Plan p = afdep_plan(ws, plan_off, epr, ns);
-    const u64 total = p.eo[epr] < exp_rows ? p.eo[epr] : exp_rows;
-    const u16* x = (const u16*)(ws + exp_off);
+    const Plan p = afdep_plan(ws, L.plan, epr, ns);
+    const u64 total = p.eo[epr] < L.exp_rows ? p.eo[epr] : L.exp_rows;
+    const u16* x = (const u16*)(ws + L.expanded);
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
     for (u64 j = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; j < total; j += warps) {
         const float s = scale[afdep_expert_of_row(p.eo, epr, j)];
-        if ((hidden & 7u) == 0) {
+        if ((L.hidden & 7u) == 0) {
             // 8 channels per lane, 16-byte loads and stores (rows of a multiple of 8 channels
             // are 16-byte aligned: both areas are 256-byte aligned)
-            for (u32 c = lane * 8; c < hidden; c += 32 * 8) {
-                const uint4 v = *(const uint4*)(x + j * hidden + c);
+            for (u32 c = lane * 8; c < L.hidden; c += 32 * 8) {
+                const uint4 v = *(const uint4*)(x + j * L.hidden + c);
                 u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
@@ -226,38 +226,39 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                     const u16 hi = afdep_f32_to_bf16(__fmul_rn(afdep_bf16_to_f32((u16)(w[i] >> 16)), s));
                     w[i] = (u32)lo | ((u32)hi << 16);
                 }
-                *(uint4*)(y + j * hidden + c) = make_uint4(w[0], w[1], w[2], w[3]);
+                *(uint4*)(y + j * L.hidden + c) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         } else {
-            for (u32 c = lane; c < hidden; c += 32)
-                y[j * hidden + c] = afdep_f32_to_bf16(__fmul_rn(afdep_bf16_to_f32(x[j * hidden + c]), s));
+            for (u32 c = lane; c < L.hidden; c += 32)
+                y[j * L.hidden + c] = afdep_f32_to_bf16(__fmul_rn(afdep_bf16_to_f32(x[j * L.hidden + c]), s));
         }
     }
 }
 
 // The fp8 payload check of a source's round (before afdep_round_begin, same stream; it reads no
-// verdict: the control block still holds the previous round's). x: up to cap tokens × hidden
-// bf16 rows, idx their routes; the token count from the control block (above cap: nothing to
-// check, the round is rejected over capacity). A token travels when one of its K slots is not
-// masked (-1); its first non-finite channel is an offence with key t · hidden + channel. One
-// warp per token (grid-stride), the smallest key by an atomic max on its inverse at
-// state[AFDEP_PAYLOAD_KEY_WORD] (u64, 0: none); the last block to finish writes the route error
-// word (layout/route_error.cuh; afdep_core::fp8::first_non_finite: rank src_index, the token,
-// the channel, the value's f32 bits as half's bf16 to f32 gives them: a NaN quieted) into
+// verdict: the control block still holds the previous round's). x: up to cap tokens × hidden bf16
+// rows (cap and hidden: the fields of the layout L), idx their routes; the token count from the
+// control block (above cap: nothing to check, the round is rejected over capacity). A token travels
+// when one of its K slots is not masked (-1); its first non-finite channel is an offence with key t
+// · hidden + channel. One warp per token (grid-stride), the smallest key by an atomic max on its
+// inverse at state[AFDEP_PAYLOAD_KEY_WORD] (u64, 0: none); the last block to finish writes the
+// route error word (layout/route_error.cuh; afdep_core::fp8::first_non_finite: rank src_index, the
+// token, the channel, the value's f32 bits as half's bf16 to f32 gives them: a NaN quieted) into
 // state[0 .. 6), or zeros, and resets the key and the block count for the next round.
 #define AFDEP_PAYLOAD_STATE_WORDS 16
 #define AFDEP_PAYLOAD_DONE_WORD 6
 #define AFDEP_PAYLOAD_KEY_WORD 8
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_check_payload(const u16* __restrict__ x, const i32* __restrict__ idx,
-                              const u32* ctl, u64 cap, u32 hidden, u32 src_index, u32* state) {
+                              const u32* ctl, const afdep_fused_layout L, u32 src_index,
+                              u32* state) {
     __shared__ u32 last;
     unsigned long long* key = (unsigned long long*)(state + AFDEP_PAYLOAD_KEY_WORD);
     const u64 tokens = afdep_ctl_tokens(ctl);
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
-    const u32 chunks = hidden / 8u;  // 8 bf16 per 16-byte load (hidden a multiple of 128)
-    if (tokens <= cap) {
+    const u32 chunks = L.hidden / 8u;  // 8 bf16 per 16-byte load (hidden a multiple of 128)
+    if (tokens <= L.cap) {
         for (u64 t = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; t < tokens; t += warps) {
             bool travels = false;
 #pragma unroll
@@ -267,10 +268,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
             unsigned long long inv = 0ull;
             if (lane == 0) inv = *(volatile unsigned long long*)key;
             inv = __shfl_sync(0xffffffffu, inv, 0);
-            if (inv != 0ull && ~inv < t * hidden) break;
+            if (inv != 0ull && ~inv < t * L.hidden) break;
             u32 first = 0xffffffffu;
             for (u32 v = lane; v < chunks && first == 0xffffffffu; v += 32) {
-                const uint4 c = *(const uint4*)(x + t * hidden + 8ull * v);
+                const uint4 c = *(const uint4*)(x + t * L.hidden + 8ull * v);
                 const u32 w4[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
@@ -281,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1)
                 first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-            if (lane == 0 && first != 0xffffffffu) atomicMax(key, ~(t * hidden + first));
+            if (lane == 0 && first != 0xffffffffu) atomicMax(key, ~(t * L.hidden + first));
         }
     }
     __syncthreads();
@@ -296,9 +297,9 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
     if (inv != 0ull) {
         const u64 k = ~inv;
-        const u64 t = k / hidden;
-        const u32 c = (u32)(k % hidden);
-        u32 b = x[t * hidden + c];
+        const u64 t = k / L.hidden;
+        const u32 c = (u32)(k % L.hidden);
+        u32 b = x[t * L.hidden + c];
         if ((b & 0x7fffu) > 0x7f80u) b |= 0x40u;  // half's bf16 to f32 quiets a NaN
         word[0] = AFDEP_ROUTE_NON_FINITE_PAYLOAD;
         word[1] = src_index;

@@ -765,33 +765,7 @@ static __device__ __forceinline__ void gemm_ksum(const GemmProblem& p) {
 // ---------------------------------------------------------------------------------------------
 // Entry points: one per (operand layout, epilogue) the layer uses.
 
-// ROWS kernels take the tensor maps of A, B and b2 by value (__grid_constant__: TMA reads them
-// in parameter space); a map whose AFDEP_GEMM_TMA_* bit is clear is not read.
-#define ROWS_ENTRY(name, BKMAJ, DUAL, EPI)                                                   \
-    extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, AFDEP_GEMM_MIN_BLOCKS)           \
-        name(GemmProblem p, const __grid_constant__ TmaMap ta,                               \
-             const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {        \
-        gemm_rows<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                      \
-    }
-
-// Forward up-projection: x·[W1 | W3] (B N-major), SwiGLU epilogue.
-ROWS_ENTRY(afdep_gemm_up_swiglu, false, true, AFDEP_EPI_SWIGLU)
-// Forward down-projection h·W2 (B N-major) into expert-sorted rows (optionally weighted).
-ROWS_ENTRY(afdep_gemm_down_store, false, false, AFDEP_EPI_STORE)
-// Forward down-projection scattered into token order with the router weight (atomic f32).
-ROWS_ENTRY(afdep_gemm_down_scatter, false, false, AFDEP_EPI_SCATTER)
-// Shared-expert down-projection added to the routed sum, cast to bf16 once.
-ROWS_ENTRY(afdep_gemm_down_acc, false, false, AFDEP_EPI_ACC_BF16)
-// Backward: G = dy·W2^T (B K-major) with the SwiGLU backward in the epilogue.
-ROWS_ENTRY(afdep_gemm_dh_dswiglu, true, false, AFDEP_EPI_DSWIGLU)
-// Backward data gradient [da | db]·[W1 | W3]^T (B K-major, split along K) into rows.
-ROWS_ENTRY(afdep_gemm_dx_store, true, false, AFDEP_EPI_STORE)
-// ... scattered into token order (atomic f32).
-ROWS_ENTRY(afdep_gemm_dx_scatter, true, false, AFDEP_EPI_SCATTER)
-// ... added in place to an f32 accumulator (the shared expert's dx).
-ROWS_ENTRY(afdep_gemm_dx_add, true, false, AFDEP_EPI_ADD_F32)
-// ... added to an f32 accumulator and cast to bf16 (the router's dx = dlogits·Wr^T).
-ROWS_ENTRY(afdep_gemm_dx_acc, true, false, AFDEP_EPI_ACC_BF16)
+// The nine ROWS problems the layer uses (both engines' entries): at the end of this file.
 
 // Weight gradients: f32 partials per (group, split).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1) afdep_gemm_wgrad(GemmProblem p) {
@@ -1166,23 +1140,41 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
     }  // consumers
 }
 
-#define WS_ENTRY(name, BKMAJ, DUAL, EPI)                                                     \
-    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                              \
+// ---------------------------------------------------------------------------------------------
+// The nine ROWS problems the layer uses, each with an entry on both engines:
+// ROWS_ENTRY(classic entry, warp-specialised entry, B K-major, dual N, epilogue). ROWS kernels
+// take the tensor maps of A, B and b2 by value (__grid_constant__: TMA reads them in parameter
+// space); a map whose AFDEP_GEMM_TMA_* bit is clear is not read.
+#define ROWS_ENTRY(name, ws_name, BKMAJ, DUAL, EPI)                                          \
+    extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, AFDEP_GEMM_MIN_BLOCKS)           \
         name(GemmProblem p, const __grid_constant__ TmaMap ta,                               \
              const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {        \
+        gemm_rows<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                      \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                              \
+        ws_name(GemmProblem p, const __grid_constant__ TmaMap ta,                            \
+                const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {     \
         gemm_rows_ws<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                   \
     }
 
-// The same nine ROWS problems as above, on the warp-specialised engine.
-WS_ENTRY(afdep_gemm_ws_up_swiglu, false, true, AFDEP_EPI_SWIGLU)
-WS_ENTRY(afdep_gemm_ws_down_store, false, false, AFDEP_EPI_STORE)
-WS_ENTRY(afdep_gemm_ws_down_scatter, false, false, AFDEP_EPI_SCATTER)
-WS_ENTRY(afdep_gemm_ws_down_acc, false, false, AFDEP_EPI_ACC_BF16)
-WS_ENTRY(afdep_gemm_ws_dh_dswiglu, true, false, AFDEP_EPI_DSWIGLU)
-WS_ENTRY(afdep_gemm_ws_dx_store, true, false, AFDEP_EPI_STORE)
-WS_ENTRY(afdep_gemm_ws_dx_scatter, true, false, AFDEP_EPI_SCATTER)
-WS_ENTRY(afdep_gemm_ws_dx_add, true, false, AFDEP_EPI_ADD_F32)
-WS_ENTRY(afdep_gemm_ws_dx_acc, true, false, AFDEP_EPI_ACC_BF16)
+// Forward up-projection: x·[W1 | W3] (B N-major), SwiGLU epilogue.
+ROWS_ENTRY(afdep_gemm_up_swiglu, afdep_gemm_ws_up_swiglu, false, true, AFDEP_EPI_SWIGLU)
+// Forward down-projection h·W2 (B N-major) into expert-sorted rows (optionally weighted).
+ROWS_ENTRY(afdep_gemm_down_store, afdep_gemm_ws_down_store, false, false, AFDEP_EPI_STORE)
+// Forward down-projection scattered into token order with the router weight (atomic f32).
+ROWS_ENTRY(afdep_gemm_down_scatter, afdep_gemm_ws_down_scatter, false, false, AFDEP_EPI_SCATTER)
+// Shared-expert down-projection added to the routed sum, cast to bf16 once.
+ROWS_ENTRY(afdep_gemm_down_acc, afdep_gemm_ws_down_acc, false, false, AFDEP_EPI_ACC_BF16)
+// Backward: G = dy·W2^T (B K-major) with the SwiGLU backward in the epilogue.
+ROWS_ENTRY(afdep_gemm_dh_dswiglu, afdep_gemm_ws_dh_dswiglu, true, false, AFDEP_EPI_DSWIGLU)
+// Backward data gradient [da | db]·[W1 | W3]^T (B K-major, split along K) into rows.
+ROWS_ENTRY(afdep_gemm_dx_store, afdep_gemm_ws_dx_store, true, false, AFDEP_EPI_STORE)
+// ... scattered into token order (atomic f32).
+ROWS_ENTRY(afdep_gemm_dx_scatter, afdep_gemm_ws_dx_scatter, true, false, AFDEP_EPI_SCATTER)
+// ... added in place to an f32 accumulator (the shared expert's dx).
+ROWS_ENTRY(afdep_gemm_dx_add, afdep_gemm_ws_dx_add, true, false, AFDEP_EPI_ADD_F32)
+// ... added to an f32 accumulator and cast to bf16 (the router's dx = dlogits·Wr^T).
+ROWS_ENTRY(afdep_gemm_dx_acc, afdep_gemm_ws_dx_acc, true, false, AFDEP_EPI_ACC_BF16)
 
 // =============================================================================================
 // The warp-specialised KSUM engine (weight gradients; docs/perf/moe.md, 2026-12-05 (c)). Off

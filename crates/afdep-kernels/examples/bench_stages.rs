@@ -161,9 +161,7 @@ fn run() -> Result<(), KernelError> {
             ),
             (
                 "validate",
-                time(&ctx, iters, || {
-                    validator.launch(&ctx, &routes.idx, &routes.weights, t, k, &rules, 0)
-                })?,
+                time(&ctx, iters, || validator.launch(&ctx, &routes, &rules, 0))?,
                 None,
             ),
             (

@@ -648,7 +648,8 @@ mod tests {
     }
 
     /// The `extern "C"` entry names a source defines, directly or through an entry macro
-    /// (`XYZ_ENTRY(name, ...)` at the start of a line).
+    /// (`XYZ_ENTRY(name, ...)` at the start of a line; every `afdep_` argument of it is an
+    /// entry: `ROWS_ENTRY(classic, warp_specialised, ...)` defines two).
     fn entries_defined(text: &str) -> Vec<String> {
         let ident = |s: &str| -> String {
             s.chars()
@@ -666,15 +667,19 @@ mod tests {
                 s = after.split_once(')').map_or("", |(_, r)| r).trim_start();
             }
             let name = ident(s);
-            // `name` is the parameter of an entry macro's definition.
-            if name != "name" && !name.is_empty() {
+            // `name` and `ws_name` are parameters of an entry macro's definition.
+            if name != "name" && name != "ws_name" && !name.is_empty() {
                 out.push(name);
             }
         }
         for line in text.lines() {
             if let Some((mac, args)) = line.split_once('(') {
                 if mac.ends_with("_ENTRY") && !mac.starts_with('#') && !mac.contains(' ') {
-                    out.push(ident(args.trim_start()));
+                    out.extend(
+                        args.split(',')
+                            .map(|a| ident(a.trim_start()))
+                            .filter(|a| a.starts_with("afdep_")),
+                    );
                 }
             }
         }
@@ -706,9 +711,11 @@ mod tests {
         for k in KernelId::ALL {
             assert_eq!(KernelId::from_entry(k.entry()), Some(k));
             assert!(
-                // Defined directly, or through an entry macro (`ROWS_ENTRY(name, ...)`).
+                // Defined directly, or through an entry macro (`ROWS_ENTRY(name, ws_name,
+                // ...)`).
                 k.source().text().contains(&format!("{}(", k.entry()))
-                    || k.source().text().contains(&format!("({},", k.entry())),
+                    || k.source().text().contains(&format!("({},", k.entry()))
+                    || k.source().text().contains(&format!(", {},", k.entry())),
                 "{k} not in {}",
                 k.source().name()
             );

@@ -331,26 +331,14 @@ fn up_swiglu_odd_sizes_match_a_host_gemm() {
             Some(&mut b),
         )
         .unwrap();
-        let f = |v: Vec<bf16>| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
         let what = format!("up_swiglu hidden {hidden} width {width}");
-        check(
-            &format!("{what} a"),
-            &f(download(&ctx, &a).unwrap()),
-            &wa,
-            &ma,
-        );
-        check(
-            &format!("{what} b"),
-            &f(download(&ctx, &b).unwrap()),
-            &wb,
-            &mb,
-        );
-        check(
-            &format!("{what} h"),
-            &f(download(&ctx, &h).unwrap()),
-            &wh,
-            &mh,
-        );
+        for (name, got, want, mag) in [
+            ("a", &a, &wa, &ma),
+            ("b", &b, &wb, &mb),
+            ("h", &h, &wh, &mh),
+        ] {
+            check(&format!("{what} {name}"), &f32s(&ctx, got), want, mag);
+        }
     }
 }
 
@@ -408,11 +396,7 @@ fn dx_odd_sizes_match_a_host_gemm() {
             },
         )
         .unwrap();
-        let got: Vec<f32> = download(&ctx, &out)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_f32())
-            .collect();
+        let got = f32s(&ctx, &out);
         check(
             &format!("dx hidden {hidden} width {width}"),
             &got,

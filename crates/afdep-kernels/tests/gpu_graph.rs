@@ -234,15 +234,7 @@ fn launch_all(
     rules: &RouteRules,
     rank: usize,
 ) -> Result<(), KernelError> {
-    v.launch(
-        ctx,
-        &routes.idx,
-        &routes.weights,
-        routes.tokens,
-        routes.top_k,
-        rules,
-        rank,
-    )?;
+    v.launch(ctx, routes, rules, rank)?;
     l.build(ctx, &routes.idx)
 }
 

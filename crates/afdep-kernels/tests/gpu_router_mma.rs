@@ -138,8 +138,7 @@ fn non_finite_logits_are_the_cpu_error() {
         router_logits(&ctx, &xd, &wd, t, h, e, k, &mut l).unwrap();
         let mut out = DeviceRoutes::zeros(&ctx, t, k).unwrap();
         router_topk_checked(&ctx, &l, t, e, k, true, &mut out, &mut v).unwrap();
-        v.launch_routed(&ctx, &l, &out.idx, &out.weights, t, k, &rules, 0)
-            .unwrap();
+        v.launch_routed(&ctx, &l, &out, &rules, 0).unwrap();
         let got = v.result(&ctx).unwrap();
         let logits = download(&ctx, &l).unwrap();
         let want = route::check_logits(&logits, e, 0);
@@ -244,10 +243,7 @@ fn logits_at_a_million_tokens_timing() {
         v.launch_routed(
             &ctx,
             &l,
-            &out.idx,
-            &out.weights,
-            t,
-            k,
+            &out,
             &RouteRules {
                 experts: e,
                 owned: e,

@@ -238,15 +238,14 @@ fn malformed_tables_are_rejected_on_the_host() {
         other => panic!("expected Malformed, got {other:?}"),
     }
     let mut v = RouteValidator::new(&ctx).unwrap();
-    let short = v.launch(
-        &ctx,
-        &d.idx,
-        &d.weights,
-        6,
-        2,
-        &RouteRules { top_k: 2, ..rules },
-        1,
-    );
+    // the tables of 5 tokens claimed to hold 6
+    let six = DeviceRoutes {
+        tokens: 6,
+        top_k: 2,
+        idx: d.idx.clone(),
+        weights: d.weights.clone(),
+    };
+    let short = v.launch(&ctx, &six, &RouteRules { top_k: 2, ..rules }, 1);
     assert!(
         matches!(
             short,

@@ -141,7 +141,10 @@ use afdep_core::route::MASKED;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, EpilogueSources, Expanded, Fp8Expanded, SendList};
+use afdep_kernels::ops::fused::{
+    self as fk, EpilogueSources, Expanded, Fp8Expanded, RankAddrs, SendList,
+};
+use afdep_kernels::ops::fused_cf::WorkUnits;
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -372,6 +375,19 @@ impl FusedEngine {
     /// This rank.
     pub fn rank(&self) -> usize {
         self.transport.rank()
+    }
+
+    /// This rank's device addresses for the kernels (its workspace, the peer table, the control
+    /// block and the error word in the workspace), every wait bounded by `timeout_ns`.
+    fn rank_addrs(&self, timeout_ns: u64) -> RankAddrs {
+        RankAddrs {
+            ws: self.ws,
+            peers: self.peers,
+            me: self.rank(),
+            ctl: self.ws + CONTROL,
+            err: self.ws + ERROR_WORD,
+            timeout_ns,
+        }
     }
 
     /// The transport.
@@ -631,28 +647,29 @@ impl FusedEngine {
     /// A source's payload-first dispatch kernels: rows into their slabs in every FFN rank's
     /// workspace, then the dispatch flags.
     fn pf_dispatch(&self, send: &PfSend) -> Result<(), ExchangeError> {
+        let list = SendList {
+            token: &send.token,
+            dst_rank: &send.dst_rank,
+            slab_row: &send.slab_row,
+            meta: &send.meta,
+            rows: send.rows,
+        };
+        // the dispatch stores without waiting: no wait bound
+        let addrs = self.rank_addrs(0);
+        let blocks = self.cfg.knobs.transport_sms;
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
         // table; `send` comes from the host plan of this round (`dst_rank` FFN ranks below the
         // world, slab rows below the capacity, tokens below `send.tokens`); every workspace holds
-        // the slabs `geo.slab()`.
+        // the slabs of `geo`.
         unsafe {
             fk::dispatch(
                 &self.gpu,
-                self.cfg.payload,
                 &send.x,
                 send.tokens,
-                &SendList {
-                    token: &send.token,
-                    dst_rank: &send.dst_rank,
-                    slab_row: &send.slab_row,
-                    meta: &send.meta,
-                    rows: send.rows,
-                },
-                self.cfg.top_k,
-                self.peers,
-                self.rank(),
-                &self.geo.slab(),
-                self.cfg.knobs.transport_sms,
+                &list,
+                &addrs,
+                &self.geo,
+                blocks,
             )
         }?;
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control block
@@ -681,13 +698,15 @@ impl FusedEngine {
         round: u32,
         timeout_ns: u64,
     ) -> Result<(), ExchangeError> {
-        let (k, geo, knobs) = (self.cfg.top_k, self.geo, self.cfg.knobs);
         let src = EpilogueSources {
             rank: &self.src_ranks,
             slab_starts: &ex.starts,
             sources: self.cfg.topology.attention_count(),
             total: plan.total_tokens(),
+            expanded_rows: ex.total,
         };
+        let addrs = self.rank_addrs(timeout_ns);
+        let blocks = self.cfg.knobs.epilogue_sm_cap;
         let out = match self.cfg.payload {
             PayloadKind::Bf16 => Expanded::Bf16(&mut ex.expanded),
             PayloadKind::Fp8E4m3 => {
@@ -700,24 +719,9 @@ impl FusedEngine {
             }
         };
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error word are
-        // live and hold the slabs `geo.slab()` and the flags at `DISPATCH_FLAGS`; `src` is the host
+        // live and hold the slabs of `geo` and the flags at `DISPATCH_FLAGS`; `src` is the host
         // plan's: attention ranks, slab rows below the capacity.
-        unsafe {
-            fk::copy_epilogue(
-                &self.gpu,
-                self.ws,
-                &src,
-                DISPATCH_FLAGS,
-                &geo.slab(),
-                k,
-                round,
-                timeout_ns,
-                self.ws + ERROR_WORD,
-                out,
-                ex.total,
-                knobs.epilogue_sm_cap,
-            )
-        }?;
+        unsafe { fk::copy_epilogue(&self.gpu, &addrs, &src, &self.geo, round, out, blocks) }?;
         Ok(())
     }
 
@@ -792,10 +796,11 @@ impl FusedEngine {
         let cfg = self.cfg.clone();
         let topo = cfg.topology;
         let p = cfg.placement();
-        let (h, k) = (cfg.hidden, cfg.top_k);
+        let h = cfg.hidden;
         let (nf, ns) = (p.ffn_ranks, topo.attention_count());
         let (src_index, ffn_index) = (topo.attention_index(rank), topo.ffn_index(rank));
         let (geo, knobs) = (self.geo, cfg.knobs);
+        let addrs = self.rank_addrs(timeout_ns);
         let mut back = None;
         if let Some(f) = ffn_index {
             // the compact view's row offsets and (streaming: its rows are block positions) the
@@ -821,14 +826,14 @@ impl FusedEngine {
         if let (Some((y, nums, rows, compact)), Some(f)) = (&back, ffn_index) {
             let base = device_address(&self.gpu, nums);
             let view = fk::CompactView {
-                ws: self.ws,
-                slab: geo.slab(),
-                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                layout: geo,
                 sources: ns,
                 slab_offsets: base,
                 block_starts: (arm == DispatchArm::CountFirst)
                     .then_some(base + 8 * (ns as u64 + 1)),
                 max_rows: *compact,
+                y: device_address(&self.gpu, y),
+                y_rows: *rows,
             };
             // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control
             // block `self.ws + CONTROL` are live; `view`'s plan numbers are the host plan's in
@@ -839,15 +844,10 @@ impl FusedEngine {
             unsafe {
                 fk::combine_reduce(
                     &self.gpu,
+                    &addrs,
                     &view,
                     &self.src_ranks,
-                    self.ws + CONTROL,
-                    self.peers,
-                    device_address(&self.gpu, y),
-                    *rows,
-                    geo.ret_off,
                     f,
-                    k,
                     knobs.transport_sms,
                 )
             }?;
@@ -867,33 +867,19 @@ impl FusedEngine {
             }?;
         }
         if let Some((t, idx, out)) = &mut sums {
+            let routes = fk::CombineRoutes {
+                idx,
+                ffn_ranks: &self.ffn_ranks,
+                ffns: nf,
+                experts_per_rank: p.experts_per_rank,
+                tokens: *t,
+            };
+            let blocks = knobs.transport_sms;
             // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, its control block
             // (token count `t`, set by this round's `bump`) and its error word are live; the
             // workspace holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at
             // `geo.ret_off`.
-            unsafe {
-                fk::combine(
-                    &self.gpu,
-                    self.ws,
-                    &self.ffn_ranks,
-                    nf,
-                    COMBINE_FLAGS,
-                    geo.ret_off,
-                    &fk::CombineRoutes {
-                        idx,
-                        experts_per_rank: p.experts_per_rank,
-                        capacity: cfg.capacity,
-                        tokens: *t,
-                    },
-                    k,
-                    h,
-                    self.ws + CONTROL,
-                    timeout_ns,
-                    self.ws + ERROR_WORD,
-                    out,
-                    knobs.transport_sms,
-                )
-            }?;
+            unsafe { fk::combine(&self.gpu, &addrs, &routes, &geo, out, blocks) }?;
         }
         self.phase_end(Phase::Combine)?;
         let mut combined = None;
@@ -1049,5 +1035,14 @@ impl PhaseEvents {
             dispatch: span(&self.dispatch)?,
             combine: span(&self.combine)?,
         })
+    }
+}
+
+/// The streaming epilogue's work split of `knobs` (`ops::fused_cf::stream_epilogue`).
+fn work_units(knobs: &afdep_core::ExchangeKnobs) -> WorkUnits {
+    WorkUnits {
+        warps_per_unit: knobs.warps_per_unit,
+        min_rows: knobs.min_rows_per_unit,
+        blocks: knobs.epilogue_sm_cap,
     }
 }

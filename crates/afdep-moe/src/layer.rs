@@ -599,38 +599,20 @@ impl MoeLayer {
             self.validator.launch_routed(
                 ctx,
                 &self.logits,
-                &self.routes.idx,
-                &self.routes.weights,
-                tokens,
-                k,
+                &self.routes,
                 &RouteRules::layer(&sh),
                 0,
             )?;
         } else {
-            self.validator.launch(
-                ctx,
-                &self.routes.idx,
-                &self.routes.weights,
-                tokens,
-                k,
-                &RouteRules::layer(&sh),
-                0,
-            )?;
+            self.validator
+                .launch(ctx, &self.routes, &RouteRules::layer(&sh), 0)?;
         }
         if tokens == 0 {
             // Nothing to route, compute or combine: the outputs are empty.
             return Ok(());
         }
         self.layout.build(ctx, &self.routes.idx)?;
-        let groups = Groups::Experts {
-            offsets: &self.layout.offsets,
-            experts: e,
-            capacity: slots,
-        };
-        let gather = Gather {
-            index: &self.layout.row_slot,
-            div: k,
-        };
+        let (groups, gather, rw) = expert_views(&self.layout, &self.routes.weights, e, k, slots);
         let (xin, xg) = if self.dispatch == Dispatch::Sorted {
             permute(ctx, &self.x, hd, &self.layout, &mut self.xs)?;
             (&self.xs, None)
@@ -655,13 +637,13 @@ impl MoeLayer {
             a_out,
             b_out,
         )?;
-        let rw = RowWeights {
-            row_slot: &self.layout.row_slot,
-            weights: &self.routes.weights,
-            top_k: k,
-        };
         match self.dispatch {
-            Dispatch::Sorted | Dispatch::FusedGsum => {
+            Dispatch::Sorted | Dispatch::FusedGsum | Dispatch::Gather => {
+                // the router weight applied in the GEMM's epilogue (gather) or in the combine
+                let (row_w, combine_w) = match self.dispatch {
+                    Dispatch::Gather => (Some(rw), None),
+                    _ => (None, Some(&self.routes.weights)),
+                };
                 gemm::down(
                     ctx,
                     groups,
@@ -671,32 +653,10 @@ impl MoeLayer {
                     hd,
                     RowsOut::Store {
                         out: &mut self.rows,
-                        weights: None,
+                        weights: row_w,
                     },
                 )?;
-                moe::combine(
-                    ctx,
-                    &self.rows,
-                    hd,
-                    &self.layout,
-                    Some(&self.routes.weights),
-                    &mut self.acc,
-                )?;
-            }
-            Dispatch::Gather => {
-                gemm::down(
-                    ctx,
-                    groups,
-                    &self.h,
-                    &self.params.w2,
-                    w,
-                    hd,
-                    RowsOut::Store {
-                        out: &mut self.rows,
-                        weights: Some(rw),
-                    },
-                )?;
-                moe::combine(ctx, &self.rows, hd, &self.layout, None, &mut self.acc)?;
+                moe::combine(ctx, &self.rows, hd, &self.layout, combine_w, &mut self.acc)?;
             }
             Dispatch::Fused => {
                 ctx.stream()
@@ -785,20 +745,7 @@ impl MoeLayer {
             }
             return Ok(());
         }
-        let groups = Groups::Experts {
-            offsets: &self.layout.offsets,
-            experts: e,
-            capacity: slots,
-        };
-        let gather = Gather {
-            index: &self.layout.row_slot,
-            div: k,
-        };
-        let rw = RowWeights {
-            row_slot: &self.layout.row_slot,
-            weights: &self.routes.weights,
-            top_k: k,
-        };
+        let (groups, gather, rw) = expert_views(&self.layout, &self.routes.weights, e, k, slots);
         if router {
             stream
                 .memset_zeros(&mut self.gsum)
@@ -1130,4 +1077,31 @@ fn upload_into<T: afdep_kernels::cudarc::driver::DeviceRepr + Copy>(
         .memcpy_htod(src, dst)
         .map_err(KernelError::driver(format!("uploading {what}")))?;
     Ok(())
+}
+
+/// The GEMMs' views of the expert layout of one pass (`slots` = tokens × `top_k` rows over
+/// `experts` groups): the groups, the gather of token rows by slot, and the router weight of
+/// each row (`weights`, by slot).
+fn expert_views<'a>(
+    layout: &'a ExpertLayout,
+    weights: &'a CudaSlice<f32>,
+    experts: usize,
+    top_k: usize,
+    slots: usize,
+) -> (Groups<'a>, Gather<'a>, RowWeights<'a>) {
+    let groups = Groups::Experts {
+        offsets: &layout.offsets,
+        experts,
+        capacity: slots,
+    };
+    let gather = Gather {
+        index: &layout.row_slot,
+        div: top_k,
+    };
+    let rw = RowWeights {
+        row_slot: &layout.row_slot,
+        weights,
+        top_k,
+    };
+    (groups, gather, rw)
 }

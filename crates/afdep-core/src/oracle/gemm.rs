@@ -31,27 +31,59 @@ pub trait Real:
     fn to_f32(self) -> f32;
     /// e^self.
     fn exp(self) -> Self;
-    /// `C = alpha·op(A)·op(B) + beta·C` with row-major strides given explicitly.
+    /// `C = alpha·op(A)·op(B) + beta·C` for `[m, k, n]` = `dims` (A `m × k`, B `k × n`, C
+    /// `m × n`), each matrix with its strides given explicitly.
     ///
     /// # Safety contract (checked)
     /// Slices must hold the addressed elements; this is asserted before the call.
-    #[allow(clippy::too_many_arguments)]
     fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
+        dims: [usize; 3],
         alpha: Self,
-        a: &[Self],
-        rsa: isize,
-        csa: isize,
-        b: &[Self],
-        rsb: isize,
-        csb: isize,
+        a: Strided<'_, Self>,
+        b: Strided<'_, Self>,
         beta: Self,
-        c: &mut [Self],
-        rsc: isize,
-        csc: isize,
+        c: StridedMut<'_, Self>,
     );
+}
+
+/// A matrix operand of [`Real::gemm_raw`]: element (i, j) at `data[i·rs + j·cs]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a, T> {
+    /// The elements.
+    pub data: &'a [T],
+    /// Row stride.
+    pub rs: isize,
+    /// Column stride.
+    pub cs: isize,
+}
+
+/// The output operand of [`Real::gemm_raw`]: element (i, j) at `data[i·rs + j·cs]`.
+#[derive(Debug)]
+pub struct StridedMut<'a, T> {
+    /// The elements.
+    pub data: &'a mut [T],
+    /// Row stride.
+    pub rs: isize,
+    /// Column stride.
+    pub cs: isize,
+}
+
+/// `data` row-major with `ld` elements per row.
+pub fn rows<T>(data: &[T], ld: usize) -> Strided<'_, T> {
+    let (rs, cs) = (ld as isize, 1);
+    Strided { data, rs, cs }
+}
+
+/// `data` stored row-major with `ld` elements per row, read transposed.
+pub fn cols<T>(data: &[T], ld: usize) -> Strided<'_, T> {
+    let (rs, cs) = (1, ld as isize);
+    Strided { data, rs, cs }
+}
+
+/// `data` row-major with `ld` elements per row, written.
+pub fn rows_mut<T>(data: &mut [T], ld: usize) -> StridedMut<'_, T> {
+    let (rs, cs) = (ld as isize, 1);
+    StridedMut { data, rs, cs }
 }
 
 pub(crate) fn extent(rows: usize, cols: usize, rs: isize, cs: isize) -> usize {
@@ -76,21 +108,30 @@ macro_rules! real_impl {
                 <$t>::exp(self)
             }
             fn gemm_raw(
-                m: usize,
-                k: usize,
-                n: usize,
+                [m, k, n]: [usize; 3],
                 alpha: Self,
-                a: &[Self],
-                rsa: isize,
-                csa: isize,
-                b: &[Self],
-                rsb: isize,
-                csb: isize,
+                a: Strided<'_, Self>,
+                b: Strided<'_, Self>,
                 beta: Self,
-                c: &mut [Self],
-                rsc: isize,
-                csc: isize,
+                c: StridedMut<'_, Self>,
             ) {
+                let (
+                    Strided {
+                        data: a,
+                        rs: rsa,
+                        cs: csa,
+                    },
+                    Strided {
+                        data: b,
+                        rs: rsb,
+                        cs: csb,
+                    },
+                ) = (a, b);
+                let StridedMut {
+                    data: c,
+                    rs: rsc,
+                    cs: csc,
+                } = c;
                 assert!(rsa >= 0 && csa >= 0 && rsb >= 0 && csb >= 0 && rsc >= 0 && csc >= 0);
                 assert!(a.len() >= extent(m, k, rsa, csa), "gemm: A too short");
                 assert!(b.len() >= extent(k, n, rsb, csb), "gemm: B too short");
@@ -137,22 +178,13 @@ pub fn matmul<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
-    let beta = if accumulate { T::ONE } else { T::ZERO };
     T::gemm_raw(
-        m,
-        k,
-        n,
+        [m, k, n],
         T::ONE,
-        a,
-        k as isize,
-        1,
-        b,
-        n as isize,
-        1,
-        beta,
-        c,
-        n as isize,
-        1,
+        rows(a, k),
+        rows(b, n),
+        beta(accumulate),
+        rows_mut(c, n),
     );
 }
 
@@ -166,22 +198,13 @@ pub fn matmul_bt<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
-    let beta = if accumulate { T::ONE } else { T::ZERO };
     T::gemm_raw(
-        m,
-        k,
-        n,
+        [m, k, n],
         T::ONE,
-        a,
-        k as isize,
-        1,
-        b,
-        1,
-        k as isize,
-        beta,
-        c,
-        n as isize,
-        1,
+        rows(a, k),
+        cols(b, k),
+        beta(accumulate),
+        rows_mut(c, n),
     );
 }
 
@@ -195,23 +218,19 @@ pub fn matmul_at<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
-    let beta = if accumulate { T::ONE } else { T::ZERO };
     T::gemm_raw(
-        m,
-        k,
-        n,
+        [m, k, n],
         T::ONE,
-        a,
-        1,
-        m as isize,
-        b,
-        n as isize,
-        1,
-        beta,
-        c,
-        n as isize,
-        1,
+        cols(a, m),
+        rows(b, n),
+        beta(accumulate),
+        rows_mut(c, n),
     );
+}
+
+/// The `beta` of a product that adds to C (`accumulate`) or overwrites it.
+fn beta<T: Real>(accumulate: bool) -> T {
+    if accumulate { T::ONE } else { T::ZERO }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //!   [`train_step_t`], [`expert_rows_t`], with [`ParamsT`], [`GradsT`], [`ForwardT`].
 //!
 //! # Order of operations (the bit-exact contract)
-//! Every matrix product is one call of the [`gemm`](crate::oracle::gemm) module per block; each
+//! Every matrix product is one call of the [`gemm`] module per block; each
 //! element of a product is one dot product whose order depends only on the inner size, so a
 //! product's rows do not depend on how many rows are computed together or how the rows are split
 //! into tasks. All splits are fixed sizes (never the thread count): same inputs, same bits, on
@@ -69,7 +69,7 @@ use thiserror::Error;
 
 use crate::config::LayerShape;
 use crate::error::{ConfigError, RouteError};
-use crate::oracle::gemm::{Real, matmul, matmul_at, matmul_bt};
+use crate::oracle::gemm::{self, Real, matmul, matmul_at, matmul_bt};
 use crate::oracle::params::{LayerGrads, LayerParams, PARAM_NAMES};
 use crate::route::{MASKED, RouteRules, Routes, validate};
 
@@ -586,20 +586,12 @@ fn par_at<T: Real>(m: usize, k: usize, n: usize, a: &[T], b: &[T], c: &mut [T]) 
             let r0 = i * OUT_CHUNK;
             let rows = cc.len() / n;
             T::gemm_raw(
-                rows,
-                k,
-                n,
+                [rows, k, n],
                 T::ONE,
-                &a[r0..],
-                1,
-                m as isize,
-                b,
-                n as isize,
-                1,
+                gemm::cols(&a[r0..], m),
+                gemm::rows(b, n),
                 T::ZERO,
-                cc,
-                n as isize,
-                1,
+                gemm::rows_mut(cc, n),
             );
         });
 }

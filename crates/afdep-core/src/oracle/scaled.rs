@@ -27,7 +27,7 @@
 //! The scale of a nonlinear function is its derivative's magnitude times the argument's scale
 //! (`exp`: `e^v·s`), so the bound stays first-order.
 
-use super::gemm::{Real, extent};
+use super::gemm::{Real, Strided, StridedMut, extent};
 
 /// A value and the magnitude of the terms it was computed from (see the module).
 #[derive(Debug, Clone, Copy, Default)]
@@ -137,21 +137,14 @@ impl Real for Scaled {
     /// Three f64 products on split arrays: `C.v = α·A.v·B.v + β·C.v` and
     /// `C.s = |α|·(A.s·|B.v| + |A.v|·B.s) + |β|·C.s`, same strides as the caller's.
     fn gemm_raw(
-        m: usize,
-        k: usize,
-        n: usize,
+        dims: [usize; 3],
         alpha: Self,
-        a: &[Self],
-        rsa: isize,
-        csa: isize,
-        b: &[Self],
-        rsb: isize,
-        csb: isize,
+        a: Strided<'_, Self>,
+        b: Strided<'_, Self>,
         beta: Self,
-        c: &mut [Self],
-        rsc: isize,
-        csc: isize,
+        c: StridedMut<'_, Self>,
     ) {
+        let [m, k, n] = dims;
         if m == 0 || n == 0 {
             return;
         }
@@ -164,28 +157,47 @@ impl Real for Scaled {
         };
         // only the elements the strides address (a caller may pass the rest of a larger array)
         let (ea, eb, ec) = (
-            extent(m, k, rsa, csa),
-            extent(k, n, rsb, csb),
-            extent(m, n, rsc, csc),
+            extent(m, k, a.rs, a.cs),
+            extent(k, n, b.rs, b.cs),
+            extent(m, n, c.rs, c.cs),
         );
         assert!(
-            a.len() >= ea && b.len() >= eb && c.len() >= ec,
+            a.data.len() >= ea && b.data.len() >= eb && c.data.len() >= ec,
             "gemm: operand too short"
         );
-        let (a, b, c) = (&a[..ea], &b[..eb], &mut c[..ec]);
-        let (av, aa, as_) = split(a);
-        let (bv, ba, bs) = split(b);
-        let mut cv: Vec<f64> = c.iter().map(|e| e.v).collect();
-        let mut cs: Vec<f64> = c.iter().map(|e| e.s).collect();
+        let (av, aa, as_) = split(&a.data[..ea]);
+        let (bv, ba, bs) = split(&b.data[..eb]);
+        let cdata = &mut c.data[..ec];
+        let mut cv: Vec<f64> = cdata.iter().map(|e| e.v).collect();
+        let mut cs: Vec<f64> = cdata.iter().map(|e| e.s).collect();
         let prod = |x: &[f64], y: &[f64], al: f64, be: f64, out: &mut [f64]| {
-            f64::gemm_raw(m, k, n, al, x, rsa, csa, y, rsb, csb, be, out, rsc, csc)
+            f64::gemm_raw(
+                dims,
+                al,
+                Strided {
+                    data: x,
+                    rs: a.rs,
+                    cs: a.cs,
+                },
+                Strided {
+                    data: y,
+                    rs: b.rs,
+                    cs: b.cs,
+                },
+                be,
+                StridedMut {
+                    data: out,
+                    rs: c.rs,
+                    cs: c.cs,
+                },
+            )
         };
         // Alpha and beta are formula constants here (1 or 0 in the oracle): their scales are
         // not propagated.
         prod(&av, &bv, alpha.v, beta.v, &mut cv);
         prod(&as_, &ba, alpha.v.abs(), beta.v.abs(), &mut cs);
         prod(&aa, &bs, alpha.v.abs(), 1.0, &mut cs);
-        for ((e, v), s) in c.iter_mut().zip(cv).zip(cs) {
+        for ((e, v), s) in cdata.iter_mut().zip(cv).zip(cs) {
             *e = Scaled { v, s };
         }
     }
@@ -228,20 +240,12 @@ mod tests {
         let b: Vec<Scaled> = (0..k * n).map(|_| sc(r.gen_range(-1.0..1.0))).collect();
         let mut c = vec![Scaled::ZERO; m * n];
         Scaled::gemm_raw(
-            m,
-            k,
-            n,
+            [m, k, n],
             Scaled::ONE,
-            &a,
-            k as isize,
-            1,
-            &b,
-            n as isize,
-            1,
+            super::super::gemm::rows(&a, k),
+            super::super::gemm::rows(&b, n),
             Scaled::ZERO,
-            &mut c,
-            n as isize,
-            1,
+            super::super::gemm::rows_mut(&mut c, n),
         );
         for i in 0..m {
             for j in 0..n {

@@ -54,6 +54,7 @@
 use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
+use super::fused_layout::{COMBINE_FLAGS, DISPATCH_FLAGS, FusedLayout};
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -230,6 +231,23 @@ pub struct SendList<'a> {
     pub rows: usize,
 }
 
+/// Whether the slab rows of `geo` hold `payload` rows of its hidden size and top-k `top_k`.
+fn check_row_bytes(
+    geo: &SlabGeometry,
+    payload: PayloadKind,
+    top_k: usize,
+) -> Result<(), KernelError> {
+    let hidden = geo.hidden as usize;
+    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
+        return Err(KernelError::Shape(format!(
+            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
+             {top_k}",
+            geo.row_bytes
+        )));
+    }
+    Ok(())
+}
+
 fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
     if hidden % afdep_core::fp8::GROUP != 0 {
         return Err(KernelError::Shape(format!(
@@ -239,36 +257,35 @@ fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// Payload-first dispatch (`afdep_fused_dispatch`, `afdep_fused_dispatch_fp8`): stores every
-/// send row (payload of `x`, `tokens × hidden`, then metadata) into this source's (`me`) slab of
-/// its destination, through `peers` (the device address of the peer table). At most `blocks`
-/// blocks. fp8 payloads are quantised while they are stored (codes, then `hidden / 128` scales,
-/// then the metadata; [`slab_row_bytes_for`]): `hidden` must be a multiple of 128 and every row
-/// that is sent finite (the engine checks it on the host: `RouteError::NonFinitePayload`).
+/// Payload-first dispatch (`afdep_fused_dispatch`, `afdep_fused_dispatch_fp8`, the workspace
+/// layout passed by value): stores every send row (payload of `x`, `tokens × hidden`, then
+/// metadata) into this source's (`r.me`) slab of its destination, through `r.peers` (the device
+/// address of the peer table). The payload kind, hidden size and top-k are `layout`'s. At most
+/// `blocks` blocks. fp8 payloads are quantised while they are stored (codes, then `hidden / 128`
+/// scales, then the metadata; [`slab_row_bytes_for`]): `hidden` must be a multiple of 128 and
+/// every row that is sent finite (the engine checks it on the host:
+/// `RouteError::NonFinitePayload`).
 ///
 /// # Safety
 ///
-/// `peers` is a live peer table ([the launchers'
+/// `r.peers` is a live peer table ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); every `send.dst_rank` entry is below its
-/// world, every `send.slab_row` entry below `geo.cap`, every `send.token` entry below `tokens`, and
-/// every workspace holds the slabs of `geo` for every rank (`geo.slab_off + world × cap ×
+/// world, every `send.slab_row` entry below `layout.cap`, every `send.token` entry below `tokens`,
+/// and every workspace holds the slabs of `layout` for every rank (`slab_off + world × cap ×
 /// row_bytes` bytes).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn dispatch(
     ctx: &GpuContext,
-    payload: PayloadKind,
     x: &CudaSlice<bf16>,
     tokens: usize,
     send: &SendList<'_>,
-    top_k: usize,
-    peers: u64,
-    me: usize,
-    geo: &SlabGeometry,
+    r: &RankAddrs,
+    layout: &FusedLayout,
     blocks: u32,
 ) -> Result<(), KernelError> {
     if send.rows == 0 {
         return Ok(());
     }
+    let (payload, top_k, geo) = (layout.payload_kind(), layout.top_k as usize, layout.slab());
     let hidden = geo.hidden as usize;
     let mw = meta_words(top_k);
     need("x", x, tokens * hidden)?;
@@ -276,13 +293,7 @@ pub unsafe fn dispatch(
     need("dst_rank", send.dst_rank, send.rows)?;
     need("slab_row", send.slab_row, send.rows)?;
     need("meta", send.meta, send.rows * mw)?;
-    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
-        return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
-             {top_k}",
-            geo.row_bytes
-        )));
-    }
+    check_row_bytes(&geo, payload, top_k)?;
     let id = match payload {
         PayloadKind::Bf16 => KernelId::FusedDispatch,
         PayloadKind::Fp8E4m3 => {
@@ -292,7 +303,7 @@ pub unsafe fn dispatch(
     };
     let rows = send.rows as u64;
     let mw = as_u32("meta words", mw)?;
-    let me = as_u32("rank", me)?;
+    let me = as_u32("rank", r.me)?;
     let f = ctx.function(id, 0, 0)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
@@ -302,15 +313,13 @@ pub unsafe fn dispatch(
         .arg(send.meta)
         .arg(&mw)
         .arg(&rows)
-        .arg(&peers)
-        .arg(&geo.slab_off)
-        .arg(&me)
-        .arg(&geo.cap)
-        .arg(&geo.row_bytes)
-        .arg(&geo.hidden);
+        .arg(&r.peers)
+        .arg(layout)
+        .arg(&me);
     // SAFETY: afdep_fused_dispatch{,_fp8}(const u16* x, const u32* token, const u32* dst_rank,
-    // const u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers, u64
-    // slab_off, u32 me, u32 cap, u64 row_bytes, u32 hidden): warp r < rows reads x[token[r]]
+    // const u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers,
+    // afdep_fused_layout L (by value: FusedLayout, #[repr(C)], asserted equal in
+    // layout/fused.cuh; its slab_off, cap, row_bytes, hidden), u32 me): warp r < rows reads x[token[r]]
     // (the caller's tokens are < `tokens`, x holds tokens × hidden, checked; fp8: hidden a
     // multiple of 128, checked, so 16-byte reads stay in the row of a cudaMalloc'd buffer) and
     // meta[r] (checked), and writes at most row_bytes bytes (enough for this payload and the
@@ -374,6 +383,9 @@ pub struct EpilogueSources<'a> {
     pub sources: usize,
     /// Total compact rows (`slab_starts[sources]`).
     pub total: u64,
+    /// Rows of the expanded outputs (each output holds this many rows; a slot whose expanded
+    /// row lies past them is not written).
+    pub expanded_rows: usize,
 }
 
 /// The outputs of an fp8 [`copy_epilogue`]: `rows × hidden` codes, `rows × hidden / 128` scales
@@ -397,38 +409,34 @@ pub enum Expanded<'a> {
     Fp8(Fp8Expanded<'a>),
 }
 
-/// The copy epilogue (`afdep_fused_copy_epilogue`, `afdep_fused_copy_epilogue_fp8`): waits for
-/// every source's dispatch flag (`>= round`, at `flag_off` of this rank's workspace `ws`, at most
-/// `timeout_ns`), then copies every slab row's payload to the expanded rows its metadata names:
-/// bf16 rows, or the codes, scales and dequantised values of fp8 payloads (`out` holds
-/// `expanded_rows` rows of each; the caller's metadata names rows below that, and a row past them
-/// is not written). A timeout records [`fault::DISPATCH_WAIT`] in `err`.
+/// The copy epilogue (`afdep_fused_copy_epilogue`, `afdep_fused_copy_epilogue_fp8`, the
+/// slabs of `layout`): waits for every source's dispatch flag (`>= round`, at
+/// [`DISPATCH_FLAGS`] of this rank's workspace `r.ws`, at most `r.timeout_ns`), then copies
+/// every slab row's payload to the expanded rows its metadata names: bf16 rows, or the codes,
+/// scales and dequantised values of fp8 payloads (`out` holds `src.expanded_rows` rows of each;
+/// the caller's metadata names rows below that, and a row past them is not written). A timeout
+/// records [`fault::DISPATCH_WAIT`] in `r.err`.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `geo` and `world`
-/// u32 flags at `flag_off`; every `src.rank` entry is below the world, and the slab rows that
-/// `src.slab_starts` counts for each source are below `geo.cap` and hold the metadata its dispatch
-/// stored.
-#[allow(clippy::too_many_arguments)]
+/// `r.ws` is a live workspace and `r.err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `layout` and
+/// `world` u32 flags at [`DISPATCH_FLAGS`]; every `src.rank` entry is below the world, and the
+/// slab rows that `src.slab_starts` counts for each source are below `layout.cap` and hold the
+/// metadata its dispatch stored.
 pub unsafe fn copy_epilogue(
     ctx: &GpuContext,
-    ws: u64,
+    r: &RankAddrs,
     src: &EpilogueSources<'_>,
-    flag_off: u64,
-    geo: &SlabGeometry,
-    top_k: usize,
+    layout: &FusedLayout,
     round: u32,
-    timeout_ns: u64,
-    err: u64,
     mut out: Expanded<'_>,
-    expanded_rows: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
     if src.sources == 0 {
         return Ok(());
     }
+    let (geo, top_k, expanded_rows) = (layout.slab(), layout.top_k as usize, src.expanded_rows);
     let hidden = geo.hidden as usize;
     need("source ranks", src.rank, src.sources)?;
     need("slab starts", src.slab_starts, src.sources + 1)?;
@@ -446,35 +454,31 @@ pub unsafe fn copy_epilogue(
             (PayloadKind::Fp8E4m3, KernelId::FusedCopyEpilogueFp8)
         }
     };
-    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
-        return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
-             {top_k}",
-            geo.row_bytes
-        )));
-    }
+    check_row_bytes(&geo, payload, top_k)?;
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", src.sources)?;
     let rows = expanded_rows as u64;
     let f = ctx.function(id, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
+    b.arg(&r.ws)
         .arg(src.rank)
         .arg(src.slab_starts)
         .arg(&ns)
-        .arg(&flag_off)
-        .arg(&geo.slab_off)
-        .arg(&geo.cap)
-        .arg(&geo.row_bytes)
-        .arg(&geo.hidden)
+        .arg(&DISPATCH_FLAGS)
+        .arg(&layout.slab_off)
+        .arg(&layout.cap)
+        .arg(&layout.row_bytes)
+        .arg(&layout.hidden)
         .arg(&round)
-        .arg(&timeout_ns)
-        .arg(&err);
+        .arg(&r.timeout_ns)
+        .arg(&r.err);
     match &mut out {
         Expanded::Bf16(e) => b.arg(&mut **e),
         Expanded::Fp8(o) => b.arg(&mut *o.q).arg(&mut *o.scales).arg(&mut *o.dequant),
     };
     b.arg(&rows);
+    // (The copy epilogues take the layout's slab fields as scalars, not the struct: by value it
+    // costs the fp8 entry at K = 1 an 8-byte spill under NVRTC 13.0, `cargo xtask kernels`.)
     // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
     // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
     // u32 round, u64 timeout_ns, u32* err, u16* expanded, u64 exp_rows) with K compiled in (fp8:
@@ -491,16 +495,13 @@ pub unsafe fn copy_epilogue(
 }
 
 /// What an FFN rank's combine reads of its round: the compact view in its slabs (each row's
-/// metadata names the token, its slots' local experts, weights and expanded rows) and where to
-/// find the plan's numbers on the device.
+/// metadata names the token, its slots' local experts, weights and expanded rows), where to
+/// find the plan's numbers on the device, and the expert outputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CompactView {
-    /// This rank's workspace base (device address).
-    pub ws: u64,
-    /// The slabs (source rank r, row i at `slab_off + (r cap + i) row_bytes`).
-    pub slab: SlabGeometry,
-    /// Byte offset of the metadata within a slab row ([`slab_payload_bytes`]).
-    pub meta_off: u64,
+    /// The workspace layout: the slabs (source rank r, row i at `slab_off + (r cap + i)
+    /// row_bytes`, the metadata at `meta_off` within a row) and the return areas (`ret_off`).
+    pub layout: FusedLayout,
     /// Attention ranks of the round, the slabs' sources in order.
     pub sources: usize,
     /// Device address of the compact view's row offsets per source, `u64[sources + 1]`
@@ -513,79 +514,74 @@ pub struct CompactView {
     pub block_starts: Option<u64>,
     /// Most compact rows of the round (the grid's size; the round's number is on the device).
     pub max_rows: u64,
+    /// Device address of the expert outputs, `y_rows × hidden` bf16 in expanded order (a buffer
+    /// of the caller's or the expanded area of its workspace).
+    pub y: u64,
+    /// Rows of the expert outputs.
+    pub y_rows: usize,
 }
 
-/// The FFN half of the combine (`afdep_fused_combine_reduce`): for every compact row of the
-/// round (source s, token t), the f32 partial sum of the token's slots on this FFN rank (index
-/// `ffn`) over the expert outputs at device address `y` (`y_rows × hidden` bf16, expanded order:
-/// a buffer of the caller's or the expanded area of its workspace), slots ascending,
-/// each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t) 4 hidden`
-/// of workspace `peers[src_ranks[s]]`. Nothing when the control block `ctl`'s verdict is not go.
+/// The FFN half of the combine (`afdep_fused_combine_reduce`, the workspace layout passed by
+/// value): for every compact row of the round (source s, token t), the f32 partial sum of the
+/// token's slots on this FFN rank (index `ffn`) over the expert outputs `view.y`, slots
+/// ascending, each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t)
+/// 4 hidden` of workspace `r.peers[src_ranks[s]]`. Nothing when the control block `r.ctl`'s
+/// verdict is not go.
 ///
 /// # Safety
 ///
-/// `view.ws` is a live workspace, `peers` a live peer table and `ctl` a live control block
-/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); `view.slab_offsets` (and
-/// `view.block_starts` when `Some`) is the device address of a live `u64[sources + 1]`
-/// (`u64[experts_per_rank × sources]`) whose counts keep every source's rows below `view.slab.cap`;
-/// the metadata of those rows names expanded rows below `y_rows`; `y` is the device address of
-/// `y_rows × hidden` live bf16; every `src_ranks` entry (at least `view.sources`) is below the
-/// world, and every workspace holds `ffns × cap` return rows of `hidden` f32 at `ret_off` with
-/// `ffn` below `ffns`.
-#[allow(clippy::too_many_arguments)]
+/// `r.ws` is a live workspace, `r.peers` a live peer table and `r.ctl` a live control block
+/// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); `view.slab_offsets`
+/// (and `view.block_starts` when `Some`) is the device address of a live `u64[sources + 1]`
+/// (`u64[experts_per_rank × sources]`) whose counts keep every source's rows below
+/// `view.layout.cap`; the metadata of those rows names expanded rows below `view.y_rows`;
+/// `view.y` is the device address of `y_rows × hidden` live bf16; every `src_ranks` entry (at
+/// least `view.sources`) is below the world, and every workspace holds `ffns × cap` return rows
+/// of `hidden` f32 at `view.layout.ret_off` with `ffn` below `ffns`.
 pub unsafe fn combine_reduce(
     ctx: &GpuContext,
+    r: &RankAddrs,
     view: &CompactView,
     src_ranks: &CudaSlice<u32>,
-    ctl: u64,
-    peers: u64,
-    y: u64,
-    y_rows: usize,
-    ret_off: u64,
     ffn: usize,
-    top_k: usize,
     blocks: u32,
 ) -> Result<(), KernelError> {
     if view.max_rows == 0 || view.sources == 0 {
         return Ok(());
     }
     need("src ranks", src_ranks, view.sources)?;
-    if y_rows > 0 && y == 0 {
+    if view.y_rows > 0 && view.y == 0 {
         return Err(KernelError::Shape(format!(
-            "{y_rows} expert output rows at a null address"
+            "{} expert output rows at a null address",
+            view.y_rows
         )));
     }
     let ns = as_u32("sources", view.sources)?;
-    let k = as_u32("top_k", top_k)?;
+    let k = view.layout.top_k;
     let ffn = as_u32("ffn index", ffn)?;
-    let y_rows = y_rows as u64;
+    let y_rows = view.y_rows as u64;
     let (rel, bs) = match view.block_starts {
         Some(a) => (1u32, a),
         None => (0u32, view.slab_offsets),
     };
     let f = ctx.function(KernelId::FusedCombineReduce, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&view.ws)
-        .arg(&ctl)
-        .arg(&peers)
+    b.arg(&r.ws)
+        .arg(&r.ctl)
+        .arg(&r.peers)
         .arg(src_ranks)
         .arg(&ns)
         .arg(&view.slab_offsets)
         .arg(&bs)
         .arg(&rel)
-        .arg(&view.slab.slab_off)
-        .arg(&view.slab.cap)
-        .arg(&view.slab.row_bytes)
-        .arg(&view.meta_off)
-        .arg(&y)
+        .arg(&view.layout)
+        .arg(&view.y)
         .arg(&y_rows)
-        .arg(&ret_off)
-        .arg(&ffn)
-        .arg(&view.slab.hidden);
+        .arg(&ffn);
     // SAFETY: afdep_fused_combine_reduce(const u8* ws, const u32* ctl, const u64* peers, const
-    // u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, u64 slab_off, u32 cap, u64
-    // row_bytes, u64 meta_off, const u16* y, u64 y_rows, u64 ret_off, u32 f, u32 hidden) with K
-    // compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
+    // u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, afdep_fused_layout L (by
+    // value, asserted equal in layout/fused.cuh; its slab_off, cap, row_bytes, meta_off,
+    // ret_off, hidden), const u16* y, u64 y_rows, u32 f) with K compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
     // bs: epr × sources when rel), the metadata of the slab rows they count (the caller's plan
     // keeps them within each source's cap rows of this rank's workspace), y rows below y_rows
     // (the caller's y holds y_rows × hidden: a live buffer or its workspace's expanded area),
@@ -598,56 +594,50 @@ pub unsafe fn combine_reduce(
 }
 
 /// One source's combine inputs: its routes (`tokens × top_k` expert ids, validated; expert e
-/// is on FFN index `e / experts_per_rank`) and the capacity (the rows per FFN rank of the return
-/// area). The buffers hold `tokens` tokens; the round's count (at most that) is the control
-/// block's.
+/// is on FFN index `e / experts_per_rank`) and the FFN ranks. The buffers hold `tokens` tokens;
+/// the round's count (at most that) is the control block's.
 #[derive(Debug)]
 pub struct CombineRoutes<'a> {
     /// `tokens × top_k` expert ids (masked slots negative).
     pub idx: &'a CudaSlice<i32>,
+    /// The FFN ranks, ascending (at least `ffns`).
+    pub ffn_ranks: &'a CudaSlice<u32>,
+    /// FFN ranks (at most 64).
+    pub ffns: usize,
     /// Experts per FFN rank.
     pub experts_per_rank: usize,
-    /// The capacity: rows of one FFN rank's part of the return area.
-    pub capacity: usize,
     /// Tokens the buffers hold (the grid's size; the round's count comes from the control
     /// block).
     pub tokens: usize,
 }
 
-/// The source half of the combine (`afdep_fused_combine`): waits for every FFN rank's combine
-/// flag (`>=` the round of the control block `ctl`, which also gives the token count; nothing
-/// when skipped), at `flag_off` of this rank's workspace `ws`, at most `timeout_ns`), then
-/// writes `out` (`tokens × hidden` bf16): the f32 partials of the FFN ranks that own a slot of
-/// the token (return area at `ret_off`, by FFN index), ascending, summed in f32, cast once. A
-/// timeout records [`fault::COMBINE_WAIT`] in `err`. `ffn_ranks` (ascending) holds `ffns`
-/// ranks.
+/// The source half of the combine (`afdep_fused_combine`, the workspace layout passed by
+/// value): waits for every FFN rank's combine flag (`>=` the round of the control block
+/// `r.ctl`, which also gives the token count; nothing when skipped), at [`COMBINE_FLAGS`] of
+/// this rank's workspace `r.ws`, at most `r.timeout_ns`), then writes `out` (`tokens × hidden`
+/// bf16): the f32 partials of the FFN ranks that own a slot of the token (return area at
+/// `layout.ret_off`, by FFN index), ascending, summed in f32, cast once. A timeout records
+/// [`fault::COMBINE_WAIT`] in `r.err`.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace, `ctl` a live control block (its token count at most
-/// `routes.tokens`) and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds `world` u32 flags at
-/// `flag_off` and `ffns × routes.capacity` return rows of `hidden` f32 at `ret_off`.
-#[allow(clippy::too_many_arguments)]
+/// `r.ws` is a live workspace, `r.ctl` a live control block (its token count at most
+/// `routes.tokens`) and `r.err` a live error word ([the launchers'
+/// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds `world` u32 flags
+/// at [`COMBINE_FLAGS`] and `ffns × layout.cap` return rows of `hidden` f32 at `layout.ret_off`.
 pub unsafe fn combine(
     ctx: &GpuContext,
-    ws: u64,
-    ffn_ranks: &CudaSlice<u32>,
-    ffns: usize,
-    flag_off: u64,
-    ret_off: u64,
+    r: &RankAddrs,
     routes: &CombineRoutes<'_>,
-    top_k: usize,
-    hidden: usize,
-    ctl: u64,
-    timeout_ns: u64,
-    err: u64,
+    layout: &FusedLayout,
     out: &mut CudaSlice<bf16>,
     blocks: u32,
 ) -> Result<(), KernelError> {
     if routes.tokens == 0 {
         return Ok(());
     }
+    let (ffn_ranks, ffns) = (routes.ffn_ranks, routes.ffns);
+    let (top_k, hidden) = (layout.top_k as usize, layout.hidden as usize);
     if ffns > 64 {
         return Err(KernelError::Unsupported(format!(
             "{ffns} FFN ranks: the combine supports at most 64"
@@ -656,30 +646,26 @@ pub unsafe fn combine(
     need("ffn ranks", ffn_ranks, ffns)?;
     need("routes", routes.idx, routes.tokens * top_k)?;
     need("out", out, routes.tokens * hidden)?;
-    let k = as_u32("top_k", top_k)?;
     let nf = as_u32("ffns", ffns)?;
-    let h = as_u32("hidden", hidden)?;
     let epr = as_u32("experts per rank", routes.experts_per_rank.max(1))?;
-    let cap = as_u32("capacity", routes.capacity)?;
     let t = routes.tokens as u64;
-    let f = ctx.function(KernelId::FusedCombine, 0, k)?;
+    let f = ctx.function(KernelId::FusedCombine, 0, layout.top_k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
+    b.arg(&r.ws)
         .arg(ffn_ranks)
         .arg(&nf)
-        .arg(&flag_off)
-        .arg(&ret_off)
+        .arg(&COMBINE_FLAGS)
+        .arg(layout)
         .arg(routes.idx)
         .arg(&epr)
-        .arg(&cap)
-        .arg(&ctl)
-        .arg(&h)
-        .arg(&timeout_ns)
-        .arg(&err)
+        .arg(&r.ctl)
+        .arg(&r.timeout_ns)
+        .arg(&r.err)
         .arg(out);
     // SAFETY: afdep_fused_combine(const u8* ws, const u32* ffn_rank, u32 ffns, u64 flag_off,
-    // u64 ret_off, const i32* idx, u32 epr, u32 cap, const u32* ctl, u32 hidden, u64
-    // timeout_ns, u32* err, u16* out) with K compiled in: reads the caller's live control
+    // afdep_fused_layout L (by value, asserted equal in layout/fused.cuh; its ret_off, cap,
+    // hidden), const i32* idx, u32 epr, const u32* ctl, u64 timeout_ns, u32* err, u16* out)
+    // with K compiled in: reads the caller's live control
     // block, whose token count the caller keeps at most `routes.tokens` (the kernel also stops
     // at cap); thread 0 of each block reads the FFN ranks' flags of this rank's live workspace;
     // then warp t reads K route ids (the buffer holds routes.tokens × K, checked), the return
@@ -697,11 +683,15 @@ pub(super) mod tests {
     /// The value of `#define name` in `layout/fused.cuh` (the header tests of every fused
     /// launcher module compare their constants with it).
     pub(in crate::ops) fn define(name: &str) -> String {
-        let text = include_str!("../../cuda/layout/fused.cuh");
+        define_in(include_str!("../../cuda/layout/fused.cuh"), name)
+    }
+
+    /// The value of `#define name` in the CUDA source `text`.
+    pub(in crate::ops) fn define_in(text: &str, name: &str) -> String {
         let line = text
             .lines()
             .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("{name} not in layout/fused.cuh"));
+            .unwrap_or_else(|| panic!("#define {name} not found"));
         line[format!("#define {name} ").len()..].trim().to_string()
     }
 

@@ -54,12 +54,14 @@ pub const KERNELS: [KernelId; 9] = [
 
 use super::fused::blocks_for as grid;
 
-/// The routes and device scratch of one source's round.
+/// The rows, routes and device scratch of one source's round.
 #[derive(Debug)]
 pub struct CfSource<'a> {
     /// Tokens the buffers hold (the grid's size); the round's count, at most that, is the
     /// control block's ([`super::fused_round`]).
     pub tokens: usize,
+    /// `tokens × hidden` rows (what [`dispatch`] sends).
+    pub x: &'a CudaSlice<bf16>,
     /// `tokens × top_k` expert ids (validated).
     pub idx: &'a CudaSlice<i32>,
     /// `tokens × top_k` weights.
@@ -277,39 +279,43 @@ pub enum CfMode {
     },
 }
 
-/// The count-first row stores of source `me` (`afdep_cf_dispatch`, the workspace layout
-/// passed by value): rows of `x` (`tokens × hidden`) by `src` (after [`counts`]), to the FFN ranks `ffn_ranks` (`ffns`, each with `epr`
-/// local experts) through `peers`; `ws` is this rank's workspace (offsets and offset flags).
-/// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `err`. At most `blocks`
+/// The FFN ranks a source sends to: their ranks (at least `count`) and experts per rank.
+#[derive(Debug, Clone, Copy)]
+pub struct FfnRanks<'a> {
+    /// The FFN ranks, ascending.
+    pub ranks: &'a CudaSlice<u32>,
+    /// FFN ranks.
+    pub count: usize,
+    /// Local experts of each.
+    pub experts_per_rank: usize,
+}
+
+/// The count-first row stores of source `r.me` (`afdep_cf_dispatch`, the workspace layout
+/// passed by value): rows of `src.x` (`tokens × hidden`) by `src` (after [`counts`]), to the FFN
+/// ranks `ffns` through `r.peers`; `r.ws` is this rank's workspace (offsets and offset flags).
+/// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `r.err`. At most `blocks`
 /// blocks.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace, `peers` a live peer table, `ctl` a live control block (its
-/// token count at most `src.tokens`) and `err` a live error word ([the launchers'
+/// `r.ws` is a live workspace, `r.peers` a live peer table, `r.ctl` a live control block (its
+/// token count at most `src.tokens`) and `r.err` a live error word ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); every workspace has the layout `layout`
-/// (its slabs and count-first areas; fp8: 16-byte aligned); the first `ffns` entries of
-/// `ffn_ranks` and `me` are below the world; `src` holds what [`counts`] wrote for this round (slab
-/// rows below `layout.cap`).
-#[allow(clippy::too_many_arguments)]
+/// (its slabs and count-first areas; fp8: 16-byte aligned); the first `ffns.count` entries of
+/// `ffns.ranks` and `r.me` are below the world; `src` holds what [`counts`] wrote for this round
+/// (slab rows below `layout.cap`).
 pub unsafe fn dispatch(
     ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
     src: &CfSource<'_>,
-    top_k: usize,
-    ffn_ranks: &CudaSlice<u32>,
-    ffns: usize,
-    epr: usize,
-    peers: u64,
-    ws: u64,
+    ffns: &FfnRanks<'_>,
+    r: &RankAddrs,
     layout: &FusedLayout,
-    me: usize,
     mode: CfMode,
-    ctl: u64,
-    timeout_ns: u64,
-    err: u64,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let (x, top_k) = (src.x, layout.top_k as usize);
+    let (ffn_ranks, epr) = (ffns.ranks, ffns.experts_per_rank);
+    let ffns = ffns.count;
     let (slab, areas) = (&layout.slab(), layout);
     let hidden = slab.hidden as usize;
     let n = src.tokens * top_k;
@@ -323,7 +329,7 @@ pub unsafe fn dispatch(
     let k = as_u32("top_k", top_k)?;
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
-    let me = as_u32("rank", me)?;
+    let me = as_u32("rank", r.me)?;
     let (m, gate) = match mode {
         CfMode::Source => (0u32, 0u32),
         CfMode::Stream { gate } => (1, u32::from(gate)),
@@ -337,20 +343,20 @@ pub unsafe fn dispatch(
     b.arg(x)
         .arg(src.idx)
         .arg(src.weight)
-        .arg(&ctl)
+        .arg(&r.ctl)
         .arg(src.slot_pos)
         .arg(src.tok_row)
         .arg(ffn_ranks)
         .arg(&nf)
         .arg(&e)
-        .arg(&peers)
-        .arg(&ws)
+        .arg(&r.peers)
+        .arg(&r.ws)
         .arg(layout)
         .arg(&me)
         .arg(&m)
         .arg(&gate)
-        .arg(&timeout_ns)
-        .arg(&err);
+        .arg(&r.timeout_ns)
+        .arg(&r.err);
     // SAFETY: afdep_cf_dispatch{,_fp8}(const u16* x, const i32* idx, const float* w, const u32*
     // ctl (the caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
@@ -369,39 +375,31 @@ pub unsafe fn dispatch(
     Ok(())
 }
 
-/// The streaming epilogue (`afdep_cf_stream_epilogue`) of this FFN rank (workspace `ws`,
+/// The streaming epilogue (`afdep_cf_stream_epilogue`) of this FFN rank (workspace `r.ws`,
 /// after its [`plan`] on the same stream): expands each compact row into the expanded area as
-/// soon as its row flag holds the round of the control block at `ctl` (a timeout records
-/// [`fault::ROW_WAIT`] in `err`; nothing when the round is skipped). Work
-/// units of `warps_per_unit` warps take runs of at least `min_rows` rows. At most `blocks`
-/// blocks.
+/// soon as its row flag holds the round of the control block at `r.ctl` (a timeout records
+/// [`fault::ROW_WAIT`] in `r.err`; nothing when the round is skipped), split into `units`.
 ///
 /// # Safety
 ///
-/// `ws` is a live workspace, `ctl` a live control block and `err` a live error word
+/// `r.ws` is a live workspace, `r.ctl` a live control block and `r.err` a live error word
 /// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace has the
 /// layout `layout` (its slabs and count-first areas; fp8: 16-byte aligned), and its plan was
 /// written by this rank's [`plan`] earlier on the same stream; the first `sources` entries of
 /// `src_ranks` are below the world.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn stream_epilogue(
     ctx: &GpuContext,
-    ws: u64,
+    r: &RankAddrs,
     src_ranks: &CudaSlice<u32>,
     sources: usize,
     epr: usize,
-    top_k: usize,
     layout: &FusedLayout,
-    warps_per_unit: u32,
-    min_rows: u32,
-    ctl: u64,
-    timeout_ns: u64,
-    err: u64,
-    blocks: u32,
+    units: &WorkUnits,
 ) -> Result<(), KernelError> {
     if sources == 0 {
         return Ok(());
     }
+    let top_k = layout.top_k as usize;
     let (slab, areas) = (&layout.slab(), layout);
     need("source ranks", src_ranks, sources)?;
     check_rows(slab, areas, top_k)?;
@@ -414,18 +412,18 @@ pub unsafe fn stream_epilogue(
     };
     let f = ctx.function(id, 0, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ws)
+    b.arg(&r.ws)
         .arg(src_ranks)
         .arg(&ns)
         .arg(&e)
         .arg(layout)
-        .arg(&warps_per_unit)
-        .arg(&min_rows)
-        .arg(&ctl)
-        .arg(&timeout_ns)
-        .arg(&err);
+        .arg(&units.warps_per_unit)
+        .arg(&units.min_rows)
+        .arg(&r.ctl)
+        .arg(&r.timeout_ns)
+        .arg(&r.err);
     let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (blocks.max(1), 1, 1),
+        grid_dim: (units.blocks.max(1), 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -440,6 +438,18 @@ pub unsafe fn stream_epilogue(
     // others); err is a live u32[4].
     unsafe { b.launch(cfg) }.map_err(launch_err(id))?;
     Ok(())
+}
+
+/// The work split of a [`stream_epilogue`]: units of `warps_per_unit` warps take runs of at
+/// least `min_rows` rows, on at most `blocks` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkUnits {
+    /// Warps of one work unit.
+    pub warps_per_unit: u32,
+    /// Fewest rows of one unit's run.
+    pub min_rows: u32,
+    /// Most blocks (the SM budget).
+    pub blocks: u32,
 }
 
 /// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace

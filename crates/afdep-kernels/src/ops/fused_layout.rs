@@ -2,8 +2,9 @@
 //! [`FusedLayout`], computed in one place ([`FusedLayout::new`]) from the exchange config, and
 //! mirrored on the device by `struct afdep_fused_layout` in `cuda/layout/fused.cuh`, whose
 //! `static_assert`s pin its size and every field's offset (a test here compares them with
-//! `offset_of!`). The count-first launchers take it whole, the payload-first ones its
-//! [`SlabGeometry`] view.
+//! `offset_of!`). Every fused launcher takes it, and passes it by value to its kernel (the
+//! payload-first copy epilogues take its slab fields as scalars instead; [`FusedLayout::slab`]
+//! is that view).
 //!
 //! Every rank's workspace has this layout (byte offsets from its base; every area 256-byte
 //! aligned):

@@ -41,6 +41,8 @@
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
+use super::fused::RankAddrs;
+use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -128,23 +130,18 @@ pub const KERNELS: [KernelId; 4] = [
 
 use super::fused::blocks_for as grid;
 
-/// Where one rank's round control lives: its workspace base, the control block and status area
-/// offsets (the same in every workspace).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RoundControl {
-    /// This rank's workspace base (device address).
-    pub ws: u64,
-    /// Byte offset of the control block.
-    pub ctl_off: u64,
-    /// Byte offset of the status area.
-    pub status_off: u64,
-}
-
-impl RoundControl {
-    /// The control block's device address.
-    pub fn ctl(&self) -> u64 {
-        self.ws + self.ctl_off
-    }
+/// A source's part of [`begin`]: its attention index and route tables (each at least
+/// `capacity × top_k` entries), and with fp8 payloads its [`check_payload`] state of the round.
+#[derive(Debug, Clone, Copy)]
+pub struct RoundSource<'a> {
+    /// This rank's attention index.
+    pub index: usize,
+    /// `capacity × top_k` expert ids.
+    pub idx: &'a CudaSlice<i32>,
+    /// `capacity × top_k` weights.
+    pub weight: &'a CudaSlice<f32>,
+    /// fp8 payloads: the payload check's state ([`PAYLOAD_STATE_WORDS`]).
+    pub payload: Option<&'a CudaSlice<u32>>,
 }
 
 /// The route rules [`begin`] checks (`afdep_core::route::RouteRules::exchange`).
@@ -154,153 +151,107 @@ pub struct DeviceRules {
     pub experts: u64,
     /// Expert ids must be below this to be owned.
     pub owned: u64,
-    /// Most tokens of a source.
-    pub capacity: u64,
     /// The arm rule's bucket: an [`arm::AUTO`] round takes count-first when its largest
     /// source's token count is at least this (`u64::MAX`: never), payload-first otherwise.
     pub bucket: u64,
 }
 
-/// The start of a device round (`afdep_round_begin`, one block) on rank `me` of `world`:
-/// round + 1 in the control block; when `source` holds this rank's attention index and its
-/// route tables (`idx`, `weight`: at least `rules.capacity × top_k` entries), validation of the
-/// control block's token count of routes; the verdict word, the token count and the arm
-/// request ([`CTL_ARM_REQUEST`]) stored into every rank's status area through `peers`, then a
-/// bounded wait (`timeout_ns`) for every rank's record. Then, from the records (the same on
-/// every rank): the verdict (the lowest rejecting rank's word, else [`verdict::ARMS_DIFFER`]
-/// when the requests differ) and the arm ([`CTL_ARM`]: rank 0's request, or for
-/// [`arm::AUTO`] count-first when the largest token count is at least `rules.bucket`) in the
-/// control block, and the arm gates at `gates` ([`ARM_GATES`] × [`CTL_WORDS`] u32). A timeout
-/// records [`FAULT_STATUS_WAIT`] in `err`. `payload`: a source's [`check_payload`] state of the
-/// round (fp8 payloads), whose word is the source's verdict word when its routes pass.
+/// The start of a device round (`afdep_round_begin`, one block, the workspace layout passed by
+/// value) on rank `r.me` of `world`: round + 1 in the control block `r.ctl`; when `source` is
+/// given (this rank's attention index and route tables), validation of the control block's
+/// token count of routes (at most `layout.cap`); the verdict word, the token count and the arm
+/// request ([`CTL_ARM_REQUEST`]) stored into every rank's status area (at `layout.status`)
+/// through `r.peers`, then a bounded wait (`r.timeout_ns`) for every rank's record. Then, from
+/// the records (the same on every rank): the verdict (the lowest rejecting rank's word, else
+/// [`verdict::ARMS_DIFFER`] when the requests differ) and the arm ([`CTL_ARM`]: rank 0's
+/// request, or for [`arm::AUTO`] count-first when the largest token count is at least
+/// `rules.bucket`) in the control block, and the arm gates at `gates` ([`ARM_GATES`] ×
+/// [`CTL_WORDS`] u32). A timeout records [`FAULT_STATUS_WAIT`] in `r.err`. `source.payload`: a
+/// source's [`check_payload`] state of the round (fp8 payloads), whose word is the source's
+/// verdict word when its routes pass.
 ///
 /// # Safety
 ///
-/// `rc.ws` is a live workspace whose control block and status area are at `rc.ctl_off` and
-/// `rc.status_off`, `peers` a live peer table of `world` ranks (`me` below it) whose workspaces all
-/// have this layout, and `err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)).
-#[allow(clippy::too_many_arguments)]
+/// `r.ws` is a live workspace of layout `layout` whose control block is `r.ctl`, `r.peers` a live
+/// peer table of `world` ranks (`r.me` below it) whose workspaces all have this layout, and
+/// `r.err` a live error word ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)).
 pub unsafe fn begin(
     ctx: &GpuContext,
-    rc: &RoundControl,
-    peers: u64,
+    r: &RankAddrs,
     world: usize,
-    me: usize,
-    source: Option<(usize, &CudaSlice<i32>, &CudaSlice<f32>)>,
-    payload: Option<&CudaSlice<u32>>,
+    source: Option<&RoundSource<'_>>,
     rules: &DeviceRules,
-    top_k: usize,
-    timeout_ns: u64,
-    err: u64,
+    layout: &FusedLayout,
     gates: &mut CudaSlice<u32>,
 ) -> Result<(), KernelError> {
     need("arm gates", gates, ARM_GATES * CTL_WORDS)?;
-    let k = as_u32("top_k", top_k)?;
     let world32 = as_u32("world", world)?;
     if world > 64 {
         return Err(KernelError::Shape(format!(
             "{world} ranks: the status area holds 64"
         )));
     }
-    let me = as_u32("rank", me)?;
-    let f = ctx.function(KernelId::RoundBegin, 0, k)?;
-    // an FFN-only rank passes no tables: a one-element dummy is never read
-    let (src, idx, w) = match source {
-        Some((s, idx, w)) => {
-            let n = rules.capacity as usize * top_k;
-            need("routes", idx, n)?;
-            need("weights", w, n)?;
-            if let Some(st) = payload {
+    let me = as_u32("rank", r.me)?;
+    let f = ctx.function(KernelId::RoundBegin, 0, layout.top_k)?;
+    // an FFN-only rank passes no tables and no payload state: null pointers, never read
+    let null = 0u64;
+    let src = match source {
+        Some(s) => {
+            let n = layout.cap as usize * layout.top_k as usize;
+            need("routes", s.idx, n)?;
+            need("weights", s.weight, n)?;
+            if let Some(st) = s.payload {
                 need("payload check state", st, PAYLOAD_STATE_WORDS)?;
             }
-            (as_u32("attention index", s)?, idx, w)
+            as_u32("attention index", s.index)?
         }
-        None => {
-            return begin_ffn(
-                ctx, rc, peers, world32, me, rules, &f, timeout_ns, err, gates,
-            );
-        }
+        None => NO_SOURCE,
     };
-    let null = 0u64;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&rc.ws)
-        .arg(&peers)
+    b.arg(&r.ws)
+        .arg(&r.ctl)
+        .arg(&r.peers)
         .arg(&world32)
         .arg(&me)
-        .arg(&src)
-        .arg(idx)
-        .arg(w)
-        .arg(&rules.capacity)
+        .arg(&src);
+    match source {
+        Some(s) => b.arg(s.idx).arg(s.weight),
+        None => b.arg(&null).arg(&null),
+    };
+    b.arg(layout)
         .arg(&rules.experts)
         .arg(&rules.owned)
-        .arg(&rc.ctl_off)
-        .arg(&rc.status_off)
-        .arg(&timeout_ns)
-        .arg(&err);
-    match payload {
+        .arg(&r.timeout_ns)
+        .arg(&r.err);
+    match source.and_then(|s| s.payload) {
         Some(st) => b.arg(st),
         None => b.arg(&null),
     };
     b.arg(&rules.bucket).arg(gates);
-    // SAFETY: afdep_round_begin(u8* ws, const u64* peers, u32 world, u32 me, u32 src_index,
-    // const i32* idx, const float* w, u64 cap, u64 experts, u64 owned, u64 ctl_off, u64
-    // status_off, u64 timeout_ns, u32* err, const u32* payload, u64 bucket, u32* gates), one
-    // block: reads and writes the control block of this rank's live workspace, reads at most
-    // min(tokens, cap) × K routes (the tables hold cap × K, checked; a larger token count is
-    // rejected without reading) and the first 6 words of the payload state (checked) or none
-    // (null), writes one status record into each of the `world` (<= 64, checked) workspaces of
-    // the live peer table and reads this rank's status area; err is a live u32[4]; writes gates
-    // 1..ARM_GATES of `gates` (ARM_GATES × CTL_WORDS, checked).
+    // SAFETY: afdep_round_begin(u8* ws, u32* ctl, const u64* peers, u32 world, u32 me, u32
+    // src_index, const i32* idx, const float* w, afdep_fused_layout L (by value, asserted equal
+    // in layout/fused.cuh; its cap and status), u64 experts, u64 owned, u64 timeout_ns, u32*
+    // err, const u32* payload, u64 bucket, u32* gates), one block: reads and writes the
+    // caller's live control block, reads at most min(tokens, cap) × K routes (the tables hold
+    // cap × K, checked; a larger token count is rejected without reading; with src_index
+    // AFDEP_NO_SOURCE the null tables are never dereferenced) and the first 6 words of the
+    // payload state (checked) or none (null), writes one status record into each of the
+    // `world` (<= 64, checked) workspaces of the live peer table and reads this rank's status
+    // area; err is a live u32[4]; writes gates 1..ARM_GATES of `gates` (ARM_GATES × CTL_WORDS,
+    // checked).
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn begin_ffn(
-    ctx: &GpuContext,
-    rc: &RoundControl,
-    peers: u64,
-    world: u32,
-    me: u32,
-    rules: &DeviceRules,
-    f: &cudarc::driver::CudaFunction,
-    timeout_ns: u64,
-    err: u64,
-    gates: &mut CudaSlice<u32>,
-) -> Result<(), KernelError> {
-    let none = u32::MAX;
-    let null = 0u64;
-    let mut b = ctx.stream().launch_builder(f);
-    b.arg(&rc.ws)
-        .arg(&peers)
-        .arg(&world)
-        .arg(&me)
-        .arg(&none)
-        .arg(&null)
-        .arg(&null)
-        .arg(&rules.capacity)
-        .arg(&rules.experts)
-        .arg(&rules.owned)
-        .arg(&rc.ctl_off)
-        .arg(&rc.status_off)
-        .arg(&timeout_ns)
-        .arg(&err)
-        .arg(&null)
-        .arg(&rules.bucket)
-        .arg(gates);
-    // SAFETY: as in `begin`, with src_index AFDEP_NO_SOURCE: the kernel reads no route and no
-    // payload state (the null tables are never dereferenced) and publishes an all-zero word.
-    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBegin))?;
-    Ok(())
-}
+/// `src_index` of an FFN-only rank in [`begin`] (`AFDEP_NO_SOURCE` in `fused_round.cu`).
+const NO_SOURCE: u32 = u32::MAX;
 
-/// A source's fp8 payload check of a device round (`afdep_round_check_payload`), launched just
-/// before [`begin`] on the same stream: over the control block's token count (at `ctl`; none
-/// above `capacity`) of rows `x` (`capacity × hidden` bf16, hidden a multiple of 128) and
-/// routes `idx` (`capacity × top_k`), the first non-finite value of a token with an unmasked
-/// slot (tokens, then channels, ascending) becomes the
-/// [`afdep_core::RouteError::NonFinitePayload`] word (naming attention index `source`) in
+/// A source's fp8 payload check of a device round (`afdep_round_check_payload`, the workspace
+/// layout passed by value), launched just before [`begin`] on the same stream: over the control
+/// block's token count (at `ctl`; none above the capacity `layout.cap`) of rows `x` (`capacity ×
+/// hidden` bf16, hidden a multiple of 128) and routes `idx` (`capacity × top_k`), the first
+/// non-finite value of a token with an unmasked slot (tokens, then channels, ascending) becomes
+/// the [`afdep_core::RouteError::NonFinitePayload`] word (naming attention index `source`) in
 /// `state` ([`PAYLOAD_STATE_WORDS`], zero before the first round), or zeros. It reads no
 /// verdict (the control block still holds the previous round's). At most `blocks` blocks.
 ///
@@ -308,19 +259,17 @@ fn begin_ffn(
 ///
 /// `ctl` is a live control block ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn check_payload(
     ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    idx: &CudaSlice<i32>,
+    rows: &PayloadRows<'_>,
     ctl: u64,
-    capacity: usize,
-    hidden: usize,
-    top_k: usize,
-    source: usize,
+    layout: &FusedLayout,
     state: &mut CudaSlice<u32>,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let (x, idx) = (rows.x, rows.idx);
+    let (capacity, hidden) = (layout.cap as usize, layout.hidden as usize);
+    let top_k = layout.top_k as usize;
     if hidden % afdep_core::fp8::GROUP != 0 {
         return Err(KernelError::Shape(format!(
             "fp8 payloads need hidden a multiple of 128, not {hidden}"
@@ -329,27 +278,31 @@ pub unsafe fn check_payload(
     need("rows", x, capacity * hidden)?;
     need("routes", idx, capacity * top_k)?;
     need("payload check state", state, PAYLOAD_STATE_WORDS)?;
-    let k = as_u32("top_k", top_k)?;
-    let h = as_u32("hidden", hidden)?;
-    let src = as_u32("attention index", source)?;
+    let src = as_u32("attention index", rows.source)?;
     let cap = capacity as u64;
-    let f = ctx.function(KernelId::RoundCheckPayload, 0, k)?;
+    let f = ctx.function(KernelId::RoundCheckPayload, 0, layout.top_k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(x)
-        .arg(idx)
-        .arg(&ctl)
-        .arg(&cap)
-        .arg(&h)
-        .arg(&src)
-        .arg(state);
-    // SAFETY: afdep_round_check_payload(const u16* x, const i32* idx, const u32* ctl, u64 cap,
-    // u32 hidden, u32 src_index, u32* state) with K compiled in: reads the caller's live
+    b.arg(x).arg(idx).arg(&ctl).arg(layout).arg(&src).arg(state);
+    // SAFETY: afdep_round_check_payload(const u16* x, const i32* idx, const u32* ctl,
+    // afdep_fused_layout L (by value, asserted equal in layout/fused.cuh; its cap and hidden),
+    // u32 src_index, u32* state) with K compiled in: reads the caller's live
     // control block; for a token count at most cap, warp t reads idx[t] (cap × K, checked) and
     // row t of x (cap × hidden, checked; 16-byte loads: hidden a multiple of 128, checked, in a
     // cudaMalloc'd buffer); atomics on and the last block's stores to the 16-word state
     // (checked).
     unsafe { b.launch(grid(cap, blocks)) }.map_err(launch_err(KernelId::RoundCheckPayload))?;
     Ok(())
+}
+
+/// What [`check_payload`] reads of a source: its rows and routes, and its attention index.
+#[derive(Debug, Clone, Copy)]
+pub struct PayloadRows<'a> {
+    /// `capacity × hidden` bf16 rows.
+    pub x: &'a CudaSlice<bf16>,
+    /// `capacity × top_k` expert ids.
+    pub idx: &'a CudaSlice<i32>,
+    /// This source's attention index.
+    pub source: usize,
 }
 
 /// The round start of a host-planned round (`afdep_round_bump`, one thread): round + 1,
@@ -392,35 +345,31 @@ pub fn stamp(
     Ok(())
 }
 
-/// Where an FFN rank's plan and expanded rows are (the count-first areas of its workspace).
+/// Where an FFN rank's plan and expanded rows are: the count-first areas of its workspace
+/// (the layout's `plan`, `expanded`, `exp_rows` and `hidden`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanView {
     /// This rank's workspace base.
     pub ws: u64,
-    /// Byte offset of the plan (`layout/fused.cuh`).
-    pub plan_off: u64,
+    /// The workspace layout.
+    pub layout: FusedLayout,
     /// Local experts.
     pub epr: usize,
     /// Sources.
     pub sources: usize,
-    /// Byte offset of the expanded area.
-    pub exp_off: u64,
-    /// Rows of the expanded area.
-    pub exp_rows: u64,
-    /// Hidden size.
-    pub hidden: usize,
 }
 
-/// The reproducible device expert (`afdep_round_experts`): for every expanded row j of the
-/// plan, `y[j] = bf16(f32(x[j]) * scale[l])` with l the row's local expert (`scale` holds
-/// `epr` f32). `y` holds `exp_rows × hidden`. Nothing when the round is skipped.
+/// The reproducible device expert (`afdep_round_experts`, the workspace layout passed by
+/// value): for every expanded row j of the plan, `y[j] = bf16(f32(x[j]) * scale[l])` with l the
+/// row's local expert (`scale` holds `epr` f32). `y` holds `exp_rows × hidden`. Nothing when the
+/// round is skipped.
 ///
 /// # Safety
 ///
 /// `pv.ws` is a live workspace and `ctl` a live control block ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds the plan at
-/// `pv.plan_off` for `pv.epr` experts and `pv.sources` sources, written earlier on the same stream,
-/// and `pv.exp_rows` expanded rows of `pv.hidden` bf16 at `pv.exp_off`.
+/// `pv.layout.plan` for `pv.epr` experts and `pv.sources` sources, written earlier on the same
+/// stream, and `pv.layout.exp_rows` expanded rows of `hidden` bf16 at `pv.layout.expanded`.
 pub unsafe fn experts(
     ctx: &GpuContext,
     pv: &PlanView,
@@ -429,29 +378,27 @@ pub unsafe fn experts(
     y: &mut CudaSlice<bf16>,
     blocks: u32,
 ) -> Result<(), KernelError> {
+    let exp_rows = pv.layout.exp_rows;
     need("scales", scale, pv.epr)?;
-    need("y", y, pv.exp_rows as usize * pv.hidden)?;
+    need("y", y, exp_rows as usize * pv.layout.hidden as usize)?;
     let e = as_u32("experts per rank", pv.epr)?;
     let ns = as_u32("sources", pv.sources)?;
-    let h = as_u32("hidden", pv.hidden)?;
     let f = ctx.function(KernelId::RoundExperts, 0, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&pv.ws)
         .arg(&ctl)
-        .arg(&pv.plan_off)
+        .arg(&pv.layout)
         .arg(&e)
         .arg(&ns)
-        .arg(&pv.exp_off)
-        .arg(&pv.exp_rows)
         .arg(scale)
-        .arg(y)
-        .arg(&h);
-    // SAFETY: afdep_round_experts(const u8* ws, const u32* ctl, u64 plan_off, u32 epr, u32 ns,
-    // u64 exp_off, u64 exp_rows, const float* scale, u16* y, u32 hidden): reads the caller's
+        .arg(y);
+    // SAFETY: afdep_round_experts(const u8* ws, const u32* ctl, afdep_fused_layout L (by value,
+    // asserted equal in layout/fused.cuh; its plan, expanded, exp_rows, hidden), u32 epr, u32
+    // ns, const float* scale, u16* y): reads the caller's
     // live control block and the plan and expanded area of this rank's live workspace (the
     // caller's geometry), rows below min(plan rows, exp_rows); scale holds epr and y
     // exp_rows × hidden (checked).
-    unsafe { b.launch(grid(pv.exp_rows, blocks)) }.map_err(launch_err(KernelId::RoundExperts))?;
+    unsafe { b.launch(grid(exp_rows, blocks)) }.map_err(launch_err(KernelId::RoundExperts))?;
     Ok(())
 }
 
@@ -459,7 +406,7 @@ pub unsafe fn experts(
 mod tests {
     use super::*;
 
-    use crate::ops::fused::tests::define;
+    use crate::ops::fused::tests::{define, define_in};
 
     #[test]
     fn control_block_constants_match_the_header() {
@@ -516,16 +463,11 @@ mod tests {
     #[test]
     fn payload_state_constants_match_the_kernel() {
         let text = include_str!("../../cuda/fused_round.cu");
-        let def = |name: &str| -> usize {
-            let line = text
-                .lines()
-                .find(|l| l.starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("{name} not in fused_round.cu"));
-            line[format!("#define {name} ").len()..]
-                .trim()
-                .parse()
-                .unwrap()
-        };
+        let def = |name: &str| -> usize { define_in(text, name).parse().unwrap() };
+        assert_eq!(
+            define_in(text, "AFDEP_NO_SOURCE"),
+            format!("{NO_SOURCE:#x}u")
+        );
         assert_eq!(def("AFDEP_PAYLOAD_STATE_WORDS"), PAYLOAD_STATE_WORDS);
         let (done, key) = (
             def("AFDEP_PAYLOAD_DONE_WORD"),

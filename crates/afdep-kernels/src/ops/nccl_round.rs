@@ -24,6 +24,7 @@
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::fused_layout::FusedLayout;
 use super::fused_round::{self as fr, PlanView};
 use super::{as_u32, grid, zeros};
 use crate::context::{GpuContext, launch_err};
@@ -537,15 +538,7 @@ impl NcclRoundBuffers {
         let (Some(scales), Some(y)) = (b.scales.as_ref(), b.y.as_mut()) else {
             return Ok(());
         };
-        let pv = PlanView {
-            ws,
-            plan_off: 0,
-            epr: g.epr,
-            sources: g.sources,
-            exp_off: g.exp_off() as u64,
-            exp_rows: g.exp_rows() as u64,
-            hidden: g.hidden,
-        };
+        let pv = plan_view(&g, ws)?;
         // SAFETY: `ws` is this rank's live workspace (owned by self) holding the plan at 0 for
         // epr experts and sources sources (written by `expand` on the same stream) and exp_rows
         // rows of hidden bf16 at exp_off; `ctl` a live zeroed control block (verdict go).
@@ -601,15 +594,7 @@ impl NcclRoundBuffers {
             .ffn
             .as_mut()
             .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
-        let pv = PlanView {
-            ws: addr(ctx, &b.ws),
-            plan_off: 0,
-            epr: g.epr,
-            sources: g.sources,
-            exp_off: g.exp_off() as u64,
-            exp_rows: g.exp_rows() as u64,
-            hidden: g.hidden,
-        };
+        let pv = plan_view(&g, addr(ctx, &b.ws))?;
         let y = b
             .y
             .as_mut()
@@ -671,6 +656,23 @@ impl NcclRoundBuffers {
             .map_err(KernelError::driver("reading the plan"))?;
         Ok((recv, ws))
     }
+}
+
+/// The FFN workspace of `g` at `ws` as the fused round's plan view: the plan at 0, the
+/// expanded rows at `exp_off` (the only fields of the layout the expert kernels read).
+fn plan_view(g: &NcclGeometry, ws: u64) -> Result<PlanView, KernelError> {
+    Ok(PlanView {
+        ws,
+        layout: FusedLayout {
+            plan: 0,
+            expanded: g.exp_off() as u64,
+            exp_rows: g.exp_rows() as u64,
+            hidden: as_u32("hidden", g.hidden)?,
+            ..FusedLayout::default()
+        },
+        epr: g.epr,
+        sources: g.sources,
+    })
 }
 
 #[cfg(test)]

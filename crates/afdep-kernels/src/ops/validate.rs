@@ -50,21 +50,17 @@ impl RouteValidator {
         &self.state
     }
 
-    /// Queues the validation of `tokens × rules.top_k` routes (`idx`, `weights`) of attention
-    /// rank `rank` without waiting. Size and top-k problems are found on the host and
+    /// Queues the validation of the routes `routes` (`tokens × top_k` ids and weights) of
+    /// attention rank `rank` without waiting. Size and top-k problems are found on the host and
     /// returned as [`KernelError::Route`] with [`RouteError::Malformed`], before any launch.
-    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &mut self,
         ctx: &GpuContext,
-        idx: &CudaSlice<i32>,
-        weights: &CudaSlice<f32>,
-        tokens: usize,
-        top_k: usize,
+        routes: &DeviceRoutes,
         rules: &RouteRules,
         rank: usize,
     ) -> Result<(), KernelError> {
-        self.launch_inner(ctx, idx, weights, tokens, top_k, rules, rank, None)
+        self.launch_inner(ctx, routes, rules, rank, None)
     }
 
     /// [`RouteValidator::launch`] for routes that the router's top-k
@@ -72,18 +68,15 @@ impl RouteValidator {
     /// with this validator's state: a non-finite logit it found is reported as
     /// [`RouteError::NonFiniteLogit`] (the first token, its lowest such expert, the logit),
     /// ahead of any route offence.
-    #[allow(clippy::too_many_arguments)]
     pub fn launch_routed(
         &mut self,
         ctx: &GpuContext,
         logits: &CudaSlice<f32>,
-        idx: &CudaSlice<i32>,
-        weights: &CudaSlice<f32>,
-        tokens: usize,
-        top_k: usize,
+        routes: &DeviceRoutes,
         rules: &RouteRules,
         rank: usize,
     ) -> Result<(), KernelError> {
+        let tokens = routes.tokens;
         if logits.len() < tokens * rules.experts {
             return Err(KernelError::Shape(format!(
                 "logits hold {} values, {tokens} tokens × {} experts need more",
@@ -91,7 +84,7 @@ impl RouteValidator {
                 rules.experts
             )));
         }
-        self.launch_inner(ctx, idx, weights, tokens, top_k, rules, rank, Some(logits))
+        self.launch_inner(ctx, routes, rules, rank, Some(logits))
     }
 
     /// The device state, writable (the router's top-k records its non-finite key there).
@@ -99,18 +92,16 @@ impl RouteValidator {
         &mut self.state
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn launch_inner(
         &mut self,
         ctx: &GpuContext,
-        idx: &CudaSlice<i32>,
-        weights: &CudaSlice<f32>,
-        tokens: usize,
-        top_k: usize,
+        routes: &DeviceRoutes,
         rules: &RouteRules,
         rank: usize,
         logits: Option<&CudaSlice<f32>>,
     ) -> Result<(), KernelError> {
+        let (idx, weights) = (&routes.idx, &routes.weights);
+        let (tokens, top_k) = (routes.tokens, routes.top_k);
         if top_k != rules.top_k {
             return Err(RouteError::Malformed {
                 rank,
@@ -253,14 +244,6 @@ pub fn validate_routes_with(
     rules: &RouteRules,
     rank: usize,
 ) -> Result<(), KernelError> {
-    validator.launch(
-        ctx,
-        &routes.idx,
-        &routes.weights,
-        routes.tokens,
-        routes.top_k,
-        rules,
-        rank,
-    )?;
+    validator.launch(ctx, routes, rules, rank)?;
     validator.result(ctx)?.map_err(KernelError::Route)
 }

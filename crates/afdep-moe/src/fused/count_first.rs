@@ -81,12 +81,12 @@ use afdep_core::layout::FfnPlan;
 use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, RankAddrs, SlabGeometry};
-use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
+use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource, FfnRanks};
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{GpuContext, KernelError};
 
-use super::{DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
+use super::{DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::round::DispatchArm;
 
@@ -203,16 +203,8 @@ impl FusedEngine {
         let knobs = cfg.knobs;
         let a = self.geo;
         let slab: SlabGeometry = self.geo.slab();
-        let err = self.ws + ERROR_WORD;
-        let ctl = self.ws + super::CONTROL;
-        let addrs = RankAddrs {
-            ws: self.ws,
-            peers: self.peers,
-            me: rank,
-            ctl,
-            err,
-            timeout_ns,
-        };
+        let addrs = self.rank_addrs(timeout_ns);
+        let ctl = addrs.ctl;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let need = fk::slab_row_bytes_for(cfg.payload, h, k) as u64;
@@ -249,40 +241,45 @@ impl FusedEngine {
         }
         self.phase_start(super::Phase::Dispatch)?;
 
+        // the source's rows, routes and scratch of the round (counts and rows below)
+        let cf_src = match (&keep, input) {
+            (Some((x, idx, w)), Some(inp)) => {
+                let scratch = self
+                    .cf_scratch
+                    .as_ref()
+                    .ok_or_else(|| ExchangeError::Input {
+                        rank,
+                        what: "no count-first scratch on an attention rank".into(),
+                    })?;
+                Some(CfSource {
+                    tokens: inp.routes.tokens,
+                    x,
+                    idx,
+                    weight: w,
+                    slot_pos: &scratch.slot_pos,
+                    tok_row: &scratch.tok_row,
+                    counts: &scratch.counts,
+                })
+            }
+            _ => None,
+        };
+        let ffns = FfnRanks {
+            ranks: &self.ffn_ranks,
+            count: nf,
+            experts_per_rank: epr,
+        };
+
         // 1. source: counts on the device, published
-        if let (Some((_, idx, w)), Some(inp)) = (&keep, input) {
-            let scratch = self
-                .cf_scratch
-                .as_ref()
-                .ok_or_else(|| ExchangeError::Input {
-                    rank,
-                    what: "no count-first scratch on an attention rank".into(),
-                })?;
-            let src = CfSource {
-                tokens: inp.routes.tokens,
-                idx,
-                weight: w,
-                slot_pos: &scratch.slot_pos,
-                tok_row: &scratch.tok_row,
-                counts: &scratch.counts,
-            };
+        if let Some(src) = &cf_src {
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's live
             // control block; the host validated the routes and bumped the round to
             // `inp.routes.tokens` tokens, which `src`'s buffers hold.
-            unsafe { cf::counts(&self.gpu, &src, ctl, k, nf, epr, knobs.transport_sms) }?;
+            unsafe { cf::counts(&self.gpu, src, ctl, k, nf, epr, knobs.transport_sms) }?;
             // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
             // table, `ctl` the control block; `ffn_ranks` holds the `nf` FFN ranks and `rank` is
             // below the world; every workspace holds the count-first areas `a` of `geometry`.
             unsafe {
-                cf::publish_counts(
-                    &self.gpu,
-                    &addrs,
-                    &scratch.counts,
-                    &self.ffn_ranks,
-                    nf,
-                    epr,
-                    &a,
-                )
+                cf::publish_counts(&self.gpu, &addrs, src.counts, &self.ffn_ranks, nf, epr, &a)
             }?;
         }
 
@@ -296,46 +293,19 @@ impl FusedEngine {
         }
 
         // 3. source: the rows
-        if let (Some((x, idx, w)), Some(inp)) = (&keep, input) {
-            let scratch = self.cf_scratch.as_ref().expect("checked above");
-            let src = CfSource {
-                tokens: inp.routes.tokens,
-                idx,
-                weight: w,
-                slot_pos: &scratch.slot_pos,
-                tok_row: &scratch.tok_row,
-                counts: &scratch.counts,
-            };
+        if let Some(src) = &cf_src {
             let mode = match arm {
                 DispatchArm::CountFirstSource => CfMode::Source,
                 _ => CfMode::Stream {
                     gate: knobs.payload_gate,
                 },
             };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers`, `ctl`
-            // and `err` are live; every workspace holds the slabs `slab` and the areas `a` (fp8
-            // areas 16-byte aligned: `geometry` aligns every area to 256); `ffn_ranks` holds the
-            // `nf` FFN ranks; `src` holds what `cf::counts` wrote above on this stream.
-            unsafe {
-                cf::dispatch(
-                    &self.gpu,
-                    x,
-                    &src,
-                    k,
-                    &self.ffn_ranks,
-                    nf,
-                    epr,
-                    self.peers,
-                    self.ws,
-                    &self.geo,
-                    rank,
-                    mode,
-                    ctl,
-                    timeout_ns,
-                    err,
-                    knobs.transport_sms,
-                )
-            }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` (this workspace, the
+            // peer table, its control block and error word) are live; every workspace holds the
+            // slabs `slab` and the areas `a` (fp8 areas 16-byte aligned: `geometry` aligns every
+            // area to 256); `ffns` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
+            // above on this stream.
+            unsafe { cf::dispatch(&self.gpu, src, &ffns, &addrs, &a, mode, knobs.transport_sms) }?;
             if arm == DispatchArm::CountFirstSource {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `ctl` are
                 // live; `ffn_ranks` holds the `nf` FFN ranks, every workspace `MAX_WORLD` u32 flags
@@ -378,24 +348,19 @@ impl FusedEngine {
                     unsafe { cf::dequant(&self.gpu, &addrs, ns, epr, &a, knobs.epilogue_sm_cap) }?;
                 }
             } else {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `ctl` and `err`
-                // are live; the workspace holds the slabs `slab` and the areas `a`, `cf::plan`
-                // above wrote the plan on this stream; `src_ranks` holds the `ns` attention ranks.
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` (this workspace,
+                // its control block and error word) are live; the workspace holds the slabs `slab`
+                // and the areas `a`, `cf::plan` above wrote the plan on this stream; `src_ranks`
+                // holds the `ns` attention ranks.
                 unsafe {
                     cf::stream_epilogue(
                         &self.gpu,
-                        self.ws,
+                        &addrs,
                         &self.src_ranks,
                         ns,
                         epr,
-                        k,
-                        &self.geo,
-                        knobs.warps_per_unit,
-                        knobs.min_rows_per_unit,
-                        ctl,
-                        timeout_ns,
-                        err,
-                        knobs.epilogue_sm_cap,
+                        &a,
+                        &super::work_units(&knobs),
                     )
                 }?;
             }

@@ -125,13 +125,12 @@ use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
-use afdep_kernels::ops::fused::SlabGeometry;
 use afdep_kernels::ops::fused::{self as fk, RankAddrs};
-use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource};
+use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource, FfnRanks};
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::fused_round::{
     self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
-    PlanView, RoundControl,
+    PayloadRows, PlanView, RoundSource,
 };
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
@@ -139,7 +138,7 @@ use afdep_transport::Transport;
 use std::time::Instant;
 
 use super::trace::{self, Tracer};
-use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, FusedEngine, upload};
+use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput, RoundTrace, TracePhase};
 
@@ -1194,37 +1193,21 @@ impl FusedEngine {
         let cfg = &self.cfg;
         let topo = cfg.topology;
         let p = cfg.placement();
-        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let (k, cap) = (cfg.top_k, cfg.capacity);
         let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
         let world = topo.world_size();
         let knobs = cfg.knobs;
         let timeout_ns = self.transport.timeout().as_nanos().min(u64::MAX as u128) as u64;
-        let (ws, peers) = (self.ws, self.peers);
-        let ctl = ws + CONTROL;
-        let err = ws + ERROR_WORD;
+        let addrs = self.rank_addrs(timeout_ns);
+        let ctl = addrs.ctl;
         let a = self.geo;
-        let addrs = RankAddrs {
-            ws,
-            peers,
-            me: rank,
-            ctl,
-            err,
-            timeout_ns,
-        };
-        let slab = self.geo.slab();
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let d = self.device.as_mut().expect("checked by the caller");
         let gpu = &self.gpu;
-        let rc = RoundControl {
-            ws,
-            ctl_off: CONTROL,
-            status_off: self.geo.status,
-        };
         let rules = DeviceRules {
             experts: cfg.experts as u64,
             owned: p.owned() as u64,
-            capacity: cap as u64,
             bucket: rule_bucket(cfg),
         };
         let round_arms = match arm {
@@ -1247,44 +1230,36 @@ impl FusedEngine {
             if let Some(st) = b.payload.as_mut() {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's
                 // live control block.
-                unsafe {
-                    fr::check_payload(
-                        gpu,
-                        &b.x,
-                        &b.idx,
-                        ctl,
-                        cap,
-                        h,
-                        k,
-                        s,
-                        st,
-                        knobs.transport_sms,
-                    )
-                }?;
+                let rows = PayloadRows {
+                    x: &b.x,
+                    idx: &b.idx,
+                    source: s,
+                };
+                unsafe { fr::check_payload(gpu, &rows, ctl, &a, st, knobs.transport_sms) }?;
                 trace::mark(&mut d.trace, gpu, TracePhase::PayloadCheck)?;
             }
         }
         // 1. round, validation, verdict (every rank)
-        let (source, payload) = match (src_index, d.src.as_ref()) {
-            (Some(s), Some(b)) => (Some((s, &b.idx, &b.w)), b.payload.as_ref()),
-            _ => (None, None),
+        let source = match (src_index, d.src.as_ref()) {
+            (Some(s), Some(b)) => Some(RoundSource {
+                index: s,
+                idx: &b.idx,
+                weight: &b.w,
+                payload: b.payload.as_ref(),
+            }),
+            _ => None,
         };
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `rc` names this live workspace,
-        // its control block (`CONTROL`) and status area (`geo.status`), the same in every workspace
-        // of the live peer table `peers` of `world` ranks; `err` is its error word.
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` names this live
+        // workspace, its control block (`CONTROL`) and error word, and the live peer table of
+        // `world` ranks whose workspaces all have the layout `a` (the status area at `a.status`).
         unsafe {
             fr::begin(
                 gpu,
-                &rc,
-                peers,
+                &addrs,
                 world,
-                rank,
-                source,
-                payload,
+                source.as_ref(),
                 &rules,
-                k,
-                timeout_ns,
-                err,
+                &a,
                 &mut d.gates,
             )
         }?;
@@ -1295,6 +1270,7 @@ impl FusedEngine {
         let cf_src = match (d.src.as_ref(), scratch) {
             (Some(b), Some(sc)) => Some(CfSource {
                 tokens: cap,
+                x: &b.x,
                 idx: &b.idx,
                 weight: &b.w,
                 slot_pos: &sc.slot_pos,
@@ -1325,23 +1301,16 @@ impl FusedEngine {
         let l = Launch {
             gpu,
             cfg,
-            rank,
-            ws,
-            peers,
-            ctl,
-            err,
-            timeout_ns,
+            r: addrs,
             a,
-            slab,
-            ret_off: self.geo.ret_off,
             src_ranks: &self.src_ranks,
             ffn_ranks: &self.ffn_ranks,
             round_arms,
             gates,
         };
         // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
-        if let (Some(src), Some(b)) = (&cf_src, d.src.as_ref()) {
-            l.dispatch_rows(src, b)?;
+        if let Some(src) = &cf_src {
+            l.dispatch_rows(src)?;
             trace::mark(&mut d.trace, gpu, TracePhase::Rows)?;
         }
         // 5. FFN: the epilogue
@@ -1480,16 +1449,10 @@ impl FusedEngine {
 struct Launch<'a> {
     gpu: &'a GpuContext,
     cfg: &'a ExchangeConfig,
-    rank: usize,
-    ws: u64,
-    peers: u64,
-    ctl: u64,
-    err: u64,
-    timeout_ns: u64,
-    /// The workspace layout (`slab` is its view for the payload-first launchers).
+    /// The rank's addresses, with its control block (`r.ctl`).
+    r: RankAddrs,
+    /// The workspace layout.
     a: FusedLayout,
-    slab: SlabGeometry,
-    ret_off: u64,
     src_ranks: &'a CudaSlice<u32>,
     ffn_ranks: &'a CudaSlice<u32>,
     round_arms: u32,
@@ -1497,29 +1460,22 @@ struct Launch<'a> {
 }
 
 impl Launch<'_> {
-    /// The rank's addresses with the round's control block.
-    fn addrs(&self) -> RankAddrs {
-        RankAddrs {
-            ws: self.ws,
-            peers: self.peers,
-            me: self.rank,
-            ctl: self.ctl,
-            err: self.err,
-            timeout_ns: self.timeout_ns,
-        }
-    }
-
     /// The control block of a kernel of the arms `arms` (`None`: not launched in this round).
     fn gate(&self, arms: u32) -> Option<u64> {
-        arm_gate(self.ctl, self.gates, self.round_arms, arms)
+        arm_gate(self.r.ctl, self.gates, self.round_arms, arms)
     }
 
     /// Source: the rows (one launch per arm the round may take), then the dispatch flags.
-    fn dispatch_rows(&self, src: &CfSource<'_>, b: &SourceBufs) -> Result<(), ExchangeError> {
+    fn dispatch_rows(&self, src: &CfSource<'_>) -> Result<(), ExchangeError> {
         use DispatchArm as A;
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
-        let (k, nf, epr) = (cfg.top_k, p.ffn_ranks, p.experts_per_rank);
+        let nf = p.ffn_ranks;
+        let ffns = FfnRanks {
+            ranks: self.ffn_ranks,
+            count: nf,
+            experts_per_rank: p.experts_per_rank,
+        };
         for row_arm in DispatchArm::ALL {
             let Some(c) = self.gate(arm_bit(row_arm)) else {
                 continue;
@@ -1531,31 +1487,13 @@ impl Launch<'_> {
                 },
                 A::PayloadFirst => CfMode::Stream { gate: false },
             };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers` and
-            // `self.err` are live, `c` is the control block or one of the live arm gates of
+            let r = self.r.gated(c);
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `r`'s workspace, peer table
+            // and error word are live, `c` is the control block or one of the live arm gates of
             // `d.gates` (`arm_gate`); every workspace holds the slabs and the areas `a` (256-byte
-            // aligned); `ffn_ranks` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
+            // aligned); `ffns` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
             // earlier on this stream.
-            unsafe {
-                cf::dispatch(
-                    gpu,
-                    &b.x,
-                    src,
-                    k,
-                    self.ffn_ranks,
-                    nf,
-                    epr,
-                    self.peers,
-                    self.ws,
-                    &self.a,
-                    self.rank,
-                    mode,
-                    c,
-                    self.timeout_ns,
-                    self.err,
-                    knobs.transport_sms,
-                )
-            }?;
+            unsafe { cf::dispatch(gpu, src, &ffns, &r, &self.a, mode, knobs.transport_sms) }?;
         }
         if let Some(c) = self.gate(PF | SRC) {
             // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is live, `c` is
@@ -1564,11 +1502,11 @@ impl Launch<'_> {
             unsafe {
                 fk::signal(
                     gpu,
-                    self.peers,
+                    self.r.peers,
                     self.ffn_ranks,
                     nf,
                     DISPATCH_FLAGS,
-                    self.rank,
+                    self.r.me,
                     c,
                 )
             }?;
@@ -1587,7 +1525,7 @@ impl Launch<'_> {
         unsafe {
             cf::wait(
                 self.gpu,
-                &self.addrs().gated(c),
+                &self.r.gated(c),
                 self.src_ranks,
                 ns,
                 DISPATCH_FLAGS,
@@ -1602,10 +1540,8 @@ impl Launch<'_> {
     fn epilogue(&self) -> Result<(), ExchangeError> {
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
-        let k = cfg.top_k;
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
-        let (ws, a) = (self.ws, &self.a);
-        let addrs = self.addrs();
+        let (a, addrs) = (&self.a, self.r);
         if let Some(c) = self.gate(PF) {
             self.wait_sources(c, fk::fault::DISPATCH_WAIT)?;
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
@@ -1632,18 +1568,12 @@ impl Launch<'_> {
             unsafe {
                 cf::stream_epilogue(
                     gpu,
-                    ws,
+                    &addrs.gated(c),
                     self.src_ranks,
                     ns,
                     epr,
-                    k,
-                    &self.a,
-                    knobs.warps_per_unit,
-                    knobs.min_rows_per_unit,
-                    c,
-                    addrs.timeout_ns,
-                    addrs.err,
-                    knobs.epilogue_sm_cap,
+                    a,
+                    &super::work_units(&knobs),
                 )
             }?;
         }
@@ -1655,9 +1585,9 @@ impl Launch<'_> {
     fn ffn_combine(&self, f: usize, fb: &mut FfnBufs) -> Result<(), ExchangeError> {
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
-        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let cap = cfg.capacity;
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
-        let (ws, slab, a) = (self.ws, self.slab, &self.a);
+        let (ws, slab, a) = (self.r.ws, self.a.slab(), &self.a);
         if let Some(snap) = fb.snapshot.as_mut() {
             let first = cfg.topology.attention_ranks().start as u64;
             let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
@@ -1674,24 +1604,21 @@ impl Launch<'_> {
         }
         let pv = PlanView {
             ws,
-            plan_off: a.plan,
+            layout: *a,
             epr,
             sources: ns,
-            exp_off: a.expanded,
-            exp_rows: a.exp_rows,
-            hidden: h,
         };
         match (fb.identity, fb.swiglu.as_mut()) {
             (true, _) => {}
             (false, None) => {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `pv.ws` and `self.ctl` are
-                // live; `pv` names the plan and expanded area of `geometry`'s count-first areas,
-                // the plan written earlier on this stream.
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `pv.ws` and `self.r.ctl`
+                // are live; `pv` names the plan and expanded area of `geometry`'s count-first
+                // areas, the plan written earlier on this stream.
                 unsafe {
                     fr::experts(
                         gpu,
                         &pv,
-                        self.ctl,
+                        self.r.ctl,
                         &fb.scale,
                         &mut fb.y,
                         knobs.transport_sms,
@@ -1714,35 +1641,23 @@ impl Launch<'_> {
                 continue;
             };
             let view = fk::CompactView {
-                ws,
-                slab,
-                meta_off: fk::slab_payload_bytes(cfg.payload, h) as u64,
+                layout: *a,
                 sources: ns,
                 slab_offsets: plan + 8 * (2 * eps + epr as u64 + 1),
                 block_starts,
                 max_rows: (ns * cap) as u64,
+                y,
+                y_rows: a.exp_rows as usize,
             };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` (`view.ws`) and
-            // `self.peers` are live, `c` is the control block or one of the live arm gates of
-            // `d.gates` (`arm_gate`); `view`'s plan numbers are the plan's, in this workspace,
-            // whose counts keep rows below the capacity; `y` is `fb.y` or the expanded area, both
-            // `a.exp_rows` rows; every workspace holds the return areas at `ret_off`, `src_ranks`
-            // the `ns` attention ranks.
-            unsafe {
-                fk::combine_reduce(
-                    gpu,
-                    &view,
-                    self.src_ranks,
-                    c,
-                    self.peers,
-                    y,
-                    a.exp_rows as usize,
-                    self.ret_off,
-                    f,
-                    k,
-                    knobs.transport_sms,
-                )
-            }?;
+            let r = self.r.gated(c);
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` (`r.ws`) and the peer
+            // table are live, `c` is the control block or one of the live arm gates of `d.gates`
+            // (`arm_gate`); `view`'s plan numbers are the plan's, in this workspace, whose counts
+            // keep rows below the capacity; `y` is `fb.y` or the expanded area, both `a.exp_rows`
+            // rows; every workspace holds the return areas at `a.ret_off`, `src_ranks` the `ns`
+            // attention ranks.
+            let blocks = knobs.transport_sms;
+            unsafe { fk::combine_reduce(gpu, &r, &view, self.src_ranks, f, blocks) }?;
         }
         // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `self.ctl` are
         // live; `src_ranks` holds the `ns` attention ranks, every workspace `MAX_WORLD` flags at
@@ -1750,12 +1665,12 @@ impl Launch<'_> {
         unsafe {
             fk::signal(
                 gpu,
-                self.peers,
+                self.r.peers,
                 self.src_ranks,
                 ns,
                 COMBINE_FLAGS,
-                self.rank,
-                self.ctl,
+                self.r.me,
+                self.r.ctl,
             )
         }?;
         Ok(())
@@ -1765,32 +1680,19 @@ impl Launch<'_> {
     fn source_combine(&self, b: &mut SourceBufs) -> Result<(), ExchangeError> {
         let cfg = self.cfg;
         let p = cfg.placement();
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.ctl` and
-        // `self.err` are live (the token count at most the capacity `b.idx` holds); the workspace
-        // holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at `ret_off`.
-        unsafe {
-            fk::combine(
-                self.gpu,
-                self.ws,
-                self.ffn_ranks,
-                p.ffn_ranks,
-                COMBINE_FLAGS,
-                self.ret_off,
-                &fk::CombineRoutes {
-                    idx: &b.idx,
-                    experts_per_rank: p.experts_per_rank,
-                    capacity: cfg.capacity,
-                    tokens: cfg.capacity,
-                },
-                cfg.top_k,
-                cfg.hidden,
-                self.ctl,
-                self.timeout_ns,
-                self.err,
-                &mut b.out,
-                cfg.knobs.transport_sms,
-            )
-        }?;
+        let routes = fk::CombineRoutes {
+            idx: &b.idx,
+            ffn_ranks: self.ffn_ranks,
+            ffns: p.ffn_ranks,
+            experts_per_rank: p.experts_per_rank,
+            tokens: cfg.capacity,
+        };
+        let blocks = cfg.knobs.transport_sms;
+        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.r`'s workspace, control
+        // block and error word are live (the token count at most the capacity `b.idx` holds);
+        // the workspace holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at
+        // `a.ret_off`.
+        unsafe { fk::combine(self.gpu, &self.r, &routes, &self.a, &mut b.out, blocks) }?;
         Ok(())
     }
 }
@@ -1836,8 +1738,9 @@ pub(crate) fn swiglu(
     y: &mut CudaSlice<bf16>,
 ) -> Result<(), ExchangeError> {
     use afdep_kernels::cudarc::driver::DevicePtrMut;
-    let eo = pv.ws + pv.plan_off + 8 * (2 * pv.epr * pv.sources) as u64;
-    let rows = pv.exp_rows as usize;
+    let eo = pv.ws + pv.layout.plan + 8 * (2 * pv.epr * pv.sources) as u64;
+    let rows = pv.layout.exp_rows as usize;
+    let hidden = pv.layout.hidden as usize;
     let copies = [
         (
             sw.offsets.device_ptr_mut(gpu.stream()).0,
@@ -1846,8 +1749,8 @@ pub(crate) fn swiglu(
         ),
         (
             sw.x.device_ptr_mut(gpu.stream()).0,
-            pv.ws + pv.exp_off,
-            2 * rows * pv.hidden,
+            pv.ws + pv.layout.expanded,
+            2 * rows * hidden,
         ),
     ];
     for (dst, src, bytes) in copies {
@@ -1861,7 +1764,7 @@ pub(crate) fn swiglu(
         unsafe { cures::memcpy_dtod_async(dst, src, bytes, gpu.stream().cu_stream()) }
             .map_err(KernelError::driver("copying the expert rows"))?;
     }
-    swiglu_gemms(gpu, pv.epr, rows, pv.hidden, sw, y)
+    swiglu_gemms(gpu, pv.epr, rows, hidden, sw, y)
 }
 
 /// The grouped SwiGLU GEMMs over `rows` rows of `sw.x` in `epr` groups (`sw.offsets`) into `y`.
