@@ -18,6 +18,9 @@
 //! - [`round`]: the vocabulary of a round shared by the engines ([`ExpertFn`], [`RoundOutput`],
 //!   [`DispatchArm`], ...), the [`ExchangeEngine`] trait both engines implement, and
 //!   [`run_group`], one engine per rank of an in-process group on threads.
+//! - [`pipeline`]: the microbatch pipeline ([`PipelineRank`]): a layer step's exchange as M
+//!   microbatches over K fused engines per rank, microbatch i+1's dispatch overlapping
+//!   microbatch i's experts on the GPU, bit-identical to one device round per microbatch.
 //! - [`error`]: the engine's typed errors.
 //! - [`external`]: a [`MoeLayer`] step on buffers owned by the caller, ordered on the caller's
 //!   CUDA stream (the Python bindings).
@@ -29,6 +32,7 @@ pub mod error;
 pub mod external;
 pub mod fused;
 pub mod layer;
+pub mod pipeline;
 pub mod reference;
 pub mod round;
 pub mod staged;
@@ -40,6 +44,7 @@ pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
 pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
+pub use pipeline::{PipelineConfig, PipelineError, PipelineOutput, PipelineRank};
 pub use round::{
     DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,
     RoundArm, RoundOutput, RoundTrace, TracePhase, run_group,
