@@ -148,17 +148,23 @@ pub enum PipelineError {
         microbatch: usize,
         /// Its round's error.
         #[source]
-        source: ExchangeError,
+        source: Box<ExchangeError>,
     },
     /// An engine failed outside a round's verdict (a device timeout, a driver error); the
     /// engine is closed.
     #[error(transparent)]
-    Exchange(#[from] ExchangeError),
+    Exchange(Box<ExchangeError>),
+}
+
+impl From<ExchangeError> for PipelineError {
+    fn from(e: ExchangeError) -> Self {
+        PipelineError::Exchange(Box::new(e))
+    }
 }
 
 impl From<KernelError> for PipelineError {
     fn from(e: KernelError) -> Self {
-        PipelineError::Exchange(e.into())
+        ExchangeError::from(e).into()
     }
 }
 
@@ -444,7 +450,7 @@ impl PipelineRank {
             if let Err(e) = r.result {
                 first_err.get_or_insert(PipelineError::Round {
                     microbatch: i,
-                    source: e,
+                    source: Box::new(e),
                 });
                 continue;
             }
