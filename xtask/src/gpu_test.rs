@@ -10,7 +10,8 @@
 //! suite with its peers), `DIR/docs/perf/moe.md` (the
 //! document the comparison's report updates), `DIR/docs/perf/exchange_gpu_run.sh` (the
 //! single-GPU exchange latency table), `DIR/docs/perf/exchange_load_run.sh` (the exchange under
-//! a GEMM load) and `DIR/commit.txt` (the commit it was built
+//! a GEMM load), `DIR/docs/perf/exchange_pipeline_run.sh` (the microbatch pipeline) and
+//! `DIR/commit.txt` (the commit it was built
 //! from, `-dirty` when the work tree had changes).
 
 use std::io::BufRead;
@@ -33,8 +34,12 @@ pub struct GpuTestArgs {
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
 /// The scripts of `docs/perf/` a bundle carries (as `DIR/docs/perf/NAME`, executable): the
-/// exchange latency tables and the overlap-under-load table.
-const PERF_SCRIPTS: [&str; 2] = ["exchange_gpu_run.sh", "exchange_load_run.sh"];
+/// exchange latency tables, the overlap-under-load table and the microbatch pipeline table.
+const PERF_SCRIPTS: [&str; 3] = [
+    "exchange_gpu_run.sh",
+    "exchange_load_run.sh",
+    "exchange_pipeline_run.sh",
+];
 
 /// Cargo features of the GPU test builds: the NCCL transport (loaded at run time, so it builds
 /// without CUDA) for its `gpu_nccl` tests and `afdep exchange --transport nccl`, UCX with

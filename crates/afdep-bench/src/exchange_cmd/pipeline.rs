@@ -46,7 +46,7 @@ use super::rows::median;
 pub(super) const SLOTS: usize = 2;
 
 /// Tokens per source checked against the oracle (the first ones).
-pub(super) const SAMPLE_TOKENS: usize = 16;
+pub(super) const SAMPLE_TOKENS: usize = 8;
 
 /// Traced runs per configuration (the busy fraction).
 pub(super) const TRACE_RUNS: usize = 3;
