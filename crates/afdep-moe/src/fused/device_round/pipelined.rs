@@ -347,10 +347,6 @@ impl FusedEngine {
                 return Ok(Vec::new());
             }
             let ctl: Vec<u32> = download(&eng.gpu, &q.ctl)?;
-            let out: Vec<bf16> = match is_src {
-                true => download(&eng.gpu, &q.out)?,
-                false => Vec::new(),
-            };
             let stamps: Vec<u64> = match q.traced {
                 true => download(&eng.gpu, &q.stamps)?,
                 false => Vec::new(),
@@ -365,8 +361,17 @@ impl FusedEngine {
                 };
                 let combined = match (&result, is_src) {
                     (Ok(()), true) => {
-                        let at = j * cap * h;
-                        Some(out[at..at + l.tokens.min(cap) * h].to_vec())
+                        // only the round's rows of its staging area
+                        let (at, n) = (j * cap * h, l.tokens.min(cap) * h);
+                        let mut rows = vec![bf16::ZERO; n];
+                        if n > 0 {
+                            eng.gpu
+                                .stream()
+                                .memcpy_dtoh(&q.out.slice(at..at + n), &mut rows)
+                                .map_err(KernelError::driver("reading a queued round's output"))?;
+                            eng.gpu.synchronize()?;
+                        }
+                        Some(rows)
                     }
                     _ => None,
                 };
