@@ -4,7 +4,7 @@
 #                                                   # classic vs ws timings, same process image
 #   docs/perf/gemm_ws_run.sh BUNDLE_TGZ OUT suite [run_suite.sh args..]
 #   docs/perf/gemm_ws_run.sh BUNDLE_TGZ OUT one     # everything in one short call (DEADLINE
-#       seconds, default 150): the ws tests (gpu_gemm, gpu_fault, gpu_layer's ws test), afdep
+#       seconds, default 150): the ws tests (gpu_gemm, gpu_fault, gpu_layer's classic-engine test), afdep
 #       at mixtral-8x7b 16K with AFDEP_GEMM_ENGINE=ws then =classic (sorted; the ws run writes
 #       the inputs), then eager torch._grouped_mm (peers/moe_torch.py) on those inputs; every
 #       step under what is left of the deadline.
@@ -18,11 +18,9 @@ set -u
 tgz=$1; out=$2; mode=${3:-check}; shift 3 || shift $#
 mkdir -p "$out" /tmp/wsb && tar xzf "$tgz" -C /tmp/wsb || exit 2
 B=/tmp/wsb/gemm-b
-# AFDEP_TEST_WS=1: the ws engine's GPU tests run (they skip while the engine is off by
-# default); AFDEP_GEMM_ENGINE=auto: the tile rule (ops::gemm::shape_rule) picks the engine
-# wherever a step below does not name one.
-export AFDEP_KERNEL_CACHE=/tmp/wsb/kernel-cache AFDEP_REQUIRE_GPU=1 AFDEP_TEST_WS=1
-export AFDEP_GEMM_ENGINE=${AFDEP_GEMM_ENGINE:-auto}
+# The default engine (ops::gemm::DEFAULT_ENGINE, ws) runs wherever a step below does not
+# name one (AFDEP_GEMM_ENGINE=classic|ws).
+export AFDEP_KERNEL_CACHE=/tmp/wsb/kernel-cache AFDEP_REQUIRE_GPU=1
 [ -d "$(dirname "$tgz")/kernel-cache" ] && cp -r "$(dirname "$tgz")/kernel-cache" /tmp/wsb/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
   | tee "$out/gpu.txt"
@@ -35,8 +33,8 @@ if [ "$mode" = one ]; then
     echo "gpu_gemm rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
     timeout "$(left ${T_FAULT:-15})" "$B/tests/gpu_fault" 2>&1 | grep -E "^test |panicked|result" | head
     echo "gpu_fault rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
-    timeout "$(left ${T_LAYER:-25})" "$B/tests/gpu_layer" ws_engine 2>&1 | grep -E "^test |compared|panicked|failures|result|W=" | head -40
-    echo "gpu_layer ws rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
+    timeout "$(left ${T_LAYER:-25})" "$B/tests/gpu_layer" classic_engine 2>&1 | grep -E "^test |compared|panicked|failures|result|W=" | head -40
+    echo "gpu_layer classic rc ${PIPESTATUS[0]} at $(( $(date +%s) - t0 ))s"
   } > "$out/run.txt" 2>&1
   cat "$out/run.txt"
   W=/tmp/wsb/inputs; mkdir -p $W

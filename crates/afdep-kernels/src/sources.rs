@@ -354,6 +354,26 @@ kernel_registry! {
         /// `afdep_round_stamp`: `%globaltimer` into one slot of a traced round's stamps.
         RoundStamp = "afdep_round_stamp",
     }
+    /// `nccl_round.cu`: the device round of the NCCL exchange: packing into capacity-padded
+    /// slabs, the FFN rank's plan and expansion, the combine's two halves (specialised by top-k).
+    NcclRound = "nccl_round.cu", experts: false, top_k: true {
+        /// `afdep_nccl_pack`: a source's slab headers, row metadata and token rows per FFN rank.
+        NcclPack = "afdep_nccl_pack",
+        /// `afdep_nccl_pack_rows`: a source's payload rows into its slabs.
+        NcclPackRows = "afdep_nccl_pack_rows",
+        /// `afdep_nccl_count`: an FFN rank's per (expert, source) row counts.
+        NcclCount = "afdep_nccl_count",
+        /// `afdep_nccl_plan`: an FFN rank's block starts and expert offsets.
+        NcclPlan = "afdep_nccl_plan",
+        /// `afdep_nccl_expand`: an FFN rank's slot and row maps of the expanded layout.
+        NcclExpand = "afdep_nccl_expand",
+        /// `afdep_nccl_expand_rows`: an FFN rank's payload rows into the expanded layout.
+        NcclExpandRows = "afdep_nccl_expand_rows",
+        /// `afdep_nccl_reduce`: an FFN rank's f32 partials per compact row.
+        NcclReduce = "afdep_nccl_reduce",
+        /// `afdep_nccl_combine`: a source's fixed-order sum of the partials.
+        NcclCombine = "afdep_nccl_combine",
+    }
     /// `fp8.cu`: e4m3 encode, decode, and row quantisation with the fused exchange's device
     /// functions (not specialised).
     Fp8 = "fp8.cu", experts: false, top_k: false {
@@ -720,10 +740,11 @@ mod tests {
         );
         let v = runtime_variants();
         // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue, device round, fp8
+        // combine, count-first counts, dispatch, streaming epilogue, device round, NCCL round
+        // (top-k), fp8
         assert_eq!(
             v.len(),
-            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 1
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
         );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }

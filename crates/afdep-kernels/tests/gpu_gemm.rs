@@ -174,6 +174,8 @@ fn wgrad_matches_a_host_gemm() {
 #[test]
 fn down_scatter_matches_a_host_gemm() {
     let Some(ctx) = gpu() else { return };
+    // The classic rows kernel (the default engine, ws, has its own test below).
+    let _classic = ForcedEngine::new(Engine::Classic);
     let mut r = rng(71);
     let (tokens, top_k, width, hidden) = (97usize, 3usize, 40usize, 136usize);
     let sizes = [0usize, 100, 1, 0, 190];
@@ -267,6 +269,8 @@ fn groups_of(ctx: &afdep_kernels::GpuContext, sizes: &[usize]) -> (CudaSlice<u64
 #[test]
 fn up_swiglu_odd_sizes_match_a_host_gemm() {
     let Some(ctx) = gpu() else { return };
+    // The classic rows kernel (the default engine, ws, has its own test below).
+    let _classic = ForcedEngine::new(Engine::Classic);
     let mut r = rng(23);
     for (hidden, width) in [(136usize, 40usize), (72, 24), (264, 136)] {
         let sizes = [0usize, 37, 1, 130];
@@ -356,6 +360,8 @@ fn up_swiglu_odd_sizes_match_a_host_gemm() {
 #[test]
 fn dx_odd_sizes_match_a_host_gemm() {
     let Some(ctx) = gpu() else { return };
+    // The classic rows kernel (the default engine, ws, has its own test below).
+    let _classic = ForcedEngine::new(Engine::Classic);
     let mut r = rng(29);
     for (hidden, width) in [(136usize, 40usize), (72, 64), (40, 24)] {
         let sizes = [5usize, 0, 129, 0];
@@ -416,20 +422,7 @@ fn dx_odd_sizes_match_a_host_gemm() {
     }
 }
 
-/// Whether the ws engine's GPU tests run: once the engine is on by default
-/// (`gemm::WS_BY_DEFAULT`), or with `AFDEP_TEST_WS=1` (it has not yet passed on a GPU: until
-/// it has, main's GPU matrix skips these tests).
-fn ws_tests_on() -> bool {
-    let on = gemm::WS_BY_DEFAULT || std::env::var_os("AFDEP_TEST_WS").is_some_and(|v| v == "1");
-    if !on {
-        println!(
-            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
-        );
-    }
-    on
-}
-
-/// Restores the tile rule on this thread when dropped.
+/// Forces an engine on this thread; the default comes back when dropped.
 struct ForcedEngine;
 
 impl ForcedEngine {
@@ -500,9 +493,6 @@ fn f32s(ctx: &afdep_kernels::GpuContext, d: &CudaSlice<bf16>) -> Vec<f32> {
 /// poisoned.
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
-    if !ws_tests_on() {
-        return;
-    }
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(Engine::Ws);
     let mut r = rng(97);

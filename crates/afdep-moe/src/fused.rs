@@ -159,7 +159,7 @@ pub mod device_round;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod trace;
-pub use device_round::{DeviceExperts, DeviceRoundOptions, FusedGraph};
+pub use device_round::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedGraph};
 
 pub use afdep_kernels::ops::fused_layout::{
     COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, SLABS,

@@ -10,6 +10,10 @@
 //!   version: payload-first, bf16): dispatch, copy epilogue and combine are GPU kernels that
 //!   store into the peers' symmetric workspaces and wait on flags with a bound; bit-identical to
 //!   the staged engine and the oracle.
+//! - `nccl_device` (cargo feature `nccl`): the **NCCL device engine**, the exchange round over
+//!   NCCL with packing, expansion, experts and combine on the GPU and grouped
+//!   `ncclSend`/`ncclRecv` of capacity-padded slabs (capturable in a CUDA graph); bit-identical
+//!   to the oracle.
 //! - [`layer`]: [`MoeLayer`], the dropless MoE layer on one GPU (forward and train step, four
 //!   dispatch strategies) on the grouped GEMMs of afdep-kernels.
 //! - [`reference`](mod@reference): [`reference::ReferenceLayer`], the simple GPU reference of the
@@ -32,6 +36,8 @@ pub mod error;
 pub mod external;
 pub mod fused;
 pub mod layer;
+#[cfg(feature = "nccl")]
+pub mod nccl_device;
 pub mod pipeline;
 pub mod reference;
 pub mod round;
@@ -42,8 +48,10 @@ pub mod timing;
 #[cfg(feature = "fault-injection")]
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
-pub use fused::{DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
+pub use fused::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
+#[cfg(feature = "nccl")]
+pub use nccl_device::NcclDeviceEngine;
 pub use pipeline::{PipelineConfig, PipelineError, PipelineOutput, PipelineRank};
 pub use round::{
     DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,

@@ -288,7 +288,7 @@ impl PipelineRank {
         let mut slots = slots;
         for e in &mut slots {
             // every slot may run every microbatch (one slot: sequential rounds)
-            e.prepare_queued(max_microbatches)?;
+            e.prepare_staged(max_microbatches)?;
         }
         Ok(PipelineRank {
             slots,
@@ -387,9 +387,9 @@ impl PipelineRank {
         };
         for (i, part) in parts.iter().enumerate() {
             let (s, j) = pc.place(i);
-            if let Err(e) = self.slots[s].load_queued(j, arm, part.as_ref()) {
+            if let Err(e) = self.slots[s].load_staged(j, arm, part.as_ref()) {
                 for e in &mut self.slots {
-                    e.clear_queued();
+                    e.clear_staged();
                 }
                 return Err(e.into());
             }
@@ -413,7 +413,7 @@ impl PipelineRank {
         }
         for i in 0..m {
             let (s, j) = pc.place(i);
-            self.slots[s].enqueue_queued(j, arm)?;
+            self.slots[s].enqueue_staged(j, arm)?;
         }
         if let Some(t) = &self.timer {
             let s0 = self.slots[0].gpu().stream();
@@ -432,7 +432,7 @@ impl PipelineRank {
             .slots
             .iter_mut()
             .take(pc.slots())
-            .map(|e| e.finish_queued())
+            .map(|e| e.finish_staged())
             .collect();
         let mut per_slot = Vec::with_capacity(finished.len());
         for f in finished {

@@ -34,20 +34,15 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
     let routes = hot_routes(&mut rng, t, 2, 8);
     let (want, _) = train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
-    // sorted: A and B by TMA; gather: B by TMA, A rows by cp.async. On the classic kernel
-    // (the tile rule's choice at this shape) and on the warp-specialised one (forced), whose
-    // consumers run out on `full` and its producer then on `empty`.
-    // The ws engine only once it is on by default or with AFDEP_TEST_WS=1 (it has not yet
-    // passed on a GPU).
-    let ws = afdep_kernels::ops::gemm::WS_BY_DEFAULT
-        || std::env::var_os("AFDEP_TEST_WS").is_some_and(|v| v == "1");
-    let mut cases = vec![(None, Dispatch::Sorted), (None, Dispatch::Gather)];
-    if ws {
-        cases.extend([
-            (Some(Engine::Ws), Dispatch::Sorted),
-            (Some(Engine::Ws), Dispatch::Gather),
-        ]);
-    }
+    // sorted: A and B by TMA; gather: B by TMA, A rows by cp.async. On the default engine
+    // (the warp-specialised one, whose consumers run out on `full` and its producer then on
+    // `empty`) and on the classic kernel (forced).
+    let cases = [
+        (None, Dispatch::Sorted),
+        (None, Dispatch::Gather),
+        (Some(Engine::Classic), Dispatch::Sorted),
+        (Some(Engine::Classic), Dispatch::Gather),
+    ];
     for (engine, d) in cases {
         force_engine(engine);
         let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();

@@ -19,15 +19,17 @@ mod common;
 use afdep_core::bf16;
 use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::layer::{
-    LayerError, forward, forward_with_routes, train_step, train_step_with_routes,
+    LayerError, ParamsT, Routing, forward, forward_with_routes, train_step, train_step_t,
+    train_step_with_routes,
 };
 use afdep_core::oracle::params::{PARAM_NAMES, random_tokens};
+use afdep_core::oracle::scaled::Scaled;
 use afdep_core::route::{RouteRules, Routes, validate};
 use afdep_core::{LayerShape, RouteError};
 use afdep_kernels::GpuContext;
 use afdep_kernels::cudarc::driver::sys;
 use afdep_kernels::ops::download;
-use afdep_moe::accuracy::check_layer_tensor;
+use afdep_moe::accuracy::{check_elementwise, check_layer_tensor, layer_roundings};
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 use common::{gpu, hot_routes, in_shard, max_tokens, shape};
 use rand::SeedableRng;
@@ -51,28 +53,97 @@ fn read(ctx: &GpuContext, layer: &MoeLayer) -> Got {
     }
 }
 
+/// The magnitude of every output's terms (`afdep_core::oracle::scaled`): the oracle's train
+/// step run in `Scaled` on the same inputs, for the elementwise bound.
+struct Scales {
+    out: Vec<f64>,
+    dx: Vec<f64>,
+    params: [Vec<f64>; 7],
+    /// The longest f32 sum on any path of this case.
+    sum_len: usize,
+}
+
+/// [`Scales`] of a train step; `routes`: given routes, or `None` for the layer's router, in
+/// which case `expect_idx` (the routes the GPU and the f32 oracle chose) must be the f64 run's
+/// too: `None` is returned where they differ (a near-tie: the caller redraws).
+fn scales(
+    params: &LayerParams,
+    x: &[bf16],
+    t: usize,
+    dy: &[bf16],
+    routes: Option<&Routes>,
+    expect_idx: &[i32],
+) -> Option<Scales> {
+    let sh = params.shape;
+    let p = ParamsT::<Scaled>::from_bf16(params);
+    let up = |v: &[bf16]| -> Vec<Scaled> {
+        v.iter()
+            .map(|e| Scaled::input(f64::from(e.to_f32())))
+            .collect()
+    };
+    let routing = match routes {
+        Some(r) => Routing::Given(r),
+        None => Routing::Router,
+    };
+    let (f, g) = train_step_t(&p, &up(x), t, &up(dy), routing)
+        .expect("the Scaled oracle runs where the f32 one did");
+    if routes.is_none() && f.idx != expect_idx {
+        return None;
+    }
+    let sc = |v: &[Scaled]| -> Vec<f64> { v.iter().map(|e| e.s).collect() };
+    let gp = g.params();
+    Some(Scales {
+        out: sc(&f.out),
+        dx: sc(&g.dx),
+        params: std::array::from_fn(|i| sc(gp[i])),
+        sum_len: [sh.d_model, sh.width, sh.shared, sh.experts, t]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+            + sh.top_k,
+    })
+}
+
 /// Compares a GPU train step with the oracle's, per token and per expert
-/// (`afdep_moe::accuracy::check_layer_tensor`); returns a description of every failure.
+/// (`afdep_moe::accuracy::check_layer_tensor`) and element by element against the first-order
+/// bound of each element's terms (`afdep_moe::accuracy::check_elementwise`); returns a
+/// description of every failure.
 fn compare(
     what: &str,
     sh: &LayerShape,
     got: &Got,
     out: &[bf16],
     grads: &afdep_core::oracle::LayerGrads,
+    sc: &Scales,
 ) -> Vec<String> {
     let mut bad = Vec::new();
     let mut line = format!("{what}:");
-    let mut check = |name: &str, a: &[bf16], b: &[bf16]| match check_layer_tensor(name, sh, a, b) {
-        Ok(e) => line.push_str(&format!(" {name} {e:.2e}")),
-        Err(m) => {
-            line.push_str(&format!(" {name} FAIL"));
-            bad.push(format!("{what}: {m}"));
+    let mut check = |name: &str, a: &[bf16], b: &[bf16], scale: &[f64]| {
+        match check_layer_tensor(name, sh, a, b) {
+            Ok(e) => line.push_str(&format!(" {name} {e:.2e}")),
+            Err(m) => {
+                line.push_str(&format!(" {name} FAIL"));
+                bad.push(format!("{what}: {m}"));
+            }
+        }
+        let r = layer_roundings(name).expect("a layer tensor");
+        match check_elementwise(name, a, b, scale, r, sc.sum_len) {
+            Ok(q) => line.push_str(&format!("/{q:.2}")),
+            Err(m) => {
+                line.push_str(" ELEMENT-FAIL");
+                bad.push(format!("{what}: elementwise: {m}"));
+            }
         }
     };
-    check("out", &got.out, out);
-    check("dx", &got.dx, &grads.dx);
-    for ((name, a), b) in PARAM_NAMES.iter().zip(&got.grads).zip(grads.params()) {
-        check(&format!("d{name}"), a, b);
+    check("out", &got.out, out, &sc.out);
+    check("dx", &got.dx, &grads.dx, &sc.dx);
+    for (((name, a), b), s) in PARAM_NAMES
+        .iter()
+        .zip(&got.grads)
+        .zip(grads.params())
+        .zip(&sc.params)
+    {
+        check(&format!("d{name}"), a, b, s);
     }
     println!("{line}");
     bad
@@ -118,8 +189,13 @@ fn router_layer_matches_the_oracle() {
                                 agreed = None;
                                 break;
                             }
+                            let Some(sc) = scales(&params, &x, t, &dy, None, &cpu_routes.idx)
+                            else {
+                                agreed = None; // a near-tie in f64: redraw
+                                break;
+                            };
                             let what = format!("{d} T={t} H={h} W={w} E={e} K={k} S={s}");
-                            bad.extend(compare(&what, &sh, &got, &out, &grads));
+                            bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
                             cases += 1;
                             agreed = Some(seed);
                         }
@@ -176,6 +252,7 @@ fn given_routes_match_the_oracle() {
                     let dy = random_tokens(t, h, 32);
                     let (out, grads) =
                         train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
+                    let sc = scales(&params, &x, t, &dy, Some(&routes), &routes.idx).unwrap();
                     for d in Dispatch::ALL {
                         let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
                         layer.upload_params(&ctx, &params).unwrap();
@@ -186,7 +263,7 @@ fn given_routes_match_the_oracle() {
                         layer.train_step(&ctx, LayerRouting::Given).unwrap();
                         let got = read(&ctx, &layer);
                         let what = format!("given {d} T={t} H={h} W={w} E={e} K={k} S={s}");
-                        bad.extend(compare(&what, &sh, &got, &out, &grads));
+                        bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
                         cases += 1;
                     }
                 }
@@ -243,12 +320,14 @@ fn rejected_routes_are_typed_and_leave_the_layer_usable() {
         layer.upload_routes(&ctx, &good).unwrap();
         layer.train_step(&ctx, LayerRouting::Given).unwrap();
         let (out, grads) = train_step_with_routes(&params, &x, t, &dy, &good).unwrap();
+        let sc = scales(&params, &x, t, &dy, Some(&good), &good.idx).unwrap();
         let bad = compare(
             &format!("{d} after rejections"),
             &sh,
             &read(&ctx, &layer),
             &out,
             &grads,
+            &sc,
         );
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
@@ -295,8 +374,18 @@ fn graph_replay_of_a_train_step_with_new_routing() {
             if got.routes.idx != cpu_routes.idx {
                 continue; // a router tie (see router_layer_matches_the_oracle)
             }
+            let Some(sc) = scales(&params, &x, t, &dy, None, &cpu_routes.idx) else {
+                continue; // a near-tie in f64
+            };
             let (out, grads) = train_step(&params, &x, t, &dy).unwrap();
-            let bad = compare(&format!("graph {d} replay {seed}"), &sh, &got, &out, &grads);
+            let bad = compare(
+                &format!("graph {d} replay {seed}"),
+                &sh,
+                &got,
+                &out,
+                &grads,
+                &sc,
+            );
             assert!(bad.is_empty(), "{}", bad.join("\n"));
             if d != Dispatch::Fused {
                 eager.upload_x(&ctx, &x).unwrap();
@@ -368,6 +457,7 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
         // given routes (hot expert, unused experts, masked slots): train step
         let run = || -> Result<Vec<String>, LayerGpuError> {
             let (out, grads) = train_step_with_routes(&params, &x0, t, &dy, &routes).unwrap();
+            let sc = scales(&params, &x0, t, &dy, Some(&routes), &routes.idx).unwrap();
             let mut layer = MoeLayer::new(ctx, sh, t, d, true)?;
             layer.upload_params(ctx, &params)?;
             layer.upload_x(ctx, &x0)?;
@@ -381,6 +471,7 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
                 &read(ctx, &layer),
                 &out,
                 &grads,
+                &sc,
             ))
         };
         match run() {
@@ -404,8 +495,11 @@ fn odd_case(ctx: &GpuContext, sh: LayerShape, t: usize, seed: u64) -> Vec<String
                 if got.routes.idx != cpu.routes.idx {
                     continue; // a router tie within tolerance: redraw
                 }
+                let Some(sc) = scales(&params, &x, t, &dy, None, &cpu.routes.idx) else {
+                    continue; // a near-tie in f64: redraw
+                };
                 let (out, grads) = train_step(&params, &x, t, &dy).unwrap();
-                let mut b = compare(&tag(d, "router"), &sh, &got, &out, &grads);
+                let mut b = compare(&tag(d, "router"), &sh, &got, &out, &grads, &sc);
                 fwd.upload_x(ctx, &x)?;
                 fwd.poison_outputs(ctx)?;
                 fwd.forward(ctx, LayerRouting::Router)?;
@@ -484,23 +578,13 @@ fn odd_widths_match_the_oracle() {
     );
 }
 
-/// The warp-specialised GEMM engine forced for every rows GEMM the layer launches from this
-/// thread (the tile rule picks it only at large shapes, too slow for the CPU oracle): every
+/// The classic GEMM kernel forced for every rows GEMM the layer launches from this thread
+/// (every other test here runs the default engine, the warp-specialised one): every
 /// strategy, forward and train step, E 5 / 12 / 60, K 1-3, T 0, 1 and 257, widths that are
-/// multiples of 64 (the data gradient's W1 | W3 split on the ws engine) and not (it falls back
-/// to the classic kernel), with and without a shared expert.
+/// multiples of 64 and not, with and without a shared expert.
 #[test]
-fn ws_engine_odd_shapes_match_the_oracle() {
-    // Off until the ws engine has passed on a GPU (it is off by default): AFDEP_TEST_WS=1.
-    if !afdep_kernels::ops::gemm::WS_BY_DEFAULT
-        && std::env::var_os("AFDEP_TEST_WS").is_none_or(|v| v != "1")
-    {
-        println!(
-            "SKIP: the ws GEMM engine is off by default and not yet verified on a GPU (AFDEP_TEST_WS=1 runs this test)"
-        );
-        return;
-    }
-    afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
+fn classic_engine_odd_shapes_match_the_oracle() {
+    afdep_kernels::ops::gemm::force_engine(Some(afdep_kernels::ops::gemm::Engine::Classic));
     let restore = RestoreEngine;
     odd_sweep(
         &[
@@ -513,7 +597,7 @@ fn ws_engine_odd_shapes_match_the_oracle() {
     drop(restore);
 }
 
-/// Restores the GEMM tile rule on this thread when dropped (also when the sweep panics).
+/// Restores the default GEMM engine on this thread when dropped (also when the sweep panics).
 struct RestoreEngine;
 
 impl Drop for RestoreEngine {

@@ -3,7 +3,8 @@
 //! the communicator still usable), and the staged engine (classic EP on one rank) over NCCL
 //! bit-identical to the oracle, a rejected round included. Without NCCL, a driver or a GPU each
 //! test prints `SKIP: <reason>` and passes, unless `AFDEP_REQUIRE_GPU=1` (the GPU machine's run
-//! script sets it), which makes the missing piece a failure.
+//! script sets it), which makes the missing piece a failure. One test at a time (the exchange
+//! tests' lock): a graph capture must not overlap another test's synchronising calls.
 
 use std::time::Duration;
 
@@ -45,6 +46,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn self_exchange_with_odd_spans() {
+    let _serial = exchange_common::serial();
     let Some(mut t) = world_of_one() else { return };
     assert_eq!((t.rank(), t.world_size()), (0, 1));
     assert_eq!(t.kind(), TransportKind::Nccl);
@@ -79,6 +81,7 @@ fn self_exchange_with_odd_spans() {
 
 #[test]
 fn size_mismatch_and_bad_spans_are_typed_and_leave_it_usable() {
+    let _serial = exchange_common::serial();
     let Some(mut t) = world_of_one() else { return };
     let mut send = t.alloc(64).unwrap();
     send.write(0, &pattern(64, 1)).unwrap();
@@ -121,6 +124,7 @@ fn size_mismatch_and_bad_spans_are_typed_and_leave_it_usable() {
 
 #[test]
 fn nccl_needs_a_gpu_per_rank() {
+    let _serial = exchange_common::serial();
     if world_of_one().is_none() {
         return;
     }
@@ -158,6 +162,7 @@ fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
 
 #[test]
 fn staged_engine_over_nccl_matches_the_oracle() {
+    let _serial = exchange_common::serial();
     let Some(t) = world_of_one() else { return };
     let cfg = ExchangeConfig::new("EP1".parse().unwrap(), 64, 8, 3, 4096).unwrap();
     let p = LayerParams::random(
@@ -201,6 +206,268 @@ fn staged_engine_over_nccl_matches_the_oracle() {
                 ),
                 "{e}"
             );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The NCCL device engine (afdep_moe::nccl_device): packing, expansion, experts and combine on
+// the GPU, grouped ncclSend/ncclRecv of capacity-padded slabs, eager and replayed from a CUDA
+// graph, bit-identical to the oracle (identity and scale experts; SwiGLU within the bf16
+// tolerance), outputs poisoned before every round, what each FFN rank received (the device's plan, expanded rows and compact view) equal to
+// the oracle's dispatch. NCCL refuses two ranks of one communicator on one GPU: a group of n
+// ranks needs n GPUs, and the tests of a larger group print `SKIP` on a machine with fewer
+// (even with AFDEP_REQUIRE_GPU, which still fails a machine without NCCL or a GPU).
+
+mod exchange_common;
+
+use afdep_moe::{DeviceExperts, ExchangeEngine, NcclDeviceEngine};
+use exchange_common::{RankResult, every_ratio_rounds, fixed_sources, sources};
+
+/// An in-process NCCL group of `n` ranks, rank r on GPU r, or `None` after `SKIP: <reason>`.
+fn nccl_group(n: usize) -> Option<Vec<Nccl>> {
+    world_of_one()?; // NCCL and a GPU at all (a failure with AFDEP_REQUIRE_GPU)
+    if let Err(e) = TransportKind::Nccl.check_available(n) {
+        println!("SKIP: {e}");
+        return None;
+    }
+    let l = Bootstrap::listen("127.0.0.1:0".parse().unwrap(), n, TIMEOUT).unwrap();
+    let addr = l.local_addr();
+    let mut rest: Vec<_> = (1..n)
+        .map(|r| {
+            std::thread::spawn(move || {
+                Nccl::new(Bootstrap::connect(addr, r, n, TIMEOUT).unwrap(), Some(r))
+            })
+        })
+        .collect();
+    let first = Nccl::new(l.accept().unwrap(), Some(0)).expect("rank 0's communicator");
+    let mut group = vec![first];
+    for h in rest.drain(..) {
+        group.push(h.join().unwrap().expect("a rank's communicator"));
+    }
+    Some(group)
+}
+
+/// Runs `rounds` on NCCL device engines over `group` (poisoned outputs, received views kept,
+/// captured first when `graph`): `[round][rank]`.
+fn run_device(
+    group: Vec<Nccl>,
+    cfg: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    experts: &DeviceExperts,
+    graph: bool,
+) -> Vec<Vec<RankResult>> {
+    let world = cfg.topology.world_size();
+    let make = |_rank: usize, c: ExchangeConfig, t: Nccl| {
+        let mut e = NcclDeviceEngine::new(c, t, experts)?;
+        e.set_poison(true);
+        e.set_keep_received(true);
+        e.set_round_timing(true)?;
+        if graph {
+            e.capture()?;
+            assert!(e.is_captured());
+        }
+        Ok(e)
+    };
+    exchange_common::run_group(group, &vec![cfg.clone(); world], rounds, None, &make)
+        .unwrap_or_else(|e| panic!("{}: set-up failed: {e:?}", cfg.topology))
+}
+
+/// One round against the oracle with `experts`: every source's combine bit for bit (no NaN from
+/// the poison), every FFN rank's received views.
+fn check(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], experts: &DeviceExperts) {
+    let want_rx = reference::dispatch(cfg, inp).unwrap();
+    let want = reference::exchange(cfg, inp, experts.host()).unwrap();
+    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (rank, r) in got.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        if let Some(s) = cfg.topology.attention_index(rank) {
+            let c = r.combined.as_ref().expect("an attention rank combines");
+            assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
+            assert_eq!(
+                bits(c),
+                bits(&want[s]),
+                "{}: combine of source {s} differs",
+                cfg.topology
+            );
+        }
+        if let Some(f) = cfg.topology.ffn_index(rank) {
+            let rx = r
+                .received
+                .as_ref()
+                .expect("an FFN rank keeps what it received");
+            assert_eq!(
+                rx, &want_rx[f],
+                "{}: dispatch to FFN rank {f} differs",
+                cfg.topology
+            );
+        }
+    }
+}
+
+fn device_cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
+    ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, top_k, 64).unwrap()
+}
+
+#[test]
+fn device_engine_on_one_rank_matches_the_oracle() {
+    let _serial = exchange_common::serial();
+    // hidden 100: the scalar copies; 128: the 16-byte ones; odd token counts, none, capacity
+    for (hidden, top_k) in [(100usize, 3usize), (128, 8)] {
+        let cfg = device_cfg("EP1", hidden, 16, top_k);
+        let rounds: Vec<Vec<SourceInput>> = [7usize, 1, 0, 33, 64]
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| sources(&cfg, &[t], (i % 2 == 0).then_some(5), i as u64 + 3))
+            .collect();
+        for experts in [DeviceExperts::Identity, DeviceExperts::index_scale(16)] {
+            for graph in [false, true] {
+                let Some(g) = nccl_group(1) else { return };
+                let got = run_device(g, &cfg, &rounds, &experts, graph);
+                for (inp, got) in rounds.iter().zip(&got) {
+                    check(&cfg, inp, got, &experts);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn device_engine_rejects_a_route_and_runs_the_next_round() {
+    let _serial = exchange_common::serial();
+    let Some(mut g) = nccl_group(1) else { return };
+    let cfg = device_cfg("EP1", 64, 8, 2);
+    let experts = DeviceExperts::index_scale(8);
+    let mut eng = NcclDeviceEngine::new(cfg.clone(), g.remove(0), &experts).unwrap();
+    eng.set_poison(true);
+    eng.set_keep_received(true);
+    eng.set_round_timing(true).unwrap();
+    eng.capture().unwrap();
+    let good = fixed_sources(&cfg, &[9], 4);
+    let mut bad = good[0].clone();
+    bad.routes.idx[3] = 8; // wider than the 8 experts
+    let e = eng.round(Some(&bad)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ExchangeError::Route {
+                error: RouteError::Wide { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let out = eng.round(Some(&good[0]));
+    check(&cfg, &good, &[out], &experts);
+    let t = eng.round_time().expect("a timed round");
+    assert!(t.as_nanos() > 0, "the round's device time is {t:?}");
+    // over capacity: the host check rejects it on every rank, the engine stays open
+    let big = sources(&cfg, &[65], None, 2);
+    let e = eng.round(Some(&big[0])).unwrap_err();
+    assert!(matches!(e, ExchangeError::Route { .. }), "{e}");
+    let out = eng.round(Some(&good[0]));
+    check(&cfg, &good, &[out], &experts);
+}
+
+#[test]
+fn device_engine_rejects_what_it_does_not_support() {
+    let _serial = exchange_common::serial();
+    let Some(mut g) = nccl_group(1) else { return };
+    let mut cfg = device_cfg("EP1", 128, 8, 2);
+    cfg.payload = afdep_core::PayloadKind::Fp8E4m3;
+    let e = NcclDeviceEngine::new(cfg, g.remove(0), &DeviceExperts::Identity).unwrap_err();
+    assert!(matches!(e, ExchangeError::Input { .. }), "{e}");
+}
+
+/// Every ratio's rounds (a hot expert, uneven ranks, a zero-token rank, a round with no token)
+/// on one group of `topo`, eager and from a graph, scale and identity experts. (The caller holds
+/// the test lock: a capture must not overlap another test's synchronising calls.)
+fn device_group_matches_the_oracle(topo: &str, hidden: usize, experts: usize, top_k: usize) {
+    let cfg = device_cfg(topo, hidden, experts, top_k);
+    let rounds = every_ratio_rounds(&cfg);
+    for ex in [DeviceExperts::index_scale(experts), DeviceExperts::Identity] {
+        for graph in [false, true] {
+            let Some(g) = nccl_group(cfg.topology.world_size()) else {
+                return;
+            };
+            let got = run_device(g, &cfg, &rounds, &ex, graph);
+            for (inp, got) in rounds.iter().zip(&got) {
+                check(&cfg, inp, got, &ex);
+            }
+        }
+    }
+}
+
+#[test]
+fn device_engine_3a1f_matches_the_oracle() {
+    let _serial = exchange_common::serial();
+    device_group_matches_the_oracle("3A:1F", 72, 16, 6);
+}
+
+#[test]
+fn device_engine_2a2f_matches_the_oracle() {
+    let _serial = exchange_common::serial();
+    device_group_matches_the_oracle("2A:2F", 136, 16, 8);
+}
+
+#[test]
+fn device_engine_ep2_matches_the_oracle() {
+    let _serial = exchange_common::serial();
+    device_group_matches_the_oracle("EP2", 64, 8, 2);
+}
+
+/// The SwiGLU experts (the fused device round's grouped GEMMs over the device plan's groups):
+/// the combine within the bf16 tolerance of the oracle's `expert_rows`, what each FFN rank
+/// received bit for bit, eager and graph giving the same bits; EP1 on one GPU, 2A:2F on 4.
+#[test]
+fn device_engine_swiglu_is_within_tolerance() {
+    let _serial = exchange_common::serial();
+    for topo in ["EP1", "2A:2F"] {
+        let mut cfg = device_cfg(topo, 64, 12, 2);
+        cfg.capacity = 40;
+        let p = exchange_common::params(&cfg, 32, 7);
+        let experts = DeviceExperts::SwiGlu(std::sync::Arc::new(p.clone()));
+        let a = cfg.topology.attention_count();
+        let rounds = vec![
+            sources(&cfg, &[37, 0][..a], Some(3), 101),
+            sources(&cfg, &[1, 40][..a], None, 102),
+        ];
+        let mut by_mode = Vec::new();
+        for graph in [false, true] {
+            let Some(g) = nccl_group(cfg.topology.world_size()) else {
+                return;
+            };
+            by_mode.push(run_device(g, &cfg, &rounds, &experts, graph));
+        }
+        for (i, inp) in rounds.iter().enumerate() {
+            let want = reference::exchange(&cfg, inp, experts.host()).unwrap();
+            let want_rx = reference::dispatch(&cfg, inp).unwrap();
+            for (rank, r) in by_mode[0][i].iter().enumerate() {
+                let r = r
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{topo} rank {rank}: {e}"));
+                if let Some(s) = cfg.topology.attention_index(rank) {
+                    let got = r.combined.as_ref().unwrap();
+                    assert!(
+                        got.iter().all(|v| !v.is_nan()),
+                        "NaN in rank {rank}'s output"
+                    );
+                    let err = afdep_moe::accuracy::max_rel_err(got, &want[s]);
+                    assert!(
+                        err <= afdep_moe::accuracy::OUT_TOL,
+                        "{topo} round {i} source {s}: error {err}"
+                    );
+                    println!("{topo} round {i} source {s}: max rel err {err:.2e}");
+                }
+                if let Some(f) = cfg.topology.ffn_index(rank) {
+                    assert_eq!(r.received.as_ref().unwrap(), &want_rx[f]);
+                }
+                let replayed = by_mode[1][i][rank].as_ref().unwrap();
+                assert!(
+                    replayed.combined == r.combined,
+                    "{topo} round {i} rank {rank}: the graph differs from the eager round"
+                );
+            }
         }
     }
 }

@@ -7,7 +7,9 @@
 # 1. installs the bundled wheels (pytest and its needs, then afdep) with pip, offline;
 # 2. runs the bundled copy of crates/afdep-py/tests with AFDEP_REQUIRE_GPU=1 (a CUDA test
 #    that cannot see a GPU fails instead of skipping);
-# 3. runs examples/python/train_moe.py on CUDA for AFDEP_TRAIN_STEPS steps (default 60).
+#    AFDEP_PYTEST_ARGS adds pytest arguments (e.g. "test_exchange_fused.py" or "-k fused");
+# 3. runs examples/python/train_moe.py on CUDA for AFDEP_TRAIN_STEPS steps (default 60; 0
+#    skips it).
 # Logs and results go to $OUT/py/ (at most 7 files): env.log, pytest.log, pytest.xml,
 # train.log and train/train_moe.{csv,json,png}. Exits non-zero if a step failed.
 set -uo pipefail
@@ -36,9 +38,14 @@ fi
 echo "== pytest (AFDEP_REQUIRE_GPU=1)"
 # third-party pytest plugins of the image stay off: the suite needs none
 (cd "$here/tests" && AFDEP_REQUIRE_GPU=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout 420 \
-  "$py" -m pytest -v -rs -p no:cacheprovider --junitxml="$out/pytest.xml") > "$out/pytest.log" 2>&1
+  "$py" -m pytest -v -rs -p no:cacheprovider --junitxml="$out/pytest.xml" ${AFDEP_PYTEST_ARGS:-}) \
+  > "$out/pytest.log" 2>&1
 rc_tests=$?
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -n 30
+if [ "$steps" -eq 0 ]; then
+  echo "go.sh: pytest rc $rc_tests, train_moe skipped (AFDEP_TRAIN_STEPS=0)"
+  exit "$rc_tests"
+fi
 echo "== train_moe.py --device cuda --steps $steps"
 timeout 150 "$py" "$here/train_moe.py" --device cuda --steps "$steps" --out "$out/train" \
   > "$out/train.log" 2>&1

@@ -14,9 +14,17 @@ use crate::errors::layer_error;
 use crate::step::Step;
 
 /// Runs `step` on the oracle.
+///
+/// Every view of `step` is read or written through its raw pointer: the caller (the Python
+/// entry point) holds their DLPack capsules for the whole call, and torch does not touch the
+/// tensors while the GIL is held.
 pub fn run(py: Python<'_>, shape: LayerShape, step: &Step) -> PyResult<()> {
     let tokens = step.x.shape[0];
-    let [wr, w1, w3, w2, s1, s3, s2] = step.params.each_ref().map(View::read_f32);
+    // SAFETY (this and every read/write below): the step's capsules are alive for the call
+    // and nothing else accesses the tensors during it (see the function's documentation).
+    let read = |v: &View| unsafe { v.read_f32() };
+    let [wr, w1, w3, w2, s1, s3, s2] = step.params.each_ref().map(read);
+    let [wr, w1, w3, w2, s1, s3, s2] = [wr?, w1?, w3?, w2?, s1?, s3?, s2?];
     let p = ParamsT::<f32> {
         shape,
         wr,
@@ -27,13 +35,13 @@ pub fn run(py: Python<'_>, shape: LayerShape, step: &Step) -> PyResult<()> {
         s3,
         s2,
     };
-    let x = step.x.read_f32();
+    let x = read(&step.x)?;
     let given = if step.given {
         Some(Routes {
             tokens,
             top_k: shape.top_k,
-            idx: step.idx.read_i32(),
-            weights: step.weights.read_f32(),
+            idx: unsafe { step.idx.read_i32() }?,
+            weights: read(&step.weights)?,
         })
     } else {
         None
@@ -45,20 +53,20 @@ pub fn run(py: Python<'_>, shape: LayerShape, step: &Step) -> PyResult<()> {
     let f = match &step.train {
         None => forward_t(&p, &x, tokens, routing).map_err(|e| layer_error(py, &e))?,
         Some(t) => {
-            let dy = t.dy.read_f32();
+            let dy = read(&t.dy)?;
             let (f, g) =
                 train_step_t(&p, &x, tokens, &dy, routing).map_err(|e| layer_error(py, &e))?;
-            t.dx.write_f32(&g.dx)?;
+            unsafe { t.dx.write_f32(&g.dx) }?;
             for (dst, src) in t.grads.iter().zip(g.params()) {
-                dst.write_f32(src)?;
+                unsafe { dst.write_f32(src) }?;
             }
             f
         }
     };
-    step.out.write_f32(&f.out)?;
+    unsafe { step.out.write_f32(&f.out) }?;
     if !step.given {
-        step.idx.write_i32(&f.idx)?;
-        step.weights.write_f32(&f.weights)?;
+        unsafe { step.idx.write_i32(&f.idx) }?;
+        unsafe { step.weights.write_f32(&f.weights) }?;
     }
     Ok(())
 }

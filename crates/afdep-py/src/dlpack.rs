@@ -241,38 +241,61 @@ impl View {
         Ok(())
     }
 
-    /// The elements as f32 (exact for bf16). CPU tensors of dtype f32 or bf16 only.
-    pub fn read_f32(&self) -> Vec<f32> {
+    /// Refuses a view that is not a CPU tensor of one of `dtypes` (the host-side reads and
+    /// writes below dereference its pointer).
+    fn expect_host(&self, dtypes: &[DType]) -> PyResult<()> {
+        self.expect_device(Device::Cpu)?;
+        self.expect_dtype(dtypes)
+    }
+
+    /// The elements as f32 (exact for bf16); a view that is not a CPU tensor of dtype f32 or
+    /// bf16 is a Python exception.
+    ///
+    /// # Safety
+    /// The DLPack capsule this view was read from (and so the tensor's memory) must be alive
+    /// for the call, and nothing may write the tensor during it.
+    pub unsafe fn read_f32(&self) -> PyResult<Vec<f32>> {
+        self.expect_host(&[DType::F32, DType::Bf16])?;
         let n = self.numel();
         if n == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        // SAFETY: a checked CPU tensor of n contiguous elements of its dtype, alive for the
-        // call.
-        unsafe {
+        // SAFETY: a CPU tensor of n contiguous elements of its dtype (checked above and by
+        // View::new); alive and not written during the call (the caller's contract).
+        Ok(unsafe {
             match self.dtype {
                 DType::F32 => std::slice::from_raw_parts(self.ptr as *const f32, n).to_vec(),
                 DType::Bf16 => std::slice::from_raw_parts(self.ptr as *const half::bf16, n)
                     .iter()
                     .map(|v| v.to_f32())
                     .collect(),
-                DType::I32 => unreachable!("read_f32 on an int tensor"),
+                DType::I32 => unreachable!("expect_host admitted f32 and bf16 only"),
             }
-        }
+        })
     }
 
-    /// The elements of an i32 CPU tensor.
-    pub fn read_i32(&self) -> Vec<i32> {
+    /// The elements of an i32 CPU tensor (anything else is a Python exception).
+    ///
+    /// # Safety
+    /// As for [`View::read_f32`].
+    pub unsafe fn read_i32(&self) -> PyResult<Vec<i32>> {
+        self.expect_host(&[DType::I32])?;
         let n = self.numel();
         if n == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         // SAFETY: as in read_f32.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const i32, n).to_vec() }
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr as *const i32, n).to_vec() })
     }
 
-    /// Writes `v` (one cast to the tensor's dtype: f32 or bf16).
-    pub fn write_f32(&self, v: &[f32]) -> PyResult<()> {
+    /// Writes `v` (one cast to the tensor's dtype: f32 or bf16) into a CPU tensor (anything
+    /// else is a Python exception).
+    ///
+    /// # Safety
+    /// The DLPack capsule this view was read from must be alive for the call, the tensor
+    /// writable, and nothing else may read or write it during the call.
+    pub unsafe fn write_f32(&self, v: &[f32]) -> PyResult<()> {
+        self.expect_host(&[DType::F32, DType::Bf16])?;
         let n = self.numel();
         if v.len() != n {
             return Err(PyValueError::new_err(format!(
@@ -284,7 +307,8 @@ impl View {
         if n == 0 {
             return Ok(());
         }
-        // SAFETY: as in read_f32; the caller handed the tensor over for writing.
+        // SAFETY: a checked CPU tensor of n elements of its dtype; alive, writable and not
+        // otherwise accessed during the call (the caller's contract).
         unsafe {
             match self.dtype {
                 DType::F32 => {
@@ -296,14 +320,18 @@ impl View {
                         *d = half::bf16::from_f32(*s);
                     }
                 }
-                DType::I32 => unreachable!("write_f32 on an int tensor"),
+                DType::I32 => unreachable!("expect_host admitted f32 and bf16 only"),
             }
         }
         Ok(())
     }
 
-    /// Writes i32 values.
-    pub fn write_i32(&self, v: &[i32]) -> PyResult<()> {
+    /// Writes i32 values into an i32 CPU tensor (anything else is a Python exception).
+    ///
+    /// # Safety
+    /// As for [`View::write_f32`].
+    pub unsafe fn write_i32(&self, v: &[i32]) -> PyResult<()> {
+        self.expect_host(&[DType::I32])?;
         if v.len() != self.numel() {
             return Err(PyValueError::new_err(format!(
                 "`{}` has {} elements, the result has {}",

@@ -17,7 +17,7 @@ use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput, exchange};
 use afdep_core::oracle::layer::expert_rows;
 use afdep_core::{ExchangeConfig, ExchangeKnobs, LayerShape, Routes, bf16};
-use afdep_moe::{ExchangeError, StagedEngine};
+use afdep_moe::{DeviceExperts, ExchangeError, StagedEngine};
 use afdep_transport::{AnyTransport, TransportConfig, TransportError};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -30,7 +30,10 @@ use crate::errors::{
 
 /// Parses the config JSON: the exchange config (knobs and `experts_per_rank` defaulted) and
 /// the transport (default `tcp`).
-fn parse_config(py: Python<'_>, json: &str) -> PyResult<(ExchangeConfig, TransportConfig)> {
+pub(crate) fn parse_config(
+    py: Python<'_>,
+    json: &str,
+) -> PyResult<(ExchangeConfig, TransportConfig)> {
     let bad = |what: String| PyValueError::new_err(format!("exchange config: {what}"));
     let mut v: serde_json::Value =
         serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
@@ -76,7 +79,7 @@ fn parse_config(py: Python<'_>, json: &str) -> PyResult<(ExchangeConfig, Transpo
 }
 
 /// The exchange's errors as Python exceptions.
-fn exchange_error(py: Python<'_>, e: &ExchangeError) -> PyErr {
+pub(crate) fn exchange_error(py: Python<'_>, e: &ExchangeError) -> PyErr {
     match e {
         ExchangeError::Route { reporter, error } => {
             let err = route_error(py, error);
@@ -103,7 +106,7 @@ fn exchange_error(py: Python<'_>, e: &ExchangeError) -> PyErr {
     }
 }
 
-fn transport_error(py: Python<'_>, t: &TransportError) -> PyErr {
+pub(crate) fn transport_error(py: Python<'_>, t: &TransportError) -> PyErr {
     let err = if let TransportError::Timeout { op, waited, .. } = t {
         let err = TimeoutError::new_err(t.to_string());
         let _ = err.value(py).setattr("phase", *op);
@@ -119,28 +122,59 @@ fn transport_error(py: Python<'_>, t: &TransportError) -> PyErr {
 }
 
 /// The experts of an FFN rank: a Python callable `(expert, rows_bytes, n) -> bytes` (the
-/// Python side converts to and from torch tensors), or afdep's SwiGLU on given weights.
-enum Experts {
+/// Python side converts to and from torch tensors), afdep's SwiGLU on given weights, or one of
+/// the fused engine's other device experts (scales, identity) through their host twin.
+pub(crate) enum Experts {
     Callable(Py<PyAny>),
     SwiGlu(Box<LayerParams>),
+    Device(DeviceExperts),
 }
 
-/// Reads `experts`: a callable, or a tuple `("swiglu", w1, w3, w2)` of DLPack capsules of
-/// bf16 CPU tensors (E × H × W, E × H × W, E × W × H).
-fn experts_of(cfg: &ExchangeConfig, experts: &Bound<'_, PyAny>) -> PyResult<Experts> {
+/// Reads `experts`: a callable, a tuple `("swiglu", w1, w3, w2)` of DLPack capsules of bf16
+/// CPU tensors (E × H × W, E × H × W, E × W × H), `("scale", [s_0, ..., s_{E-1}])` (expert e
+/// maps a row to `bf16(f32(x) * s_e)`) or `("identity",)`.
+pub(crate) fn experts_of(cfg: &ExchangeConfig, experts: &Bound<'_, PyAny>) -> PyResult<Experts> {
     if experts.is_callable() {
         return Ok(Experts::Callable(experts.clone().unbind()));
     }
-    let (tag, w1, w3, w2): (String, Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
-        experts.extract()?;
-    if tag != "swiglu" {
-        return Err(PyValueError::new_err(format!(
-            "experts: `{tag}`: expected a callable or (\"swiglu\", w1, w3, w2)"
-        )));
+    let bad = |what: String| {
+        PyValueError::new_err(format!(
+            "experts: {what}: expected a callable, (\"swiglu\", w1, w3, w2), (\"scale\", \
+             scales) or (\"identity\",)"
+        ))
+    };
+    let items: Vec<Bound<'_, PyAny>> = experts
+        .extract()
+        .map_err(|_| bad(format!("a {}", experts.get_type())))?;
+    let tag: String = items
+        .first()
+        .ok_or_else(|| bad("an empty tuple".into()))?
+        .extract()
+        .map_err(|_| bad("the first item is not a string".into()))?;
+    match (tag.as_str(), items.len()) {
+        ("identity", 1) => return Ok(Experts::Device(DeviceExperts::Identity)),
+        ("scale", 2) => {
+            let scales: Vec<f32> = items[1].extract()?;
+            if scales.len() != cfg.experts {
+                return Err(PyValueError::new_err(format!(
+                    "experts: {} scales for {} experts",
+                    scales.len(),
+                    cfg.experts
+                )));
+            }
+            if let Some((e, v)) = scales.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(PyValueError::new_err(format!(
+                    "experts: the scale of expert {e} is {v}, not finite"
+                )));
+            }
+            return Ok(Experts::Device(DeviceExperts::Scale(scales)));
+        }
+        ("swiglu", 4) => {}
+        (t, n) => return Err(bad(format!("`{t}` with {n} items"))),
     }
-    let w1 = View::new("w1", &w1)?;
-    let w3 = View::new("w3", &w3)?;
-    let w2 = View::new("w2", &w2)?;
+    let w1 = View::new("w1", &items[1])?;
+    let w3 = View::new("w3", &items[2])?;
+    let w2 = View::new("w2", &items[3])?;
     let (e, h) = (cfg.experts, cfg.hidden);
     let width = w1.shape.get(2).copied().unwrap_or(0);
     for (v, dims) in [
@@ -160,13 +194,20 @@ fn experts_of(cfg: &ExchangeConfig, experts: &Bound<'_, PyAny>) -> PyResult<Expe
         shared: 0,
         renormalize: true,
     };
-    let bf = |v: &View| -> Vec<bf16> { v.read_f32().into_iter().map(bf16::from_f32).collect() };
+    // SAFETY: the views' capsules are this function's arguments, alive for the call; torch
+    // does not touch the tensors while the GIL is held.
+    let bf = |v: &View| -> PyResult<Vec<bf16>> {
+        Ok(unsafe { v.read_f32() }?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect())
+    };
     Ok(Experts::SwiGlu(Box::new(LayerParams {
         shape,
         wr: vec![bf16::ZERO; h * e],
-        w1: bf(&w1),
-        w3: bf(&w3),
-        w2: bf(&w2),
+        w1: bf(&w1)?,
+        w3: bf(&w3)?,
+        w2: bf(&w2)?,
         s1: Vec::new(),
         s3: Vec::new(),
         s2: Vec::new(),
@@ -187,6 +228,7 @@ fn with_expert<R>(
     let call = |e: usize, rows: &[bf16], n: usize| -> Vec<bf16> {
         let r: PyResult<Vec<bf16>> = match experts {
             Experts::SwiGlu(p) => expert_rows(p, e, rows, n).map_err(|err| layer_error(py, &err)),
+            Experts::Device(d) => Ok(d.host()(e, rows, n)),
             Experts::Callable(cb) => (|| {
                 let bytes = PyBytes::new(py, bytemuck_bytes(rows));
                 let out = cb.call1(py, (e, bytes, n))?;
@@ -240,12 +282,17 @@ fn source_input(
     w.expect_dtype(&[DType::F32])?;
     w.expect_shape(&[t, cfg.top_k])?;
     Ok(SourceInput {
-        x: x.read_f32().into_iter().map(bf16::from_f32).collect(),
+        // SAFETY: the capsules are this function's arguments, alive for the call; torch does
+        // not touch the tensors while the GIL is held.
+        x: unsafe { x.read_f32() }?
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect(),
         routes: Routes {
             tokens: t,
             top_k: cfg.top_k,
-            idx: idx.read_i32(),
-            weights: w.read_f32(),
+            idx: unsafe { idx.read_i32() }?,
+            weights: unsafe { w.read_f32() }?,
         },
     })
 }

@@ -8,12 +8,15 @@
 //! the GPU layers a capture pinned, and afdep's typed errors become
 //! Python exceptions with their fields as attributes. The torch-facing code (`afdep.MoE`, its
 //! `torch.autograd.Function`) is Python, in `python/afdep/`. `exchange` is the AFD exchange
-//! (one `ExchangeRank` per process over the staged engine) and its oracle.
+//! (one `ExchangeRank` per process over the staged engine) and its oracle, `fused` the same
+//! exchange on the fused engine (one `FusedRank` per process: device rounds or CUDA-graph
+//! replays on torch CUDA tensors).
 
 mod cpu;
 mod dlpack;
 mod errors;
 mod exchange;
+mod fused;
 mod gpu;
 mod step;
 
@@ -118,6 +121,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_LAYERS", gpu::MAX_LAYERS)?;
     m.add_function(wrap_pyfunction!(exchange::exchange_oracle, m)?)?;
     m.add_class::<exchange::ExchangeRank>()?;
+    m.add_class::<fused::FusedRank>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -15,12 +15,13 @@ CONFIG = {
 TOKENS = [13, 0, 29]  # per attention rank
 
 
-def inputs(round_no: int):
-    """(x, topk_idx, topk_weights) of every attention rank for round `round_no`."""
+def inputs(round_no: int, tokens=TOKENS, hidden=CONFIG["hidden"]):
+    """(x, topk_idx, topk_weights) of every attention rank for round `round_no`, with
+    `tokens[a]` tokens on attention rank a and rows of `hidden` channels."""
     out = []
-    for a, t in enumerate(TOKENS):
+    for a, t in enumerate(tokens):
         g = torch.Generator().manual_seed(1000 * round_no + a)
-        x = torch.randn(t, CONFIG["hidden"], generator=g).to(torch.bfloat16)
+        x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
         e, k = CONFIG["experts"], CONFIG["top_k"]
         perms = [torch.randperm(e, generator=g)[:k] for _ in range(t)]
         idx = (torch.stack(perms) if t else torch.empty(0, k, dtype=torch.int64)).to(torch.int32)

@@ -115,7 +115,7 @@ pub mod fuzzing {
 pub use host_tcp::HostTcp;
 pub use loopback::Loopback;
 #[cfg(feature = "nccl")]
-pub use nccl::{Nccl, NcclBuffer};
+pub use nccl::{Nccl, NcclBuffer, RawPart};
 #[cfg(feature = "nvlink")]
 pub use nvlink::{NvlinkBuffer, NvlinkIpc, NvlinkOptions};
 #[cfg(feature = "ucx")]

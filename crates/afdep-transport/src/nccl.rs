@@ -590,9 +590,26 @@ impl Nccl {
     /// Waits for the work queued on the stream so far, polling an event and NCCL's asynchronous
     /// error up to the timeout; aborts the communicator on expiry or error.
     fn wait(&mut self, op: &'static str) -> Result<(), TransportError> {
+        let stream = self.stream.clone();
+        self.wait_stream(&stream, op)
+    }
+
+    /// Waits for the work queued on `stream` (a stream of this transport's device) so far,
+    /// polling an event recorded on it and NCCL's asynchronous error up to the timeout; on
+    /// expiry or an error the communicator is aborted, as after
+    /// [`all_to_all_v`](Transport::all_to_all_v) (module docs, "Operations").
+    pub fn wait_stream(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        op: &'static str,
+    ) -> Result<(), TransportError> {
+        self.usable(op)?;
         let rank = self.boot.rank();
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_error(op, rank, "binding the context"))?;
         let event =
-            self.stream
+            stream
                 .record_event(None)
                 .map_err(driver_error(op, rank, "recording an event"))?;
         let timeout = self.boot.timeout();
@@ -654,6 +671,109 @@ impl Nccl {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
+    }
+}
+
+/// One peer's part of a grouped exchange on device addresses ([`Nccl::group_raw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawPart {
+    /// The peer rank (may be this rank).
+    pub peer: usize,
+    /// The device address of the bytes sent, or of the space they are received into.
+    pub addr: u64,
+    /// How many bytes.
+    pub bytes: usize,
+}
+
+impl Nccl {
+    /// The CUDA context of this transport's device.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Enqueues one NCCL group on `stream`: `ncclGroupStart`, `ncclSend` for every part of
+    /// `sends` and `ncclRecv` for every part of `recvs` (parts of zero bytes are left out; the
+    /// i-th send to a peer matches that peer's i-th receive from this rank), `ncclGroupEnd`.
+    /// Nothing is agreed through the bootstrap and nothing waits: the group runs when `stream`
+    /// reaches it, so it can be captured in a CUDA graph (NCCL 2.9 or later), and
+    /// [`wait_stream`](Nccl::wait_stream) waits for it. Every rank must enqueue matching groups
+    /// in the same order. An NCCL error here aborts the communicator.
+    ///
+    /// # Safety
+    ///
+    /// `stream` belongs to this transport's device; every send part addresses `bytes` readable
+    /// and every receive part `bytes` writable device bytes of that device, live until the
+    /// group has run; a peer's send to this rank has the size of the matching receive here (NCCL
+    /// cannot detect a disagreement: it hangs or truncates).
+    pub unsafe fn group_raw(
+        &mut self,
+        stream: &CudaStream,
+        sends: &[RawPart],
+        recvs: &[RawPart],
+    ) -> Result<(), TransportError> {
+        const OP: &str = "group_raw";
+        self.usable(OP)?;
+        let (me, world) = (self.rank(), self.world_size());
+        if let Some(p) = sends.iter().chain(recvs).find(|p| p.peer >= world) {
+            return Err(TransportError::InvalidArgument {
+                op: OP,
+                rank: me,
+                why: format!("peer {} in a world of {world} ranks", p.peer),
+            });
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_error(OP, me, "binding the context"))?;
+        let cu_stream = stream.cu_stream() as *mut c_void;
+        let (api, comm) = (self.api, self.comm);
+        let call = |name: &str, r: NcclResult| {
+            if r == NCCL_SUCCESS {
+                Ok(())
+            } else {
+                Err(nccl_error(api, OP, me, name, r, comm))
+            }
+        };
+        // SAFETY: no argument.
+        call("ncclGroupStart", unsafe { (api.group_start)() })?;
+        let mut queued = Ok(());
+        for p in sends.iter().filter(|p| p.bytes > 0) {
+            if queued.is_ok() {
+                // SAFETY: the caller's contract: `bytes` readable device bytes at `addr`.
+                queued = call("ncclSend", unsafe {
+                    (api.send)(
+                        p.addr as *const c_void,
+                        p.bytes,
+                        NCCL_UINT8,
+                        p.peer as c_int,
+                        comm,
+                        cu_stream,
+                    )
+                });
+            }
+        }
+        for p in recvs.iter().filter(|p| p.bytes > 0) {
+            if queued.is_ok() {
+                // SAFETY: the caller's contract: `bytes` writable device bytes at `addr`.
+                queued = call("ncclRecv", unsafe {
+                    (api.recv)(
+                        p.addr as *mut c_void,
+                        p.bytes,
+                        NCCL_UINT8,
+                        p.peer as c_int,
+                        comm,
+                        cu_stream,
+                    )
+                });
+            }
+        }
+        // the group is always closed, even after a failed call inside it
+        // SAFETY: no argument; closes the group opened above.
+        let ended = call("ncclGroupEnd", unsafe { (api.group_end)() });
+        if let Err(e) = queued.and(ended) {
+            self.abort(e.to_string());
+            return Err(e);
+        }
+        Ok(())
     }
 }
 

@@ -90,6 +90,10 @@ pub enum EngineKind {
     Staged,
     /// [`FusedEngine`]: GPU-initiated stores over NVLink-IPC.
     Fused,
+    /// The NCCL device engine (`afdep_moe::nccl_device`, cargo feature `nccl`): packing,
+    /// expansion, experts and combine on the GPU around grouped `ncclSend`/`ncclRecv` of
+    /// capacity-padded slabs; every round is a device round (`--graph`: replays of one capture).
+    NcclDevice,
 }
 
 impl EngineKind {
@@ -98,6 +102,7 @@ impl EngineKind {
         match self {
             EngineKind::Staged => "staged",
             EngineKind::Fused => "fused",
+            EngineKind::NcclDevice => "nccl_device",
         }
     }
 
@@ -106,7 +111,8 @@ impl EngineKind {
     /// engine gains an arm, listing it here (and passing it on in [`select_arm`](super::ranks::select_arm)) is the change.
     pub fn arms(self) -> &'static [ArmArg] {
         match self {
-            EngineKind::Staged => &[ArmArg::PayloadFirst],
+            // the NCCL device engine's slabs are per-source slabs expanded on the FFN rank
+            EngineKind::Staged | EngineKind::NcclDevice => &[ArmArg::PayloadFirst],
             EngineKind::Fused => &[
                 ArmArg::PayloadFirst,
                 ArmArg::CountFirst,
@@ -120,6 +126,7 @@ impl EngineKind {
     pub fn payloads(self) -> &'static [PayloadKind] {
         match self {
             EngineKind::Staged | EngineKind::Fused => &[PayloadKind::Bf16, PayloadKind::Fp8E4m3],
+            EngineKind::NcclDevice => &[PayloadKind::Bf16],
         }
     }
 }
@@ -211,8 +218,10 @@ pub enum ExpertArg {
 /// Arguments of `afdep exchange`.
 #[derive(Debug, Clone, Args)]
 pub struct ExchangeArgs {
-    /// Where to run: `cuda` is the fused engine (needs `--transport nvlink`), `cpu` the staged
-    /// engine (any transport), `auto` the fused engine over nvlink and the staged one otherwise.
+    /// Where to run: `cuda` is the fused engine with `--transport nvlink` and the NCCL device
+    /// engine with `--transport nccl` (every round a device round, identity experts), `cpu` the
+    /// staged engine (any transport), `auto` the fused engine over nvlink and the staged one
+    /// otherwise.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
     /// A TOML or JSON file with the exchange configuration and the transport (see
@@ -466,9 +475,11 @@ impl ExchangeArgs {
         options.one_gpu_per_rank |= self.one_gpu_per_rank;
         let engine = match (self.backend, kind) {
             (Backend::Cuda, TransportKind::NvlinkIpc) => EngineKind::Fused,
+            (Backend::Cuda, TransportKind::Nccl) => EngineKind::NcclDevice,
             (Backend::Cuda, other) => bail!(
-                "--backend cuda is the fused engine, which runs over NVLink-IPC only: use \
-                 --transport nvlink (or --backend cpu for the staged engine over {other})"
+                "--backend cuda is the fused engine over NVLink-IPC or the NCCL device engine: \
+                 use --transport nvlink or --transport nccl (or --backend cpu for the staged \
+                 engine over {other})"
             ),
             (Backend::Auto, TransportKind::NvlinkIpc) => EngineKind::Fused,
             _ => EngineKind::Staged,
@@ -479,12 +490,13 @@ impl ExchangeArgs {
             if !file_sets(|t| t.workspace_bytes.is_some()) {
                 options.workspace_bytes = match engine {
                     EngineKind::Fused => FusedEngine::workspace_bytes(&cfg).div_ceil(256) * 256,
-                    EngineKind::Staged => 256,
+                    // (the NCCL device engine never runs over nvlink)
+                    EngineKind::Staged | EngineKind::NcclDevice => 256,
                 };
             }
             if !file_sets(|t| t.staging_bytes.is_some()) {
                 options.staging_bytes = match engine {
-                    EngineKind::Fused => 256,
+                    EngineKind::Fused | EngineKind::NcclDevice => 256,
                     EngineKind::Staged => staged_recv_bytes(&cfg).div_ceil(256) * 256,
                 };
             }
@@ -544,12 +556,33 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
     };
     if a.backend != Backend::Cuda {
         bail!(
-            "{flag} runs the fused engine's device rounds: it needs --backend cuda (with \
-             --transport nvlink)"
+            "{flag} runs device rounds: it needs --backend cuda (with --transport nvlink for \
+             the fused engine, --transport nccl for the NCCL device engine)"
         );
     }
     if let Some(Fault::Abort { .. }) = a.fault {
         bail!("--fault abort@..: not with {flag} (the experts run on the device)");
+    }
+    Ok(())
+}
+
+/// The checks of a run of the NCCL device engine (`--backend cuda --transport nccl`): identity
+/// experts only ([`Unsupported`] otherwise), no `--load`, `--trace` or `--fault abort@..` (its
+/// experts run on the device).
+pub(super) fn check_nccl_device(a: &ExchangeArgs) -> Result<()> {
+    if a.expert != ExpertArg::Identity {
+        return Err(Unsupported {
+            engine: EngineKind::NcclDevice.name(),
+            what: format!("expert {:?}", a.expert).to_lowercase(),
+            have: "identity".into(),
+        }
+        .into());
+    }
+    if a.load.is_some() || a.trace.is_some() {
+        bail!("the NCCL device engine runs without --load and --trace");
+    }
+    if let Some(Fault::Abort { .. }) = a.fault {
+        bail!("--fault abort@..: not with the NCCL device engine (its experts run on the device)");
     }
     Ok(())
 }

@@ -84,7 +84,7 @@ use crate::tensor_file::TensorFile;
 pub use args::{
     ArmArg, EXIT_UNSUPPORTED, EngineKind, ExchangeArgs, ExpertArg, Resolved, Unsupported,
 };
-use args::{check_graph, names};
+use args::{check_graph, check_nccl_device, names};
 use problem::*;
 use ranks::*;
 use rounds::*;
@@ -122,7 +122,9 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     };
     // threaded fused runs set up once for every problem
     let mut fused_runs = match (&mp, res.engine) {
-        (None, EngineKind::Fused) => Some(run_fused_threads(&a, &res, &probs, &bar)?.into_iter()),
+        (None, EngineKind::Fused | EngineKind::NcclDevice) => {
+            Some(run_fused_threads(&a, &res, &probs, &bar)?.into_iter())
+        }
         _ => None,
     };
     let mut rows = Vec::new();
@@ -252,6 +254,9 @@ fn run_pipeline(a: &ExchangeArgs, res: &Resolved, probs: &[Problem], ms: &[usize
 fn check_request(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
     let (cfg, kind, engine) = (&res.cfg, res.kind, res.engine);
     check_graph(a)?;
+    if engine == EngineKind::NcclDevice {
+        check_nccl_device(a)?;
+    }
     if !engine.arms().contains(&a.arm) {
         return Err(Unsupported {
             engine: engine.name(),
@@ -364,6 +369,7 @@ fn multi_process_rank(
     Ok(Some(match res.engine {
         EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
         EngineKind::Fused => fused_rank(a, cfg, t, rank_params(probs, a.device_experts())?)?,
+        EngineKind::NcclDevice => nccl_device_rank(a, cfg, t)?,
     }))
 }
 
@@ -465,10 +471,13 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
     let round_us = match (engine, a.device_experts()) {
         (EngineKind::Fused, true) => col(|t| t.round),
         (EngineKind::Fused, false) => col(|t| t.dispatch + t.combine),
+        (EngineKind::NcclDevice, _) => col(|t| t.round),
         (EngineKind::Staged, _) => col(|t| t.wall),
     };
+    // every round of the NCCL device engine is a device round
+    let device_rounds = a.device_experts() || engine == EngineKind::NcclDevice;
     // device rounds time the whole round (per-phase times: `phases_us` from their traces)
-    let phase = |f: fn(&RoundTimes) -> f64| (!a.device_experts()).then(|| col(f));
+    let phase = |f: fn(&RoundTimes) -> f64| (!device_rounds).then(|| col(f));
     ExchangeRow {
         topology: cfg.topology.to_string(),
         engine: engine.name().into(),
@@ -495,11 +504,15 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
         warmup: a.warmup,
         rejected_rounds: out.rejected,
         timing: match engine {
-            EngineKind::Fused => "device",
+            EngineKind::Fused | EngineKind::NcclDevice => "device",
             EngineKind::Staged => "host",
         }
         .into(),
-        mode: a.mode().into(),
+        mode: match (engine, a.graph) {
+            (EngineKind::NcclDevice, false) => "device",
+            _ => a.mode(),
+        }
+        .into(),
         round_us,
         wall_us: col(|t| t.wall),
         counts_us: col(|t| t.counts),

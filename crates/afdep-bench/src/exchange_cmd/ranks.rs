@@ -14,7 +14,10 @@ use afdep_moe::{
     FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, RoundTrace, StagedEngine,
     run_group,
 };
-use afdep_transport::{AnyTransport, Bootstrap, Transport, TransportError, TransportKind};
+use afdep_transport::{
+    AnyTransport, Bootstrap, BootstrapListener, Transport, TransportError, TransportKind,
+    TransportOptions,
+};
 use anyhow::{Context, Result, bail};
 use indicatif::ProgressBar;
 
@@ -76,49 +79,100 @@ pub(super) fn by_rank<R>(outcomes: Vec<RankOutcome<R, anyhow::Error>>) -> Result
         .collect()
 }
 
-/// The transports of a threaded staged run: an in-process group (Loopback, NvlinkIpc), or one
-/// bootstrap per thread over 127.0.0.1 and the kind's transport over it.
+/// The transports of a threaded run, each taken once by its rank's thread: an in-process
+/// group's (Loopback, NvlinkIpc), or one bootstrap per thread over 127.0.0.1 and the kind's
+/// transport over it.
+pub(super) enum RankTransports {
+    /// An in-process group, by rank.
+    Group(Vec<Mutex<Option<AnyTransport>>>),
+    /// Rank 0's listener (taken by rank 0), the others connect to `addr`.
+    Boot {
+        listener: Mutex<Option<BootstrapListener>>,
+        addr: SocketAddr,
+        kind: TransportKind,
+        opts: TransportOptions,
+        world: usize,
+    },
+}
+
+impl RankTransports {
+    /// The transports of `world` ranks of `kind` with `opts`.
+    pub(super) fn new(kind: TransportKind, world: usize, opts: &TransportOptions) -> Result<Self> {
+        if matches!(kind, TransportKind::Loopback | TransportKind::NvlinkIpc) {
+            let group = AnyTransport::group(kind, world, opts)?
+                .into_iter()
+                .map(|t| Mutex::new(Some(t)))
+                .collect();
+            return Ok(RankTransports::Group(group));
+        }
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
+        let listener = Bootstrap::listen(any, world, opts.timeout)?;
+        Ok(RankTransports::Boot {
+            addr: listener.local_addr(),
+            listener: Mutex::new(Some(listener)),
+            kind,
+            opts: opts.clone(),
+            world,
+        })
+    }
+
+    /// Rank `r`'s transport (once; in its thread: a bootstrap rank waits for the others).
+    pub(super) fn take(&self, r: usize) -> Result<AnyTransport> {
+        match self {
+            RankTransports::Group(g) => g[r]
+                .lock()
+                .expect("unpoisoned")
+                .take()
+                .context("rank built twice"),
+            RankTransports::Boot {
+                listener,
+                addr,
+                kind,
+                opts,
+                world,
+            } => {
+                let boot = if r == 0 {
+                    let l = listener
+                        .lock()
+                        .expect("unpoisoned")
+                        .take()
+                        .context("rank 0 built twice")?;
+                    l.accept()?
+                } else {
+                    Bootstrap::connect(*addr, r, *world, opts.timeout)?
+                };
+                Ok(AnyTransport::connect(*kind, boot, opts)?)
+            }
+        }
+    }
+
+    /// The distinct devices of an in-process group's NvlinkIpc ranks not taken yet, ascending.
+    fn devices(&self) -> Vec<usize> {
+        let RankTransports::Group(g) = self else {
+            return Vec::new();
+        };
+        let mut d: Vec<usize> = g
+            .iter()
+            .filter_map(|t| match &*t.lock().expect("unpoisoned") {
+                Some(AnyTransport::Nvlink(n)) => Some(n.device()),
+                _ => None,
+            })
+            .collect();
+        d.sort_unstable();
+        d.dedup();
+        d
+    }
+}
+
+/// The transports of a threaded staged run ([`RankTransports`]) and its rounds.
 pub(super) fn run_threaded(
     a: &ExchangeArgs,
     res: &Resolved,
     prob: &Problem,
 ) -> Result<Vec<RankRun>> {
     let world = prob.cfg.topology.world_size();
-    let (kind, opts) = (res.kind, &res.options);
-    if matches!(kind, TransportKind::Loopback | TransportKind::NvlinkIpc) {
-        let group: Vec<Mutex<Option<AnyTransport>>> = AnyTransport::group(kind, world, opts)?
-            .into_iter()
-            .map(|t| Mutex::new(Some(t)))
-            .collect();
-        return run_threads(a, prob, |r| {
-            group[r]
-                .lock()
-                .expect("unpoisoned")
-                .take()
-                .context("rank built twice")
-        });
-    }
-    let any: SocketAddr = "127.0.0.1:0".parse().expect("literal address");
-    let listener = Mutex::new(Some(Bootstrap::listen(any, world, opts.timeout)?));
-    let addr = listener
-        .lock()
-        .expect("unpoisoned")
-        .as_ref()
-        .expect("bound")
-        .local_addr();
-    run_threads(a, prob, |r| {
-        let boot = if r == 0 {
-            let l = listener
-                .lock()
-                .expect("unpoisoned")
-                .take()
-                .context("rank 0 built twice")?;
-            l.accept()?
-        } else {
-            Bootstrap::connect(addr, r, world, opts.timeout)?
-        };
-        Ok(AnyTransport::connect(kind, boot, opts)?)
-    })
+    let transports = RankTransports::new(res.kind, world, &res.options)?;
+    run_threads(a, prob, |r| transports.take(r))
 }
 
 /// A fused engine on this rank's NvlinkIpc transport, with phase timing on and `arm` selected.
@@ -232,6 +286,49 @@ pub(super) fn fused_rank(
     })
 }
 
+/// This rank's NCCL device engine of the run (`--backend cuda --transport nccl`): identity
+/// experts on the device, round timing on, and with `--graph` the capture (collective).
+#[cfg(feature = "nccl")]
+pub(super) fn nccl_device_rank(
+    a: &ExchangeArgs,
+    cfg: &ExchangeConfig,
+    t: AnyTransport,
+) -> Result<Box<dyn ExchangeEngine>> {
+    let AnyTransport::Nccl(t) = t else {
+        bail!(
+            "the NCCL device engine needs --transport nccl, got {}",
+            t.kind()
+        );
+    };
+    let experts = match a.expert {
+        ExpertArg::Identity => DeviceExperts::Identity,
+        ExpertArg::Swiglu => {
+            return Err(Unsupported {
+                engine: EngineKind::NcclDevice.name(),
+                what: "expert swiglu".into(),
+                have: "identity".into(),
+            }
+            .into());
+        }
+    };
+    let mut eng = afdep_moe::NcclDeviceEngine::new(cfg.clone(), t, &experts)?;
+    eng.set_round_timing(true)?;
+    if a.graph {
+        eng.capture()?;
+    }
+    Ok(Box::new(eng))
+}
+
+/// Without the cargo feature `nccl` there is no NCCL device engine.
+#[cfg(not(feature = "nccl"))]
+pub(super) fn nccl_device_rank(
+    _a: &ExchangeArgs,
+    _cfg: &ExchangeConfig,
+    _t: AnyTransport,
+) -> Result<Box<dyn ExchangeEngine>> {
+    bail!("the NCCL device engine needs afdep built with the cargo feature `nccl`")
+}
+
 /// A problem's runs in a threaded run: every rank's (with `--load`, the rounds under load),
 /// and with `--load` the same rounds alone and the load's measurements.
 pub(super) struct ProblemRuns {
@@ -257,20 +354,6 @@ type RankProblem = (
     Option<RankRun>,
     Option<(Vec<AloneGemm>, Vec<LoadedGemm>)>,
 );
-
-/// The distinct devices of a group's NvlinkIpc ranks, ascending.
-fn group_devices(group: &[AnyTransport]) -> Vec<usize> {
-    let mut d: Vec<usize> = group
-        .iter()
-        .filter_map(|t| match t {
-            AnyTransport::Nvlink(n) => Some(n.device()),
-            _ => None,
-        })
-        .collect();
-    d.sort_unstable();
-    d.dedup();
-    d
-}
 
 /// One rank's rounds of `prob`; with a load, the rounds alone, then (rank 0 between barriers:
 /// the GEMM alone, the load started) the same rounds under load, then (rank 0, after a
@@ -314,19 +397,25 @@ pub(super) fn run_fused_threads(
     bar: &ProgressBar,
 ) -> Result<Vec<ProblemRuns>> {
     let world = res.cfg.topology.world_size();
-    let group = AnyTransport::group(res.kind, world, &res.options)?;
+    let transports = RankTransports::new(res.kind, world, &res.options)?;
     // the load's workers are set up (and dropped: stopped, joined) outside the rank threads
     let load = match a.load {
         Some(spec) => Some(LoadSet::new(
             spec,
-            &group_devices(&group),
+            &transports.devices(),
             res.options.timeout,
         )?),
         None => None,
     };
     let outcomes = run_group(
-        group,
-        |_, t| fused_rank(a, &res.cfg, t, rank_params(probs, a.device_experts())?),
+        (0..world).collect(),
+        |rank, _| -> Result<Box<dyn ExchangeEngine>> {
+            let t = transports.take(rank)?;
+            match res.engine {
+                EngineKind::NcclDevice => nccl_device_rank(a, &res.cfg, t),
+                _ => fused_rank(a, &res.cfg, t, rank_params(probs, a.device_experts())?),
+            }
+        },
         |rank, eng| {
             let mut out = Vec::with_capacity(probs.len());
             for prob in probs {

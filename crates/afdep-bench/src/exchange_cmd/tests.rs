@@ -359,3 +359,43 @@ fn pipeline_requests_are_checked() {
         .to_string();
     assert!(e.contains("fused engine"), "{e}");
 }
+
+/// `--backend cuda --transport nccl` is the NCCL device engine: payload-first, bf16, identity
+/// experts, no `--load`, `--trace` or `--fault abort@..`; other transports name both engines.
+#[test]
+fn backend_cuda_over_nccl_is_the_nccl_device_engine() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ExchangeArgs,
+    }
+    let parse = |transport: &str, extra: &[&str]| {
+        let mut v = vec!["afdep", "--backend", "cuda", "--transport", transport];
+        v.extend_from_slice(extra);
+        Cli::try_parse_from(v).map(|c| c.a).unwrap()
+    };
+    let a = parse("nccl", &["--expert", "identity"]);
+    let res = a.resolve().unwrap();
+    assert_eq!(res.engine, EngineKind::NcclDevice);
+    assert_eq!(res.engine.name(), "nccl_device");
+    assert_eq!(res.engine.arms(), &[ArmArg::PayloadFirst]);
+    assert_eq!(res.engine.payloads(), &[afdep_core::PayloadKind::Bf16]);
+    check_nccl_device(&a).unwrap();
+    let e = check_nccl_device(&parse("nccl", &["--expert", "swiglu"])).unwrap_err();
+    assert!(e.downcast_ref::<Unsupported>().is_some(), "{e}");
+    for extra in [
+        &["--expert", "identity", "--graph", "--load", "gemm"][..],
+        &["--expert", "identity", "--graph", "--trace", "t.json"][..],
+        &["--expert", "identity", "--fault", "abort@1:0"][..],
+    ] {
+        assert!(
+            check_nccl_device(&parse("nccl", extra)).is_err(),
+            "{extra:?}"
+        );
+    }
+    // --graph with the NCCL device engine passes the device-round checks
+    check_graph(&parse("nccl", &["--expert", "identity", "--graph"])).unwrap();
+    let e = parse("tcp", &[]).resolve().unwrap_err().to_string();
+    assert!(e.contains("--transport nccl"), "{e}");
+}

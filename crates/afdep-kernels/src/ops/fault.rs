@@ -104,7 +104,8 @@ pub fn points_in(file: SourceFile) -> u32 {
         | SourceFile::Gemm
         | SourceFile::Moe
         | SourceFile::Reference
-        | SourceFile::Fp8 => 0,
+        | SourceFile::Fp8
+        | SourceFile::NcclRound => 0,
     }
 }
 

@@ -19,8 +19,8 @@
 //!
 //! Two engines for the rows problems ([`Engine`]): the classic two-warpgroup kernel and a
 //! warp-specialised one (a TMA/cp.async producer warpgroup, two wgmma consumer warpgroups,
-//! 128 × 256 tiles); [`engine_for`] picks one per problem ([`shape_rule`], off by default
-//! until the ws engine has passed on a GPU: [`WS_BY_DEFAULT`]).
+//! 128 × 256 tiles); [`engine_for`] picks one per problem ([`DEFAULT_ENGINE`], the ws engine
+//! by measurement, unless `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for the classic one).
 //!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
@@ -72,10 +72,6 @@ pub const WS_BLOCK: u32 = 384;
 /// A tile and a 256 × 64 B tile plus the 1 KiB alignment slack, 193 KiB (one block per SM).
 pub const WS_SMEM_BYTES: usize = WS_STAGES * (WS_TILE_M + WS_TILE_N) * WS_TILE_K * 2 + 1024;
 
-/// The smallest of a rows problem's output columns (both halves of the SwiGLU
-/// up-projection counted) and K from which [`engine_for`] picks [`Engine::Ws`].
-pub const WS_MIN_DIM: usize = 768;
-
 /// The kernel family a rows GEMM runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Engine {
@@ -88,49 +84,38 @@ pub enum Engine {
     Ws,
 }
 
-/// Whether [`engine_for`] applies [`shape_rule`] by default. `false` until the ws engine has
-/// passed the GPU tests: it has not run on a GPU yet (2026-12-05: no device machine could be
-/// started, docs/perf/moe.md), so every rows GEMM stays on [`Engine::Classic`] unless
-/// `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for another.
-pub const WS_BY_DEFAULT: bool = false;
-
-/// The tile rule by shape: the engine for a rows problem with `n_total` output columns (the
-/// SwiGLU up-projection: 2 × width, the columns of W1 and W3 it computes) and inner size `k`.
-/// [`Engine::Ws`] where both are at least [`WS_MIN_DIM`], else [`Engine::Classic`]: a
-/// 128 × 256 tile with one block per SM needs K long enough to fill its 4-stage pipeline and
-/// N wide enough not to waste half a tile; the record shape (d_model 512, width 128) stays
-/// on the classic kernel, where it was tuned. Reasoning and (once run) measurements:
-/// docs/perf/moe.md (2026-12-05).
-pub fn shape_rule(n_total: usize, k: usize) -> Engine {
-    if n_total.min(k) >= WS_MIN_DIM {
-        Engine::Ws
-    } else {
-        Engine::Classic
-    }
-}
+/// The engine every rows problem runs on unless `AFDEP_GEMM_ENGINE` or [`force_engine`]
+/// asks for the other: [`Engine::Ws`], chosen by measurement (docs/perf/moe.md,
+/// 2026-12-05 (b)): in one call (NVIDIA H100, merge `851a445`, kernel digest
+/// `c7bedad1ce8509c3`) the ws engine was faster than the classic kernel in every one of the
+/// twelve (shape, strategy) cells timed, forward and train step, from the record's shape
+/// (d_model 512, width 128: K 128 for the down-projection, 2 % to 3.5 % faster) to the
+/// Mixtral-like one (forward 34.6 → 19.6 ms, train step 126.1 → 85.3 ms, sorted). So there is
+/// no shape threshold: a threshold would need a shape where the classic kernel wins.
+pub const DEFAULT_ENGINE: Engine = Engine::Ws;
 
 /// The engine a rows problem runs on: [`force_engine`]'s choice on this thread, else the
-/// process environment `AFDEP_GEMM_ENGINE` (read once: `classic`, `ws`, or `auto` for
-/// [`shape_rule`]), else [`shape_rule`] where [`WS_BY_DEFAULT`], else [`Engine::Classic`].
-/// A problem the ws engine cannot describe by tensor maps (B not TMA-aligned, a K split not
-/// a multiple of 64) runs on the classic kernel whatever is asked.
-pub fn engine_for(n_total: usize, k: usize) -> Engine {
+/// process environment `AFDEP_GEMM_ENGINE` (read once: `classic` or `ws`; `auto` or unset:
+/// [`DEFAULT_ENGINE`]). A problem the ws engine cannot describe by tensor maps (B not
+/// TMA-aligned, a K split not a multiple of 64) runs on the classic kernel whatever is asked.
+pub fn engine_for() -> Engine {
     if let Some(e) = FORCE.with(std::cell::Cell::get) {
         return e;
     }
-    static ENV: std::sync::OnceLock<Option<Option<Engine>>> = std::sync::OnceLock::new();
+    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
     let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_ENGINE").as_deref() {
-        Ok("classic") => Some(Some(Engine::Classic)),
-        Ok("ws") => Some(Some(Engine::Ws)),
-        Ok("auto") => Some(None),
-        _ => None,
+        Ok("classic") => Some(Engine::Classic),
+        Ok("ws") => Some(Engine::Ws),
+        Ok("auto") | Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_GEMM_ENGINE is neither classic, ws nor auto: the default engine is used"
+            );
+            None
+        }
     });
-    match env {
-        Some(Some(e)) => e,
-        Some(None) => shape_rule(n_total, k),
-        None if WS_BY_DEFAULT => shape_rule(n_total, k),
-        None => Engine::Classic,
-    }
+    env.unwrap_or(DEFAULT_ENGINE)
 }
 
 thread_local! {
@@ -461,7 +446,7 @@ fn map_b_kmajor(
 }
 
 /// A rows problem's two kernels (classic, ws), its output columns per engine tile count
-/// (`n_tile`: the columns one tile covers is what differs), and the size the rule reads.
+/// (`n_tile`: the columns one tile covers is what differs).
 struct RowsKernels {
     classic: KernelId,
     ws: KernelId,
@@ -482,8 +467,7 @@ fn launch_rows_auto(
     row_tiles: u64,
     maps: impl Fn(Boxes) -> Result<RowMaps, KernelError>,
 ) -> Result<(), KernelError> {
-    let n_total = if ks.dual { 2 * ks.n } else { ks.n };
-    if engine_for(n_total, p.k as usize) == Engine::Ws {
+    if engine_for() == Engine::Ws {
         let m = maps(Boxes::of(Engine::Ws))?;
         // The ws engine loads B by TMA only (b and b2 both mapped where b2 exists; a K split
         // between them at a multiple of its K per stage).
@@ -1182,31 +1166,20 @@ mod tests {
         );
     }
 
-    /// The tile rule: the record's shapes stay on the classic kernel, the large ones go to
-    /// ws; the default follows WS_BY_DEFAULT; force_engine overrides it on this thread.
+    /// The default engine is ws; force_engine overrides it on this thread and `None` gives
+    /// the default back.
     #[test]
-    fn tile_rule_keeps_the_record_on_the_classic_kernel() {
-        // record: up (N 2·128, K 512), down (N 512, K 128), shared up (N 2·1024, K 512),
-        // shared down (N 512, K 1024)
-        for (n, k) in [(256, 512), (512, 128), (2048, 512), (512, 1024)] {
-            assert_eq!(shape_rule(n, k), Engine::Classic, "N {n} K {k}");
-        }
-        // Mixtral-like up (N 2·14336, K 4096) and down (N 4096, K 14336); GPT-OSS-like dx
-        // (N 2880, K 2·2880); Qwen3-like down (N 2048, K 768)
-        for (n, k) in [(2 * 14336, 4096), (4096, 14336), (2880, 5760), (2048, 768)] {
-            assert_eq!(shape_rule(n, k), Engine::Ws, "N {n} K {k}");
-        }
+    fn default_engine_and_its_override() {
         if std::env::var_os("AFDEP_GEMM_ENGINE").is_none() {
-            let want = if WS_BY_DEFAULT {
-                Engine::Ws
-            } else {
-                Engine::Classic
-            };
-            assert_eq!(engine_for(4096, 14336), want);
-            assert_eq!(engine_for(256, 512), Engine::Classic);
+            assert_eq!(engine_for(), DEFAULT_ENGINE);
         }
+        force_engine(Some(Engine::Classic));
+        assert_eq!(engine_for(), Engine::Classic);
         force_engine(Some(Engine::Ws));
-        assert_eq!(engine_for(256, 512), Engine::Ws);
+        assert_eq!(engine_for(), Engine::Ws);
         force_engine(None);
+        if std::env::var_os("AFDEP_GEMM_ENGINE").is_none() {
+            assert_eq!(engine_for(), Engine::Ws);
+        }
     }
 }

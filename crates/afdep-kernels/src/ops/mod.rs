@@ -14,6 +14,7 @@ pub mod fused_round;
 pub mod gemm;
 pub mod layout;
 pub mod moe;
+pub mod nccl_round;
 pub mod permute;
 pub mod reference;
 pub mod router;

@@ -55,6 +55,13 @@
 //! captured it (replaying it on another engine is an [`ExchangeError::Input`]) and must be
 //! dropped only once every rank finished its last round, like the engines.
 //!
+//! [`FusedEngine::device_round_on_stream`] and [`FusedEngine::replay_on_stream`] do the same
+//! from a caller's device buffers ([`BorrowedRound`]) ordered on the caller's stream (the Python
+//! bindings: torch tensors on PyTorch's current stream): an event joins the caller's stream
+//! into this rank's stream, the inputs are copied device to device into the fixed buffers, the
+//! combined rows device to device into the caller's output after the round, and an event joins
+//! the rank's stream back; only the verdict is read on the host.
+//!
 //! [`FusedEngine::set_round_timing`] times whole rounds on the device: a barrier of every rank
 //! after the input is loaded, then CUDA events on the rank's stream around the round's launches
 //! (a replay: around the graph launch); [`FusedEngine::last_round_time`] (`afdep exchange
@@ -181,6 +188,113 @@ impl DeviceExperts {
     }
 }
 
+/// A source's input and output of a device round in the caller's device memory
+/// ([`FusedEngine::device_round_on_stream`], [`FusedEngine::replay_on_stream`]): device
+/// pointers (`CUdeviceptr`) of contiguous buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct BorrowedRound {
+    /// The round's token count T on this rank (above the capacity: the round is rejected,
+    /// over capacity, on every rank).
+    pub tokens: usize,
+    /// The rows, T × hidden bf16.
+    pub x: u64,
+    /// The routes' expert ids, T × top-k i32.
+    pub idx: u64,
+    /// The routes' weights, T × top-k f32.
+    pub weights: u64,
+    /// The combined rows, T × hidden bf16 (written).
+    pub out: u64,
+}
+
+/// Where a device round's source input comes from: the host ([`SourceInput`], copied host to
+/// device) or the caller's device buffers ([`BorrowedRound`], copied device to device).
+#[derive(Debug, Clone, Copy)]
+enum Feed<'a> {
+    Host(Option<&'a SourceInput>),
+    Device(Option<&'a BorrowedRound>),
+}
+
+/// Copies `n` elements from the caller's device pointer `src` into `dst`, on the context's
+/// stream.
+///
+/// # Safety
+/// `src` is a live device allocation of `gpu`'s device holding `n` elements of `T`, not written
+/// until the stream passes the copy; `n <= dst.len()`.
+unsafe fn copy_dtod<T: afdep_kernels::cudarc::driver::DeviceRepr>(
+    gpu: &GpuContext,
+    dst: &mut CudaSlice<T>,
+    src: u64,
+    n: usize,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::cudarc::driver::DevicePtrMut;
+    debug_assert!(n <= dst.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    let (d, _guard) = dst.device_ptr_mut(stream);
+    // SAFETY: the caller's contract; `d` holds at least `n` elements.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(d, src, n * std::mem::size_of::<T>(), stream.cu_stream()) }
+        .result()
+        .map_err(KernelError::driver("copying the caller's input"))?;
+    Ok(())
+}
+
+/// Copies the first `n` elements of `src` to the caller's device pointer `dst`, on the
+/// context's stream.
+///
+/// # Safety
+/// `dst` is a live device allocation of `gpu`'s device holding `n` elements of `T`, used by
+/// nobody else until the stream passes the copy; `n <= src.len()`.
+unsafe fn copy_dtod_out<T: afdep_kernels::cudarc::driver::DeviceRepr>(
+    gpu: &GpuContext,
+    dst: u64,
+    src: &CudaSlice<T>,
+    n: usize,
+) -> Result<(), ExchangeError> {
+    use afdep_kernels::cudarc::driver::DevicePtr;
+    debug_assert!(n <= src.len());
+    if n == 0 {
+        return Ok(());
+    }
+    let stream = gpu.stream();
+    let (s, _guard) = src.device_ptr(stream);
+    // SAFETY: the caller's contract; `s` holds at least `n` elements.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, s, n * std::mem::size_of::<T>(), stream.cu_stream()) }
+        .result()
+        .map_err(KernelError::driver("copying the combined rows out"))?;
+    Ok(())
+}
+
+/// Makes `later` wait (on the device) for everything queued so far on `first`: an event
+/// recorded on `first`, waited for by `later`, released by the driver once passed.
+///
+/// # Safety
+/// Both are live streams of the bound context (or null, the legacy default stream).
+unsafe fn order_streams(first: sys::CUstream, later: sys::CUstream) -> Result<(), ExchangeError> {
+    let drv = KernelError::driver;
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: plain driver calls on an event created here and streams of the bound context.
+    unsafe {
+        sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            .result()
+            .map_err(drv("creating an event"))?;
+        let r = sys::cuEventRecord(ev, first)
+            .result()
+            .map_err(drv("recording an event"))
+            .and_then(|()| {
+                sys::cuStreamWaitEvent(later, ev, 0)
+                    .result()
+                    .map_err(drv("waiting on an event"))
+            });
+        let d = sys::cuEventDestroy_v2(ev)
+            .result()
+            .map_err(drv("destroying an event"));
+        r.and(d)?;
+    }
+    Ok(())
+}
+
 /// Options of device rounds ([`FusedEngine::prepare_device`]).
 #[derive(Debug, Clone)]
 pub struct DeviceRoundOptions {
@@ -288,7 +402,7 @@ struct FfnBufs {
 /// device plan's expert offsets), the GEMM's input rows (a copy of the expanded area: the GEMM
 /// takes device buffers) and the SwiGLU activations.
 #[derive(Debug)]
-struct SwigluBufs {
+pub(crate) struct SwigluBufs {
     w1: CudaSlice<bf16>,
     w3: CudaSlice<bf16>,
     w2: CudaSlice<bf16>,
@@ -309,10 +423,30 @@ pub(super) struct DeviceRound {
     timer: Option<RoundTimer>,
     /// Phase stamps ([`FusedEngine::set_trace`]).
     trace: Option<Tracer>,
-    /// The staging of queued rounds (the microbatch pipeline, `pipelined`).
-    queue: Option<pipelined::QueueBufs>,
+    /// The staging of staged rounds (the microbatch pipeline, `pipelined`).
+    staging: Option<pipelined::StagedBufs>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
+    /// A round queued on the caller's stream whose verdict is not read yet
+    /// ([`FusedEngine::device_round_on_stream`] with `wait` false).
+    queued: Option<Queued>,
+}
+
+/// A queued round's state until its verdict is read ([`FusedEngine::finish_queued`]).
+#[derive(Debug)]
+struct Queued {
+    arm: RoundArm,
+    local: Option<ExchangeError>,
+    t0: Instant,
+}
+
+/// A round's output without rows (the on-stream rounds write theirs into the caller's buffer).
+fn no_output() -> RoundOutput {
+    RoundOutput {
+        combined: None,
+        received: None,
+        times: PhaseTimes::default(),
+    }
 }
 
 /// A dispatch + combine round of one rank captured in a CUDA graph ([`FusedEngine::capture`]);
@@ -480,9 +614,10 @@ impl FusedEngine {
             gates,
             timer: None,
             trace: None,
-            queue: None,
+            staging: None,
             src,
             ffn,
+            queued: None,
         });
         Ok(())
     }
@@ -638,7 +773,7 @@ impl FusedEngine {
         let arm = arm.into();
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(arm, input)?;
+            let local = eng.load_input(arm, Feed::Host(input))?;
             eng.clear_trace(None)?;
             eng.round_event(true)?;
             eng.launch_device_round(arm)?;
@@ -710,7 +845,7 @@ impl FusedEngine {
         }
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(graph.arm, input)?;
+            let local = eng.load_input(graph.arm, Feed::Host(input))?;
             bind(&eng.gpu)?;
             eng.clear_trace(Some(graph.trace_order.as_deref()))?;
             eng.round_event(true)?;
@@ -724,6 +859,155 @@ impl FusedEngine {
             eng.read_trace()?;
             Ok(out)
         })
+    }
+
+    /// Runs one device round eagerly on the caller's device buffers, ordered on the caller's
+    /// `stream` ([`BorrowedRound`]; the Python bindings: torch tensors on PyTorch's current
+    /// stream). Attention ranks pass `Some`, FFN-only ranks `None`; `arm` as in
+    /// [`FusedEngine::device_round`]. Collective.
+    ///
+    /// With `wait` false the round is only queued: its verdict is read by this engine's next
+    /// on-stream round before it queues anything (which then returns the earlier round's error
+    /// instead, on every rank alike, without queuing its own) or by
+    /// [`FusedEngine::finish_queued`]; the host never waits for the round itself, and the
+    /// output is ready once `stream` passes it (NaN if the verdict turns out a rejection).
+    /// Another device round, replay or capture refuses to run while a round is queued.
+    ///
+    /// This rank's stream waits (on the device) for the work queued so far on `stream`, copies
+    /// the rows, routes and weights device to device into the round's input buffers, runs the
+    /// round, copies the combined rows device to device into `out` (the poisoned rows, NaN,
+    /// when the round is rejected and poisoning is on), and `stream` waits (on the device) for
+    /// all of it: nothing on the host waits for `stream`, and no row crosses the host. Then
+    /// the host waits once for this rank's stream, to read the round's verdict and faults, so
+    /// that a rejected route is [`ExchangeError::Route`] (as in [`FusedEngine::device_round`])
+    /// and a late peer [`ExchangeError::DeviceTimeout`]. The rows are copied, not lent: the
+    /// round's buffers are capacity-sized and a captured graph keeps their addresses.
+    ///
+    /// # Safety
+    /// The pointers of `input` must be live device allocations of this rank's device, in the
+    /// primary context (PyTorch's), holding `tokens` rows each ([`BorrowedRound`]); nobody may
+    /// write the inputs, or read or write `out`, until `stream` passes the round, and `out`
+    /// overlaps no input. `stream` must be a live stream of that context, or null (the legacy
+    /// default stream), and must not be capturing a CUDA graph.
+    pub unsafe fn device_round_on_stream(
+        &mut self,
+        arm: impl Into<RoundArm>,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<(), ExchangeError> {
+        let arm = arm.into();
+        self.guarded(|eng| {
+            // SAFETY: the caller's contract.
+            unsafe { eng.on_stream(arm, None, input, stream, wait) }
+        })
+        .map(drop)
+    }
+
+    /// [`FusedEngine::replay`] on the caller's device buffers, ordered on the caller's
+    /// `stream`: the graph's fixed input buffers are refilled device to device from `input`
+    /// (new rows and routes every replay), the graph is launched on this rank's stream, the
+    /// combined rows are copied into `input.out`, with the stream ordering and the one host
+    /// wait for the verdict of [`FusedEngine::device_round_on_stream`] (or, with `wait` false,
+    /// its deferred verdict). Collective.
+    ///
+    /// # Safety
+    /// As [`FusedEngine::device_round_on_stream`].
+    pub unsafe fn replay_on_stream(
+        &mut self,
+        graph: &FusedGraph,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
+            return Err(ExchangeError::Input {
+                rank,
+                what: "the graph was captured by another engine".into(),
+            });
+        }
+        self.guarded(|eng| {
+            // SAFETY: the caller's contract.
+            unsafe { eng.on_stream(graph.arm, Some(graph), input, stream, wait) }
+        })
+        .map(drop)
+    }
+
+    /// The body of [`FusedEngine::device_round_on_stream`] (`graph` `None`) and
+    /// [`FusedEngine::replay_on_stream`].
+    ///
+    /// # Safety
+    /// As [`FusedEngine::device_round_on_stream`].
+    unsafe fn on_stream(
+        &mut self,
+        arm: RoundArm,
+        graph: Option<&FusedGraph>,
+        input: Option<&BorrowedRound>,
+        stream: sys::CUstream,
+        wait: bool,
+    ) -> Result<RoundOutput, ExchangeError> {
+        // the verdict of a round queued before, first
+        self.read_queued()?;
+        let t0 = Instant::now();
+        bind(&self.gpu)?;
+        let own = self.gpu.stream().cu_stream();
+        // SAFETY: both are live streams of the bound context (the caller's contract).
+        unsafe { order_streams(stream, own)? };
+        let queued = (|| -> Result<Option<ExchangeError>, ExchangeError> {
+            let local = self.load_input(arm, Feed::Device(input))?;
+            self.clear_trace(graph.map(|g| g.trace_order.as_deref()))?;
+            self.round_event(true)?;
+            match graph {
+                Some(g) => g
+                    .graph
+                    .launch()
+                    .map_err(KernelError::driver("launching the round's graph"))?,
+                None => self.launch_device_round(arm)?,
+            }
+            self.round_event(false)?;
+            if let (Some(b), Some(s)) = (input, self.device.as_ref().and_then(|d| d.src.as_ref())) {
+                let n = b.tokens.min(self.cfg.capacity) * self.cfg.hidden;
+                // SAFETY: `out` holds `tokens` rows (the caller's contract); the source is the
+                // round's output buffer of the capacity's rows.
+                unsafe { copy_dtod_out(&self.gpu, b.out, &s.out, n)? };
+            }
+            Ok(local)
+        })();
+        // the join, also after an error: whatever was queued is ordered before the caller's
+        // later work
+        // SAFETY: as above, the other way round.
+        let joined = unsafe { order_streams(own, stream) };
+        let local = queued?;
+        joined?;
+        if !wait {
+            let d = self.device.as_mut().expect("checked by load_input");
+            d.queued = Some(Queued { arm, local, t0 });
+            return Ok(no_output());
+        }
+        let out = self.finish_device_round(arm, None, local, t0)?;
+        self.read_round_time()?;
+        self.read_trace()?;
+        Ok(out)
+    }
+
+    /// Reads the verdict of the round queued by an on-stream round with `wait` false, if any
+    /// (one host wait for this rank's stream): its error, as the round would have returned it
+    /// with `wait` true. Not collective (every rank reads its own).
+    pub fn finish_queued(&mut self) -> Result<(), ExchangeError> {
+        self.guarded(|eng| eng.read_queued().map(|()| no_output()))
+            .map(drop)
+    }
+
+    /// [`FusedEngine::finish_queued`]'s body.
+    fn read_queued(&mut self) -> Result<(), ExchangeError> {
+        let Some(q) = self.device.as_mut().and_then(|d| d.queued.take()) else {
+            return Ok(());
+        };
+        self.finish_device_round(q.arm, None, q.local, q.t0)?;
+        self.read_round_time()?;
+        self.read_trace()?;
+        Ok(())
     }
 
     /// Runs `f` unless the engine is closed; any error but a rejected route or a caller's input
@@ -749,13 +1033,19 @@ impl FusedEngine {
     }
 
     pub(super) fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
-        if self.device.is_none() {
-            return Err(ExchangeError::Input {
+        match &self.device {
+            None => Err(ExchangeError::Input {
                 rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
-            });
+            }),
+            Some(d) if d.queued.is_some() => Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "a round queued without waiting is not finished: call \
+                       FusedEngine::finish_queued first"
+                    .into(),
+            }),
+            Some(_) => Ok(()),
         }
-        Ok(())
     }
 
     /// Copies a source's input into the device buffers and its token count and arm request
@@ -767,42 +1057,78 @@ impl FusedEngine {
     fn load_input(
         &mut self,
         arm: RoundArm,
-        input: Option<&SourceInput>,
+        input: Feed<'_>,
     ) -> Result<Option<ExchangeError>, ExchangeError> {
         self.check_device(arm)?;
-        let (h, k) = (self.cfg.hidden, self.cfg.top_k);
-        let (tokens, n, local) = self.input_tokens(input);
-        if n > 0 {
-            let inp = input.expect("rows to copy come from an input");
-            let d = self.device.as_mut().expect("checked");
-            let s = d.src.as_mut().expect("a source has source buffers");
-            let stream = self.gpu.stream();
-            stream
-                .memcpy_htod(&inp.x[..n * h], &mut s.x)
-                .map_err(KernelError::driver("copying the rows"))?;
-            stream
-                .memcpy_htod(&inp.routes.idx[..n * k], &mut s.idx)
-                .map_err(KernelError::driver("copying the routes"))?;
-            stream
-                .memcpy_htod(&inp.routes.weights[..n * k], &mut s.w)
-                .map_err(KernelError::driver("copying the weights"))?;
-        }
-        // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1)
-        let words = [tokens, self.arm_request(arm)];
+        let rank = self.rank();
+        let (h, k, cap) = (self.cfg.hidden, self.cfg.top_k, self.cfg.capacity);
+        let is_src = self.cfg.topology.attention_index(rank).is_some();
+        let (tokens, local) = match input {
+            Feed::Device(Some(b)) if is_src => {
+                // rows beyond the capacity are not copied (the round is rejected anyway)
+                let n = b.tokens.min(cap);
+                let d = self.device.as_mut().expect("checked");
+                let s = d.src.as_mut().expect("a source has source buffers");
+                // SAFETY: the caller's contract (`device_round_on_stream`): the three buffers
+                // hold `b.tokens` rows of their element type and are not written until the
+                // stream passes the round; the destinations are capacity-sized.
+                unsafe {
+                    copy_dtod(&self.gpu, &mut s.x, b.x, n * h)?;
+                    copy_dtod(&self.gpu, &mut s.idx, b.idx, n * k)?;
+                    copy_dtod(&self.gpu, &mut s.w, b.weights, n * k)?;
+                }
+                (u32::try_from(b.tokens).unwrap_or(u32::MAX), None)
+            }
+            Feed::Device(Some(_)) => {
+                let e = ExchangeError::Input {
+                    rank,
+                    what: "an FFN-only rank was given input".into(),
+                };
+                (0, Some(e))
+            }
+            Feed::Device(None) => {
+                let (t, _, l) = self.input_tokens(None);
+                (t, l)
+            }
+            Feed::Host(inp) => {
+                let (t, n, l) = self.input_tokens(inp);
+                if n > 0 {
+                    let inp = inp.expect("rows to copy come from an input");
+                    let d = self.device.as_mut().expect("checked");
+                    let s = d.src.as_mut().expect("a source has source buffers");
+                    let stream = self.gpu.stream();
+                    stream
+                        .memcpy_htod(&inp.x[..n * h], &mut s.x)
+                        .map_err(KernelError::driver("copying the rows"))?;
+                    stream
+                        .memcpy_htod(&inp.routes.idx[..n * k], &mut s.idx)
+                        .map_err(KernelError::driver("copying the routes"))?;
+                    stream
+                        .memcpy_htod(&inp.routes.weights[..n * k], &mut s.w)
+                        .map_err(KernelError::driver("copying the weights"))?;
+                }
+                (t, l)
+            }
+        };
+        let request = self.arm_request(arm);
+        // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1),
+        // each written by a memset of its value (no host buffer: nothing to wait for)
         bind(&self.gpu)?;
-        // SAFETY: the control block's token and request words lie in this rank's workspace (the
-        // geometry fits it, checked at set-up); `words` outlives the copy, which is waited for
-        // below (the synchronisation also makes the pageable copies above complete).
-        unsafe {
-            cures::memcpy_htod_async(
-                self.ws + CONTROL + 4 * CTL_TOKENS as u64,
-                &words,
-                self.gpu.stream().cu_stream(),
-            )
+        let stream = self.gpu.stream().cu_stream();
+        for (i, word) in [tokens, request].into_iter().enumerate() {
+            let at = self.ws + CONTROL + 4 * (CTL_TOKENS + i) as u64;
+            // SAFETY: the control block's token and request words lie in this rank's workspace
+            // (the geometry fits it, checked at set-up); the memset is ordered on the stream.
+            unsafe { sys::cuMemsetD32Async(at, word, 1, stream) }
+                .result()
+                .map_err(KernelError::driver("writing the token count"))?;
         }
-        .map_err(KernelError::driver("writing the token count"))?;
         self.poison_round(arm)?;
-        self.gpu.synchronize()?;
+        // a host feed's pageable copies complete here; a device feed is only queued (round
+        // timing's barrier, which follows, needs no wait: the events are on the stream)
+        if matches!(input, Feed::Host(_)) {
+            self.gpu.synchronize()?;
+        }
         Ok(local)
     }
 
@@ -1088,39 +1414,13 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// FFN rank `f`'s SwiGLU buffers, and one GEMM over empty groups (loads the GEMM kernels,
-    /// sets their occupancy and fault word up: nothing of that may happen during a capture).
+    /// FFN rank `f`'s SwiGLU buffers ([`swiglu_bufs`]).
     fn swiglu_bufs(
         &self,
         lp: &afdep_core::oracle::LayerParams,
         f: usize,
     ) -> Result<SwigluBufs, ExchangeError> {
-        let p = self.cfg.placement();
-        let (h, wd) = (self.cfg.hidden, lp.shape.width);
-        let e = p.experts_of(f);
-        let per = h * wd;
-        let rows = self.geo.exp_rows as usize;
-        let mut sw = SwigluBufs {
-            w1: upload(&self.gpu, &lp.w1[e.start * per..e.end * per])?,
-            w3: upload(&self.gpu, &lp.w3[e.start * per..e.end * per])?,
-            w2: upload(&self.gpu, &lp.w2[e.start * per..e.end * per])?,
-            width: wd,
-            offsets: zeros(&self.gpu, p.experts_per_rank + 1)?,
-            x: zeros(&self.gpu, rows.max(1) * h)?,
-            h: zeros(&self.gpu, rows.max(1) * wd)?,
-        };
-        let mut y: CudaSlice<bf16> = zeros(&self.gpu, rows.max(1) * h)?;
-        swiglu_gemms(
-            &self.gpu,
-            p.experts_per_rank,
-            rows.max(1),
-            h,
-            &mut sw,
-            &mut y,
-        )?;
-        self.gpu.synchronize()?;
-        self.gpu.take_fault()?;
-        Ok(sw)
+        swiglu_bufs(&self.gpu, &self.cfg, lp, f, self.geo.exp_rows as usize)
     }
 
     /// After a device round's launches: waits, checks faults and the verdict, reads the results.
@@ -1557,11 +1857,41 @@ impl Launch<'_> {
     }
 }
 
+/// FFN rank `f`'s SwiGLU buffers for at most `rows` expanded rows, and one GEMM over empty
+/// groups (loads the GEMM kernels, sets their occupancy and fault word up: nothing of that may
+/// happen during a capture). Shared with the NCCL device engine.
+pub(crate) fn swiglu_bufs(
+    gpu: &GpuContext,
+    cfg: &afdep_core::ExchangeConfig,
+    lp: &afdep_core::oracle::LayerParams,
+    f: usize,
+    rows: usize,
+) -> Result<SwigluBufs, ExchangeError> {
+    let p = cfg.placement();
+    let (h, wd) = (cfg.hidden, lp.shape.width);
+    let e = p.experts_of(f);
+    let per = h * wd;
+    let mut sw = SwigluBufs {
+        w1: upload(gpu, &lp.w1[e.start * per..e.end * per])?,
+        w3: upload(gpu, &lp.w3[e.start * per..e.end * per])?,
+        w2: upload(gpu, &lp.w2[e.start * per..e.end * per])?,
+        width: wd,
+        offsets: zeros(gpu, p.experts_per_rank + 1)?,
+        x: zeros(gpu, rows.max(1) * h)?,
+        h: zeros(gpu, rows.max(1) * wd)?,
+    };
+    let mut y: CudaSlice<bf16> = zeros(gpu, rows.max(1) * h)?;
+    swiglu_gemms(gpu, p.experts_per_rank, rows.max(1), h, &mut sw, &mut y)?;
+    gpu.synchronize()?;
+    gpu.take_fault()?;
+    Ok(sw)
+}
+
 /// The SwiGLU experts of a device round: the device plan's expert offsets and the expanded rows
 /// copied into the GEMM's buffers (device copies, in stream order), then the grouped up- and
 /// down-projection GEMMs into `y`. On a skipped round the copies read the previous plan
 /// (offsets never above the expanded area's rows) and the outputs are never returned.
-fn swiglu(
+pub(crate) fn swiglu(
     gpu: &GpuContext,
     pv: &PlanView,
     sw: &mut SwigluBufs,

@@ -14,9 +14,12 @@ as attributes: ``afdep.RouteError`` (``kind``, ``rank``, ``token``, ``slot``, ``
 ``afdep.ConfigError`` (``field``, ``value``), ``afdep.GpuError``, ``afdep.CaptureError``, all
 derived from ``afdep.AfdepError``.
 
-``afdep.Exchange`` is one rank of the AFD exchange (afdep's staged engine over a transport
-rendezvoused from the environment, as under ``afdep launch``): ``round(x, topk_idx,
-topk_weights, experts)`` with afdep's SwiGLU or a Python callable as the FFN rank's experts;
+``afdep.Exchange`` is one rank of the AFD exchange over a transport rendezvoused from the
+environment, as under ``afdep launch``: the staged engine (``round(x, topk_idx, topk_weights,
+experts)`` on CPU tensors, with afdep's SwiGLU or a Python callable as the FFN rank's experts)
+or, with ``engine="fused"``, the fused engine over the nvlink transport on CUDA tensors, in
+device rounds or CUDA-graph replays (``rounds="device"|"graph"``) queued on PyTorch's current
+stream, its experts (``afdep.SwiGLU``, ``afdep.ScaleExperts``, ``"identity"``) on the device;
 ``afdep.exchange_oracle`` is afdep-core's reference of the same round.
 
 ``afdep.reference`` holds a plain-PyTorch implementation of the same function (the tests and
@@ -33,7 +36,7 @@ from ._native import (
     TransportError,
 )
 from ._moe import MoE, moe, unpin_layers
-from ._exchange import Exchange, Received, SwiGLU, exchange_oracle
+from ._exchange import IDENTITY, Exchange, Received, ScaleExperts, SwiGLU, exchange_oracle
 
 __all__ = [
     "AfdepError",
@@ -49,5 +52,7 @@ __all__ = [
     "Exchange",
     "Received",
     "SwiGLU",
+    "ScaleExperts",
+    "IDENTITY",
     "exchange_oracle",
 ]

@@ -1,4 +1,6 @@
-"""``afdep.Exchange``: one rank of the AFD exchange (afdep's staged engine) from Python."""
+"""``afdep.Exchange``: one rank of the AFD exchange from Python: afdep's staged engine (CPU
+tensors, any transport, Python expert callables) or its fused engine (CUDA tensors over the
+nvlink transport, device rounds or CUDA-graph replays, experts on the device)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import os
 import tomllib
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -28,7 +30,28 @@ class SwiGLU:
     w2: torch.Tensor
 
     def _native(self):
-        return ("swiglu", to_dlpack(self.w1), to_dlpack(self.w3), to_dlpack(self.w2))
+        # the weights are read once (staged engine and oracle: every round; fused engine: at
+        # construction, then uploaded to the device); CUDA weights are read through a CPU copy
+        ws = [w.detach().cpu().contiguous() for w in (self.w1, self.w3, self.w2)]
+        return ("swiglu", *(to_dlpack(w) for w in ws))
+
+
+@dataclass
+class ScaleExperts:
+    """Experts that scale their rows: expert ``e`` maps a row ``x`` to
+    ``bf16(f32(x) * scales[e])`` (one rounding, bit-reproducible on the CPU and the GPU).
+    ``scales``: one finite float per global expert. The fused engine's exchange tests and
+    latency runs use them; any engine and :func:`exchange_oracle` take them."""
+
+    scales: Sequence[float]
+
+    def _native(self):
+        return ("scale", [float(s) for s in self.scales])
+
+
+IDENTITY = "identity"
+"""Experts that return their rows unchanged (the fused engine runs no expert kernel: a round
+is the exchange alone)."""
 
 
 @dataclass
@@ -63,6 +86,24 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
 
 
+Experts = Union[ExpertCallable, SwiGLU, ScaleExperts, str]
+
+
+def _native_experts(experts: Experts, hidden: int):
+    if isinstance(experts, (SwiGLU, ScaleExperts)):
+        return experts._native()
+    if isinstance(experts, str):
+        if experts != IDENTITY:
+            raise ValueError(f"experts {experts!r}: the only named experts are {IDENTITY!r}")
+        return (IDENTITY,)
+    if callable(experts):
+        return _wrap_callable(experts, hidden)
+    raise TypeError(
+        f"experts: a {type(experts).__name__}; expected afdep.SwiGLU, afdep.ScaleExperts, "
+        f"{IDENTITY!r} or a callable fn(expert_id, rows) -> rows"
+    )
+
+
 def _wrap_callable(fn: ExpertCallable, hidden: int):
     def call(expert: int, data: bytes, n: int) -> bytes:
         rows = _bf16_rows(data, hidden)
@@ -92,18 +133,73 @@ def load_config(config: Union[dict, str, os.PathLike]) -> dict:
 
 
 class Exchange:
-    """One rank of the AFD exchange over afdep's staged engine.
+    """One rank of the AFD exchange.
 
     Built from the same config as ``afdep exchange --config FILE`` (a dict or that file:
     ``topology`` such as ``"2A:1F"``, ``hidden``, ``experts``, ``top_k``, ``capacity``, optional
     ``experts_per_rank``, ``payload`` (``bf16`` | ``fp8_e4m3``), ``knobs``, ``transport``
-    (``loopback`` | ``tcp`` | ... or a table with ``kind`` and ``timeout_ms``; default ``tcp``)).
-    The rank, world size and rendezvous come from ``AFDEP_RANK``, ``AFDEP_WORLD_SIZE`` and
-    ``AFDEP_RENDEZVOUS``, as ``afdep launch`` sets them. Construction is collective.
+    (``loopback`` | ``tcp`` | ``nvlink`` | ... or a table with ``kind``, ``timeout_ms``,
+    ``device``, ...; default ``tcp``, ``nvlink`` for the fused engine)). The rank, world size
+    and rendezvous come from ``AFDEP_RANK``, ``AFDEP_WORLD_SIZE`` and ``AFDEP_RENDEZVOUS``, as
+    ``afdep launch`` sets them; one rank per process. Construction is collective.
+
+    ``engine="staged"`` (default): afdep's staged engine over any transport, on CPU tensors;
+    the FFN rank's experts are given to each :meth:`round` (a Python callable among them).
+
+    ``engine="fused"``: afdep's fused engine over the ``nvlink`` transport (GPU-initiated
+    stores into the peers' device memory; ranks on one GPU or one per GPU, connected through
+    CUDA IPC), on CUDA tensors of the rank's device. ``rounds="device"`` (default) runs each
+    round as a device round (every kernel launched, no host step between them);
+    ``rounds="graph"`` captures one round in a CUDA graph at construction and replays it each
+    round with the new rows and routes (the token count may change from round to round, up
+    to ``capacity``). ``arm``: ``auto`` (chosen on the device each round, the same on every
+    rank), ``payload-first``, ``count-first`` or ``count-first-source``; the same on every
+    rank. ``experts`` (required, the same on every rank; applied on the device by the FFN
+    ranks): :class:`SwiGLU` (hidden size and width multiples of 8; within bf16 tolerances of
+    the oracle), :class:`ScaleExperts` or ``"identity"`` (both bit-identical to the oracle).
+    Each round is queued on PyTorch's current CUDA stream: the rows and routes are read from
+    the tensors and the combined rows written into the output tensor on the device (copied
+    device to device into and out of the round's fixed buffers), with the engine's stream
+    ordered after the caller's by CUDA events; the host waits once per round for the engine's
+    stream, to read the round's verdict (a rejected route raises on every rank), unless
+    ``round(..., wait=False)`` defers that read (:meth:`round`, :meth:`synchronize`). Rounds
+    cannot be captured by ``torch.cuda.graph`` (``afdep.CaptureError``; ``rounds="graph"`` is
+    afdep's own capture).
+
+    Raises (construction): ``ValueError`` / ``TypeError`` for bad arguments and
+    ``afdep.ConfigError`` for a bad config (both before connecting), ``afdep.TransportError``
+    / ``afdep.TimeoutError`` when the ranks cannot connect, ``afdep.AfdepError`` from the
+    engine's set-up.
     """
 
-    def __init__(self, config: Union[dict, str, os.PathLike]):
-        self._rank = _native.ExchangeRank(json.dumps(load_config(config)))
+    def __init__(
+        self,
+        config: Union[dict, str, os.PathLike],
+        engine: str = "staged",
+        rounds: Optional[str] = None,
+        experts: Optional[Experts] = None,
+        arm: str = "auto",
+    ):
+        cfg = load_config(config)
+        if engine == "staged":
+            if rounds is not None or experts is not None or arm != "auto":
+                raise ValueError(
+                    "rounds, experts and arm are the fused engine's (engine=\"fused\"); the "
+                    "staged engine takes its experts in round()"
+                )
+            self._rank = _native.ExchangeRank(json.dumps(cfg))
+        elif engine == "fused":
+            if experts is None:
+                raise ValueError(
+                    "engine=\"fused\" needs experts at construction: afdep.SwiGLU, "
+                    "afdep.ScaleExperts or \"identity\" (applied on the device)"
+                )
+            cfg.setdefault("transport", "nvlink")
+            ex = _native_experts(experts, cfg.get("hidden", 0))
+            self._rank = _native.FusedRank(json.dumps(cfg), rounds or "device", ex, arm)
+        else:
+            raise ValueError(f"engine {engine!r}: expected \"staged\" or \"fused\"")
+        self.engine: str = engine
         self.config: dict = json.loads(self._rank.config_json)
 
     @property
@@ -116,32 +212,73 @@ class Exchange:
         """``"attention"`` or ``"ffn"``."""
         return self._rank.role
 
+    @property
+    def rounds(self) -> Optional[str]:
+        """The fused engine's ``"device"`` or ``"graph"``; None for the staged engine."""
+        return self._rank.rounds if self.engine == "fused" else None
+
+    @property
+    def last_arm(self) -> Optional[str]:
+        """The fused engine: the arm the last round took (``payload_first``, ``count_first``,
+        ``count_first_source``); None for the staged engine."""
+        return self._rank.last_arm if self.engine == "fused" else None
+
     def round(
         self,
         x: Optional[torch.Tensor] = None,
         topk_idx: Optional[torch.Tensor] = None,
         topk_weights: Optional[torch.Tensor] = None,
-        experts: Union[ExpertCallable, SwiGLU, None] = None,
-    ) -> Union[torch.Tensor, Received]:
+        experts: Optional[Experts] = None,
+        out: Optional[torch.Tensor] = None,
+        wait: bool = True,
+    ) -> Union[torch.Tensor, Received, None]:
         """One round (collective: every rank calls it).
 
         Attention ranks pass ``x`` (``[T, hidden]`` bf16), ``topk_idx`` (``[T, K]`` int32,
-        global expert ids, ``-1`` masks a slot) and ``topk_weights`` (``[T, K]`` float32), CPU
-        tensors, and get the combined rows ``[T, hidden]`` bf16. FFN ranks pass ``experts``:
-        a :class:`SwiGLU`, or a callable ``fn(expert_id, rows) -> rows`` called once per local
-        expert with its ``[n, hidden]`` bf16 expanded rows; they get a :class:`Received`.
+        global expert ids, ``-1`` masks a slot) and ``topk_weights`` (``[T, K]`` float32) and
+        get the combined rows ``[T, hidden]`` bf16.
+
+        Staged engine: CPU tensors; FFN ranks pass ``experts``: a :class:`SwiGLU`,
+        :class:`ScaleExperts`, ``"identity"`` or a callable ``fn(expert_id, rows) -> rows``
+        called once per local expert with its ``[n, hidden]`` bf16 expanded rows; they get a
+        :class:`Received`.
+
+        Fused engine: contiguous CUDA tensors of this rank's device, on PyTorch's current
+        stream; the combined rows are written into ``out`` (``[T, hidden]`` bf16 on that
+        device, sharing no memory with the inputs; allocated when None) and returned once
+        queued. FFN ranks pass nothing and get None (their experts were given at
+        construction). A rank whose tensors fail the checks still joins the round without
+        input, so that every other rank's round is rejected (``afdep.RouteError`` of kind
+        ``over_capacity`` naming it) instead of waiting, then raises its ``TypeError`` /
+        ``ValueError``. The host waits for the round once, to read its verdict; with
+        ``wait=False`` it does not: the round is only queued, the rows are ready when the stream
+        passes it, and the verdict is read by the next ``round()`` (before it queues anything:
+        it then raises the earlier round's error instead, on every rank alike) or by
+        :meth:`synchronize`; a rejected round's rows read NaN.
 
         Raises:
             afdep.RouteError: a route was rejected on some attention rank (every rank raises
-                it; ``reporter`` is this rank; the engine stays usable).
+                it with the lowest rejecting rank's ``rank``, ``token``, ``slot``, ``value``;
+                ``reporter`` is this rank; the engine stays usable; the fused engine's
+                ``out`` then holds NaN).
             afdep.TimeoutError: a peer did not answer (``phase``, ``rank``, ``peer``).
             afdep.TransportError: the transport failed.
+            afdep.CaptureError: (fused) the current stream is capturing a CUDA graph.
         """
+        if self.engine == "fused":
+            return self._fused_round(x, topk_idx, topk_weights, experts, out, wait)
+        if out is not None or not wait:
+            raise ValueError(
+                "out and wait are the fused engine's (the staged engine returns new rows)"
+            )
         h = self.config["hidden"]
         if self.role == "ffn":
             if experts is None:
-                raise ValueError("an FFN rank needs `experts` (a callable or afdep.SwiGLU)")
-            ex = experts._native() if isinstance(experts, SwiGLU) else _wrap_callable(experts, h)
+                raise ValueError(
+                    "an FFN rank needs `experts` (a callable, afdep.SwiGLU, afdep.ScaleExperts "
+                    "or \"identity\")"
+                )
+            ex = _native_experts(experts, h)
         else:
             ex = lambda *_: b""  # noqa: E731  (attention ranks apply no experts)
         caps = [to_dlpack(t) if t is not None else None for t in (x, topk_idx, topk_weights)]
@@ -149,6 +286,29 @@ class Exchange:
         if combined is not None:
             return _bf16_rows(combined, h)
         return _received(received, h, self.config["top_k"])
+
+    def synchronize(self) -> None:
+        """The fused engine: reads the verdict of the last round queued with ``wait=False``
+        (one host wait for the engine's stream), raising its error (``afdep.RouteError``,
+        ...); nothing when none is pending. The staged engine: nothing (its rounds are done
+        when they return)."""
+        if self.engine == "fused":
+            self._rank.finish()
+
+    def _fused_round(self, x, topk_idx, topk_weights, experts, out, wait):
+        if experts is not None:
+            raise ValueError("engine=\"fused\" takes its experts at construction, not per round")
+        tensors = (x, topk_idx, topk_weights)
+        if out is None and isinstance(x, torch.Tensor) and x.dim() == 2:
+            out = torch.empty(
+                (x.shape[0], self.config["hidden"]), dtype=torch.bfloat16, device=x.device
+            )
+        caps = [to_dlpack(t) if t is not None else None for t in (*tensors, out)]
+        stream = torch.cuda.current_stream(self._rank.device).cuda_stream
+        # the tensors stay referenced (`caps`, `tensors`, `out`) until the call returns; the
+        # round is joined onto `stream`, on which torch orders their reuse
+        self._rank.round(*caps, stream, wait)
+        return out if self.role == "attention" else None
 
 
 def _received(d: dict, hidden: int, k: int) -> Received:
@@ -165,12 +325,14 @@ def _received(d: dict, hidden: int, k: int) -> Received:
 def exchange_oracle(
     config: Union[dict, str, os.PathLike],
     inputs: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    experts: Union[ExpertCallable, SwiGLU],
+    experts: Experts,
 ) -> List[torch.Tensor]:
     """afdep-core's reference of one round: each attention rank's combined rows, from every
-    attention rank's ``(x, topk_idx, topk_weights)`` (bit-identical to :class:`Exchange`)."""
+    attention rank's ``(x, topk_idx, topk_weights)`` (CPU tensors): bit-identical to
+    :class:`Exchange`'s staged engine, and to its fused engine with :class:`ScaleExperts` or
+    ``"identity"`` (within bf16 tolerances with :class:`SwiGLU`)."""
     cfg = load_config(config)
     h = cfg["hidden"]
-    ex = experts._native() if isinstance(experts, SwiGLU) else _wrap_callable(experts, h)
+    ex = _native_experts(experts, h)
     caps = [tuple(to_dlpack(t) for t in inp) for inp in inputs]
     return [_bf16_rows(b, h) for b in _native.exchange_oracle(json.dumps(cfg), caps, ex)]

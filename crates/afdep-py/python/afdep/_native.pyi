@@ -7,7 +7,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 Capsule = Any
 ShapeTuple = Tuple[int, int, int, int, int, bool]
-ExpertsArg = Union[Callable[[int, bytes, int], bytes], Tuple[str, Capsule, Capsule, Capsule]]
+# a callable, ("swiglu", w1, w3, w2), ("scale", [one float per expert]) or ("identity",)
+ExpertsArg = Union[Callable[[int, bytes, int], bytes], Tuple[Any, ...]]
 
 class AfdepError(Exception):
     """The base of every afdep exception."""
@@ -131,6 +132,49 @@ class ExchangeRank:
         topk_weights: Optional[Capsule],
         experts: ExpertsArg,
     ) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]: ...
+
+class FusedRank:
+    """One rank of the AFD exchange on the fused engine (nvlink transport); see
+    ``afdep.Exchange(engine="fused")``. ``experts`` is a device expert: ("swiglu", w1, w3,
+    w2), ("scale", scales) or ("identity",); ``rounds`` "device" or "graph" (one round of
+    ``arm`` captured at construction); ``arm`` auto, payload-first, count-first or
+    count-first-source."""
+
+    def __init__(
+        self, config_json: str, rounds: str, experts: ExpertsArg, arm: str = "auto"
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def config_json(self) -> str: ...
+    @property
+    def device(self) -> int:
+        """This rank's CUDA device."""
+    @property
+    def rounds(self) -> str: ...
+    @property
+    def arm(self) -> str: ...
+    @property
+    def last_arm(self) -> str:
+        """The arm the last round took."""
+    def round(
+        self,
+        x: Optional[Capsule],
+        topk_idx: Optional[Capsule],
+        topk_weights: Optional[Capsule],
+        out: Optional[Capsule],
+        stream: int,
+        wait: bool = True,
+    ) -> None:
+        """One round queued on ``stream`` (a ``cudaStream_t`` as an int): attention ranks pass
+        capsules of CUDA tensors x [T, H] bf16, topk_idx [T, K] int32, topk_weights [T, K]
+        float32 and out [T, H] bf16 (written); FFN ranks pass None. Waits on the host for the
+        engine's stream once, for the round's verdict; with ``wait=False`` the verdict is read
+        by the next round or ``finish`` (which raise its error)."""
+    def finish(self) -> None:
+        """Reads the verdict of a round queued with ``wait=False`` (raising its error)."""
 
 def exchange_oracle(
     config_json: str, inputs: List[Tuple[Capsule, Capsule, Capsule]], experts: ExpertsArg

@@ -1,23 +1,23 @@
-//! Queued device rounds: the fused engine's half of the microbatch pipeline
+//! Staged device rounds: the fused engine's half of the microbatch pipeline
 //! ([`crate::pipeline`]).
 //!
 //! A pipeline runs several device rounds on one engine without waiting for the host between
 //! them. A device round ([`FusedEngine::device_round`]) reads its input from fixed device
 //! buffers and leaves its output, its control block and its trace stamps in fixed places, which
-//! the next round overwrites; so a queued round goes through per-round **staging** buffers
-//! allocated once ([`FusedEngine::prepare_queued`]): round `j` of a pipeline is
+//! the next round overwrites; so a staged round goes through per-round **staging** buffers
+//! allocated once ([`FusedEngine::prepare_staged`]): round `j` of a pipeline is
 //!
 //! 1. loaded from the host into staging area `j` before the pipeline starts
-//!    ([`FusedEngine::load_queued`]: rows, routes, weights, the token count and the arm
+//!    ([`FusedEngine::load_staged`]: rows, routes, weights, the token count and the arm
 //!    request, with [`FusedEngine::device_round`]'s checks of the input);
-//! 2. queued ([`FusedEngine::enqueue_queued`]) on the engine's stream: device copies from
+//! 2. queued ([`FusedEngine::enqueue_staged`]) on the engine's stream: device copies from
 //!    staging area `j` into the round's fixed buffers and the control block, the poisoning of
 //!    the outputs, the launches of [`FusedEngine::device_round`], then device copies of the
 //!    source's output, the control block and the trace stamps into staging area `j`;
-//! 3. read after the last round ([`FusedEngine::finish_queued`]): one wait for the stream, the
+//! 3. read after the last round ([`FusedEngine::finish_staged`]): one wait for the stream, the
 //!    error word, then per round the arm taken, the verdict, the output and the timeline.
 //!
-//! Stream order is all the ordering a queued round needs: its copies in come after the
+//! Stream order is all the ordering a staged round needs: its copies in come after the
 //! previous round's kernels read the fixed buffers, its copies out before the next round's
 //! poisoning. Nothing between the launches waits for the host, so the rounds of two engines on
 //! one GPU (two streams) overlap on the device.
@@ -36,9 +36,9 @@ use super::{bind, taken_arm, verdict};
 use crate::error::ExchangeError;
 use crate::round::{DispatchArm, RoundArm, RoundTrace, TracePhase};
 
-/// The staging buffers of queued rounds: `rounds` areas, each of a capacity-sized round.
+/// The staging buffers of staged rounds: `rounds` areas, each of a capacity-sized round.
 #[derive(Debug)]
-pub(in crate::fused) struct QueueBufs {
+pub(in crate::fused) struct StagedBufs {
     rounds: usize,
     /// Sources: rows, ids, weights in, combined rows out (`rounds × capacity` tokens).
     x: CudaSlice<bf16>,
@@ -53,9 +53,9 @@ pub(in crate::fused) struct QueueBufs {
     stamps: CudaSlice<u64>,
     /// Per loaded round: its token count, the rows copied, and the caller's input error.
     loaded: Vec<Loaded>,
-    /// The phase order of the queued rounds' stamps (the same launches every round).
+    /// The phase order of the staged rounds' stamps (the same launches every round).
     order: Vec<TracePhase>,
-    /// Rounds queued since the last [`FusedEngine::finish_queued`].
+    /// Rounds queued since the last [`FusedEngine::finish_staged`].
     queued: usize,
     traced: bool,
 }
@@ -67,9 +67,9 @@ struct Loaded {
     local: Option<ExchangeError>,
 }
 
-/// One queued round's result on this rank ([`FusedEngine::finish_queued`]).
+/// One staged round's result on this rank ([`FusedEngine::finish_staged`]).
 #[derive(Debug)]
-pub(crate) struct QueuedRound {
+pub(crate) struct StagedRound {
     /// Go (`Ok`), or the round's error (the same on every rank: a rejected route, arms that
     /// differ; or this rank's own input error).
     pub(crate) result: Result<(), ExchangeError>,
@@ -99,15 +99,15 @@ fn addr<T>(
 }
 
 impl FusedEngine {
-    /// Allocates the staging of up to `rounds` queued rounds (after
+    /// Allocates the staging of up to `rounds` staged rounds (after
     /// [`FusedEngine::prepare_device`]; once: a second call with more rounds is an
     /// [`ExchangeError::Input`]). Collective (a barrier at the end, so that no rank allocates
     /// while another's kernels run).
-    pub(crate) fn prepare_queued(&mut self, rounds: usize) -> Result<(), ExchangeError> {
+    pub(crate) fn prepare_staged(&mut self, rounds: usize) -> Result<(), ExchangeError> {
         let rank = self.rank();
         self.check_device(RoundArm::Auto)?;
         let d = self.device.as_ref().expect("checked");
-        if let Some(q) = &d.queue {
+        if let Some(q) = &d.staging {
             if q.rounds >= rounds {
                 self.transport.barrier()?;
                 return Ok(());
@@ -115,7 +115,7 @@ impl FusedEngine {
             return Err(ExchangeError::Input {
                 rank,
                 what: format!(
-                    "queued rounds are prepared for {} rounds, {rounds} asked",
+                    "staged rounds are prepared for {} rounds, {rounds} asked",
                     q.rounds
                 ),
             });
@@ -123,7 +123,7 @@ impl FusedEngine {
         let (h, k, cap) = (self.cfg.hidden, self.cfg.top_k, self.cfg.capacity);
         let src = d.src.is_some();
         let n = |per: usize| if src { (rounds * per).max(1) } else { 1 };
-        let q = QueueBufs {
+        let q = StagedBufs {
             rounds,
             x: zeros(&self.gpu, n(cap * h))?,
             idx: zeros(&self.gpu, n(cap * k))?,
@@ -138,17 +138,17 @@ impl FusedEngine {
             traced: false,
         };
         self.gpu.synchronize()?;
-        self.device.as_mut().expect("checked").queue = Some(q);
+        self.device.as_mut().expect("checked").staging = Some(q);
         self.transport.barrier()?;
         Ok(())
     }
 
     /// Loads round `j`'s input into its staging area (the host copies; nothing is launched).
-    /// `j` counts from 0 since the last [`FusedEngine::finish_queued`], in order. The input is
+    /// `j` counts from 0 since the last [`FusedEngine::finish_staged`], in order. The input is
     /// checked as [`FusedEngine::device_round`] checks it: a source with input that does not
-    /// fit gets its error back from [`FusedEngine::finish_queued`] and every rank's round is
+    /// fit gets its error back from [`FusedEngine::finish_staged`] and every rank's round is
     /// rejected.
-    pub(crate) fn load_queued(
+    pub(crate) fn load_staged(
         &mut self,
         j: usize,
         arm: RoundArm,
@@ -161,15 +161,15 @@ impl FusedEngine {
         let (tokens, rows, local) = self.input_tokens(input);
         let request = self.arm_request(arm);
         let d = self.device.as_mut().expect("checked");
-        let q = d.queue.as_mut().ok_or_else(|| ExchangeError::Input {
+        let q = d.staging.as_mut().ok_or_else(|| ExchangeError::Input {
             rank,
-            what: "queued rounds need FusedEngine::prepare_queued first".into(),
+            what: "staged rounds need FusedEngine::prepare_staged first".into(),
         })?;
         if j != q.loaded.len() || j >= q.rounds {
             return Err(ExchangeError::Input {
                 rank,
                 what: format!(
-                    "queued round {j} loaded after {} of at most {}",
+                    "staged round {j} loaded after {} of at most {}",
                     q.loaded.len(),
                     q.rounds
                 ),
@@ -222,7 +222,7 @@ impl FusedEngine {
     /// Queues loaded round `j` on this rank's stream: the device copies in, the poisoning, the
     /// launches of a device round of `arm`, the device copies out ([module docs](self)). No
     /// host wait. Collective, like a round: every rank queues its rounds in the same order.
-    pub(crate) fn enqueue_queued(&mut self, j: usize, arm: RoundArm) -> Result<(), ExchangeError> {
+    pub(crate) fn enqueue_staged(&mut self, j: usize, arm: RoundArm) -> Result<(), ExchangeError> {
         self.guarded(|eng| eng.enqueue_inner(j, arm))
     }
 
@@ -232,12 +232,12 @@ impl FusedEngine {
         bind(&self.gpu)?;
         let cs = self.gpu.stream().cu_stream();
         let d = self.device.as_mut().expect("checked at load");
-        let q = d.queue.as_mut().expect("checked at load");
+        let q = d.staging.as_mut().expect("checked at load");
         if j != q.queued || j >= q.loaded.len() {
             return Err(ExchangeError::Input {
                 rank,
                 what: format!(
-                    "queued round {j} queued after {} of {} loaded",
+                    "staged round {j} queued after {} of {} loaded",
                     q.queued,
                     q.loaded.len()
                 ),
@@ -269,7 +269,7 @@ impl FusedEngine {
                     // (capacity-sized round buffers, staging area j checked by `addr`); the
                     // copy is ordered on this rank's stream.
                     unsafe { cures::memcpy_dtod_async(dst, src, bytes, cs) }
-                        .map_err(KernelError::driver("copying a queued round's input"))?;
+                        .map_err(KernelError::driver("copying a staged round's input"))?;
                 }
             }
         }
@@ -279,7 +279,7 @@ impl FusedEngine {
         unsafe {
             cures::memcpy_dtod_async(self.ws + CONTROL + 4 * CTL_TOKENS as u64, words, 8, cs)
         }
-        .map_err(KernelError::driver("copying a queued round's token count"))?;
+        .map_err(KernelError::driver("copying a staged round's token count"))?;
         // 2. poisoning, the stamps cleared, the launches
         self.poison_round(arm)?;
         let traced = match self.device.as_mut().and_then(|d| d.trace.as_mut()) {
@@ -292,7 +292,7 @@ impl FusedEngine {
         self.launch_device_round(arm)?;
         // 3. copies out: the output, the control block, the stamps
         let d = self.device.as_mut().expect("checked at load");
-        let q = d.queue.as_mut().expect("checked at load");
+        let q = d.staging.as_mut().expect("checked at load");
         let mut out = Vec::with_capacity(3);
         if let Some(b) = d.src.as_ref() {
             if rows > 0 {
@@ -319,17 +319,17 @@ impl FusedEngine {
             // staging area j (checked by `addr`); the copy is ordered on this rank's stream
             // after the round's launches.
             unsafe { cures::memcpy_dtod_async(dst, src, bytes, cs) }
-                .map_err(KernelError::driver("copying a queued round's results"))?;
+                .map_err(KernelError::driver("copying a staged round's results"))?;
         }
         q.traced = traced;
         q.queued += 1;
         Ok(())
     }
 
-    /// After the last queued round: waits for this rank's stream, checks the error word (a
-    /// fault closes the engine, as in a round) and reads every queued round's result, in
+    /// After the last staged round: waits for this rank's stream, checks the error word (a
+    /// fault closes the engine, as in a round) and reads every staged round's result, in
     /// order; the staging is then free for the next pipeline.
-    pub(crate) fn finish_queued(&mut self) -> Result<Vec<QueuedRound>, ExchangeError> {
+    pub(crate) fn finish_staged(&mut self) -> Result<Vec<StagedRound>, ExchangeError> {
         let rank = self.rank();
         let r = self.guarded(|eng| {
             eng.check_fault()?;
@@ -337,9 +337,9 @@ impl FusedEngine {
             let (h, cap) = (eng.cfg.hidden, eng.cfg.capacity);
             let d = eng.device.as_mut().expect("checked at load");
             let is_src = d.src.is_some();
-            let q = d.queue.as_mut().ok_or_else(|| ExchangeError::Input {
+            let q = d.staging.as_mut().ok_or_else(|| ExchangeError::Input {
                 rank,
-                what: "queued rounds need FusedEngine::prepare_queued first".into(),
+                what: "staged rounds need FusedEngine::prepare_staged first".into(),
             })?;
             let n = q.queued;
             let loaded = std::mem::take(&mut q.loaded);
@@ -368,7 +368,7 @@ impl FusedEngine {
                             eng.gpu
                                 .stream()
                                 .memcpy_dtoh(&q.out.slice(at..at + n), &mut rows)
-                                .map_err(KernelError::driver("reading a queued round's output"))?;
+                                .map_err(KernelError::driver("reading a staged round's output"))?;
                             eng.gpu.synchronize()?;
                         }
                         Some(rows)
@@ -383,7 +383,7 @@ impl FusedEngine {
                     )?),
                     false => None,
                 };
-                rounds.push(QueuedRound {
+                rounds.push(StagedRound {
                     result,
                     arm,
                     combined,
@@ -397,14 +397,14 @@ impl FusedEngine {
             Ok(rounds)
         });
         // the staging is free again, whatever happened
-        self.clear_queued();
+        self.clear_staged();
         r
     }
 
-    /// Forgets the loaded and queued rounds (after [`FusedEngine::finish_queued`], or instead
+    /// Forgets the loaded and staged rounds (after [`FusedEngine::finish_staged`], or instead
     /// of it when nothing was queued).
-    pub(crate) fn clear_queued(&mut self) {
-        if let Some(q) = self.device.as_mut().and_then(|d| d.queue.as_mut()) {
+    pub(crate) fn clear_staged(&mut self) {
+        if let Some(q) = self.device.as_mut().and_then(|d| d.staging.as_mut()) {
             q.loaded.clear();
             q.queued = 0;
             q.traced = false;
