@@ -1,4 +1,5 @@
-# The start shared by the exchange table scripts (exchange_gpu_run.sh, exchange_load_run.sh),
+# The start shared by the exchange table scripts (exchange_gpu_run.sh, exchange_load_run.sh,
+# exchange_pipeline_run.sh),
 # sourced by them, not run; a GPU-test bundle carries it beside them (docs/perf/ of the bundle).
 #
 # perf_start BUNDLE OUT: checks the two arguments, sets `bundle` and `out` (absolute; OUT is

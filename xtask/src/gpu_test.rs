@@ -10,8 +10,9 @@
 //! suite with its peers), `DIR/docs/perf/moe.md` (the
 //! document the comparison's report updates), `DIR/docs/perf/exchange_gpu_run.sh` (the
 //! single-GPU exchange latency table), `DIR/docs/perf/exchange_load_run.sh` (the exchange under
-//! a GEMM load; both source `DIR/docs/perf/bundle_common.sh`) and `DIR/commit.txt` (the commit
-//! it was built from, `-dirty` when the work tree had changes).
+//! a GEMM load), `DIR/docs/perf/exchange_pipeline_run.sh` (the microbatch pipeline; the three
+//! source `DIR/docs/perf/bundle_common.sh`) and `DIR/commit.txt` (the commit it was built from,
+//! `-dirty` when the work tree had changes).
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -33,10 +34,12 @@ pub struct GpuTestArgs {
 const RUN_SH: &str = include_str!("gpu_run.sh");
 
 /// The scripts of `docs/perf/` a bundle carries (as `DIR/docs/perf/NAME`, executable): the
-/// exchange latency tables, the overlap-under-load table and the start both source.
-const PERF_SCRIPTS: [&str; 3] = [
+/// exchange latency tables, the overlap-under-load table, the microbatch pipeline table and the
+/// start they source.
+const PERF_SCRIPTS: [&str; 4] = [
     "exchange_gpu_run.sh",
     "exchange_load_run.sh",
+    "exchange_pipeline_run.sh",
     "bundle_common.sh",
 ];
 

@@ -22,6 +22,9 @@
 //! - [`round`]: the vocabulary of a round shared by the engines ([`ExpertFn`], [`RoundOutput`],
 //!   [`DispatchArm`], ...), the [`ExchangeEngine`] trait both engines implement, and
 //!   [`run_group`], one engine per rank of an in-process group on threads.
+//! - [`pipeline`]: the microbatch pipeline ([`PipelineRank`]): a layer step's exchange as M
+//!   microbatches over K fused engines per rank, microbatch i+1's dispatch overlapping
+//!   microbatch i's experts on the GPU, bit-identical to one device round per microbatch.
 //! - [`error`]: the engine's typed errors.
 //! - [`external`]: a [`MoeLayer`] step on buffers owned by the caller, ordered on the caller's
 //!   CUDA stream (the Python bindings).
@@ -35,6 +38,7 @@ pub mod fused;
 pub mod layer;
 #[cfg(feature = "nccl")]
 pub mod nccl_device;
+pub mod pipeline;
 pub mod reference;
 pub mod round;
 pub mod staged;
@@ -48,6 +52,7 @@ pub use fused::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, F
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 #[cfg(feature = "nccl")]
 pub use nccl_device::NcclDeviceEngine;
+pub use pipeline::{PipelineConfig, PipelineError, PipelineOutput, PipelineRank};
 pub use round::{
     DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseSpan, PhaseTimes, RankOutcome,
     RoundArm, RoundOutput, RoundTrace, TracePhase, run_group,

@@ -268,6 +268,15 @@ pub struct ExchangeArgs {
     /// under load is checked against a host reference on a slice of rows and columns.
     #[arg(long, value_name = "gemm[:M,N,K]")]
     pub load: Option<super::load::LoadSpec>,
+    /// Run the microbatch pipeline instead of rounds (`--backend cuda --transport nvlink`, ranks
+    /// as threads): for each M of the list, every token count's layer step as M microbatches
+    /// over two fused engines per rank (microbatch i+1's dispatch overlapping microbatch i's
+    /// experts) against the same M rounds back to back on one engine; checked bit for bit
+    /// against the sequential rounds and, on a sample of tokens, against the oracle; rows report
+    /// both layer times (CUDA events, medians over `--rounds` after `--warmup`) and the FFN
+    /// ranks' busy fraction from device timelines (`mode: pipeline`).
+    #[arg(long, value_delimiter = ',', value_name = "M,..")]
+    pub pipeline: Option<Vec<usize>>,
     /// Ranks: `3A:1F`, `2A:2F`, `1A:3F`, or `EP4` (classic expert parallelism) [default: 3A:1F].
     #[arg(long)]
     pub topology: Option<Topology>,

@@ -60,6 +60,7 @@
 
 mod args;
 mod load;
+mod pipeline;
 mod problem;
 mod ranks;
 mod rounds;
@@ -98,8 +99,14 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         bail!("--rounds must be at least 1");
     }
     let res = a.resolve()?;
+    if let Some(ms) = &a.pipeline {
+        pipeline::check(&a, &res, ms)?;
+    }
     check_request(&a, &res)?;
     let probs = problems(&a, &res.cfg)?;
+    if let Some(ms) = &a.pipeline {
+        return run_pipeline(&a, &res, &probs, ms);
+    }
     let mut mp = multi_process_rank(&a, &res, &probs)?;
     let me = mp.as_ref().map_or(0, |e| e.rank());
     let bar = progress_bar(&a, &res, me, probs.len());
@@ -206,6 +213,38 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     // while a peer may still read them
     if let Some(mut eng) = mp {
         eng.barrier()?;
+    }
+    Ok(())
+}
+
+/// `--pipeline`: the rows on stdout (and `--json-out`), the table on stderr (and `--table`);
+/// a row whose check failed fails the run after every row is written.
+fn run_pipeline(a: &ExchangeArgs, res: &Resolved, probs: &[Problem], ms: &[usize]) -> Result<()> {
+    let rows = pipeline::run(a, res, probs, ms)?;
+    let mut json_out = match &a.json_out {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
+        ),
+        None => None,
+    };
+    for row in &rows {
+        let line = serde_json::to_string(row).expect("row serializes");
+        println!("{line}");
+        if let Some(f) = &mut json_out {
+            writeln!(f, "{line}").context("writing --json-out")?;
+        }
+    }
+    let t = pipeline::table(&rows);
+    eprint!("{t}");
+    if let Some(p) = &a.table {
+        std::fs::write(p, &t).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if rows.iter().any(|r| r.status != "ok") {
+        bail!("a pipelined run differs from its sequential rounds or from the oracle");
     }
     Ok(())
 }

@@ -322,6 +322,44 @@ fn the_gemm_check_can_fail() {
     );
 }
 
+/// `--pipeline M,..` parses a list, needs the fused engine over nvlink and refuses the other
+/// modes and bad microbatch counts, each with its reason.
+#[test]
+fn pipeline_requests_are_checked() {
+    let a = args(&["--pipeline", "1,2,4"]).unwrap();
+    assert_eq!(a.pipeline.as_deref(), Some(&[1usize, 2, 4][..]));
+    assert_eq!(args(&[]).unwrap().pipeline, None);
+    let res = a.resolve().unwrap();
+    super::pipeline::check(&a, &res, &[1, 2, 4]).unwrap();
+    for (extra, why) in [
+        (&["--graph"][..], "not with --graph"),
+        (
+            &["--device-rounds"][..],
+            "not with --graph, --device-rounds",
+        ),
+        (&["--trace", "t.json"][..], "--trace"),
+        (&["--multi-process"][..], "ranks as threads"),
+    ] {
+        let mut v = vec!["--pipeline", "2"];
+        v.extend_from_slice(extra);
+        let a = args(&v).unwrap();
+        let e = super::pipeline::check(&a, &a.resolve().unwrap(), &[2])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(why), "{extra:?}: {e}");
+    }
+    for bad in [&[0usize][..], &[1, 257][..], &[][..]] {
+        assert!(super::pipeline::check(&a, &res, bad).is_err(), "{bad:?}");
+    }
+    // the staged engine cannot run it
+    let mut staged = a.clone();
+    staged.backend = crate::Backend::Cpu;
+    let e = super::pipeline::check(&staged, &staged.resolve().unwrap(), &[2])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fused engine"), "{e}");
+}
+
 /// `--backend cuda --transport nccl` is the NCCL device engine: payload-first, bf16, identity
 /// experts, no `--load`, `--trace` or `--fault abort@..`; other transports name both engines.
 #[test]

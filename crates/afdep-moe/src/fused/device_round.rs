@@ -142,6 +142,8 @@ use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput, RoundTrace, TracePhase};
 
+mod pipelined;
+
 /// The experts an FFN rank applies on the device in a device round.
 #[derive(Debug, Clone)]
 pub enum DeviceExperts {
@@ -420,6 +422,8 @@ pub(super) struct DeviceRound {
     timer: Option<RoundTimer>,
     /// Phase stamps ([`FusedEngine::set_trace`]).
     trace: Option<Tracer>,
+    /// The staging of staged rounds (the microbatch pipeline, `pipelined`).
+    staging: Option<pipelined::StagedBufs>,
     src: Option<SourceBufs>,
     ffn: Option<FfnBufs>,
     /// A round queued on the caller's stream whose verdict is not read yet
@@ -609,6 +613,7 @@ impl FusedEngine {
             gates,
             timer: None,
             trace: None,
+            staging: None,
             src,
             ffn,
             queued: None,
@@ -1006,10 +1011,10 @@ impl FusedEngine {
 
     /// Runs `f` unless the engine is closed; any error but a rejected route or a caller's input
     /// error (found before the launches, or returned after a completed round) closes it.
-    fn guarded(
+    pub(super) fn guarded<R>(
         &mut self,
-        f: impl FnOnce(&mut Self) -> Result<RoundOutput, ExchangeError>,
-    ) -> Result<RoundOutput, ExchangeError> {
+        f: impl FnOnce(&mut Self) -> Result<R, ExchangeError>,
+    ) -> Result<R, ExchangeError> {
         self.check_open()?;
         let r = f(self);
         if let Err(e) = &r {
@@ -1026,7 +1031,7 @@ impl FusedEngine {
         r
     }
 
-    fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
+    pub(super) fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
         match &self.device {
             None => Err(ExchangeError::Input {
                 rank: self.rank(),
@@ -1055,12 +1060,10 @@ impl FusedEngine {
     ) -> Result<Option<ExchangeError>, ExchangeError> {
         self.check_device(arm)?;
         let rank = self.rank();
-        let cfg = &self.cfg;
-        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
-        let is_src = cfg.topology.attention_index(rank).is_some();
-        let mut local = None;
-        let tokens: u32 = match (is_src, input) {
-            (true, Feed::Device(Some(b))) => {
+        let (h, k, cap) = (self.cfg.hidden, self.cfg.top_k, self.cfg.capacity);
+        let is_src = self.cfg.topology.attention_index(rank).is_some();
+        let (tokens, local) = match input {
+            Feed::Device(Some(b)) if is_src => {
                 // rows beyond the capacity are not copied (the round is rejected anyway)
                 let n = b.tokens.min(cap);
                 let d = self.device.as_mut().expect("checked");
@@ -1073,67 +1076,40 @@ impl FusedEngine {
                     copy_dtod(&self.gpu, &mut s.idx, b.idx, n * k)?;
                     copy_dtod(&self.gpu, &mut s.w, b.weights, n * k)?;
                 }
-                u32::try_from(b.tokens).unwrap_or(u32::MAX)
+                (u32::try_from(b.tokens).unwrap_or(u32::MAX), None)
             }
-            (true, Feed::Host(Some(inp))) => {
-                let t = inp.routes.tokens;
-                let shaped = inp.routes.top_k == k
-                    && inp.routes.idx.len() == t * k
-                    && inp.routes.weights.len() == t * k
-                    && inp.x.len() == t * h;
-                if !shaped {
-                    local = Some(ExchangeError::Input {
-                        rank,
-                        what: format!(
-                            "input of {t} tokens: {} rows values, {} ids, {} weights, top-k {} \
-                             (hidden {h}, top-k {k})",
-                            inp.x.len(),
-                            inp.routes.idx.len(),
-                            inp.routes.weights.len(),
-                            inp.routes.top_k
-                        ),
-                    });
-                    u32::MAX
-                } else {
-                    // rows beyond the capacity are not copied (the round is rejected anyway)
-                    let n = t.min(cap);
+            Feed::Device(Some(_)) => {
+                let e = ExchangeError::Input {
+                    rank,
+                    what: "an FFN-only rank was given input".into(),
+                };
+                (0, Some(e))
+            }
+            Feed::Device(None) => {
+                let (t, _, l) = self.input_tokens(None);
+                (t, l)
+            }
+            Feed::Host(inp) => {
+                let (t, n, l) = self.input_tokens(inp);
+                if n > 0 {
+                    let inp = inp.expect("rows to copy come from an input");
                     let d = self.device.as_mut().expect("checked");
                     let s = d.src.as_mut().expect("a source has source buffers");
                     let stream = self.gpu.stream();
-                    if n > 0 {
-                        stream
-                            .memcpy_htod(&inp.x[..n * h], &mut s.x)
-                            .map_err(KernelError::driver("copying the rows"))?;
-                        stream
-                            .memcpy_htod(&inp.routes.idx[..n * k], &mut s.idx)
-                            .map_err(KernelError::driver("copying the routes"))?;
-                        stream
-                            .memcpy_htod(&inp.routes.weights[..n * k], &mut s.w)
-                            .map_err(KernelError::driver("copying the weights"))?;
-                    }
-                    u32::try_from(t).unwrap_or(u32::MAX)
+                    stream
+                        .memcpy_htod(&inp.x[..n * h], &mut s.x)
+                        .map_err(KernelError::driver("copying the rows"))?;
+                    stream
+                        .memcpy_htod(&inp.routes.idx[..n * k], &mut s.idx)
+                        .map_err(KernelError::driver("copying the routes"))?;
+                    stream
+                        .memcpy_htod(&inp.routes.weights[..n * k], &mut s.w)
+                        .map_err(KernelError::driver("copying the weights"))?;
                 }
+                (t, l)
             }
-            (true, Feed::Host(None) | Feed::Device(None)) => {
-                local = Some(ExchangeError::Input {
-                    rank,
-                    what: "an attention rank was given no input".into(),
-                });
-                u32::MAX
-            }
-            (false, Feed::Host(Some(_)) | Feed::Device(Some(_))) => {
-                local = Some(ExchangeError::Input {
-                    rank,
-                    what: "an FFN-only rank was given input".into(),
-                });
-                0
-            }
-            (false, Feed::Host(None) | Feed::Device(None)) => 0,
         };
-        let request = match arm {
-            RoundArm::Fixed(a) => arm_code(a),
-            RoundArm::Auto => self.arm.map_or(fr::arm::AUTO, arm_code),
-        };
+        let request = self.arm_request(arm);
         // the token count and the request are adjacent words (CTL_ARM_REQUEST = CTL_TOKENS + 1),
         // each written by a memset of its value (no host buffer: nothing to wait for)
         bind(&self.gpu)?;
@@ -1146,35 +1122,7 @@ impl FusedEngine {
                 .result()
                 .map_err(KernelError::driver("writing the token count"))?;
         }
-        if self.poison {
-            let d = self.device.as_mut().expect("checked");
-            if let Some(s) = d.src.as_mut() {
-                poison(&self.gpu, &mut s.out)?;
-            }
-            if let Some(f) = d.ffn.as_mut() {
-                poison(&self.gpu, &mut f.y)?;
-                if let Some(snap) = f.snapshot.as_mut() {
-                    poison(&self.gpu, snap)?;
-                }
-            }
-            if cfg.topology.ffn_index(rank).is_some() {
-                // the whole expanded area (fp8: and its codes and scales)
-                self.poison_expanded(self.geo.exp_rows)?;
-                if matches!(
-                    arm,
-                    RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
-                ) {
-                    // the source arm's slab rows hold metadata only (the other arms rewrite
-                    // them whole); every store into them follows this rank's status record of
-                    // the round (afdep_round_begin), so poisoning them here races with nothing
-                    let slab = self.geo.slab();
-                    let first = cfg.topology.attention_ranks().start as u64;
-                    let n = cfg.topology.attention_count() as u64;
-                    let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
-                    self.poison_ws(off, n * u64::from(slab.cap) * slab.row_bytes)?;
-                }
-            }
-        }
+        self.poison_round(arm)?;
         // a host feed's pageable copies complete here; a device feed is only queued (round
         // timing's barrier, which follows, needs no wait: the events are on the stream)
         if matches!(input, Feed::Host(_)) {
@@ -1183,12 +1131,116 @@ impl FusedEngine {
         Ok(local)
     }
 
+    /// The control block's token count of a round with `input` on this rank, the number of
+    /// rows (and their routes) to copy to the device, and the caller's error to return after
+    /// the round: a source whose input does not fit its shape (or that has none) gets its
+    /// error back and a token count above the capacity, so that every rank rejects the round
+    /// (over capacity) instead of waiting for it; an FFN-only rank given input gets its error
+    /// and takes part with no tokens. Rows beyond the capacity are not copied (the round is
+    /// rejected anyway).
+    pub(super) fn input_tokens(
+        &self,
+        input: Option<&SourceInput>,
+    ) -> (u32, usize, Option<ExchangeError>) {
+        let rank = self.rank();
+        let cfg = &self.cfg;
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let is_src = cfg.topology.attention_index(rank).is_some();
+        match (is_src, input) {
+            (true, Some(inp)) => {
+                let t = inp.routes.tokens;
+                let shaped = inp.routes.top_k == k
+                    && inp.routes.idx.len() == t * k
+                    && inp.routes.weights.len() == t * k
+                    && inp.x.len() == t * h;
+                if shaped {
+                    (u32::try_from(t).unwrap_or(u32::MAX), t.min(cap), None)
+                } else {
+                    let e = ExchangeError::Input {
+                        rank,
+                        what: format!(
+                            "input of {t} tokens: {} rows values, {} ids, {} weights, top-k {} \
+                             (hidden {h}, top-k {k})",
+                            inp.x.len(),
+                            inp.routes.idx.len(),
+                            inp.routes.weights.len(),
+                            inp.routes.top_k
+                        ),
+                    };
+                    (u32::MAX, 0, Some(e))
+                }
+            }
+            (true, None) => {
+                let e = ExchangeError::Input {
+                    rank,
+                    what: "an attention rank was given no input".into(),
+                };
+                (u32::MAX, 0, Some(e))
+            }
+            (false, Some(_)) => {
+                let e = ExchangeError::Input {
+                    rank,
+                    what: "an FFN-only rank was given input".into(),
+                };
+                (0, 0, Some(e))
+            }
+            (false, None) => (0, 0, None),
+        }
+    }
+
+    /// The control block's arm request of a round of `arm`: the fixed arm, or under
+    /// [`RoundArm::Auto`] the arm of [`FusedEngine::set_arm`], else "auto".
+    pub(super) fn arm_request(&self, arm: RoundArm) -> u32 {
+        match arm {
+            RoundArm::Fixed(a) => arm_code(a),
+            RoundArm::Auto => self.arm.map_or(fr::arm::AUTO, arm_code),
+        }
+    }
+
+    /// With poisoning on ([`FusedEngine::set_poison`]), queues on this rank's stream the
+    /// poisoning of a device round's outputs: the source's output, the FFN rank's expert
+    /// outputs, snapshot and whole expanded area (fp8: and its codes and scales), and, in a
+    /// round that may take the source arm, the sources' slab rows (metadata only in that arm).
+    /// Every store into them follows this rank's status record of the round
+    /// (`afdep_round_begin`, later on this stream), so the poisoning races with nothing.
+    pub(super) fn poison_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
+        if !self.poison {
+            return Ok(());
+        }
+        let rank = self.rank();
+        let cfg = &self.cfg;
+        let d = self.device.as_mut().expect("checked by the caller");
+        if let Some(s) = d.src.as_mut() {
+            poison(&self.gpu, &mut s.out)?;
+        }
+        if let Some(f) = d.ffn.as_mut() {
+            poison(&self.gpu, &mut f.y)?;
+            if let Some(snap) = f.snapshot.as_mut() {
+                poison(&self.gpu, snap)?;
+            }
+        }
+        if cfg.topology.ffn_index(rank).is_some() {
+            self.poison_expanded(self.geo.exp_rows)?;
+            if matches!(
+                arm,
+                RoundArm::Fixed(DispatchArm::CountFirstSource) | RoundArm::Auto
+            ) {
+                let slab = self.geo.slab();
+                let first = cfg.topology.attention_ranks().start as u64;
+                let n = cfg.topology.attention_count() as u64;
+                let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
+                self.poison_ws(off, n * u64::from(slab.cap) * slab.row_bytes)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The launches of one device round on this rank's stream ([module docs](self)): no host
     /// value that changes from round to round, no allocation, no synchronisation. A kernel
     /// that belongs to some arms only is launched when the round may take one of them, with the
     /// control block when the round takes no other arm, else with the gate of its arms among
     /// the round's ([`arm_gate`]).
-    fn launch_device_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
+    pub(super) fn launch_device_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
         let rank = self.rank();
         let cfg = &self.cfg;
         let topo = cfg.topology;
@@ -1358,48 +1410,12 @@ impl FusedEngine {
         self.gpu.take_fault()?;
         let ctl: Vec<u32> = bytemuck::pod_collect_to_vec(&self.read_ws(CONTROL, 4 * CTL_WORDS)?);
         // the arm the device took (every rank the same, also in a rejected round)
-        let taken = arm_of_code(ctl[CTL_ARM]).ok_or_else(|| ExchangeError::Input {
-            rank,
-            what: format!(
-                "device round arm code {} without a recorded fault",
-                ctl[CTL_ARM]
-            ),
-        })?;
+        let taken = taken_arm(rank, &ctl)?;
         self.last_arm = taken;
         if let Some(e) = local {
             return Err(e);
         }
-        match ctl[CTL_VERDICT] {
-            fr::verdict::GO => {}
-            fr::verdict::ARMS_DIFFER => {
-                return Err(ExchangeError::ArmsDiffer {
-                    rank,
-                    first: request_of_code(ctl[CTL_ROUTE + 1]),
-                    peer: ctl[CTL_ROUTE] as usize,
-                    other: request_of_code(ctl[CTL_ROUTE + 2]),
-                });
-            }
-            fr::verdict::REJECTED => {
-                let word: [u32; afdep_core::error::ROUTE_ERROR_WORDS] = ctl
-                    [CTL_ROUTE..CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS]
-                    .try_into()
-                    .expect("sized");
-                let error = RouteError::from_word(word).unwrap_or(RouteError::Malformed {
-                    rank: word[1] as usize,
-                    what: format!("unknown error class {}", word[0]),
-                });
-                return Err(ExchangeError::Route {
-                    reporter: rank,
-                    error,
-                });
-            }
-            v => {
-                return Err(ExchangeError::Input {
-                    rank,
-                    what: format!("device round verdict {v} without a recorded fault"),
-                });
-            }
-        }
+        verdict(rank, &ctl)?;
         let cfg = self.cfg.clone();
         let d = self.device.as_ref().expect("checked");
         let combined = match (d.src.as_ref(), input) {
@@ -1441,6 +1457,52 @@ impl FusedEngine {
             received,
             times,
         })
+    }
+}
+
+/// The arm a device round took, from its control block `ctl` after the round (every rank the
+/// same, also in a rejected round); a code that names no arm without a recorded fault is an
+/// [`ExchangeError::Input`].
+pub(super) fn taken_arm(rank: usize, ctl: &[u32]) -> Result<DispatchArm, ExchangeError> {
+    arm_of_code(ctl[CTL_ARM]).ok_or_else(|| ExchangeError::Input {
+        rank,
+        what: format!(
+            "device round arm code {} without a recorded fault",
+            ctl[CTL_ARM]
+        ),
+    })
+}
+
+/// The verdict of a device round from its control block `ctl` after the round: go, or the
+/// error every rank returns ([`ExchangeError::Route`] with the lowest rejecting rank's error,
+/// [`ExchangeError::ArmsDiffer`]).
+pub(super) fn verdict(rank: usize, ctl: &[u32]) -> Result<(), ExchangeError> {
+    match ctl[CTL_VERDICT] {
+        fr::verdict::GO => Ok(()),
+        fr::verdict::ARMS_DIFFER => Err(ExchangeError::ArmsDiffer {
+            rank,
+            first: request_of_code(ctl[CTL_ROUTE + 1]),
+            peer: ctl[CTL_ROUTE] as usize,
+            other: request_of_code(ctl[CTL_ROUTE + 2]),
+        }),
+        fr::verdict::REJECTED => {
+            let word: [u32; afdep_core::error::ROUTE_ERROR_WORDS] = ctl
+                [CTL_ROUTE..CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS]
+                .try_into()
+                .expect("sized");
+            let error = RouteError::from_word(word).unwrap_or(RouteError::Malformed {
+                rank: word[1] as usize,
+                what: format!("unknown error class {}", word[0]),
+            });
+            Err(ExchangeError::Route {
+                reporter: rank,
+                error,
+            })
+        }
+        v => Err(ExchangeError::Input {
+            rank,
+            what: format!("device round verdict {v} without a recorded fault"),
+        }),
     }
 }
 

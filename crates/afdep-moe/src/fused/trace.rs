@@ -79,23 +79,40 @@ impl Tracer {
             .memcpy_dtoh(&self.stamps, &mut host)
             .map_err(KernelError::driver("reading the trace stamps"))?;
         gpu.synchronize()?;
-        let stamps = &host[..n];
-        if let Some(i) = stamps.iter().position(|&t| t == 0) {
-            return Err(KernelError::Unsupported(format!(
-                "rank {rank}: trace stamp {i} of {n} was not written"
-            )));
-        }
-        if let Some(i) = stamps.windows(2).position(|w| w[1] < w[0]) {
-            return Err(KernelError::Unsupported(format!(
-                "rank {rank}: trace stamp {} runs backwards ({} after {})",
-                i + 1,
-                stamps[i + 1],
-                stamps[i]
-            )));
-        }
-        self.last = Some(spans_of(rank, &self.order, stamps));
+        self.last = Some(checked(rank, &self.order, &host[..n])?);
         Ok(())
     }
+
+    /// The device address of the stamp buffer ([`SLOTS`] u64).
+    pub(super) fn stamps_address(&self, gpu: &GpuContext) -> u64 {
+        let (p, _guard) =
+            afdep_kernels::cudarc::driver::DevicePtr::device_ptr(&self.stamps, gpu.stream());
+        p
+    }
+}
+
+/// The timeline of `rank`'s round from its `stamps` (one more than `order` has phases): a
+/// missing (zero) or decreasing stamp is an error (a launch that did not run).
+pub(super) fn checked(
+    rank: usize,
+    order: &[TracePhase],
+    stamps: &[u64],
+) -> Result<RoundTrace, KernelError> {
+    let n = stamps.len();
+    if let Some(i) = stamps.iter().position(|&t| t == 0) {
+        return Err(KernelError::Unsupported(format!(
+            "rank {rank}: trace stamp {i} of {n} was not written"
+        )));
+    }
+    if let Some(i) = stamps.windows(2).position(|w| w[1] < w[0]) {
+        return Err(KernelError::Unsupported(format!(
+            "rank {rank}: trace stamp {} runs backwards ({} after {})",
+            i + 1,
+            stamps[i + 1],
+            stamps[i]
+        )));
+    }
+    Ok(spans_of(rank, order, stamps))
 }
 
 /// With tracing on, the end stamp of `phase` (nothing when `t` is off or absent).
