@@ -96,8 +96,8 @@ use tracing::{debug, warn};
 use ucx_rs::sys;
 
 use crate::{
-    Bootstrap, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    concat_gathered, framed_all_to_all_v,
+    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_gathered,
+    framed_all_to_all_v,
 };
 
 const OK: u8 = 0;
