@@ -3,9 +3,11 @@
 
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::fmt::Debug;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
-use afdep_transport::{Span, Transport, TransportBuffer, TransportError};
+use afdep_transport::{Bootstrap, Span, Transport, TransportBuffer, TransportError};
 
 /// A timeout long enough never to fire in a passing test.
 pub const LONG: Duration = Duration::from_secs(10);
@@ -28,6 +30,55 @@ where
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
+}
+
+/// 127.0.0.1 on a port the system picks.
+pub fn localhost0() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// Listens for a bootstrap group of `world` ranks on an ephemeral port and runs
+/// `f(rank, bootstrap)` on the threads of ranks `0..started` (the others are never started);
+/// `f` gets the accept/connect error of its rank if forming failed. Results in rank order.
+pub fn bootstrap_ranks<R: Send>(
+    world: usize,
+    started: usize,
+    timeout: Duration,
+    f: impl Fn(usize, Result<Bootstrap, TransportError>) -> R + Sync,
+) -> Vec<R> {
+    let listener = Bootstrap::listen(localhost0(), world, timeout).unwrap();
+    let addr = listener.local_addr();
+    assert_ne!(addr.port(), 0);
+    let mut listener = Some(listener);
+    let slots: Vec<_> = (0..started)
+        .map(|r| if r == 0 { listener.take() } else { None })
+        .collect();
+    on_ranks(slots, |r, l| {
+        let boot = match l {
+            Some(l) => l.accept(),
+            None => Bootstrap::connect(addr, r, world, timeout),
+        };
+        f(r, boot)
+    })
+}
+
+/// Asserts that less than `limit` has passed since `t0`.
+pub fn assert_within(t0: Instant, limit: Duration) {
+    assert!(t0.elapsed() < limit, "took {:?}", t0.elapsed());
+}
+
+/// Asserts that every rank's result is a timeout of that rank naming rank `peer`.
+pub fn assert_timeouts_naming<T: Debug>(out: Vec<Result<T, TransportError>>, peer: usize) {
+    for (r, res) in out.into_iter().enumerate() {
+        match res {
+            Err(TransportError::Timeout {
+                rank,
+                peer: Some(p),
+                ..
+            }) if p == peer => assert_eq!(rank, r),
+            other => panic!("rank {r}: expected a timeout naming rank {peer}, got {other:?}"),
+        }
+    }
 }
 
 /// The byte at `i` of what `src` sends `dst` in round `round`.
