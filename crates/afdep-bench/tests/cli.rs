@@ -13,11 +13,11 @@ use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
+mod common;
+use common::{fails, rows_of, run};
+
 fn afdep(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep");
+    let out = run(args);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -218,23 +218,12 @@ fn exchange_round_trip_over_tcp_matches_the_oracle() {
 
 #[test]
 fn bad_input_gives_an_error_not_a_panic() {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(["exchange", "--backend", "cpu", "--topology", "3A:0F"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = afdep_fails(&["exchange", "--backend", "cpu", "--topology", "3A:0F"]);
     assert!(err.contains("3A:0F"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 fn afdep_fails(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep");
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "afdep {args:?} succeeded");
+    let err = fails(args);
     assert!(!err.contains("panicked"), "afdep {args:?} panicked:\n{err}");
     err
 }
@@ -252,6 +241,21 @@ const SMALL: [&str; 10] = [
     "32",
 ];
 
+/// One expert per token, no shared expert, no renormalization, wider than [`SMALL`].
+const NARROW: [&str; 11] = [
+    "--d-model",
+    "64",
+    "--width",
+    "32",
+    "--experts",
+    "16",
+    "--top-k",
+    "1",
+    "--shared",
+    "0",
+    "--no-renormalize",
+];
+
 fn small_shape() -> LayerShape {
     LayerShape {
         d_model: 32,
@@ -261,13 +265,6 @@ fn small_shape() -> LayerShape {
         shared: 32,
         renormalize: true,
     }
-}
-
-fn rows_of(text: &str) -> Vec<serde_json::Value> {
-    text.lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[test]
@@ -956,24 +953,7 @@ fn the_torch_peer_computes_the_oracles_function() {
     let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(rows[0]["status"], "ok", "{}", rows[0]);
     assert!(rows[0]["host_syncs"].as_u64().unwrap() >= 2, "{}", rows[0]);
-    peer_matches_the_oracle(
-        &py,
-        "moe_torch.py",
-        &["--device", "cpu"],
-        &[
-            "--d-model",
-            "64",
-            "--width",
-            "32",
-            "--experts",
-            "16",
-            "--top-k",
-            "1",
-            "--shared",
-            "0",
-            "--no-renormalize",
-        ],
-    );
+    peer_matches_the_oracle(&py, "moe_torch.py", &["--device", "cpu"], &NARROW);
 }
 
 #[test]
@@ -982,24 +962,7 @@ fn the_jax_peer_computes_the_oracles_function() {
         return;
     };
     peer_matches_the_oracle(&py, "moe_jax.py", &["--platform", "cpu"], &SMALL);
-    peer_matches_the_oracle(
-        &py,
-        "moe_jax.py",
-        &["--platform", "cpu"],
-        &[
-            "--d-model",
-            "64",
-            "--width",
-            "32",
-            "--experts",
-            "16",
-            "--top-k",
-            "1",
-            "--shared",
-            "0",
-            "--no-renormalize",
-        ],
-    );
+    peer_matches_the_oracle(&py, "moe_jax.py", &["--platform", "cpu"], &NARROW);
 }
 
 /// `peers/run_suite.sh` end to end on the CPU: a bundle whose `bin/afdep` runs this build (the
