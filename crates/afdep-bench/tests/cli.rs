@@ -978,6 +978,7 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
     std::fs::create_dir_all(b.join("peers")).unwrap();
     for f in [
         "run_suite.sh",
+        "bundle_setup.sh",
         "moe_torch.py",
         "moe_inputs.py",
         "moe_jax.py",
