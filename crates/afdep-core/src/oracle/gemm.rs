@@ -137,23 +137,7 @@ pub fn matmul<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
-    let beta = if accumulate { T::ONE } else { T::ZERO };
-    T::gemm_raw(
-        m,
-        k,
-        n,
-        T::ONE,
-        a,
-        k as isize,
-        1,
-        b,
-        n as isize,
-        1,
-        beta,
-        c,
-        n as isize,
-        1,
-    );
+    matmul_strided(m, k, n, a, row_major(k), b, row_major(n), c, accumulate);
 }
 
 /// `C[m×n] (+)= A[m×k] · Bᵀ` where B is stored row-major as n × k.
@@ -166,6 +150,34 @@ pub fn matmul_bt<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
+    matmul_strided(m, k, n, a, row_major(k), b, col_major(k), c, accumulate);
+}
+
+/// The (row, column) strides of a row-major matrix of `cols` columns.
+fn row_major(cols: usize) -> (isize, isize) {
+    (cols as isize, 1)
+}
+
+/// The (row, column) strides of a column-major matrix of `rows` rows (a row-major one of `rows`
+/// columns, transposed).
+fn col_major(rows: usize) -> (isize, isize) {
+    (1, rows as isize)
+}
+
+/// `C[m×n] (+)= A · B` with C row-major and contiguous, A's element (i, l) at
+/// `i·a_strides.0 + l·a_strides.1` and B's (l, j) at `l·b_strides.0 + j·b_strides.1`.
+#[allow(clippy::too_many_arguments)]
+fn matmul_strided<T: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    a_strides: (isize, isize),
+    b: &[T],
+    b_strides: (isize, isize),
+    c: &mut [T],
+    accumulate: bool,
+) {
     let beta = if accumulate { T::ONE } else { T::ZERO };
     T::gemm_raw(
         m,
@@ -173,11 +185,11 @@ pub fn matmul_bt<T: Real>(
         n,
         T::ONE,
         a,
-        k as isize,
-        1,
+        a_strides.0,
+        a_strides.1,
         b,
-        1,
-        k as isize,
+        b_strides.0,
+        b_strides.1,
         beta,
         c,
         n as isize,
@@ -195,23 +207,7 @@ pub fn matmul_at<T: Real>(
     c: &mut [T],
     accumulate: bool,
 ) {
-    let beta = if accumulate { T::ONE } else { T::ZERO };
-    T::gemm_raw(
-        m,
-        k,
-        n,
-        T::ONE,
-        a,
-        1,
-        m as isize,
-        b,
-        n as isize,
-        1,
-        beta,
-        c,
-        n as isize,
-        1,
-    );
+    matmul_strided(m, k, n, a, col_major(m), b, row_major(n), c, accumulate);
 }
 
 #[cfg(test)]
