@@ -172,48 +172,25 @@ impl Loopback {
         self.seq += 1;
         debug!(rank = me, seq, op, "loopback op");
 
+        let letter = |body| Letter { op, body };
         let mut st = self.hub.lock();
         let local_err = match out {
             Ok(Outgoing::Same(bytes)) => {
                 for p in (0..world).filter(|&p| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Shared(bytes.clone()),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Shared(bytes.clone())));
                 }
                 None
             }
             Ok(Outgoing::PerPeer(per)) => {
                 for (p, bytes) in per.into_iter().enumerate().filter(|&(p, _)| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Owned(bytes),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Owned(bytes)));
                 }
                 None
             }
             Err(e) => {
                 let why: Arc<str> = Arc::from(e.to_string());
                 for p in (0..world).filter(|&p| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Abort(why.clone()),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Abort(why.clone())));
                 }
                 Some(e)
             }
