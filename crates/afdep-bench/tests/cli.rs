@@ -1006,26 +1006,30 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
         .unwrap_or_else(|| std::env::var("AFDEP_PEER_PYTHON").unwrap_or("python3".into()));
     let out = dir.path().join("out");
     let work = dir.path().join("work");
-    let o = Command::new("bash")
-        .arg(b.join("peers/run_suite.sh"))
-        .arg(&b)
-        .arg(&out)
-        .args([
-            "--suite",
-            "record",
-            "--tokens",
-            "16",
-            "--backend",
-            "cpu",
-            "--iters",
-            "1",
-        ])
-        .args(["--torch-impls", "eager", "--python", &py, "--work"])
-        .arg(&work)
-        .args(["--peers", if torch.is_some() { "torch" } else { "none" }])
-        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
-        .output()
-        .unwrap();
+    // the record shape at 16 tokens on the CPU, then `extra`
+    let suite = |extra: &[&str]| {
+        Command::new("bash")
+            .arg(b.join("peers/run_suite.sh"))
+            .arg(&b)
+            .arg(&out)
+            .args(["--suite", "record", "--tokens", "16", "--backend", "cpu"])
+            .args(extra)
+            .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
+            .output()
+            .unwrap()
+    };
+    let o = suite(&[
+        "--iters",
+        "1",
+        "--torch-impls",
+        "eager",
+        "--python",
+        &py,
+        "--work",
+        work.to_str().unwrap(),
+        "--peers",
+        if torch.is_some() { "torch" } else { "none" },
+    ]);
     let log = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{log}");
     let afdep_rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
@@ -1054,24 +1058,7 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
     assert!(log.contains("record, 16 tokens: afdep rc=0"), "{log}");
 
     // a spent budget: the cell is not run, its row says so, the report is still written
-    let o = Command::new("bash")
-        .arg(b.join("peers/run_suite.sh"))
-        .arg(&b)
-        .arg(&out)
-        .args([
-            "--suite",
-            "record",
-            "--tokens",
-            "16",
-            "--backend",
-            "cpu",
-            "--budget",
-            "0",
-        ])
-        .args(["--peers", "none"])
-        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
-        .output()
-        .unwrap();
+    let o = suite(&["--budget", "0", "--peers", "none"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
     assert_eq!(rows.len(), 1);
