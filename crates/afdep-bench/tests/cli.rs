@@ -901,22 +901,21 @@ fn the_torch_peer_computes_the_oracles_function() {
     ];
     args.extend(SMALL);
     afdep(&args);
-    let out = Command::new(&py)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .arg(peers_dir().join("moe_torch.py"))
-        .args([
-            "--inputs",
-            d,
-            "--device",
-            "cpu",
-            "--iters",
-            "1",
-            "--warmups",
-            "0",
-        ])
-        .args(["--check-syncs", "--debug-inject-sync", "--no-oracle"])
-        .output()
-        .unwrap();
+    // the torch peer on the CPU on those inputs, `iters` timed runs, then `extra`
+    let torch_peer = |iters: &str, extra: &[&str]| {
+        Command::new(&py)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .arg(peers_dir().join("moe_torch.py"))
+            .args(["--inputs", d, "--device", "cpu", "--iters", iters])
+            .args(["--warmups", "0"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = torch_peer(
+        "1",
+        &["--check-syncs", "--debug-inject-sync", "--no-oracle"],
+    );
     let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["status"], "error", "{}", rows[0]);
@@ -929,27 +928,15 @@ fn the_torch_peer_computes_the_oracles_function() {
         rows[0]
     );
     // counted instead (the suite's mode): the row keeps its times and says how many
-    let out = Command::new(&py)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .arg(peers_dir().join("moe_torch.py"))
-        .args([
-            "--inputs",
-            d,
-            "--device",
-            "cpu",
-            "--iters",
-            "2",
-            "--warmups",
-            "0",
-        ])
-        .args([
+    let out = torch_peer(
+        "2",
+        &[
             "--check-syncs",
             "count",
             "--debug-inject-sync",
             "--no-oracle",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(rows[0]["status"], "ok", "{}", rows[0]);
     assert!(rows[0]["host_syncs"].as_u64().unwrap() >= 2, "{}", rows[0]);
