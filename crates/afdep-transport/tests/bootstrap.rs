@@ -11,11 +11,11 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use afdep_transport::{
-    Bootstrap, HandshakeFault, HostTcp, JobId, Span, Transport, TransportError, TransportKind,
+    Bootstrap, HandshakeFault, HostTcp, JobId, Transport, TransportError, TransportKind,
 };
 use common::{
-    LONG, a2a_round, assert_timeouts_naming, assert_within, bootstrap_ranks, gather_round,
-    localhost0, on_ranks,
+    LONG, a2a_round, assert_timeouts_naming, assert_within, bad_rounds, bootstrap_ranks,
+    check_bad_rounds, gather_round, localhost0, on_ranks,
 };
 
 /// Forms a group of `world` ranks on an ephemeral port and runs `f(rank, bootstrap)` on each
@@ -292,43 +292,11 @@ fn host_tcp_collectives_byte_for_byte() {
 fn host_tcp_survives_size_mismatches_and_invalid_arguments() {
     let out = group(3, LONG, |r, b| {
         let mut t = HostTcp::new(b.unwrap());
-        let send = t.alloc(8).unwrap();
-        let mut recv = t.alloc(8).unwrap();
-        let e = [Span::EMPTY; 3];
-        // rank 2 expects a byte from rank 0 that rank 0 does not send
-        let mut recv_spans = e;
-        if r == 2 {
-            recv_spans[0] = Span::new(0, 1);
-        }
-        let mismatch = t.all_to_all_v(&send, &e, &mut recv, &recv_spans);
-        // rank 1 passes two spans for three ranks
-        let invalid = if r == 1 {
-            t.all_to_all_v(&send, &e[..2], &mut recv, &e)
-        } else {
-            t.all_to_all_v(&send, &e, &mut recv, &e)
-        };
-        (mismatch, invalid, a2a_round(&mut t, 8))
+        let bad = bad_rounds(&mut t, r);
+        (bad, a2a_round(&mut t, 8))
     });
-    for (r, (mismatch, invalid, next)) in out.into_iter().enumerate() {
-        match (r, mismatch) {
-            (
-                2,
-                Err(TransportError::SizeMismatch {
-                    rank: 2,
-                    peer: 0,
-                    expected: 1,
-                    got: 0,
-                    ..
-                }),
-            ) => {}
-            (0 | 1, Ok(())) => {}
-            (_, other) => panic!("rank {r}: {other:?}"),
-        }
-        match (r, invalid) {
-            (1, Err(TransportError::InvalidArgument { rank: 1, .. })) => {}
-            (0 | 2, Err(TransportError::PeerFailed { peer: 1, .. })) => {}
-            (_, other) => panic!("rank {r}: {other:?}"),
-        }
+    for (r, (bad, next)) in out.into_iter().enumerate() {
+        check_bad_rounds("", r, bad);
         next.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }

@@ -170,3 +170,50 @@ pub fn gather_round<T: Transport>(t: &mut T, round: u64, len: u64) -> Result<(),
     }
     Ok(())
 }
+
+/// Results of [`bad_rounds`].
+pub type BadRounds = (Result<(), TransportError>, Result<(), TransportError>);
+
+/// Two bad all-to-all-v on rank `r` of three: in the first, rank 2 expects a byte from rank 0
+/// that rank 0 does not send; in the second, rank 1 passes two send spans for three ranks.
+pub fn bad_rounds<T: Transport>(t: &mut T, r: usize) -> BadRounds {
+    let send = t.alloc(8).unwrap();
+    let mut recv = t.alloc(8).unwrap();
+    let e = [Span::EMPTY; 3];
+    let mut recv_spans = e;
+    if r == 2 {
+        recv_spans[0] = Span::new(0, 1);
+    }
+    let mismatch = t.all_to_all_v(&send, &e, &mut recv, &recv_spans);
+    let invalid = if r == 1 {
+        t.all_to_all_v(&send, &e[..2], &mut recv, &e)
+    } else {
+        t.all_to_all_v(&send, &e, &mut recv, &e)
+    };
+    (mismatch, invalid)
+}
+
+/// Checks rank `r`'s [`bad_rounds`]: the mismatch fails rank 2 only, naming rank 0; the invalid
+/// arguments fail rank 1 and, as a peer failure naming rank 1, the others. `what` prefixes the
+/// panic messages.
+pub fn check_bad_rounds(what: &str, r: usize, (mismatch, invalid): BadRounds) {
+    match (r, mismatch) {
+        (
+            2,
+            Err(TransportError::SizeMismatch {
+                rank: 2,
+                peer: 0,
+                expected: 1,
+                got: 0,
+                ..
+            }),
+        ) => {}
+        (0 | 1, Ok(())) => {}
+        (_, other) => panic!("{what}rank {r}: {other:?}"),
+    }
+    match (r, invalid) {
+        (1, Err(TransportError::InvalidArgument { rank: 1, .. })) => {}
+        (0 | 2, Err(TransportError::PeerFailed { peer: 1, rank, .. })) => assert_eq!(rank, r),
+        (_, other) => panic!("{what}rank {r}: {other:?}"),
+    }
+}
