@@ -38,15 +38,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1" >&2; usage;;
   esac
 done
-afdep="$bundle/bin/afdep"
-peers="$bundle/peers"
-[ -x "$afdep" ] || { echo "$afdep is missing: build the bundle with cargo xtask gpu-test --bundle" >&2; exit 2; }
-[ -f "$peers/moe_torch.py" ] || { echo "$peers/moe_torch.py is missing from the bundle" >&2; exit 2; }
-mkdir -p "$out" || exit 2
-out=$(cd "$out" && pwd)
-made_work=0
-if [ -z "$work" ]; then work=$(mktemp -d "${TMPDIR:-/tmp}/afdep-moe-cmp.XXXXXX") || exit 2; made_work=1; fi
-mkdir -p "$work" || exit 2
+. "$(dirname "$0")/bundle_setup.sh"
+bundle_setup afdep-moe-cmp
 cleanup() { if [ $keep -eq 0 ] && [ $made_work -eq 1 ]; then rm -rf "$work"; fi; }
 trap cleanup EXIT
 log="$out/run.log"; : > "$log"
@@ -83,7 +76,7 @@ run_peer() { # name script impl
       say "$name, $t tokens: no inputs (afdep did not write them)"; continue
     fi
     before=$(wc -l < "$file"); s=$(date +%s)
-    timeout --kill-after=10 "$peer_timeout" "$python" "$peers/$script" --inputs "$work" \
+    timeout --kill-after=10 "$peer_timeout" "$python" "$peerdir/$script" --inputs "$work" \
       --afdep-outputs "$work" --tokens "$t" --iters "$iters" --json-out "$file" \
       > /dev/null 2> >(tee -a "$log" >&2)
     rc=$?

@@ -60,15 +60,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument $1" >&2; usage;;
   esac
 done
-afdep="$bundle/bin/afdep"
-peerdir="$bundle/peers"
-[ -x "$afdep" ] || { echo "$afdep is missing: build the bundle with cargo xtask gpu-test --bundle" >&2; exit 2; }
-[ -f "$peerdir/moe_torch.py" ] || { echo "$peerdir/moe_torch.py is missing from the bundle" >&2; exit 2; }
-mkdir -p "$out" || exit 2
-out=$(cd "$out" && pwd)
-made_work=0
-if [ -z "$work" ]; then work=$(mktemp -d "${TMPDIR:-/tmp}/afdep-suite.XXXXXX") || exit 2; made_work=1; fi
-mkdir -p "$work" || exit 2
+. "$(dirname "$0")/bundle_setup.sh"
+bundle_setup afdep-suite
 cleanup() { if [ $made_work -eq 1 ]; then rm -rf "$work"; fi; }
 trap cleanup EXIT
 log="$out/run.log"

@@ -13,11 +13,11 @@ use afdep_core::tensor::uniform_bf16;
 use afdep_core::{ExchangeConfig, LayerShape, bf16};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
+mod common;
+use common::{fails, rows_of, run};
+
 fn afdep(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep");
+    let out = run(args);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -218,23 +218,12 @@ fn exchange_round_trip_over_tcp_matches_the_oracle() {
 
 #[test]
 fn bad_input_gives_an_error_not_a_panic() {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(["exchange", "--backend", "cpu", "--topology", "3A:0F"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = afdep_fails(&["exchange", "--backend", "cpu", "--topology", "3A:0F"]);
     assert!(err.contains("3A:0F"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 fn afdep_fails(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep");
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "afdep {args:?} succeeded");
+    let err = fails(args);
     assert!(!err.contains("panicked"), "afdep {args:?} panicked:\n{err}");
     err
 }
@@ -252,6 +241,21 @@ const SMALL: [&str; 10] = [
     "32",
 ];
 
+/// One expert per token, no shared expert, no renormalization, wider than [`SMALL`].
+const NARROW: [&str; 11] = [
+    "--d-model",
+    "64",
+    "--width",
+    "32",
+    "--experts",
+    "16",
+    "--top-k",
+    "1",
+    "--shared",
+    "0",
+    "--no-renormalize",
+];
+
 fn small_shape() -> LayerShape {
     LayerShape {
         d_model: 32,
@@ -261,13 +265,6 @@ fn small_shape() -> LayerShape {
         shared: 32,
         renormalize: true,
     }
-}
-
-fn rows_of(text: &str) -> Vec<serde_json::Value> {
-    text.lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[test]
@@ -904,22 +901,21 @@ fn the_torch_peer_computes_the_oracles_function() {
     ];
     args.extend(SMALL);
     afdep(&args);
-    let out = Command::new(&py)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .arg(peers_dir().join("moe_torch.py"))
-        .args([
-            "--inputs",
-            d,
-            "--device",
-            "cpu",
-            "--iters",
-            "1",
-            "--warmups",
-            "0",
-        ])
-        .args(["--check-syncs", "--debug-inject-sync", "--no-oracle"])
-        .output()
-        .unwrap();
+    // the torch peer on the CPU on those inputs, `iters` timed runs, then `extra`
+    let torch_peer = |iters: &str, extra: &[&str]| {
+        Command::new(&py)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .arg(peers_dir().join("moe_torch.py"))
+            .args(["--inputs", d, "--device", "cpu", "--iters", iters])
+            .args(["--warmups", "0"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = torch_peer(
+        "1",
+        &["--check-syncs", "--debug-inject-sync", "--no-oracle"],
+    );
     let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0]["status"], "error", "{}", rows[0]);
@@ -932,48 +928,19 @@ fn the_torch_peer_computes_the_oracles_function() {
         rows[0]
     );
     // counted instead (the suite's mode): the row keeps its times and says how many
-    let out = Command::new(&py)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .arg(peers_dir().join("moe_torch.py"))
-        .args([
-            "--inputs",
-            d,
-            "--device",
-            "cpu",
-            "--iters",
-            "2",
-            "--warmups",
-            "0",
-        ])
-        .args([
+    let out = torch_peer(
+        "2",
+        &[
             "--check-syncs",
             "count",
             "--debug-inject-sync",
             "--no-oracle",
-        ])
-        .output()
-        .unwrap();
+        ],
+    );
     let rows = rows_of(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(rows[0]["status"], "ok", "{}", rows[0]);
     assert!(rows[0]["host_syncs"].as_u64().unwrap() >= 2, "{}", rows[0]);
-    peer_matches_the_oracle(
-        &py,
-        "moe_torch.py",
-        &["--device", "cpu"],
-        &[
-            "--d-model",
-            "64",
-            "--width",
-            "32",
-            "--experts",
-            "16",
-            "--top-k",
-            "1",
-            "--shared",
-            "0",
-            "--no-renormalize",
-        ],
-    );
+    peer_matches_the_oracle(&py, "moe_torch.py", &["--device", "cpu"], &NARROW);
 }
 
 #[test]
@@ -982,24 +949,7 @@ fn the_jax_peer_computes_the_oracles_function() {
         return;
     };
     peer_matches_the_oracle(&py, "moe_jax.py", &["--platform", "cpu"], &SMALL);
-    peer_matches_the_oracle(
-        &py,
-        "moe_jax.py",
-        &["--platform", "cpu"],
-        &[
-            "--d-model",
-            "64",
-            "--width",
-            "32",
-            "--experts",
-            "16",
-            "--top-k",
-            "1",
-            "--shared",
-            "0",
-            "--no-renormalize",
-        ],
-    );
+    peer_matches_the_oracle(&py, "moe_jax.py", &["--platform", "cpu"], &NARROW);
 }
 
 /// `peers/run_suite.sh` end to end on the CPU: a bundle whose `bin/afdep` runs this build (the
@@ -1015,6 +965,7 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
     std::fs::create_dir_all(b.join("peers")).unwrap();
     for f in [
         "run_suite.sh",
+        "bundle_setup.sh",
         "moe_torch.py",
         "moe_inputs.py",
         "moe_jax.py",
@@ -1042,26 +993,30 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
         .unwrap_or_else(|| std::env::var("AFDEP_PEER_PYTHON").unwrap_or("python3".into()));
     let out = dir.path().join("out");
     let work = dir.path().join("work");
-    let o = Command::new("bash")
-        .arg(b.join("peers/run_suite.sh"))
-        .arg(&b)
-        .arg(&out)
-        .args([
-            "--suite",
-            "record",
-            "--tokens",
-            "16",
-            "--backend",
-            "cpu",
-            "--iters",
-            "1",
-        ])
-        .args(["--torch-impls", "eager", "--python", &py, "--work"])
-        .arg(&work)
-        .args(["--peers", if torch.is_some() { "torch" } else { "none" }])
-        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
-        .output()
-        .unwrap();
+    // the record shape at 16 tokens on the CPU, then `extra`
+    let suite = |extra: &[&str]| {
+        Command::new("bash")
+            .arg(b.join("peers/run_suite.sh"))
+            .arg(&b)
+            .arg(&out)
+            .args(["--suite", "record", "--tokens", "16", "--backend", "cpu"])
+            .args(extra)
+            .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
+            .output()
+            .unwrap()
+    };
+    let o = suite(&[
+        "--iters",
+        "1",
+        "--torch-impls",
+        "eager",
+        "--python",
+        &py,
+        "--work",
+        work.to_str().unwrap(),
+        "--peers",
+        if torch.is_some() { "torch" } else { "none" },
+    ]);
     let log = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{log}");
     let afdep_rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
@@ -1090,24 +1045,7 @@ fn the_suite_script_runs_a_cell_its_peers_and_the_report() {
     assert!(log.contains("record, 16 tokens: afdep rc=0"), "{log}");
 
     // a spent budget: the cell is not run, its row says so, the report is still written
-    let o = Command::new("bash")
-        .arg(b.join("peers/run_suite.sh"))
-        .arg(&b)
-        .arg(&out)
-        .args([
-            "--suite",
-            "record",
-            "--tokens",
-            "16",
-            "--backend",
-            "cpu",
-            "--budget",
-            "0",
-        ])
-        .args(["--peers", "none"])
-        .env("AFDEP_REAL", env!("CARGO_BIN_EXE_afdep"))
-        .output()
-        .unwrap();
+    let o = suite(&["--budget", "0", "--peers", "none"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let rows = rows_of(&std::fs::read_to_string(out.join("afdep.jsonl")).unwrap());
     assert_eq!(rows.len(), 1);

@@ -2,7 +2,9 @@
 //! `afdep exchange-arms`, on the CPU: the staged engine over loopback and TCP stands in for
 //! the fused engine (payload-first and both count-first arms; the staged engine has payload-first only, so its count-first rows are `unsupported`).
 
-use std::process::{Command, Output};
+mod common;
+
+use common::{fails, rows_of, run, text};
 
 const SMALL: [&str; 14] = [
     "--hidden",
@@ -21,37 +23,11 @@ const SMALL: [&str; 14] = [
     "identity",
 ];
 
-fn afdep(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).to_string()
-}
-
-/// Runs afdep, which must fail; its stderr.
-fn refused(args: &[&str]) -> String {
-    let out = afdep(args);
-    assert!(!out.status.success(), "afdep {args:?} succeeded");
-    text(&out.stderr)
-}
-
-fn rows(stdout: &str) -> Vec<serde_json::Value> {
-    stdout
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
-
 fn ok(args: &[&str]) -> (Vec<serde_json::Value>, String) {
-    let out = afdep(args);
+    let out = run(args);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "afdep {args:?}:\n{stdout}\n{stderr}");
-    (rows(&stdout), stderr)
+    (rows_of(&stdout), stderr)
 }
 
 /// The runner over `transport`: payload-first runs in a child process per repeat, in rotated
@@ -187,13 +163,11 @@ fn arms_runner_refuses_bad_arguments() {
         &["exchange-arms", "--", "--arm", "payload-first"][..],
         &["exchange-arms", "--arms", "payload-first,payload-first"][..],
     ] {
-        let out = afdep(args);
-        let stderr = text(&out.stderr);
-        assert!(!out.status.success(), "{args:?}");
+        let stderr = fails(args);
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     // a child that fails for another reason stops the runner with its error
-    let stderr = refused(&[
+    let stderr = fails(&[
         "exchange-arms",
         "--arms",
         "payload-first",
@@ -232,7 +206,7 @@ fn unsupported_arms_and_payloads_exit_3_and_say_so() {
         // fp8 needs a multiple of 128 channels
         assert_eq!(args[9], "--hidden");
         args[10] = "128";
-        let out = afdep(&args);
+        let out = run(&args);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{value}: {stderr}");
         assert!(
@@ -258,7 +232,7 @@ fn the_staged_engine_moves_fp8_payloads() {
     args.extend(SMALL);
     let i = args.iter().position(|a| *a == "--hidden").unwrap();
     args[i + 1] = "256";
-    let out = afdep(&args);
+    let out = run(&args);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stderr}");
     let rows: Vec<serde_json::Value> = stdout
@@ -290,7 +264,7 @@ fn graph_mode_needs_the_cuda_backend() {
         ];
         args.extend(extra);
         args.extend(SMALL);
-        let out = afdep(&args);
+        let out = run(&args);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(
@@ -315,9 +289,7 @@ fn graph_mode_needs_the_cuda_backend() {
         "2",
     ];
     args.extend(SMALL);
-    let out = afdep(&args);
-    let stderr = text(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
+    let stderr = fails(&args);
     assert!(stderr.contains("needs --backend cuda"), "{stderr}");
 }
 
@@ -337,9 +309,7 @@ fn load_needs_device_rounds_and_a_good_spec() {
         let mut args = vec!["exchange", "--topology", "1A:1F", "--tokens", "2"];
         args.extend(extra);
         args.extend(SMALL);
-        let out = afdep(&args);
-        let stderr = text(&out.stderr);
-        assert!(!out.status.success(), "{args:?}: {stderr}");
+        let stderr = fails(&args);
         assert!(stderr.contains(why), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
@@ -371,12 +341,12 @@ fn fused_fp8_count_first_arms_are_passed_to_the_engine() {
         args.extend(SMALL);
         let i = args.iter().position(|a| *a == "--hidden").unwrap();
         args[i + 1] = "128";
-        let out = afdep(&args);
+        let out = run(&args);
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         assert_ne!(out.status.code(), Some(3), "{arm}: {stderr}");
         assert!(!stderr.contains("unsupported"), "{arm}: {stderr}");
         if out.status.success() {
-            let rows = rows(&stdout);
+            let rows = rows_of(&stdout);
             assert_eq!(rows.len(), 2, "{arm}: {stdout}");
             assert!(rows.iter().all(|r| r["status"] == "ok"), "{arm}: {stdout}");
         } else {
@@ -390,7 +360,7 @@ fn fused_fp8_count_first_arms_are_passed_to_the_engine() {
 
 #[test]
 fn the_fused_backend_needs_nvlink() {
-    let stderr = refused(&[
+    let stderr = fails(&[
         "exchange",
         "--backend",
         "cuda",
@@ -510,7 +480,7 @@ fn bad_config_files_name_the_field() {
     {
         let p = dir.path().join(format!("bad{i}.toml"));
         std::fs::write(&p, text_).unwrap();
-        let out = afdep(&[
+        let stderr = fails(&[
             "exchange",
             "--backend",
             "cpu",
@@ -519,14 +489,12 @@ fn bad_config_files_name_the_field() {
             "--tokens",
             "1",
         ]);
-        let stderr = text(&out.stderr);
-        assert!(!out.status.success(), "{text_}");
         assert!(!stderr.contains("panicked"), "{stderr}");
         assert!(
             stderr.contains(want) && stderr.contains(p.to_str().unwrap()),
             "{text_:?}: want {want:?} in {stderr}"
         );
     }
-    let stderr = refused(&["exchange", "--config", "/nonexistent/afdep.toml"]);
+    let stderr = fails(&["exchange", "--config", "/nonexistent/afdep.toml"]);
     assert!(stderr.contains("/nonexistent/afdep.toml"));
 }

@@ -12,17 +12,13 @@ use std::time::{Duration, Instant};
 
 use safetensors::{Dtype, tensor::TensorView};
 
+mod common;
+use common::{fails, run, text};
+
 fn afdep(args: &[&str]) -> (Output, Duration) {
     let t0 = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_afdep"))
-        .args(args)
-        .output()
-        .expect("running afdep");
+    let out = run(args);
     (out, t0.elapsed())
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
 }
 
 #[test]
@@ -193,16 +189,14 @@ fn launch_refuses_bad_arguments() {
         &["launch", "-n", "1", "--timeout", "-1", "--", "true"][..],
         &["launch", "-n", "1", "--", "/nonexistent/afdep-test-binary"][..],
     ] {
-        let (out, _) = afdep(args);
-        let stderr = text(&out.stderr);
-        assert!(!out.status.success(), "{args:?}: {stderr}");
+        let stderr = fails(args);
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
 
 #[test]
 fn multi_process_needs_the_launch_environment_and_a_process_transport() {
-    let (out, _) = afdep(&[
+    let stderr = fails(&[
         "exchange",
         "--backend",
         "cpu",
@@ -212,8 +206,6 @@ fn multi_process_needs_the_launch_environment_and_a_process_transport() {
         "--topology",
         "1A:1F",
     ]);
-    let stderr = text(&out.stderr);
-    assert!(!out.status.success());
     assert!(stderr.contains("afdep launch"), "{stderr}");
     let (out, _) = afdep(&[
         "exchange",
@@ -241,7 +233,7 @@ fn unavailable_transports_say_why() {
         cases.push(("nccl", "feature"));
     }
     for (t, why) in cases {
-        let (out, _) = afdep(&[
+        let stderr = fails(&[
             "exchange",
             "--backend",
             "cpu",
@@ -252,8 +244,6 @@ fn unavailable_transports_say_why() {
             "--tokens",
             "4",
         ]);
-        let stderr = text(&out.stderr);
-        assert!(!out.status.success(), "{t}");
         assert!(
             stderr.contains("unavailable") && stderr.contains(why),
             "{t}: {stderr}"

@@ -205,20 +205,7 @@ pub fn count_first_destinations(
     p: &ExpertPlacement,
     offsets: &[Vec<u64>],
 ) -> Vec<Option<Dest>> {
-    block_positions(routes, p)
-        .into_iter()
-        .zip(&routes.idx)
-        .map(|(pos, &e)| {
-            pos.map(|pos| {
-                let e = e as usize;
-                let f = p.owner(e).expect("validated");
-                Dest {
-                    ffn: f,
-                    row: offsets[f][p.local(e)] + pos,
-                }
-            })
-        })
-        .collect()
+    block_destinations(routes, p, offsets)
 }
 
 /// Where the rows of source `s` come back in combine: FFN rank `f` returns to `s` its blocks
@@ -232,6 +219,17 @@ pub fn return_positions(
     let starts: Vec<Vec<u64>> = (0..p.ffn_ranks)
         .map(|f| exclusive_prefix(counts.local(f, p)))
         .collect();
+    block_destinations(routes, p, &starts)
+}
+
+/// The row of every slot of a source in the buffers of its FFN ranks: the block of its expert
+/// starts at `starts[f][l]` on the owning FFN rank `f` (local expert `l`), plus the slot's block
+/// position.
+fn block_destinations(
+    routes: &Routes,
+    p: &ExpertPlacement,
+    starts: &[Vec<u64>],
+) -> Vec<Option<Dest>> {
     block_positions(routes, p)
         .into_iter()
         .zip(&routes.idx)

@@ -11,8 +11,8 @@
 use std::time::Duration;
 
 use crate::{
-    Bootstrap, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    check_spans, concat_gathered,
+    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_gathered,
+    framed_all_to_all_v,
 };
 
 const OK: u8 = 0;
@@ -120,48 +120,17 @@ impl Transport for HostTcp {
         recv_spans: &[Span],
     ) -> Result<(), TransportError> {
         const OP: &str = "all_to_all_v";
-        let (me, world) = (self.rank(), self.world_size());
-        let checked = check_spans(
-            OP,
-            me,
-            world,
-            send.len(),
+        let me = self.rank();
+        framed_all_to_all_v(
+            self,
+            send,
             send_spans,
-            recv.len(),
+            recv,
             recv_spans,
-        );
-        let out: Vec<Vec<u8>> = match &checked {
-            Ok(()) => (0..world)
-                .map(|p| {
-                    send.span(OP, Some(p), send_spans[p])
-                        .map(|b| with_status(OK, b))
-                })
-                .collect::<Result<_, _>>()?,
-            Err(e) => vec![with_status(FAILED, e.to_string().as_bytes()); world],
-        };
-        let got = self.boot.all_to_all(&out)?;
-        checked?;
-        let bodies = got
-            .iter()
-            .enumerate()
-            .map(|(p, b)| body_of(OP, me, p, b))
-            .collect::<Result<Vec<_>, _>>()?;
-        for (p, body) in bodies.iter().enumerate() {
-            if body.len() as u64 != recv_spans[p].len {
-                return Err(TransportError::SizeMismatch {
-                    op: OP,
-                    rank: me,
-                    peer: p,
-                    expected: recv_spans[p].len,
-                    got: body.len() as u64,
-                });
-            }
-        }
-        for (p, body) in bodies.into_iter().enumerate() {
-            recv.span_mut(OP, Some(p), recv_spans[p])?
-                .copy_from_slice(body);
-        }
-        Ok(())
+            |ok, b| with_status(if ok { OK } else { FAILED }, b),
+            |t, out| t.boot.all_to_all(&out),
+            |p, b| body_of(OP, me, p, b),
+        )
     }
 
     fn barrier(&mut self) -> Result<(), TransportError> {

@@ -509,6 +509,83 @@ pub fn check_spans(
     Ok(())
 }
 
+/// [`check_spans`] for an [`all_to_all_v`](Transport::all_to_all_v) on `t`, with the rank, world
+/// size and buffer lengths taken from `t` and the buffers.
+pub(crate) fn check_transfer<T: Transport + ?Sized>(
+    t: &T,
+    op: &'static str,
+    send: &T::Buffer,
+    send_spans: &[Span],
+    recv: &T::Buffer,
+    recv_spans: &[Span],
+) -> Result<(), TransportError> {
+    let (rank, world) = (t.rank(), t.world_size());
+    check_spans(
+        op,
+        rank,
+        world,
+        send.len(),
+        send_spans,
+        recv.len(),
+        recv_spans,
+    )
+}
+
+/// The [`all_to_all_v`](Transport::all_to_all_v) of the host transports that move one framed
+/// message per peer (TCP, UCX): checks the spans, sends every peer its span framed by `frame`
+/// (`true` for a contribution, `false` for this rank's argument error, sent to every peer so
+/// that none waits for it), exchanges the frames with `exchange`, and unframes the replies with
+/// `body_of` (a peer's failure comes before this rank's argument error's return, lowest rank
+/// first, and before any size mismatch). Nothing is written into `recv` unless every reply has
+/// the length of its receive span.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn framed_all_to_all_v<T: Transport<Buffer = HostBuffer> + ?Sized>(
+    t: &mut T,
+    send: &HostBuffer,
+    send_spans: &[Span],
+    recv: &mut HostBuffer,
+    recv_spans: &[Span],
+    frame: impl Fn(bool, &[u8]) -> Vec<u8>,
+    exchange: impl FnOnce(&mut T, Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, TransportError>,
+    body_of: impl for<'a> Fn(usize, &'a [u8]) -> Result<&'a [u8], TransportError>,
+) -> Result<(), TransportError> {
+    const OP: &str = "all_to_all_v";
+    let (me, world) = (t.rank(), t.world_size());
+    let checked = check_transfer(t, OP, send, send_spans, recv, recv_spans);
+    let out: Vec<Vec<u8>> = match &checked {
+        Ok(()) => (0..world)
+            .map(|p| {
+                send.span(OP, Some(p), send_spans[p])
+                    .map(|b| frame(true, b))
+            })
+            .collect::<Result<_, _>>()?,
+        Err(e) => vec![frame(false, e.to_string().as_bytes()); world],
+    };
+    let got = exchange(t, out)?;
+    checked?;
+    let bodies = got
+        .iter()
+        .enumerate()
+        .map(|(p, b)| body_of(p, b))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (p, body) in bodies.iter().enumerate() {
+        if body.len() as u64 != recv_spans[p].len {
+            return Err(TransportError::SizeMismatch {
+                op: OP,
+                rank: me,
+                peer: p,
+                expected: recv_spans[p].len,
+                got: body.len() as u64,
+            });
+        }
+    }
+    for (p, body) in bodies.into_iter().enumerate() {
+        recv.span_mut(OP, Some(p), recv_spans[p])?
+            .copy_from_slice(body);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,8 +52,7 @@ use std::time::{Duration, Instant};
 use tracing::debug;
 
 use crate::{
-    DEFAULT_TIMEOUT, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    check_spans,
+    DEFAULT_TIMEOUT, HostBuffer, Span, Transport, TransportError, TransportKind, check_transfer,
 };
 
 /// One rank of an in-process group; see the [module docs](self). Each is `Send`, to be moved
@@ -173,48 +172,25 @@ impl Loopback {
         self.seq += 1;
         debug!(rank = me, seq, op, "loopback op");
 
+        let letter = |body| Letter { op, body };
         let mut st = self.hub.lock();
         let local_err = match out {
             Ok(Outgoing::Same(bytes)) => {
                 for p in (0..world).filter(|&p| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Shared(bytes.clone()),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Shared(bytes.clone())));
                 }
                 None
             }
             Ok(Outgoing::PerPeer(per)) => {
                 for (p, bytes) in per.into_iter().enumerate().filter(|&(p, _)| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Owned(bytes),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Owned(bytes)));
                 }
                 None
             }
             Err(e) => {
                 let why: Arc<str> = Arc::from(e.to_string());
                 for p in (0..world).filter(|&p| p != me) {
-                    st.post(
-                        seq,
-                        me,
-                        p,
-                        Letter {
-                            op,
-                            body: Body::Abort(why.clone()),
-                        },
-                    );
+                    st.post(seq, me, p, letter(Body::Abort(why.clone())));
                 }
                 Some(e)
             }
@@ -461,27 +437,19 @@ impl Transport for Loopback {
         const OP: &str = "all_to_all_v";
         let me = self.rank;
         let world = self.hub.world;
-        let out = check_spans(
-            OP,
-            me,
-            world,
-            send.len(),
-            send_spans,
-            recv.len(),
-            recv_spans,
-        )
-        .and_then(|()| {
-            (0..world)
-                .map(|p| {
-                    if p == me {
-                        Ok(Vec::new())
-                    } else {
-                        Ok(send.span(OP, Some(p), send_spans[p])?.to_vec())
-                    }
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .map(Outgoing::PerPeer);
+        let out = check_transfer(self, OP, send, send_spans, recv, recv_spans)
+            .and_then(|()| {
+                (0..world)
+                    .map(|p| {
+                        if p == me {
+                            Ok(Vec::new())
+                        } else {
+                            Ok(send.span(OP, Some(p), send_spans[p])?.to_vec())
+                        }
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map(Outgoing::PerPeer);
         let expect = |p: usize| recv_spans.get(p).map_or(0, |s| s.len);
         let got = self.exchange(OP, out, &expect)?;
         // every size agrees before a byte of `recv` is written

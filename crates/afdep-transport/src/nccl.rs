@@ -65,8 +65,7 @@ use tracing::{debug, warn};
 
 use crate::device::DeviceBuffer;
 use crate::{
-    Bootstrap, Span, Transport, TransportBuffer, TransportError, TransportKind, check_spans,
-    concat_gathered,
+    Bootstrap, Span, Transport, TransportError, TransportKind, check_transfer, concat_gathered,
 };
 
 const KIND: TransportKind = TransportKind::Nccl;
@@ -856,15 +855,7 @@ impl Transport for Nccl {
         const OP: &str = "all_to_all_v";
         self.usable(OP)?;
         let (me, world) = (self.rank(), self.world_size());
-        let checked = check_spans(
-            OP,
-            me,
-            world,
-            send.len(),
-            send_spans,
-            recv.len(),
-            recv_spans,
-        );
+        let checked = check_transfer(self, OP, send, send_spans, recv, recv_spans);
         self.agree(OP, &checked, send_spans, recv_spans)?;
         self.ctx
             .bind_to_thread()

@@ -92,7 +92,7 @@ use tracing::debug;
 
 use crate::{
     Bootstrap, DEFAULT_TIMEOUT, HostTcp, Loopback, Span, Transport, TransportBuffer,
-    TransportError, TransportKind, check_spans,
+    TransportError, TransportKind, check_transfer,
 };
 
 const KIND: TransportKind = TransportKind::NvlinkIpc;
@@ -899,16 +899,7 @@ impl Transport for NvlinkIpc {
         let staging = flag_bytes(world) as u64;
 
         // 1. sizes
-        let local = check_spans(
-            OP,
-            me,
-            world,
-            send.len(),
-            send_spans,
-            recv.len(),
-            recv_spans,
-        )
-        .and_then(|()| {
+        let local = check_transfer(self, OP, send, send_spans, recv, recv_spans).and_then(|()| {
             let total: u64 = (0..world)
                 .filter(|&p| p != me)
                 .map(|p| recv_spans[p].len)

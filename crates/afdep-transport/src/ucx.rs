@@ -96,8 +96,8 @@ use tracing::{debug, warn};
 use ucx_rs::sys;
 
 use crate::{
-    Bootstrap, HostBuffer, Span, Transport, TransportBuffer, TransportError, TransportKind,
-    check_spans, concat_gathered,
+    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_gathered,
+    framed_all_to_all_v,
 };
 
 const OK: u8 = 0;
@@ -775,49 +775,20 @@ impl Transport for Ucx {
         recv_spans: &[Span],
     ) -> Result<(), TransportError> {
         const OP: &str = "all_to_all_v";
-        let (me, world) = (self.rank, self.world);
-        let checked = check_spans(
-            OP,
-            me,
-            world,
-            send.len(),
+        let me = self.rank;
+        framed_all_to_all_v(
+            self,
+            send,
             send_spans,
-            recv.len(),
+            recv,
             recv_spans,
-        );
-        let out: Vec<Vec<u8>> = match &checked {
-            Ok(()) => (0..world)
-                .map(|p| {
-                    send.span(OP, Some(p), send_spans[p])
-                        .map(|b| with_header(OK, Coll::AllToAllV, b))
-                })
-                .collect::<Result<_, _>>()?,
-            Err(e) => vec![with_header(FAILED, Coll::AllToAllV, e.to_string().as_bytes()); world],
-        };
-        let own = out[me].clone();
-        let got = self.exchange(OP, out, own)?;
-        checked?;
-        let bodies = got
-            .iter()
-            .enumerate()
-            .map(|(p, m)| body_of(OP, Coll::AllToAllV, me, p, m))
-            .collect::<Result<Vec<_>, _>>()?;
-        for (p, body) in bodies.iter().enumerate() {
-            if body.len() as u64 != recv_spans[p].len {
-                return Err(TransportError::SizeMismatch {
-                    op: OP,
-                    rank: me,
-                    peer: p,
-                    expected: recv_spans[p].len,
-                    got: body.len() as u64,
-                });
-            }
-        }
-        for (p, body) in bodies.into_iter().enumerate() {
-            recv.span_mut(OP, Some(p), recv_spans[p])?
-                .copy_from_slice(body);
-        }
-        Ok(())
+            |ok, b| with_header(if ok { OK } else { FAILED }, Coll::AllToAllV, b),
+            |t, out| {
+                let own = out[me].clone();
+                t.exchange(OP, out, own)
+            },
+            |p, m| body_of(OP, Coll::AllToAllV, me, p, m),
+        )
     }
 
     fn barrier(&mut self) -> Result<(), TransportError> {

@@ -11,13 +11,12 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use afdep_transport::{
-    Bootstrap, HandshakeFault, HostTcp, JobId, Span, Transport, TransportError, TransportKind,
+    Bootstrap, HandshakeFault, HostTcp, JobId, Transport, TransportError, TransportKind,
 };
-use common::{LONG, a2a_round, gather_round, on_ranks};
-
-fn localhost0() -> SocketAddr {
-    "127.0.0.1:0".parse().unwrap()
-}
+use common::{
+    LONG, a2a_round, assert_timeouts_naming, assert_within, bad_rounds, bootstrap_ranks,
+    check_bad_rounds, gather_round, localhost0, on_ranks,
+};
 
 /// Forms a group of `world` ranks on an ephemeral port and runs `f(rank, bootstrap)` on each
 /// rank's thread; `f` gets the connect/accept error of its rank if forming failed.
@@ -26,20 +25,7 @@ fn group<R: Send>(
     timeout: Duration,
     f: impl Fn(usize, Result<Bootstrap, TransportError>) -> R + Sync,
 ) -> Vec<R> {
-    let listener = Bootstrap::listen(localhost0(), world, timeout).unwrap();
-    let addr = listener.local_addr();
-    assert_ne!(addr.port(), 0);
-    let mut listener = Some(listener);
-    let slots: Vec<_> = (0..world)
-        .map(|r| if r == 0 { listener.take() } else { None })
-        .collect();
-    on_ranks(slots, |r, l| {
-        let boot = match l {
-            Some(l) => l.accept(),
-            None => Bootstrap::connect(addr, r, world, timeout),
-        };
-        f(r, boot)
-    })
+    bootstrap_ranks(world, world, timeout, f)
 }
 
 fn blob(round: usize, rank: usize) -> Vec<u8> {
@@ -107,32 +93,10 @@ fn other_ranks_may_start_before_rank_0() {
 fn a_rank_that_never_connects_is_named_by_everyone() {
     let timeout = Duration::from_millis(300);
     let t0 = Instant::now();
-    let listener = Bootstrap::listen(localhost0(), 4, timeout).unwrap();
-    let addr = listener.local_addr();
-    let mut listener = Some(listener);
     // rank 3 is never started
-    let slots: Vec<_> = (0..3)
-        .map(|r| if r == 0 { listener.take() } else { None })
-        .collect();
-    let out = on_ranks(slots, |r, l| match l {
-        Some(l) => l.accept().map(|_| ()),
-        None => Bootstrap::connect(addr, r, 4, timeout).map(|_| ()),
-    });
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "took {:?}",
-        t0.elapsed()
-    );
-    for (r, res) in out.into_iter().enumerate() {
-        match res {
-            Err(TransportError::Timeout {
-                rank,
-                peer: Some(3),
-                ..
-            }) => assert_eq!(rank, r),
-            other => panic!("rank {r}: expected a timeout naming rank 3, got {other:?}"),
-        }
-    }
+    let out = bootstrap_ranks(4, 3, timeout, |_, b| b.map(|_| ()));
+    assert_within(t0, Duration::from_secs(3));
+    assert_timeouts_naming(out, 3);
 }
 
 #[test]
@@ -149,11 +113,7 @@ fn a_rank_that_leaves_is_reported_as_gone_by_everyone() {
         let after = b.barrier();
         Some((first, after))
     });
-    assert!(
-        t0.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert_within(t0, Duration::from_secs(2));
     for (r, res) in out.into_iter().enumerate().take(3) {
         let (first, after) = res.unwrap();
         match first {
@@ -332,43 +292,11 @@ fn host_tcp_collectives_byte_for_byte() {
 fn host_tcp_survives_size_mismatches_and_invalid_arguments() {
     let out = group(3, LONG, |r, b| {
         let mut t = HostTcp::new(b.unwrap());
-        let send = t.alloc(8).unwrap();
-        let mut recv = t.alloc(8).unwrap();
-        let e = [Span::EMPTY; 3];
-        // rank 2 expects a byte from rank 0 that rank 0 does not send
-        let mut recv_spans = e;
-        if r == 2 {
-            recv_spans[0] = Span::new(0, 1);
-        }
-        let mismatch = t.all_to_all_v(&send, &e, &mut recv, &recv_spans);
-        // rank 1 passes two spans for three ranks
-        let invalid = if r == 1 {
-            t.all_to_all_v(&send, &e[..2], &mut recv, &e)
-        } else {
-            t.all_to_all_v(&send, &e, &mut recv, &e)
-        };
-        (mismatch, invalid, a2a_round(&mut t, 8))
+        let bad = bad_rounds(&mut t, r);
+        (bad, a2a_round(&mut t, 8))
     });
-    for (r, (mismatch, invalid, next)) in out.into_iter().enumerate() {
-        match (r, mismatch) {
-            (
-                2,
-                Err(TransportError::SizeMismatch {
-                    rank: 2,
-                    peer: 0,
-                    expected: 1,
-                    got: 0,
-                    ..
-                }),
-            ) => {}
-            (0 | 1, Ok(())) => {}
-            (_, other) => panic!("rank {r}: {other:?}"),
-        }
-        match (r, invalid) {
-            (1, Err(TransportError::InvalidArgument { rank: 1, .. })) => {}
-            (0 | 2, Err(TransportError::PeerFailed { peer: 1, .. })) => {}
-            (_, other) => panic!("rank {r}: {other:?}"),
-        }
+    for (r, (bad, next)) in out.into_iter().enumerate() {
+        check_bad_rounds("", r, bad);
         next.unwrap_or_else(|e| panic!("rank {r}: {e}"));
     }
 }
@@ -480,11 +408,7 @@ fn every_kind_of_stray_is_dropped_with_a_typed_error_and_the_group_still_forms()
             legit,
         )
     });
-    assert!(
-        t0.elapsed() < Duration::from_secs(4),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert_within(t0, Duration::from_secs(4));
     let mut root = root.expect("rank 0 forms the group despite the strays");
     let mut legit: Vec<Bootstrap> = legit
         .into_iter()
@@ -571,11 +495,7 @@ fn a_silent_peer_does_not_delay_the_right_ranks() {
         Some(l) => l.accept().map(|b| b.rejected().len()),
         None => Bootstrap::connect_as(addr, r, 3, timeout, job("quiet")).map(|_| 0),
     });
-    assert!(
-        t0.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        t0.elapsed()
-    );
+    assert_within(t0, Duration::from_secs(2));
     for (r, res) in out.into_iter().enumerate() {
         // the silent connections were still waiting for their hello: not judged yet
         assert_eq!(res.unwrap_or_else(|e| panic!("rank {r}: {e}")), 0);

@@ -6,21 +6,18 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use afdep_transport::{
-    Bootstrap, Loopback, Span, Transport, TransportBuffer, TransportError, TransportKind, Ucx,
-    UcxOptions,
+    Loopback, Span, Transport, TransportBuffer, TransportError, TransportKind, Ucx, UcxOptions,
 };
-use common::{LONG, a2a_round, byte, gather_round, on_ranks, size};
+use common::{
+    LONG, a2a_round, assert_timeouts_naming, assert_within, bad_rounds, bootstrap_ranks, byte,
+    check_bad_rounds, gather_round, localhost0, on_ranks, size,
+};
 
 /// The UCX transports the tests run over.
 const TLS: [&str; 2] = ["tcp", "shm"];
-
-fn localhost0() -> SocketAddr {
-    "127.0.0.1:0".parse().unwrap()
-}
 
 fn opts(tls: &str) -> UcxOptions {
     let o = UcxOptions::with_tls(tls);
@@ -35,18 +32,8 @@ fn group<R: Send>(
     tls: &str,
     f: impl Fn(usize, Result<Ucx, TransportError>) -> R + Sync,
 ) -> Vec<R> {
-    let listener = Bootstrap::listen(localhost0(), world, timeout).unwrap();
-    let addr = listener.local_addr();
-    let mut listener = Some(listener);
-    let slots: Vec<_> = (0..world)
-        .map(|r| if r == 0 { listener.take() } else { None })
-        .collect();
     let o = opts(tls);
-    on_ranks(slots, |r, l| {
-        let boot = match l {
-            Some(l) => l.accept(),
-            None => Bootstrap::connect(addr, r, world, timeout),
-        };
+    bootstrap_ranks(world, world, timeout, |r, boot| {
         f(r, boot.and_then(|b| Ucx::new(b, &o)))
     })
 }
@@ -177,47 +164,13 @@ fn size_mismatches_and_invalid_arguments_leave_the_group_usable() {
     for tls in TLS {
         let out = group(3, LONG, tls, |r, t| {
             let mut t = t.unwrap();
-            let send = t.alloc(8).unwrap();
-            let mut recv = t.alloc(8).unwrap();
-            let e = [Span::EMPTY; 3];
-            // rank 2 expects a byte from rank 0 that rank 0 does not send
-            let mut recv_spans = e;
-            if r == 2 {
-                recv_spans[0] = Span::new(0, 1);
-            }
-            let mismatch = t.all_to_all_v(&send, &e, &mut recv, &recv_spans);
-            // rank 1 passes two spans for three ranks
-            let invalid = if r == 1 {
-                t.all_to_all_v(&send, &e[..2], &mut recv, &e)
-            } else {
-                t.all_to_all_v(&send, &e, &mut recv, &e)
-            };
+            let bad = bad_rounds(&mut t, r);
             // rank 0 gathers 3 bytes, the others 2
             let gather = t.all_gather(if r == 0 { b"abc" } else { b"ab" });
-            (mismatch, invalid, gather, a2a_round(&mut t, 8))
+            (bad, gather, a2a_round(&mut t, 8))
         });
-        for (r, (mismatch, invalid, gather, next)) in out.into_iter().enumerate() {
-            match (r, mismatch) {
-                (
-                    2,
-                    Err(TransportError::SizeMismatch {
-                        rank: 2,
-                        peer: 0,
-                        expected: 1,
-                        got: 0,
-                        ..
-                    }),
-                ) => {}
-                (0 | 1, Ok(())) => {}
-                (_, other) => panic!("{tls} rank {r}: {other:?}"),
-            }
-            match (r, invalid) {
-                (1, Err(TransportError::InvalidArgument { rank: 1, .. })) => {}
-                (0 | 2, Err(TransportError::PeerFailed { peer: 1, rank, .. })) => {
-                    assert_eq!(rank, r)
-                }
-                (_, other) => panic!("{tls} rank {r}: {other:?}"),
-            }
+        for (r, (bad, gather, next)) in out.into_iter().enumerate() {
+            check_bad_rounds(&format!("{tls} "), r, bad);
             match (r, gather) {
                 (0, Err(TransportError::SizeMismatch { peer: 1, .. })) => {}
                 (1 | 2, Err(TransportError::SizeMismatch { peer: 0, .. })) => {}
@@ -252,35 +205,12 @@ fn different_collectives_at_the_same_step_are_a_protocol_error() {
 fn a_rank_that_never_joins_times_out_typed_and_bounded() {
     let timeout = Duration::from_millis(400);
     let t0 = Instant::now();
-    let listener = Bootstrap::listen(localhost0(), 3, timeout).unwrap();
-    let addr = listener.local_addr();
-    let mut listener = Some(listener);
     // rank 2 is never started
-    let slots: Vec<_> = (0..2)
-        .map(|r| if r == 0 { listener.take() } else { None })
-        .collect();
-    let out = on_ranks(slots, |r, l| {
-        let boot = match l {
-            Some(l) => l.accept(),
-            None => Bootstrap::connect(addr, r, 3, timeout),
-        };
+    let out = bootstrap_ranks(3, 2, timeout, |_, boot| {
         boot.and_then(|b| Ucx::new(b, &opts("tcp"))).map(|_| ())
     });
-    assert!(
-        t0.elapsed() < Duration::from_secs(3),
-        "took {:?}",
-        t0.elapsed()
-    );
-    for (r, res) in out.into_iter().enumerate() {
-        match res {
-            Err(TransportError::Timeout {
-                rank,
-                peer: Some(2),
-                ..
-            }) => assert_eq!(rank, r),
-            other => panic!("rank {r}: expected a timeout naming rank 2, got {other:?}"),
-        }
-    }
+    assert_within(t0, Duration::from_secs(3));
+    assert_timeouts_naming(out, 2);
 }
 
 #[test]

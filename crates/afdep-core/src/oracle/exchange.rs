@@ -350,6 +350,11 @@ mod tests {
     use crate::tensor::uniform_bf16;
     use crate::topology::Topology;
 
+    /// Row `i` of a row-major matrix of `width` columns.
+    fn matrix_row<T>(v: &[T], i: usize, width: usize) -> &[T] {
+        &v[i * width..(i + 1) * width]
+    }
+
     fn inputs(cfg: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
         tokens
             .iter()
@@ -495,36 +500,33 @@ mod tests {
                 for (i, &(s, t)) in q.compact_tokens.iter().enumerate() {
                     let (s, t) = (s as usize, t as usize);
                     let qs = &quantised[s];
+                    assert_eq!(matrix_row(&rx.compact_q, i, 384), matrix_row(&qs.q, t, 384));
                     assert_eq!(
-                        rx.compact_q[i * 384..(i + 1) * 384],
-                        qs.q[t * 384..(t + 1) * 384]
+                        matrix_row(&rx.compact_scales, i, 3),
+                        matrix_row(&qs.scales, t, 3)
                     );
                     assert_eq!(
-                        rx.compact_scales[i * 3..(i + 1) * 3],
-                        qs.scales[t * 3..(t + 1) * 3]
-                    );
-                    assert_eq!(
-                        q.compact_x[i * 384..(i + 1) * 384],
-                        qs.dequant[t * 384..(t + 1) * 384]
+                        matrix_row(&q.compact_x, i, 384),
+                        matrix_row(&qs.dequant, t, 384)
                     );
                 }
                 // every expanded row is some source token's row: find it through the bf16 one
                 for row in 0..q.plan.total_rows() as usize {
-                    let src = &b.expanded[row * 384..(row + 1) * 384];
+                    let src = matrix_row(&b.expanded, row, 384);
                     let c = (0..b.compact_tokens.len())
-                        .find(|&i| &b.compact_x[i * 384..(i + 1) * 384] == src)
+                        .find(|&i| matrix_row(&b.compact_x, i, 384) == src)
                         .unwrap_or_else(|| panic!("{topo} rank {f} row {row}"));
                     assert_eq!(
-                        rx.expanded_q[row * 384..(row + 1) * 384],
-                        rx.compact_q[c * 384..(c + 1) * 384]
+                        matrix_row(&rx.expanded_q, row, 384),
+                        matrix_row(&rx.compact_q, c, 384)
                     );
                     assert_eq!(
-                        rx.expanded_scales[row * 3..(row + 1) * 3],
-                        rx.compact_scales[c * 3..(c + 1) * 3]
+                        matrix_row(&rx.expanded_scales, row, 3),
+                        matrix_row(&rx.compact_scales, c, 3)
                     );
                     assert_eq!(
-                        q.expanded[row * 384..(row + 1) * 384],
-                        q.compact_x[c * 384..(c + 1) * 384]
+                        matrix_row(&q.expanded, row, 384),
+                        matrix_row(&q.compact_x, c, 384)
                     );
                 }
             }

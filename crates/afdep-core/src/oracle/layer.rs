@@ -375,13 +375,7 @@ pub fn expert_rows(
 ) -> Result<Vec<bf16>, LayerError> {
     params.check()?;
     let sh = params.shape;
-    if e >= sh.experts {
-        return Err(LayerError::NoSuchExpert {
-            expert: e,
-            experts: sh.experts,
-        });
-    }
-    check_len("x_rows", x_rows.len(), n, sh.d_model)?;
+    check_expert_rows(sh, e, x_rows.len(), n)?;
     let hw = sh.d_model * sh.width;
     let (w1, w3, w2) = (
         to_t::<f32>(&params.w1[e * hw..(e + 1) * hw]),
@@ -398,6 +392,17 @@ pub fn expert_rows(
     Ok(to_bf16(&ffn_rows(&f, &to_t::<f32>(x_rows), n)))
 }
 
+/// The arguments of [`expert_rows`]: expert `e` exists and `x_rows` (`len` values) is n × H.
+fn check_expert_rows(sh: LayerShape, e: usize, len: usize, n: usize) -> Result<(), LayerError> {
+    if e >= sh.experts {
+        return Err(LayerError::NoSuchExpert {
+            expert: e,
+            experts: sh.experts,
+        });
+    }
+    check_len("x_rows", len, n, sh.d_model)
+}
+
 /// [`expert_rows`] in the compute type `T`, unrounded.
 pub fn expert_rows_t<T: Real>(
     params: &ParamsT<T>,
@@ -407,13 +412,7 @@ pub fn expert_rows_t<T: Real>(
 ) -> Result<Vec<T>, LayerError> {
     params.check()?;
     let sh = params.shape;
-    if e >= sh.experts {
-        return Err(LayerError::NoSuchExpert {
-            expert: e,
-            experts: sh.experts,
-        });
-    }
-    check_len("x_rows", x_rows.len(), n, sh.d_model)?;
+    check_expert_rows(sh, e, x_rows.len(), n)?;
     Ok(ffn_rows(&params.expert(e), x_rows, n))
 }
 

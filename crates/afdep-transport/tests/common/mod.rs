@@ -3,9 +3,11 @@
 
 #![allow(dead_code)]
 
-use std::time::Duration;
+use std::fmt::Debug;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
-use afdep_transport::{Span, Transport, TransportBuffer, TransportError};
+use afdep_transport::{Bootstrap, Span, Transport, TransportBuffer, TransportError};
 
 /// A timeout long enough never to fire in a passing test.
 pub const LONG: Duration = Duration::from_secs(10);
@@ -28,6 +30,55 @@ where
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
+}
+
+/// 127.0.0.1 on a port the system picks.
+pub fn localhost0() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// Listens for a bootstrap group of `world` ranks on an ephemeral port and runs
+/// `f(rank, bootstrap)` on the threads of ranks `0..started` (the others are never started);
+/// `f` gets the accept/connect error of its rank if forming failed. Results in rank order.
+pub fn bootstrap_ranks<R: Send>(
+    world: usize,
+    started: usize,
+    timeout: Duration,
+    f: impl Fn(usize, Result<Bootstrap, TransportError>) -> R + Sync,
+) -> Vec<R> {
+    let listener = Bootstrap::listen(localhost0(), world, timeout).unwrap();
+    let addr = listener.local_addr();
+    assert_ne!(addr.port(), 0);
+    let mut listener = Some(listener);
+    let slots: Vec<_> = (0..started)
+        .map(|r| if r == 0 { listener.take() } else { None })
+        .collect();
+    on_ranks(slots, |r, l| {
+        let boot = match l {
+            Some(l) => l.accept(),
+            None => Bootstrap::connect(addr, r, world, timeout),
+        };
+        f(r, boot)
+    })
+}
+
+/// Asserts that less than `limit` has passed since `t0`.
+pub fn assert_within(t0: Instant, limit: Duration) {
+    assert!(t0.elapsed() < limit, "took {:?}", t0.elapsed());
+}
+
+/// Asserts that every rank's result is a timeout of that rank naming rank `peer`.
+pub fn assert_timeouts_naming<T: Debug>(out: Vec<Result<T, TransportError>>, peer: usize) {
+    for (r, res) in out.into_iter().enumerate() {
+        match res {
+            Err(TransportError::Timeout {
+                rank,
+                peer: Some(p),
+                ..
+            }) if p == peer => assert_eq!(rank, r),
+            other => panic!("rank {r}: expected a timeout naming rank {peer}, got {other:?}"),
+        }
+    }
 }
 
 /// The byte at `i` of what `src` sends `dst` in round `round`.
@@ -118,4 +169,51 @@ pub fn gather_round<T: Transport>(t: &mut T, round: u64, len: u64) -> Result<(),
         );
     }
     Ok(())
+}
+
+/// Results of [`bad_rounds`].
+pub type BadRounds = (Result<(), TransportError>, Result<(), TransportError>);
+
+/// Two bad all-to-all-v on rank `r` of three: in the first, rank 2 expects a byte from rank 0
+/// that rank 0 does not send; in the second, rank 1 passes two send spans for three ranks.
+pub fn bad_rounds<T: Transport>(t: &mut T, r: usize) -> BadRounds {
+    let send = t.alloc(8).unwrap();
+    let mut recv = t.alloc(8).unwrap();
+    let e = [Span::EMPTY; 3];
+    let mut recv_spans = e;
+    if r == 2 {
+        recv_spans[0] = Span::new(0, 1);
+    }
+    let mismatch = t.all_to_all_v(&send, &e, &mut recv, &recv_spans);
+    let invalid = if r == 1 {
+        t.all_to_all_v(&send, &e[..2], &mut recv, &e)
+    } else {
+        t.all_to_all_v(&send, &e, &mut recv, &e)
+    };
+    (mismatch, invalid)
+}
+
+/// Checks rank `r`'s [`bad_rounds`]: the mismatch fails rank 2 only, naming rank 0; the invalid
+/// arguments fail rank 1 and, as a peer failure naming rank 1, the others. `what` prefixes the
+/// panic messages.
+pub fn check_bad_rounds(what: &str, r: usize, (mismatch, invalid): BadRounds) {
+    match (r, mismatch) {
+        (
+            2,
+            Err(TransportError::SizeMismatch {
+                rank: 2,
+                peer: 0,
+                expected: 1,
+                got: 0,
+                ..
+            }),
+        ) => {}
+        (0 | 1, Ok(())) => {}
+        (_, other) => panic!("{what}rank {r}: {other:?}"),
+    }
+    match (r, invalid) {
+        (1, Err(TransportError::InvalidArgument { rank: 1, .. })) => {}
+        (0 | 2, Err(TransportError::PeerFailed { peer: 1, rank, .. })) => assert_eq!(rank, r),
+        (_, other) => panic!("{what}rank {r}: {other:?}"),
+    }
 }
