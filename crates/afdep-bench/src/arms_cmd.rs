@@ -164,21 +164,25 @@ pub fn summarize(
             .map(|v| v.iter().map(|(r, us, _, _)| (*r, *us)).collect())
             .unwrap_or_default();
         for &arm in arms {
+            let unrun = ArmSummary {
+                kind: "arms",
+                topology: key.0.clone(),
+                tokens: key.1.clone(),
+                arm,
+                status: "unsupported".into(),
+                why: None,
+                median_us: None,
+                repeats_us: Vec::new(),
+                paired_change_pct: Vec::new(),
+                change_pct: None,
+                repeats_faster: 0,
+                pids: Vec::new(),
+                timing: String::new(),
+            };
             if let Some(why) = unsupported.get(&arm) {
                 out.push(ArmSummary {
-                    kind: "arms",
-                    topology: key.0.clone(),
-                    tokens: key.1.clone(),
-                    arm,
-                    status: "unsupported".into(),
                     why: Some(why.clone()),
-                    median_us: None,
-                    repeats_us: Vec::new(),
-                    paired_change_pct: Vec::new(),
-                    change_pct: None,
-                    repeats_faster: 0,
-                    pids: Vec::new(),
-                    timing: String::new(),
+                    ..unrun
                 });
                 continue;
             }
@@ -190,12 +194,7 @@ pub fn summarize(
                 .filter_map(|(r, us, _, _)| base.get(r).map(|b| us / b))
                 .collect();
             out.push(ArmSummary {
-                kind: "arms",
-                topology: key.0.clone(),
-                tokens: key.1.clone(),
-                arm,
                 status: "ok".into(),
-                why: None,
                 median_us: median(&us),
                 repeats_us: us,
                 paired_change_pct: ratios.iter().map(|q| 100.0 * (q - 1.0)).collect(),
@@ -203,6 +202,7 @@ pub fn summarize(
                 repeats_faster: ratios.iter().filter(|&&q| q < 1.0).count(),
                 pids: v.iter().map(|(_, _, p, _)| *p).collect(),
                 timing: v.first().map(|(.., t)| t.clone()).unwrap_or_default(),
+                ..unrun
             });
         }
     }
@@ -295,16 +295,11 @@ pub fn run(a: ArmsArgs) -> Result<()> {
         bail!("--launch needs at least one process");
     }
     let exe = std::env::current_exe().context("finding this program to run its arms")?;
-    let mut json_out = match &a.json_out {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("opening {}", p.display()))?,
-        ),
-        None => None,
-    };
+    let mut json_out = a
+        .json_out
+        .as_deref()
+        .map(crate::jsonl::open_append)
+        .transpose()?;
     let mut emit = |line: String| -> Result<()> {
         println!("{line}");
         if let Some(f) = &mut json_out {

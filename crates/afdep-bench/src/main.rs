@@ -24,6 +24,7 @@ mod arms_cmd;
 mod cuda_stages;
 mod exchange_cmd;
 mod exchange_config;
+mod jsonl;
 mod launch_cmd;
 mod moe_cmd;
 mod moe_gpu;

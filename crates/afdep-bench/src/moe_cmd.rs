@@ -270,14 +270,13 @@ impl MoeRow {
 
     /// Fills the shape's name and the TFLOP/s columns from the times.
     pub fn finish(&mut self, shape: Option<&str>) {
-        let s = LayerShape {
-            d_model: self.d_model,
-            width: self.width,
-            experts: self.experts,
-            top_k: self.top_k,
-            shared: self.shared,
-            renormalize: true,
-        };
+        let s = shapes::layer_shape(
+            self.d_model,
+            self.width,
+            self.experts,
+            self.top_k,
+            self.shared,
+        );
         self.shape = shape.map(str::to_string);
         self.fwd_tflops = shapes::tflops(shapes::forward_flops(&s, self.tokens), self.fwd_ms);
         self.train_tflops = shapes::tflops(shapes::train_flops(&s, self.tokens), self.train_ms);
@@ -466,7 +465,7 @@ pub fn write_inputs(path: &Path, inp: &Inputs, shape: Option<&str>) -> Result<()
     if let Some(n) = shape {
         f.metadata.insert("shape".into(), n.to_string());
     }
-    create_parent(path)?;
+    crate::jsonl::create_parent(path)?;
     f.write(path)
 }
 
@@ -490,15 +489,8 @@ fn write_outputs(path: &Path, inp: &Inputs, o: &LayerOutputs) -> Result<()> {
     f.metadata.insert("top_k".into(), s.top_k.to_string());
     f.metadata.insert("impl".into(), o.implementation.clone());
     f.metadata.insert("dispatch".into(), o.dispatch.clone());
-    create_parent(path)?;
+    crate::jsonl::create_parent(path)?;
     f.write(path)
-}
-
-fn create_parent(path: &Path) -> Result<()> {
-    if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-    }
-    Ok(())
 }
 
 /// `DIR/NAME` for a named shape, else `DIR`: where a shape's input and output files go.
@@ -651,15 +643,7 @@ pub fn run(a: MoeArgs) -> Result<()> {
             .expect("a valid progress template"),
     );
     let file = match &a.json_out {
-        Some(p) => {
-            create_parent(p)?;
-            let f = File::options()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("opening {} for appending", p.display()))?;
-            Some((p.clone(), f))
-        }
+        Some(p) => Some((p.clone(), crate::jsonl::open_append(p)?)),
         None => None,
     };
     let mut sink = Sink {

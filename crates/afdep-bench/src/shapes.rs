@@ -52,14 +52,32 @@ pub struct NamedShape {
 impl NamedShape {
     /// The layer shape (top-k weights renormalised, as in docs/design.md, "Specification: Router").
     pub fn layer(&self) -> LayerShape {
-        LayerShape {
-            d_model: self.d_model,
-            width: self.width,
-            experts: self.experts,
-            top_k: self.top_k,
-            shared: self.shared,
-            renormalize: true,
-        }
+        layer_shape(
+            self.d_model,
+            self.width,
+            self.experts,
+            self.top_k,
+            self.shared,
+        )
+    }
+}
+
+/// The layer shape of the given sizes as every `afdep moe` row runs it: top-k weights
+/// renormalised (docs/design.md, "Specification: Router").
+pub fn layer_shape(
+    d_model: usize,
+    width: usize,
+    experts: usize,
+    top_k: usize,
+    shared: usize,
+) -> LayerShape {
+    LayerShape {
+        d_model,
+        width,
+        experts,
+        top_k,
+        shared,
+        renormalize: true,
     }
 }
 

@@ -392,13 +392,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let c = KernelCache::new(dir.path());
         let mut builds = 0;
-        let (e, hit) = c
-            .get_or_build::<()>("k", || {
-                builds += 1;
-                Ok(entry(1))
-            })
-            .unwrap();
-        assert_eq!((e, hit), (entry(1), false));
+        // A miss that builds (and stores) the entry.
+        let mut build = || {
+            let (e, hit) = c
+                .get_or_build::<()>("k", || {
+                    builds += 1;
+                    Ok(entry(1))
+                })
+                .unwrap();
+            assert_eq!((e, hit), (entry(1), false));
+        };
+        build();
         let (_, hit) = c.get_or_build::<()>("k", || unreachable!()).unwrap();
         assert!(hit);
 
@@ -407,13 +411,7 @@ mod tests {
         let full = fs::read(&path).unwrap();
         fs::write(&path, &full[..full.len() / 2]).unwrap();
         assert_eq!(c.load("k"), None);
-        let (e, hit) = c
-            .get_or_build::<()>("k", || {
-                builds += 1;
-                Ok(entry(1))
-            })
-            .unwrap();
-        assert_eq!((e, hit), (entry(1), false));
+        build();
         assert_eq!(fs::read(&path).unwrap(), full);
 
         // Flip a payload byte: detected by the checksum.

@@ -358,13 +358,7 @@ impl FusedEngine {
 
     /// `Closed` once an error closed the engine (see [`FusedEngine::round`]).
     fn check_open(&self) -> Result<(), ExchangeError> {
-        match &self.closed {
-            Some(why) => Err(ExchangeError::Closed {
-                rank: self.rank(),
-                why: why.clone(),
-            }),
-            None => Ok(()),
-        }
+        crate::round::check_open(&self.closed, self.rank())
     }
 
     /// The configuration.

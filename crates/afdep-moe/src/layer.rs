@@ -173,7 +173,8 @@ pub struct DeviceParams {
 }
 
 impl DeviceParams {
-    fn zeros(ctx: &GpuContext, shape: &LayerShape) -> Result<Self, KernelError> {
+    /// Zeroed parameters (or gradients) of `shape`.
+    pub(crate) fn zeros(ctx: &GpuContext, shape: &LayerShape) -> Result<Self, KernelError> {
         let [wr, w1, w3, w2, s1, s3, s2] = afdep_core::oracle::LayerParams::sizes(shape);
         Ok(DeviceParams {
             wr: zeros(ctx, wr)?,

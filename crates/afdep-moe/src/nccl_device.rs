@@ -342,13 +342,7 @@ impl NcclDeviceEngine {
     }
 
     fn check_open(&self) -> Result<(), ExchangeError> {
-        match &self.closed {
-            Some(why) => Err(ExchangeError::Closed {
-                rank: self.rank(),
-                why: why.clone(),
-            }),
-            None => Ok(()),
-        }
+        crate::round::check_open(&self.closed, self.rank())
     }
 
     /// One NCCL group on the engine's stream.
@@ -362,44 +356,64 @@ impl NcclDeviceEngine {
         Ok(())
     }
 
+    /// This rank's parts of one of the round's two exchanges: `(as a source: one per FFN
+    /// rank, as an FFN rank: one per source)`. The dispatch sends the source parts and receives
+    /// the FFN parts; the return the other way round. `counts` as in `launch_round`.
+    fn parts(
+        &self,
+        counts: Option<&[SourceCounts]>,
+        exchange: Exchange,
+    ) -> Result<(Vec<RawPart>, Vec<RawPart>), ExchangeError> {
+        let g = *self.bufs.geometry();
+        let topo = self.cfg.topology;
+        let gpu = &self.gpu;
+        let bytes = |s: usize, f: usize| {
+            let (dispatch, ret) = pair_bytes(&g, counts.map(|c| c[s].ffn_tokens[f]));
+            match exchange {
+                Exchange::Dispatch => dispatch,
+                Exchange::Return => ret,
+            }
+        };
+        let mut src = Vec::new();
+        if let Some(s) = self.src_index {
+            for f in 0..g.ffn_ranks {
+                let addr = match exchange {
+                    Exchange::Dispatch => self.bufs.send_slab(gpu, f)?,
+                    Exchange::Return => self.bufs.ret_recv_slab(gpu, f)?,
+                };
+                let (peer, bytes) = (topo.ffn_rank(f), bytes(s, f));
+                src.push(RawPart { peer, addr, bytes });
+            }
+        }
+        let mut ffn = Vec::new();
+        if let Some(f) = self.ffn_index {
+            for s in 0..g.sources {
+                let addr = match exchange {
+                    Exchange::Dispatch => self.bufs.recv_slab(gpu, s)?,
+                    Exchange::Return => self.bufs.ret_send_slab(gpu, s)?,
+                };
+                ffn.push(RawPart {
+                    peer: s,
+                    addr,
+                    bytes: bytes(s, f),
+                });
+            }
+        }
+        Ok((src, ffn))
+    }
+
     /// Steps 2 to 8 of a round on the engine's stream (what a graph captures). `counts`: every
     /// source's counts of an eager round (exact slab sizes, [`pair_bytes`]); `None`: whole
     /// slabs (a capture).
     fn launch_round(&mut self, counts: Option<&[SourceCounts]>) -> Result<(), ExchangeError> {
-        let g = *self.bufs.geometry();
-        let topo = self.cfg.topology;
-        let sizes = |s: usize, f: usize| pair_bytes(&g, counts.map(|c| c[s].ffn_tokens[f]));
-        let me_src = self.src_index;
-        let me_ffn = self.ffn_index;
         let gpu = &self.gpu;
         if self.src_index.is_some() {
             self.bufs.pack(gpu)?;
         }
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        if let Some(s) = me_src {
-            for f in 0..g.ffn_ranks {
-                sends.push(RawPart {
-                    peer: topo.ffn_rank(f),
-                    addr: self.bufs.send_slab(gpu, f)?,
-                    bytes: sizes(s, f).0,
-                });
-            }
-        }
-        if let Some(f) = me_ffn {
-            for s in 0..g.sources {
-                recvs.push(RawPart {
-                    peer: s,
-                    addr: self.bufs.recv_slab(gpu, s)?,
-                    bytes: sizes(s, f).0,
-                });
-            }
-        }
+        let (sends, recvs) = self.parts(counts, Exchange::Dispatch)?;
         self.group(&sends, &recvs)?;
         let gpu = &self.gpu;
-        sends.clear();
-        recvs.clear();
-        if let Some(f) = me_ffn {
+        if self.ffn_index.is_some() {
             self.bufs.expand(gpu)?;
             match self.swiglu.as_mut() {
                 Some(sw) => {
@@ -409,23 +423,8 @@ impl NcclDeviceEngine {
                 None => self.bufs.experts(gpu)?,
             }
             self.bufs.reduce(gpu)?;
-            for s in 0..g.sources {
-                sends.push(RawPart {
-                    peer: s,
-                    addr: self.bufs.ret_send_slab(gpu, s)?,
-                    bytes: sizes(s, f).1,
-                });
-            }
         }
-        if let Some(s) = me_src {
-            for f in 0..g.ffn_ranks {
-                recvs.push(RawPart {
-                    peer: topo.ffn_rank(f),
-                    addr: self.bufs.ret_recv_slab(gpu, f)?,
-                    bytes: sizes(s, f).1,
-                });
-            }
-        }
+        let (recvs, sends) = self.parts(counts, Exchange::Return)?;
         self.group(&sends, &recvs)?;
         if self.src_index.is_some() {
             self.bufs.combine(&self.gpu)?;
@@ -550,6 +549,15 @@ pub fn pair_bytes(g: &NcclGeometry, rows: Option<u64>) -> (usize, usize) {
         }
         None => (g.slab_bytes(), g.ret_slab_bytes()),
     }
+}
+
+/// One of a round's two exchanges.
+#[derive(Debug, Clone, Copy)]
+enum Exchange {
+    /// Sources to FFN ranks: the token rows.
+    Dispatch,
+    /// FFN ranks to sources: the partials.
+    Return,
 }
 
 /// What FFN rank `f` received, from its dispatch slabs (`sources` slabs of

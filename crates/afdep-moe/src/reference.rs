@@ -168,19 +168,6 @@ pub struct ReferenceLayer {
     trained: bool,
 }
 
-fn params_zeros(ctx: &GpuContext, shape: &LayerShape) -> Result<DeviceParams, KernelError> {
-    let [wr, w1, w3, w2, s1, s3, s2] = LayerParams::sizes(shape);
-    Ok(DeviceParams {
-        wr: zeros(ctx, wr)?,
-        w1: zeros(ctx, w1)?,
-        w3: zeros(ctx, w3)?,
-        w2: zeros(ctx, w2)?,
-        s1: zeros(ctx, s1)?,
-        s3: zeros(ctx, s3)?,
-        s2: zeros(ctx, s2)?,
-    })
-}
-
 /// Copies host parameters into new device buffers (e.g. to run the reference on a shape the
 /// fast layer cannot take). Waits for nothing.
 pub fn upload_params(ctx: &GpuContext, p: &LayerParams) -> Result<DeviceParams, LayerGpuError> {
@@ -299,7 +286,7 @@ impl ReferenceLayer {
             let sizes = LayerParams::sizes(shape);
             Some(TrainBuffers {
                 dx: zeros(ctx, tokens * h)?,
-                grads: params_zeros(ctx, shape)?,
+                grads: DeviceParams::zeros(ctx, shape)?,
                 a: zeros(ctx, slots * w)?,
                 b: zeros(ctx, slots * w)?,
                 dhu: zeros(ctx, slots * w)?,

@@ -111,13 +111,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     let me = mp.as_ref().map_or(0, |e| e.rank());
     let bar = progress_bar(&a, &res, me, probs.len());
     let mut json_out = match (&a.json_out, me) {
-        (Some(p), 0) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("opening {}", p.display()))?,
-        ),
+        (Some(p), 0) => Some(crate::jsonl::open_append(p)?),
         _ => None,
     };
     // threaded fused runs set up once for every problem
@@ -221,16 +215,11 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
 /// a row whose check failed fails the run after every row is written.
 fn run_pipeline(a: &ExchangeArgs, res: &Resolved, probs: &[Problem], ms: &[usize]) -> Result<()> {
     let rows = pipeline::run(a, res, probs, ms)?;
-    let mut json_out = match &a.json_out {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("opening {}", p.display()))?,
-        ),
-        None => None,
-    };
+    let mut json_out = a
+        .json_out
+        .as_deref()
+        .map(crate::jsonl::open_append)
+        .transpose()?;
     for row in &rows {
         let line = serde_json::to_string(row).expect("row serializes");
         println!("{line}");

@@ -30,6 +30,9 @@
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
 //! [`KernelError::Unsupported`] otherwise.
 
+use std::cell::Cell;
+use std::sync::OnceLock;
+
 use afdep_core::bf16;
 use cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -104,27 +107,40 @@ pub const DEFAULT_ENGINE: Engine = Engine::Ws;
 /// [`DEFAULT_ENGINE`]). A problem the ws engine cannot describe by tensor maps (B not
 /// TMA-aligned, a K split not a multiple of 64) runs on the classic kernel whatever is asked.
 pub fn engine_for() -> Engine {
-    if let Some(e) = FORCE.with(std::cell::Cell::get) {
+    static ENV: OnceLock<Option<Engine>> = OnceLock::new();
+    chosen_engine(&FORCE, &ENV, "AFDEP_GEMM_ENGINE", DEFAULT_ENGINE)
+}
+
+/// One engine choice: this thread's forced engine, else the environment variable `var` (read
+/// once into `env`: `classic`, `ws`, or `auto`/unset for `default`; anything else is warned
+/// about and means `default`).
+fn chosen_engine(
+    force: &'static std::thread::LocalKey<Cell<Option<Engine>>>,
+    env: &OnceLock<Option<Engine>>,
+    var: &'static str,
+    default: Engine,
+) -> Engine {
+    if let Some(e) = force.with(Cell::get) {
         return e;
     }
-    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
-    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_ENGINE").as_deref() {
+    let from_env = *env.get_or_init(|| match std::env::var(var).as_deref() {
         Ok("classic") => Some(Engine::Classic),
         Ok("ws") => Some(Engine::Ws),
         Ok("auto") | Err(_) => None,
         Ok(other) => {
             tracing::warn!(
+                variable = var,
                 value = other,
-                "AFDEP_GEMM_ENGINE is neither classic, ws nor auto: the default engine is used"
+                "{var} is neither classic, ws nor auto: the default engine is used"
             );
             None
         }
     });
-    env.unwrap_or(DEFAULT_ENGINE)
+    from_env.unwrap_or(default)
 }
 
 thread_local! {
-    static FORCE: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+    static FORCE: Cell<Option<Engine>> = const { Cell::new(None) };
 }
 
 /// Makes the rows GEMMs launched from this thread use `engine` whatever their shape (`None`:
@@ -144,27 +160,12 @@ pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Classic;
 /// else the process environment `AFDEP_GEMM_WGRAD` (read once: `classic` or `ws`; `auto` or
 /// unset: [`DEFAULT_WGRAD_ENGINE`]). Independent of the rows engine ([`engine_for`]).
 pub fn wgrad_engine_for() -> Engine {
-    if let Some(e) = FORCE_WGRAD.with(std::cell::Cell::get) {
-        return e;
-    }
-    static ENV: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
-    let env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_WGRAD").as_deref() {
-        Ok("classic") => Some(Engine::Classic),
-        Ok("ws") => Some(Engine::Ws),
-        Ok("auto") | Err(_) => None,
-        Ok(other) => {
-            tracing::warn!(
-                value = other,
-                "AFDEP_GEMM_WGRAD is neither classic, ws nor auto: the default engine is used"
-            );
-            None
-        }
-    });
-    env.unwrap_or(DEFAULT_WGRAD_ENGINE)
+    static ENV: OnceLock<Option<Engine>> = OnceLock::new();
+    chosen_engine(&FORCE_WGRAD, &ENV, "AFDEP_GEMM_WGRAD", DEFAULT_WGRAD_ENGINE)
 }
 
 thread_local! {
-    static FORCE_WGRAD: std::cell::Cell<Option<Engine>> = const { std::cell::Cell::new(None) };
+    static FORCE_WGRAD: Cell<Option<Engine>> = const { Cell::new(None) };
 }
 
 /// Makes the weight gradients launched from this thread use `engine` (`None`: the rule of

@@ -285,9 +285,7 @@ impl NcclRoundBuffers {
     }
 
     fn src_mut(&mut self) -> Result<&mut SourceBufs, KernelError> {
-        self.source
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no source buffers".into()))
+        source_of(&mut self.source)
     }
 
     fn ffn(&self) -> Result<&FfnBufs, KernelError> {
@@ -386,61 +384,62 @@ impl NcclRoundBuffers {
         Ok(addr(ctx, &self.src()?.ret_recv) + (f * self.geo.ret_slab_bytes()) as u64)
     }
 
-    fn k(&self) -> Result<u32, KernelError> {
-        as_u32("top_k", self.geo.top_k)
+    /// The kernels' scalar arguments of this rank's geometry.
+    fn scalars(&self) -> Result<Scalars, KernelError> {
+        let g = &self.geo;
+        Ok(Scalars {
+            k: as_u32("top_k", g.top_k)?,
+            cap: g.cap as u64,
+            sources: as_u32("sources", g.sources)?,
+            ffn_ranks: as_u32("FFN ranks", g.ffn_ranks)?,
+            epr: as_u32("experts per rank", g.epr)?,
+            slab: g.slab_bytes() as u64,
+            row: g.row_bytes() as u64,
+            pay: g.pay_off() as u64,
+            hidden: as_u32("hidden", g.hidden)?,
+            blocks: self.blocks,
+        })
     }
 
     /// Source: the dispatch slabs (headers, metadata, rows) and the token positions.
     pub fn pack(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
-        let g = self.geo;
-        let k = self.k()?;
-        let (cap, epr) = (g.cap as u64, as_u32("experts per rank", g.epr)?);
-        let nf = as_u32("FFN ranks", g.ffn_ranks)?;
-        let (slab, row, pay) = (
-            g.slab_bytes() as u64,
-            g.row_bytes() as u64,
-            g.pay_off() as u64,
-        );
-        let h = as_u32("hidden", g.hidden)?;
-        let blocks = self.blocks;
+        let sc = self.scalars()?;
         let tokens = &self.tokens;
-        let b = self
-            .source
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no source buffers".into()))?;
-        let f = ctx.function(KernelId::NcclPack, 0, k)?;
+        let b = source_of(&mut self.source)?;
+        let f = ctx.function(KernelId::NcclPack, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(tokens)
             .arg(&b.idx)
             .arg(&b.w)
-            .arg(&cap)
-            .arg(&epr)
+            .arg(&sc.cap)
+            .arg(&sc.epr)
             .arg(&mut b.send)
-            .arg(&slab)
-            .arg(&row)
+            .arg(&sc.slab)
+            .arg(&sc.row)
             .arg(&mut b.pos);
         // SAFETY: afdep_nccl_pack(const u32* tokens, const i32* idx, const float* w, u64 cap,
         // u32 epr, u8* send, u64 slab_bytes, u64 row_bytes, u32* pos): reads at most cap tokens'
         // routes (idx, w hold cap × K), writes nf slabs of slab_bytes (send holds nf of them:
         // one block per slab) and pos (nf × cap).
-        unsafe { l.launch(grid(g.ffn_ranks as u64)?) }.map_err(launch_err(KernelId::NcclPack))?;
-        let f = ctx.function(KernelId::NcclPackRows, 0, k)?;
+        unsafe { l.launch(grid(u64::from(sc.ffn_ranks))?) }
+            .map_err(launch_err(KernelId::NcclPack))?;
+        let f = ctx.function(KernelId::NcclPackRows, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(tokens)
             .arg(&b.x)
-            .arg(&cap)
-            .arg(&nf)
+            .arg(&sc.cap)
+            .arg(&sc.ffn_ranks)
             .arg(&mut b.send)
-            .arg(&slab)
-            .arg(&row)
-            .arg(&pay)
+            .arg(&sc.slab)
+            .arg(&sc.row)
+            .arg(&sc.pay)
             .arg(&b.pos)
-            .arg(&h);
+            .arg(&sc.hidden);
         // SAFETY: afdep_nccl_pack_rows(const u32* tokens, const u16* x, u64 cap, u32 nf, u8*
         // send, u64 slab_bytes, u64 row_bytes, u64 pay_off, const u32* pos, u32 hidden): reads
         // at most cap rows of x (cap × hidden) and pos (nf × cap, rows below cap written by
         // afdep_nccl_pack), writes payloads inside the nf slabs.
-        unsafe { l.launch(grid(u64::from(blocks))?) }
+        unsafe { l.launch(grid(u64::from(sc.blocks))?) }
             .map_err(launch_err(KernelId::NcclPackRows))?;
         Ok(())
     }
@@ -448,55 +447,40 @@ impl NcclRoundBuffers {
     /// FFN: the plan, the slot and row maps and the expanded rows from the received slabs.
     pub fn expand(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
         let g = self.geo;
-        let k = self.k()?;
-        let (cap, ns, epr) = (
-            g.cap as u64,
-            as_u32("sources", g.sources)?,
-            as_u32("experts per rank", g.epr)?,
-        );
-        let (slab, row, pay) = (
-            g.slab_bytes() as u64,
-            g.row_bytes() as u64,
-            g.pay_off() as u64,
-        );
-        let h = as_u32("hidden", g.hidden)?;
+        let sc = self.scalars()?;
         let pairs = (g.sources * g.epr) as u64;
-        let blocks = self.blocks;
-        let b = self
-            .ffn
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
+        let b = ffn_of(&mut self.ffn)?;
         let ws = addr(ctx, &b.ws);
         let eo_total = ws + 8 * (2 * g.epr * g.sources + g.epr) as u64;
         let expanded = ws + g.exp_off() as u64;
-        let f = ctx.function(KernelId::NcclCount, 0, k)?;
+        let f = ctx.function(KernelId::NcclCount, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(&b.recv)
-            .arg(&slab)
-            .arg(&row)
-            .arg(&cap)
-            .arg(&ns)
+            .arg(&sc.slab)
+            .arg(&sc.row)
+            .arg(&sc.cap)
+            .arg(&sc.sources)
             .arg(&ws);
         // SAFETY: afdep_nccl_count(const u8* recv, u64 slab_bytes, u64 row_bytes, u64 cap, u32
         // ns, u64* plan): reads the rows below each header's count (capped at cap) of the ns
         // slabs of recv, writes plan[l·ns + s] for the grid's ns · epr blocks (ws holds the plan
         // area of plan_words u64 at 0).
         unsafe { l.launch(grid(pairs)?) }.map_err(launch_err(KernelId::NcclCount))?;
-        let f = ctx.function(KernelId::NcclPlan, 0, k)?;
+        let f = ctx.function(KernelId::NcclPlan, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
-        l.arg(&epr).arg(&ns).arg(&ws);
+        l.arg(&sc.epr).arg(&sc.sources).arg(&ws);
         // SAFETY: afdep_nccl_plan(u32 epr, u32 ns, u64* plan): one thread, inside the plan
         // area of plan_words u64.
         unsafe { l.launch(one_block()) }.map_err(launch_err(KernelId::NcclPlan))?;
-        let f = ctx.function(KernelId::NcclExpand, 0, k)?;
+        let f = ctx.function(KernelId::NcclExpand, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(&b.recv)
-            .arg(&slab)
-            .arg(&row)
-            .arg(&cap)
-            .arg(&ns)
+            .arg(&sc.slab)
+            .arg(&sc.row)
+            .arg(&sc.cap)
+            .arg(&sc.sources)
             .arg(&ws)
-            .arg(&epr)
+            .arg(&sc.epr)
             .arg(&mut b.slot_map)
             .arg(&mut b.row_map);
         // SAFETY: afdep_nccl_expand(const u8* recv, u64 slab_bytes, u64 row_bytes, u64 cap, u32
@@ -504,22 +488,22 @@ impl NcclRoundBuffers {
         // K, row_map exp_rows, and the plan's rows (at most min(K, epr) per compact row) are
         // below exp_rows.
         unsafe { l.launch(grid(pairs)?) }.map_err(launch_err(KernelId::NcclExpand))?;
-        let f = ctx.function(KernelId::NcclExpandRows, 0, k)?;
+        let f = ctx.function(KernelId::NcclExpandRows, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(&b.recv)
-            .arg(&slab)
-            .arg(&row)
-            .arg(&pay)
-            .arg(&cap)
+            .arg(&sc.slab)
+            .arg(&sc.row)
+            .arg(&sc.pay)
+            .arg(&sc.cap)
             .arg(&eo_total)
             .arg(&b.row_map)
             .arg(&expanded)
-            .arg(&h);
+            .arg(&sc.hidden);
         // SAFETY: afdep_nccl_expand_rows(const u8* recv, u64 slab_bytes, u64 row_bytes, u64
         // pay_off, u64 cap, const u64* eo_total, const u32* row_map, u16* expanded, u32
         // hidden): the plan's total rows (below exp_rows) of the expanded area of ws (exp_rows
         // × hidden bf16 at exp_off), from the compact rows row_map names.
-        unsafe { l.launch(grid(u64::from(blocks))?) }
+        unsafe { l.launch(grid(u64::from(sc.blocks))?) }
             .map_err(launch_err(KernelId::NcclExpandRows))?;
         Ok(())
     }
@@ -529,10 +513,7 @@ impl NcclRoundBuffers {
     pub fn experts(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
         let g = self.geo;
         let blocks = self.blocks;
-        let b = self
-            .ffn
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
+        let b = ffn_of(&mut self.ffn)?;
         let ws = addr(ctx, &b.ws);
         let ctl = addr(ctx, &b.ctl);
         let (Some(scales), Some(y)) = (b.scales.as_ref(), b.y.as_mut()) else {
@@ -548,36 +529,30 @@ impl NcclRoundBuffers {
     /// FFN: each compact row's partial into its source's return slab.
     pub fn reduce(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
         let g = self.geo;
-        let k = self.k()?;
-        let (cap, ns) = (g.cap as u64, as_u32("sources", g.sources)?);
-        let (slab, row) = (g.slab_bytes() as u64, g.row_bytes() as u64);
-        let h = as_u32("hidden", g.hidden)?;
-        let blocks = self.blocks;
-        let b = self
-            .ffn
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
+        let sc = self.scalars()?;
+        let b = ffn_of(&mut self.ffn)?;
         let y = match &b.y {
             Some(y) => addr(ctx, y),
             None => addr(ctx, &b.ws) + g.exp_off() as u64,
         };
-        let f = ctx.function(KernelId::NcclReduce, 0, k)?;
+        let f = ctx.function(KernelId::NcclReduce, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(&b.recv)
-            .arg(&slab)
-            .arg(&row)
-            .arg(&cap)
-            .arg(&ns)
+            .arg(&sc.slab)
+            .arg(&sc.row)
+            .arg(&sc.cap)
+            .arg(&sc.sources)
             .arg(&b.slot_map)
             .arg(&y)
             .arg(&mut b.ret_send)
-            .arg(&h);
+            .arg(&sc.hidden);
         // SAFETY: afdep_nccl_reduce(const u8* recv, u64 slab_bytes, u64 row_bytes, u64 cap, u32
         // ns, const u32* slot_map, const u16* y, float* ret, u32 hidden): the rows below each
         // header's count, their slots' expanded rows (written by `expand`, below exp_rows; y
         // holds exp_rows × hidden: the scale expert's output or the expanded area), ret holds
         // ns × cap × hidden.
-        unsafe { l.launch(grid(u64::from(blocks))?) }.map_err(launch_err(KernelId::NcclReduce))?;
+        unsafe { l.launch(grid(u64::from(sc.blocks))?) }
+            .map_err(launch_err(KernelId::NcclReduce))?;
         Ok(())
     }
 
@@ -590,10 +565,7 @@ impl NcclRoundBuffers {
         ctx: &GpuContext,
     ) -> Result<(PlanView, &mut CudaSlice<bf16>), KernelError> {
         let g = self.geo;
-        let b = self
-            .ffn
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))?;
+        let b = ffn_of(&mut self.ffn)?;
         let pv = plan_view(&g, addr(ctx, &b.ws))?;
         let y = b
             .y
@@ -604,29 +576,23 @@ impl NcclRoundBuffers {
 
     /// Source: the combined rows of the round's tokens from the received partials.
     pub fn combine(&mut self, ctx: &GpuContext) -> Result<(), KernelError> {
-        let g = self.geo;
-        let k = self.k()?;
-        let (cap, nf) = (g.cap as u64, as_u32("FFN ranks", g.ffn_ranks)?);
-        let h = as_u32("hidden", g.hidden)?;
-        let blocks = self.blocks;
+        let sc = self.scalars()?;
         let tokens = &self.tokens;
-        let b = self
-            .source
-            .as_mut()
-            .ok_or_else(|| KernelError::Shape("this rank has no source buffers".into()))?;
-        let f = ctx.function(KernelId::NcclCombine, 0, k)?;
+        let b = source_of(&mut self.source)?;
+        let f = ctx.function(KernelId::NcclCombine, 0, sc.k)?;
         let mut l = ctx.stream().launch_builder(&f);
         l.arg(tokens)
-            .arg(&cap)
-            .arg(&nf)
+            .arg(&sc.cap)
+            .arg(&sc.ffn_ranks)
             .arg(&b.pos)
             .arg(&b.ret_recv)
             .arg(&mut b.out)
-            .arg(&h);
+            .arg(&sc.hidden);
         // SAFETY: afdep_nccl_combine(const u32* tokens, u64 cap, u32 nf, const u32* pos, const
         // float* ret, u16* out, u32 hidden): at most cap tokens; pos (nf × cap) names rows below
         // cap of ret (nf × cap × hidden); out holds cap × hidden.
-        unsafe { l.launch(grid(u64::from(blocks))?) }.map_err(launch_err(KernelId::NcclCombine))?;
+        unsafe { l.launch(grid(u64::from(sc.blocks))?) }
+            .map_err(launch_err(KernelId::NcclCombine))?;
         Ok(())
     }
 
@@ -656,6 +622,32 @@ impl NcclRoundBuffers {
             .map_err(KernelError::driver("reading the plan"))?;
         Ok((recv, ws))
     }
+}
+
+/// The kernels' scalar arguments of a geometry (the names of the kernels' parameters).
+struct Scalars {
+    k: u32,
+    cap: u64,
+    sources: u32,
+    ffn_ranks: u32,
+    epr: u32,
+    slab: u64,
+    row: u64,
+    pay: u64,
+    hidden: u32,
+    blocks: u32,
+}
+
+/// A source rank's buffers, or the error of a rank that has none.
+fn source_of(b: &mut Option<SourceBufs>) -> Result<&mut SourceBufs, KernelError> {
+    b.as_mut()
+        .ok_or_else(|| KernelError::Shape("this rank has no source buffers".into()))
+}
+
+/// An FFN rank's buffers, or the error of a rank that has none.
+fn ffn_of(b: &mut Option<FfnBufs>) -> Result<&mut FfnBufs, KernelError> {
+    b.as_mut()
+        .ok_or_else(|| KernelError::Shape("this rank has no FFN buffers".into()))
 }
 
 /// The FFN workspace of `g` at `ws` as the fused round's plan view: the plan at 0, the

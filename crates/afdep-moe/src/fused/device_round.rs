@@ -227,16 +227,17 @@ unsafe fn copy_dtod<T: afdep_kernels::cudarc::driver::DeviceRepr>(
 ) -> Result<(), ExchangeError> {
     use afdep_kernels::cudarc::driver::DevicePtrMut;
     debug_assert!(n <= dst.len());
-    if n == 0 {
-        return Ok(());
-    }
-    let stream = gpu.stream();
-    let (d, _guard) = dst.device_ptr_mut(stream);
+    let (d, _guard) = dst.device_ptr_mut(gpu.stream());
     // SAFETY: the caller's contract; `d` holds at least `n` elements.
-    unsafe { sys::cuMemcpyDtoDAsync_v2(d, src, n * std::mem::size_of::<T>(), stream.cu_stream()) }
-        .result()
-        .map_err(KernelError::driver("copying the caller's input"))?;
-    Ok(())
+    unsafe {
+        copy_bytes(
+            gpu,
+            d,
+            src,
+            n * std::mem::size_of::<T>(),
+            "copying the caller's input",
+        )
+    }
 }
 
 /// Copies the first `n` elements of `src` to the caller's device pointer `dst`, on the
@@ -253,15 +254,39 @@ unsafe fn copy_dtod_out<T: afdep_kernels::cudarc::driver::DeviceRepr>(
 ) -> Result<(), ExchangeError> {
     use afdep_kernels::cudarc::driver::DevicePtr;
     debug_assert!(n <= src.len());
-    if n == 0 {
+    let (s, _guard) = src.device_ptr(gpu.stream());
+    // SAFETY: the caller's contract; `s` holds at least `n` elements.
+    unsafe {
+        copy_bytes(
+            gpu,
+            dst,
+            s,
+            n * std::mem::size_of::<T>(),
+            "copying the combined rows out",
+        )
+    }
+}
+
+/// `bytes` bytes from device address `src` to `dst` on the context's stream (nothing for 0).
+///
+/// # Safety
+/// Both addresses are live device memory of `gpu`'s device valid for `bytes` bytes, and
+/// nothing else writes either range until the stream passes the copy.
+unsafe fn copy_bytes(
+    gpu: &GpuContext,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    what: &'static str,
+) -> Result<(), ExchangeError> {
+    if bytes == 0 {
         return Ok(());
     }
     let stream = gpu.stream();
-    let (s, _guard) = src.device_ptr(stream);
-    // SAFETY: the caller's contract; `s` holds at least `n` elements.
-    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, s, n * std::mem::size_of::<T>(), stream.cu_stream()) }
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream()) }
         .result()
-        .map_err(KernelError::driver("copying the combined rows out"))?;
+        .map_err(KernelError::driver(what))?;
     Ok(())
 }
 

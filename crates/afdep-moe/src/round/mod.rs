@@ -17,6 +17,8 @@ use std::time::Duration;
 use afdep_core::bf16;
 use afdep_core::oracle::exchange::FfnReceived;
 
+use crate::ExchangeError;
+
 mod agree;
 mod arm;
 mod counts;
@@ -32,6 +34,17 @@ pub use engine::ExchangeEngine;
 pub(crate) use experts::apply_experts;
 pub use group::{RankOutcome, run_group};
 pub use trace::{PhaseSpan, RoundTrace, TracePhase};
+
+/// `Closed` (naming `rank` and why) once an error closed an engine, `Ok` while it is open.
+pub(crate) fn check_open(closed: &Option<String>, rank: usize) -> Result<(), ExchangeError> {
+    match closed {
+        Some(why) => Err(ExchangeError::Closed {
+            rank,
+            why: why.clone(),
+        }),
+        None => Ok(()),
+    }
+}
 
 /// An FFN rank's experts: `expert(global_expert_id, rows, n) -> n × hidden` bf16 rows. Each
 /// call gets one local expert's whole group of expanded rows.
