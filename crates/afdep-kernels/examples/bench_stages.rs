@@ -31,11 +31,24 @@ use half::bf16;
 
 const CEILING: f64 = 4.3e12;
 
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_string())
+/// Device time of each GPU stage of the MoE dispatch path, per token count.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Token counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16384,1048576")]
+    tokens: Vec<usize>,
+    /// Hidden size H.
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    /// Experts E.
+    #[arg(long, default_value_t = 64)]
+    experts: usize,
+    /// Experts per token K.
+    #[arg(long, default_value_t = 8)]
+    top_k: usize,
+    /// Timed iterations per stage.
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -93,19 +106,13 @@ fn main() {
 }
 
 fn run() -> Result<(), KernelError> {
-    let args: Vec<String> = std::env::args().collect();
-    let tokens: Vec<usize> = arg(&args, "--tokens", "16384,1048576")
-        .split(',')
-        .map(|t| {
-            t.trim()
-                .parse()
-                .expect("--tokens: comma-separated integers")
-        })
-        .collect();
-    let h: usize = arg(&args, "--hidden", "512").parse().expect("--hidden");
-    let e: usize = arg(&args, "--experts", "64").parse().expect("--experts");
-    let k: usize = arg(&args, "--top-k", "8").parse().expect("--top-k");
-    let iters: usize = arg(&args, "--iters", "50").parse().expect("--iters");
+    let Args {
+        tokens,
+        hidden: h,
+        experts: e,
+        top_k: k,
+        iters,
+    } = <Args as clap::Parser>::parse();
     let ctx = GpuContext::new(0)?;
     // SAFETY: this program uses one stream and never shares buffers across streams, so
     // cudarc's per-buffer event tracking (which would add records and waits to every launch)

@@ -21,12 +21,22 @@ use afdep_kernels::GpuContext;
 use afdep_moe::timing::{EventTimer, WARMUPS};
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_else(|| default.to_string())
+/// Times the GPU MoE layer (forward and train step) per dispatch strategy and token count.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Token counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "16384,131072,1048576")]
+    tokens: Vec<usize>,
+    /// Dispatch strategies, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "sorted,gather,fused,fused_gsum"
+    )]
+    dispatch: Vec<Dispatch>,
+    /// Timed runs per measurement.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
 }
 
 fn main() {
@@ -37,20 +47,11 @@ fn main() {
 }
 
 fn run() -> Result<(), LayerGpuError> {
-    let args: Vec<String> = std::env::args().collect();
-    let tokens: Vec<usize> = arg(&args, "--tokens", "16384,131072,1048576")
-        .split(',')
-        .map(|t| {
-            t.trim()
-                .parse()
-                .expect("--tokens: comma-separated integers")
-        })
-        .collect();
-    let dispatches: Vec<Dispatch> = arg(&args, "--dispatch", "sorted,gather,fused,fused_gsum")
-        .split(',')
-        .map(|d| d.trim().parse().expect("--dispatch"))
-        .collect();
-    let iters: usize = arg(&args, "--iters", "10").parse().expect("--iters");
+    let Args {
+        tokens,
+        dispatch: dispatches,
+        iters,
+    } = <Args as clap::Parser>::parse();
     let ctx = GpuContext::new(0)?;
     // SAFETY: every buffer lives on the context's one stream, whose order is all the
     // synchronisation needed; no buffer exists yet. Without this, cudarc records and waits on
