@@ -24,8 +24,8 @@ use afdep_core::tensor::uniform_bf16;
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{
-    CombineOrder, DeviceRoutes, ExpertLayout, GpuContext, KernelError, RouteValidator, permute,
-    router_logits, router_topk, source_digest, unpermute,
+    CombineOrder, DeviceRoutes, ExpertLayout, GpuContext, KernelError, LogitsDims, LogitsKernel,
+    RouteValidator, permute, router_logits, router_topk, source_digest, unpermute,
 };
 use half::bf16;
 
@@ -152,7 +152,14 @@ fn run() -> Result<(), KernelError> {
         let mut xs = zeros::<bf16>(&ctx, t * k * h)?;
         let mut out = zeros::<bf16>(&ctx, t * h)?;
         // one untimed pass so every later stage sees real routes and layout
-        router_logits(&ctx, &x, &wr, t, h, e, k, &mut logits)?;
+        router_logits(
+            &ctx,
+            &x,
+            &wr,
+            LogitsDims::new(t, h, e, k),
+            &mut logits,
+            LogitsKernel::Auto,
+        )?;
         router_topk(&ctx, &logits, t, e, k, true, &mut routes)?;
         layout.build(&ctx, &routes.idx)?;
         ctx.synchronize()?;
@@ -161,7 +168,14 @@ fn run() -> Result<(), KernelError> {
             (
                 "router",
                 time(&ctx, iters, || {
-                    router_logits(&ctx, &x, &wr, t, h, e, k, &mut logits)?;
+                    router_logits(
+                        &ctx,
+                        &x,
+                        &wr,
+                        LogitsDims::new(t, h, e, k),
+                        &mut logits,
+                        LogitsKernel::Auto,
+                    )?;
                     router_topk(&ctx, &logits, t, e, k, true, &mut routes)
                 })?,
                 None,

@@ -35,7 +35,7 @@ pub use ops::DeviceRoutes;
 pub use ops::layout::{ExpertLayout, expert_layout};
 pub use ops::permute::{CombineOrder, permute, unpermute};
 pub use ops::router::{
-    router, router_logits, router_logits_simt, router_topk, router_topk_checked,
+    LogitsDims, LogitsKernel, router, router_logits, router_topk, router_topk_checked,
 };
 pub use ops::validate::{RouteValidator, validate_routes};
 pub use resources::KernelResources;

@@ -8,7 +8,7 @@ mod common;
 use afdep_core::LayerShape;
 use afdep_core::oracle::gemm::matmul;
 use afdep_core::route::{self, Routes};
-use afdep_kernels::ops::router::{router, router_logits, router_topk};
+use afdep_kernels::ops::router::{LogitsDims, LogitsKernel, router, router_logits, router_topk};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext};
 use common::{EXPERTS, TOP_K, gpu, par_chunks, random_bf16, rng, tokens};
@@ -200,7 +200,15 @@ fn logits_within_tolerance() {
                 let wd = ctx.stream().clone_htod(&wr).unwrap();
                 let mut l = zeros::<f32>(&ctx, t * e).unwrap();
                 poison(&ctx, &mut l).unwrap();
-                router_logits(&ctx, &xd, &wd, t, h, e, 8, &mut l).unwrap();
+                router_logits(
+                    &ctx,
+                    &xd,
+                    &wd,
+                    LogitsDims::new(t, h, e, 8),
+                    &mut l,
+                    LogitsKernel::Auto,
+                )
+                .unwrap();
                 let got = download(&ctx, &l).unwrap();
                 let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                 let wf: Vec<f32> = wr.iter().map(|v| v.to_f32()).collect();
@@ -290,7 +298,15 @@ fn bad_specialisations_are_typed_errors() {
     let x = zeros::<bf16>(&ctx, 4).unwrap();
     let mut logits = zeros::<f32>(&ctx, 64).unwrap();
     assert!(
-        router_logits(&ctx, &x, &x, 1, 4, 64, 2, &mut logits).is_err(),
+        router_logits(
+            &ctx,
+            &x,
+            &x,
+            LogitsDims::new(1, 4, 64, 2),
+            &mut logits,
+            LogitsKernel::Auto
+        )
+        .is_err(),
         "wr too short"
     );
 }

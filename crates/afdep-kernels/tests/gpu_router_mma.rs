@@ -15,7 +15,7 @@ use std::time::Instant;
 use afdep_core::RouteError;
 use afdep_core::oracle::gemm::matmul;
 use afdep_core::route::{self, MASKED, RouteRules};
-use afdep_kernels::ops::router::{router_logits, router_logits_simt, router_topk_checked};
+use afdep_kernels::ops::router::{LogitsDims, LogitsKernel, router_logits, router_topk_checked};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext, RouteValidator};
 use common::{gpu, random_bf16, rng, size_allowed};
@@ -64,7 +64,15 @@ fn logits_of(
     let wd = ctx.stream().clone_htod(wr).unwrap();
     let mut l = zeros::<f32>(ctx, t * e).unwrap();
     poison(ctx, &mut l).unwrap();
-    router_logits(ctx, &xd, &wd, t, h, e, k, &mut l).unwrap();
+    router_logits(
+        ctx,
+        &xd,
+        &wd,
+        LogitsDims::new(t, h, e, k),
+        &mut l,
+        LogitsKernel::Auto,
+    )
+    .unwrap();
     download(ctx, &l).unwrap()
 }
 
@@ -135,7 +143,15 @@ fn non_finite_logits_are_the_cpu_error() {
         let xd = ctx.stream().clone_htod(&x).unwrap();
         let wd = ctx.stream().clone_htod(&w).unwrap();
         let mut l = zeros::<f32>(&ctx, t * e).unwrap();
-        router_logits(&ctx, &xd, &wd, t, h, e, k, &mut l).unwrap();
+        router_logits(
+            &ctx,
+            &xd,
+            &wd,
+            LogitsDims::new(t, h, e, k),
+            &mut l,
+            LogitsKernel::Auto,
+        )
+        .unwrap();
         let mut out = DeviceRoutes::zeros(&ctx, t, k).unwrap();
         router_topk_checked(&ctx, &l, t, e, k, true, &mut out, &mut v).unwrap();
         v.launch_routed(&ctx, &l, &out, &rules, 0).unwrap();
@@ -231,9 +247,29 @@ fn logits_at_a_million_tokens_timing() {
             ctx.synchronize().unwrap();
             t0.elapsed().as_secs_f64() * 1e3 / n as f64
         };
-        let simt = time(&mut || router_logits_simt(&ctx, &xd, &wd, t, h, e, k, &mut l).unwrap());
+        let simt = time(&mut || {
+            router_logits(
+                &ctx,
+                &xd,
+                &wd,
+                LogitsDims::new(t, h, e, k),
+                &mut l,
+                LogitsKernel::Simt,
+            )
+            .unwrap()
+        });
         poison(&ctx, &mut l).unwrap();
-        let mma = time(&mut || router_logits(&ctx, &xd, &wd, t, h, e, k, &mut l).unwrap());
+        let mma = time(&mut || {
+            router_logits(
+                &ctx,
+                &xd,
+                &wd,
+                LogitsDims::new(t, h, e, k),
+                &mut l,
+                LogitsKernel::Auto,
+            )
+            .unwrap()
+        });
         let got = download(&ctx, &l.slice(..block * e).to_owned_via(&ctx)).unwrap();
         if let Some(m) = check_logits(&got, &xb, &wr, block, h, e) {
             panic!("{m}");

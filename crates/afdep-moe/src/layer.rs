@@ -61,8 +61,8 @@ use afdep_kernels::ops::gemm::{
 };
 use afdep_kernels::ops::{moe, poison, zeros};
 use afdep_kernels::{
-    DeviceRoutes, ExpertLayout, GpuContext, KernelError, RouteValidator, permute, router_logits,
-    router_topk_checked,
+    DeviceRoutes, ExpertLayout, GpuContext, KernelError, LogitsDims, LogitsKernel, RouteValidator,
+    permute, router_logits, router_topk_checked,
 };
 use thiserror::Error;
 
@@ -578,11 +578,9 @@ impl MoeLayer {
                 ctx,
                 &self.x,
                 &self.params.wr,
-                tokens,
-                hd,
-                e,
-                k,
+                LogitsDims::new(tokens, hd, e, k),
                 &mut self.logits,
+                LogitsKernel::Auto,
             )?;
             router_topk_checked(
                 ctx,

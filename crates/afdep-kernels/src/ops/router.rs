@@ -48,53 +48,59 @@ fn check_spec(experts: usize, top_k: usize) -> Result<(u32, u32), KernelError> {
     Ok((e, k))
 }
 
+/// The sizes of a logits problem: `x` is `tokens × hidden`, the router `hidden × experts`;
+/// `top_k` only selects the module (the logits kernel shares the router module with top-k).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogitsDims {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Hidden size H.
+    pub hidden: usize,
+    /// Experts E.
+    pub experts: usize,
+    /// Experts per token K.
+    pub top_k: usize,
+}
+
+impl LogitsDims {
+    /// `tokens × hidden` against `hidden × experts`, in the module of `top_k`.
+    pub fn new(tokens: usize, hidden: usize, experts: usize, top_k: usize) -> Self {
+        LogitsDims {
+            tokens,
+            hidden,
+            experts,
+            top_k,
+        }
+    }
+}
+
+/// Which kernel computes the logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogitsKernel {
+    /// Tensor cores when `hidden` is a multiple of 8, the SIMT kernel otherwise.
+    #[default]
+    Auto,
+    /// The SIMT kernel whatever `hidden` is (the fallback, kept callable for comparisons).
+    Simt,
+}
+
 /// `logits = x·wr` in f32: `x` is `tokens × hidden` bf16, `wr` is `hidden × experts` bf16,
-/// `logits` is `tokens × experts` f32, all row-major. `top_k` only selects the module (the
-/// logits kernel shares the router module with top-k). Tensor cores when `hidden` is a
-/// multiple of 8, the SIMT kernel otherwise.
-#[allow(clippy::too_many_arguments)]
+/// `logits` is `tokens × experts` f32, all row-major ([`LogitsDims`]), on `kernel`.
 pub fn router_logits(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,
     wr: &CudaSlice<bf16>,
-    tokens: usize,
-    hidden: usize,
-    experts: usize,
-    top_k: usize,
+    dims: LogitsDims,
     logits: &mut CudaSlice<f32>,
+    kernel: LogitsKernel,
 ) -> Result<(), KernelError> {
-    let mma = hidden % 8 == 0;
-    logits_with(ctx, x, wr, tokens, hidden, experts, top_k, logits, mma)
-}
-
-/// [`router_logits`] on the SIMT kernel whatever `hidden` is (the fallback, kept callable
-/// for comparisons).
-#[allow(clippy::too_many_arguments)]
-pub fn router_logits_simt(
-    ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    wr: &CudaSlice<bf16>,
-    tokens: usize,
-    hidden: usize,
-    experts: usize,
-    top_k: usize,
-    logits: &mut CudaSlice<f32>,
-) -> Result<(), KernelError> {
-    logits_with(ctx, x, wr, tokens, hidden, experts, top_k, logits, false)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn logits_with(
-    ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    wr: &CudaSlice<bf16>,
-    tokens: usize,
-    hidden: usize,
-    experts: usize,
-    top_k: usize,
-    logits: &mut CudaSlice<f32>,
-    mma: bool,
-) -> Result<(), KernelError> {
+    let LogitsDims {
+        tokens,
+        hidden,
+        experts,
+        top_k,
+    } = dims;
+    let mma = kernel == LogitsKernel::Auto && hidden % 8 == 0;
     let (e, k) = check_spec(experts, top_k)?;
     if tokens == 0 {
         return Ok(());
@@ -235,16 +241,8 @@ pub fn router(
     shape: &LayerShape,
 ) -> Result<DeviceRoutes, KernelError> {
     let mut logits = zeros::<f32>(ctx, tokens * shape.experts)?;
-    router_logits(
-        ctx,
-        x,
-        wr,
-        tokens,
-        shape.d_model,
-        shape.experts,
-        shape.top_k,
-        &mut logits,
-    )?;
+    let dims = LogitsDims::new(tokens, shape.d_model, shape.experts, shape.top_k);
+    router_logits(ctx, x, wr, dims, &mut logits, LogitsKernel::Auto)?;
     let mut out = DeviceRoutes::zeros(ctx, tokens, shape.top_k)?;
     router_topk(
         ctx,
