@@ -25,7 +25,7 @@ use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{
     CombineOrder, DeviceRoutes, ExpertLayout, GpuContext, KernelError, LogitsDims, LogitsKernel,
-    RouteValidator, permute, router_logits, router_topk, source_digest, unpermute,
+    RouteValidator, TopkDims, permute, router_logits, router_topk, source_digest, unpermute,
 };
 use half::bf16;
 
@@ -160,7 +160,13 @@ fn run() -> Result<(), KernelError> {
             &mut logits,
             LogitsKernel::Auto,
         )?;
-        router_topk(&ctx, &logits, t, e, k, true, &mut routes)?;
+        router_topk(
+            &ctx,
+            &logits,
+            TopkDims::new(t, e, k, true),
+            &mut routes,
+            None,
+        )?;
         layout.build(&ctx, &routes.idx)?;
         ctx.synchronize()?;
         let (tk, th) = ((t * k) as f64, (t * h) as f64);
@@ -176,7 +182,13 @@ fn run() -> Result<(), KernelError> {
                         &mut logits,
                         LogitsKernel::Auto,
                     )?;
-                    router_topk(&ctx, &logits, t, e, k, true, &mut routes)
+                    router_topk(
+                        &ctx,
+                        &logits,
+                        TopkDims::new(t, e, k, true),
+                        &mut routes,
+                        None,
+                    )
                 })?,
                 None,
             ),

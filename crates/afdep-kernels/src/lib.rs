@@ -34,9 +34,7 @@ pub use jit::{Arch, CompiledModule, Jit, JitOptions};
 pub use ops::DeviceRoutes;
 pub use ops::layout::{ExpertLayout, expert_layout};
 pub use ops::permute::{CombineOrder, permute, unpermute};
-pub use ops::router::{
-    LogitsDims, LogitsKernel, router, router_logits, router_topk, router_topk_checked,
-};
+pub use ops::router::{LogitsDims, LogitsKernel, TopkDims, router, router_logits, router_topk};
 pub use ops::validate::{RouteValidator, validate_routes};
 pub use resources::KernelResources;
 pub use sources::{KernelId, ModuleSpec, SourceFile, source_digest};

@@ -8,7 +8,9 @@ mod common;
 use afdep_core::LayerShape;
 use afdep_core::oracle::gemm::matmul;
 use afdep_core::route::{self, Routes};
-use afdep_kernels::ops::router::{LogitsDims, LogitsKernel, router, router_logits, router_topk};
+use afdep_kernels::ops::router::{
+    LogitsDims, LogitsKernel, TopkDims, router, router_logits, router_topk,
+};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext};
 use common::{EXPERTS, TOP_K, gpu, par_chunks, random_bf16, rng, tokens};
@@ -63,7 +65,7 @@ fn device_topk(
     let mut out = DeviceRoutes::zeros(ctx, t, k).unwrap();
     poison(ctx, &mut out.idx).unwrap();
     poison(ctx, &mut out.weights).unwrap();
-    router_topk(ctx, &l, t, e, k, renorm, &mut out).unwrap();
+    router_topk(ctx, &l, TopkDims::new(t, e, k, renorm), &mut out, None).unwrap();
     out.download(ctx).unwrap()
 }
 
@@ -292,9 +294,9 @@ fn bad_specialisations_are_typed_errors() {
     let l = zeros::<f32>(&ctx, 16).unwrap();
     let mut out = DeviceRoutes::zeros(&ctx, 1, 9).unwrap();
     // Top-k above the expert count, and a short logits buffer.
-    assert!(router_topk(&ctx, &l, 1, 8, 9, true, &mut out).is_err());
+    assert!(router_topk(&ctx, &l, TopkDims::new(1, 8, 9, true), &mut out, None).is_err());
     let mut out = DeviceRoutes::zeros(&ctx, 1, 2).unwrap();
-    assert!(router_topk(&ctx, &l, 1, 64, 2, true, &mut out).is_err());
+    assert!(router_topk(&ctx, &l, TopkDims::new(1, 64, 2, true), &mut out, None).is_err());
     let x = zeros::<bf16>(&ctx, 4).unwrap();
     let mut logits = zeros::<f32>(&ctx, 64).unwrap();
     assert!(

@@ -15,7 +15,7 @@ use std::time::Instant;
 use afdep_core::RouteError;
 use afdep_core::oracle::gemm::matmul;
 use afdep_core::route::{self, MASKED, RouteRules};
-use afdep_kernels::ops::router::{LogitsDims, LogitsKernel, router_logits, router_topk_checked};
+use afdep_kernels::ops::router::{LogitsDims, LogitsKernel, TopkDims, router_logits, router_topk};
 use afdep_kernels::ops::{download, poison, zeros};
 use afdep_kernels::{DeviceRoutes, GpuContext, RouteValidator};
 use common::{gpu, random_bf16, rng, size_allowed};
@@ -153,7 +153,14 @@ fn non_finite_logits_are_the_cpu_error() {
         )
         .unwrap();
         let mut out = DeviceRoutes::zeros(&ctx, t, k).unwrap();
-        router_topk_checked(&ctx, &l, t, e, k, true, &mut out, &mut v).unwrap();
+        router_topk(
+            &ctx,
+            &l,
+            TopkDims::new(t, e, k, true),
+            &mut out,
+            Some(&mut v),
+        )
+        .unwrap();
         v.launch_routed(&ctx, &l, &out, &rules, 0).unwrap();
         let got = v.result(&ctx).unwrap();
         let logits = download(&ctx, &l).unwrap();
@@ -274,8 +281,16 @@ fn logits_at_a_million_tokens_timing() {
         if let Some(m) = check_logits(&got, &xb, &wr, block, h, e) {
             panic!("{m}");
         }
-        let topk =
-            time(&mut || router_topk_checked(&ctx, &l, t, e, k, true, &mut out, &mut v).unwrap());
+        let topk = time(&mut || {
+            router_topk(
+                &ctx,
+                &l,
+                TopkDims::new(t, e, k, true),
+                &mut out,
+                Some(&mut v),
+            )
+            .unwrap()
+        });
         v.launch_routed(
             &ctx,
             &l,

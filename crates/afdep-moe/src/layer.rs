@@ -62,7 +62,7 @@ use afdep_kernels::ops::gemm::{
 use afdep_kernels::ops::{moe, poison, zeros};
 use afdep_kernels::{
     DeviceRoutes, ExpertLayout, GpuContext, KernelError, LogitsDims, LogitsKernel, RouteValidator,
-    permute, router_logits, router_topk_checked,
+    TopkDims, permute, router_logits, router_topk,
 };
 use thiserror::Error;
 
@@ -582,15 +582,12 @@ impl MoeLayer {
                 &mut self.logits,
                 LogitsKernel::Auto,
             )?;
-            router_topk_checked(
+            router_topk(
                 ctx,
                 &self.logits,
-                tokens,
-                e,
-                k,
-                sh.renormalize,
+                TopkDims::new(tokens, e, k, sh.renormalize),
                 &mut self.routes,
-                &mut self.validator,
+                Some(&mut self.validator),
             )?;
         }
         self.validator.poison_word(ctx)?;

@@ -6,7 +6,7 @@
 //! otherwise the SIMT kernel (`afdep_router_logits`). Both read x once and write the f32
 //! logits (the train step's router backward reads them).
 //!
-//! **Non-finite logits.** [`router_topk_checked`] masks every slot of a token whose logits are
+//! **Non-finite logits.** [`router_topk`] masks every slot of a token whose logits are
 //! not all finite and leaves its key in a [`RouteValidator`]'s state, whose next
 //! [`RouteValidator::launch_routed`] reports [`afdep_core::RouteError::NonFiniteLogit`] (the
 //! first such token, its lowest such expert), as the CPU oracle does; no expert id is ever made
@@ -141,59 +141,50 @@ pub fn router_logits(
     Ok(())
 }
 
+/// The sizes and rule of a top-k problem: `tokens × experts` logits, `top_k` experts per
+/// token, the selected probabilities divided by their sum when `renormalize`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopkDims {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Experts E.
+    pub experts: usize,
+    /// Experts per token K.
+    pub top_k: usize,
+    /// Whether the selected probabilities are divided by their sum.
+    pub renormalize: bool,
+}
+
+impl TopkDims {
+    /// `top_k` of `experts` for each of `tokens` tokens.
+    pub fn new(tokens: usize, experts: usize, top_k: usize, renormalize: bool) -> Self {
+        TopkDims {
+            tokens,
+            experts,
+            top_k,
+            renormalize,
+        }
+    }
+}
+
 /// Softmax, top-k (ties to the lower id) and weights from `tokens × experts` f32 logits, into
-/// `out` (`tokens × top_k`; `out.top_k` must equal `top_k`). `renormalize` divides the
-/// selected probabilities by their sum. A token with a non-finite logit gets masked slots
-/// (see [`router_topk_checked`] to have it reported).
+/// `out` (`tokens × top_k`; `out.top_k` must equal `top_k`). A token with a non-finite logit
+/// gets masked slots; with a `validator`, the first such token is also recorded in its state,
+/// and the next [`RouteValidator::launch_routed`] with the same logits reports it as
+/// [`afdep_core::RouteError::NonFiniteLogit`].
 pub fn router_topk(
     ctx: &GpuContext,
     logits: &CudaSlice<f32>,
-    tokens: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
+    dims: TopkDims,
     out: &mut DeviceRoutes,
+    validator: Option<&mut RouteValidator>,
 ) -> Result<(), KernelError> {
-    topk_with(ctx, logits, tokens, experts, top_k, renormalize, out, None)
-}
-
-/// [`router_topk`] that records the first non-finite logit in `validator`'s state: the next
-/// [`RouteValidator::launch_routed`] with the same logits reports it as
-/// [`afdep_core::RouteError::NonFiniteLogit`].
-#[allow(clippy::too_many_arguments)]
-pub fn router_topk_checked(
-    ctx: &GpuContext,
-    logits: &CudaSlice<f32>,
-    tokens: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    out: &mut DeviceRoutes,
-    validator: &mut RouteValidator,
-) -> Result<(), KernelError> {
-    topk_with(
-        ctx,
-        logits,
+    let TopkDims {
         tokens,
         experts,
         top_k,
         renormalize,
-        out,
-        Some(validator),
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn topk_with(
-    ctx: &GpuContext,
-    logits: &CudaSlice<f32>,
-    tokens: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
-    out: &mut DeviceRoutes,
-    validator: Option<&mut RouteValidator>,
-) -> Result<(), KernelError> {
+    } = dims;
     let (e, k) = check_spec(experts, top_k)?;
     if out.top_k != top_k || out.tokens != tokens {
         return Err(KernelError::Shape(format!(
@@ -244,14 +235,7 @@ pub fn router(
     let dims = LogitsDims::new(tokens, shape.d_model, shape.experts, shape.top_k);
     router_logits(ctx, x, wr, dims, &mut logits, LogitsKernel::Auto)?;
     let mut out = DeviceRoutes::zeros(ctx, tokens, shape.top_k)?;
-    router_topk(
-        ctx,
-        &logits,
-        tokens,
-        shape.experts,
-        shape.top_k,
-        shape.renormalize,
-        &mut out,
-    )?;
+    let dims = TopkDims::new(tokens, shape.experts, shape.top_k, shape.renormalize);
+    router_topk(ctx, &logits, dims, &mut out, None)?;
     Ok(out)
 }

@@ -64,7 +64,7 @@ impl RouteValidator {
     }
 
     /// [`RouteValidator::launch`] for routes that the router's top-k
-    /// ([`crate::router_topk_checked`]) just made from `logits` (`tokens × rules.experts` f32)
+    /// ([`crate::router_topk`] with this validator) just made from `logits` (`tokens × rules.experts` f32)
     /// with this validator's state: a non-finite logit it found is reported as
     /// [`RouteError::NonFiniteLogit`] (the first token, its lowest such expert, the logit),
     /// ahead of any route offence.
@@ -170,7 +170,7 @@ impl RouteValidator {
             // (may be null) and u64 logit_experts (= experts); one thread re-reads one token's
             // K slots (in bounds by the key's construction), or, when the router left its key,
             // one logit of a token below `tokens` (logits hold tokens × experts, checked by
-            // `launch_routed`; the router key is only ever set by `router_topk_checked` on a
+            // `launch_routed`; the router key is only ever set by `router_topk` (given a validator) on a
             // layer whose logits are these), writes the state's first 6 words and clears both
             // keys.
             unsafe { b.launch(cfg) }.map_err(launch_err(id))?;

@@ -240,33 +240,6 @@ unsafe fn copy_dtod<T: afdep_kernels::cudarc::driver::DeviceRepr>(
     }
 }
 
-/// Copies the first `n` elements of `src` to the caller's device pointer `dst`, on the
-/// context's stream.
-///
-/// # Safety
-/// `dst` is a live device allocation of `gpu`'s device holding `n` elements of `T`, used by
-/// nobody else until the stream passes the copy; `n <= src.len()`.
-unsafe fn copy_dtod_out<T: afdep_kernels::cudarc::driver::DeviceRepr>(
-    gpu: &GpuContext,
-    dst: u64,
-    src: &CudaSlice<T>,
-    n: usize,
-) -> Result<(), ExchangeError> {
-    use afdep_kernels::cudarc::driver::DevicePtr;
-    debug_assert!(n <= src.len());
-    let (s, _guard) = src.device_ptr(gpu.stream());
-    // SAFETY: the caller's contract; `s` holds at least `n` elements.
-    unsafe {
-        copy_bytes(
-            gpu,
-            dst,
-            s,
-            n * std::mem::size_of::<T>(),
-            "copying the combined rows out",
-        )
-    }
-}
-
 /// `bytes` bytes from device address `src` to `dst` on the context's stream (nothing for 0).
 ///
 /// # Safety
@@ -991,10 +964,21 @@ impl FusedEngine {
             }
             self.round_event(false)?;
             if let (Some(b), Some(s)) = (input, self.device.as_ref().and_then(|d| d.src.as_ref())) {
+                use afdep_kernels::cudarc::driver::DevicePtr;
                 let n = b.tokens.min(self.cfg.capacity) * self.cfg.hidden;
+                let (src, _guard) = s.out.device_ptr(self.gpu.stream());
+                let bytes = n * std::mem::size_of::<bf16>();
                 // SAFETY: `out` holds `tokens` rows (the caller's contract); the source is the
-                // round's output buffer of the capacity's rows.
-                unsafe { copy_dtod_out(&self.gpu, b.out, &s.out, n)? };
+                // round's output buffer of the capacity's rows (n elements at most).
+                unsafe {
+                    copy_bytes(
+                        &self.gpu,
+                        b.out,
+                        src,
+                        bytes,
+                        "copying the combined rows out",
+                    )?
+                };
             }
             Ok(local)
         })();
