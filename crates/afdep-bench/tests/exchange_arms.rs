@@ -23,6 +23,9 @@ const SMALL: [&str; 14] = [
     "identity",
 ];
 
+/// The CPU backend, one attention and one FFN rank, two tokens.
+const CPU_1A1F: [&str; 6] = ["--backend", "cpu", "--topology", "1A:1F", "--tokens", "2"];
+
 fn ok(args: &[&str]) -> (Vec<serde_json::Value>, String) {
     let out = run(args);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
@@ -191,17 +194,9 @@ fn unsupported_arms_and_payloads_exit_3_and_say_so() {
         ("--arm", "count-first-source", "no arm count-first-source"),
         ("--arm", "auto", "no arm auto"),
     ] {
-        let mut args = vec![
-            "exchange",
-            "--backend",
-            "cpu",
-            "--topology",
-            "1A:1F",
-            "--tokens",
-            "2",
-            flag,
-            value,
-        ];
+        let mut args = vec!["exchange"];
+        args.extend(CPU_1A1F);
+        args.extend([flag, value]);
         args.extend(SMALL);
         // fp8 needs a multiple of 128 channels
         assert_eq!(args[9], "--hidden");
@@ -281,13 +276,8 @@ fn graph_mode_needs_the_cuda_backend() {
         "1",
         "--",
         "--graph",
-        "--backend",
-        "cpu",
-        "--topology",
-        "1A:1F",
-        "--tokens",
-        "2",
     ];
+    args.extend(CPU_1A1F);
     args.extend(SMALL);
     let stderr = fails(&args);
     assert!(stderr.contains("needs --backend cuda"), "{stderr}");

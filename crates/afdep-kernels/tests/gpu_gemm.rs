@@ -72,92 +72,38 @@ fn wgrad_matches_a_host_gemm() {
         (256, 256, 128, &[0, 0], 3),
     ];
     for (m, n, n1, sizes, div) in cases {
-        let g = sizes.len();
-        let rows: usize = sizes.iter().sum();
-        let mut offsets = vec![0u64];
-        for &s in sizes {
-            offsets.push(offsets.last().unwrap() + s as u64);
-        }
+        let (od, offsets, g, rows) = groups_of(&ctx, sizes);
         let lda = m + 8;
         let ldb = n + 16;
         let brows = rows.div_ceil(div).max(1) + 3;
         let a = rand_bf16(&mut r, rows.max(1) * lda);
         let b = rand_bf16(&mut r, brows * ldb);
         // B row of sum row j: index[j] / div, a permutation of 0..rows scaled into range.
-        let mut index: Vec<u32> = (0..rows as u32).collect();
-        for i in (1..index.len()).rev() {
-            let j = r.gen_range(0..=i);
-            index.swap(i, j);
-        }
+        let index = permutation(&mut r, rows);
         let index = if index.is_empty() { vec![0] } else { index };
 
-        let mut want = vec![0f64; g * m * n];
-        let mut mag = vec![0f64; g * m * n];
-        for e in 0..g {
-            for row in offsets[e] as usize..offsets[e + 1] as usize {
-                let brow = index[row] as usize / div;
-                for i in 0..m {
-                    let av = f64::from(a[row * lda + i].to_f32());
-                    for j in 0..n {
-                        let p = av * f64::from(b[brow * ldb + j].to_f32());
-                        want[(e * m + i) * n + j] += p;
-                        mag[(e * m + i) * n + j] += p.abs();
-                    }
-                }
-            }
-        }
-        let (ad, bd, idd, od) = (
-            up(&ctx, &a),
-            up(&ctx, &b),
-            up(&ctx, &index),
-            up(&ctx, &offsets),
+        let (want, mag) = host_wgrad(
+            &offsets,
+            (m, n),
+            |row, i| f64::from(a[row * lda + i].to_f32()),
+            |row, j| f64::from(b[(index[row] as usize / div) * ldb + j].to_f32()),
         );
+        let (ad, bd, idd) = (up(&ctx, &a), up(&ctx, &b), up(&ctx, &index));
         for splits in [1usize, 3] {
             let mut ws =
                 zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
-            let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
-            let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
-            poison(&ctx, &mut out).unwrap();
-            poison(&ctx, &mut out2).unwrap();
-            gemm::wgrad(
+            let a_op = k_operand(&ad, lda, None);
+            let b_op = k_operand(&bd, ldb, Some(Gather { index: &idd, div }));
+            let dims = (g, m, n, n1);
+            let outs = wgrad_split(
                 &ctx,
-                Groups::Experts {
-                    offsets: &od,
-                    experts: g,
-                    capacity: rows,
-                },
-                KOperand {
-                    buf: &ad,
-                    ld: lda,
-                    gather: None,
-                },
-                KOperand {
-                    buf: &bd,
-                    ld: ldb,
-                    gather: Some(Gather { index: &idd, div }),
-                },
-                m,
-                n,
+                experts(&od, g, rows),
+                (a_op, b_op),
+                dims,
                 splits,
                 &mut ws,
-                &mut out,
-                Some((&mut out2, n1)),
-            )
-            .unwrap();
-            let o1 = download(&ctx, &out).unwrap();
-            let o2 = download(&ctx, &out2).unwrap();
-            let mut got = vec![0f32; g * m * n];
-            for e in 0..g {
-                for i in 0..m {
-                    for j in 0..n {
-                        got[(e * m + i) * n + j] = if j < n1 {
-                            o1[(e * m + i) * n1 + j].to_f32()
-                        } else {
-                            o2[(e * m + i) * (n - n1) + j - n1].to_f32()
-                        };
-                    }
-                }
-            }
+            );
+            let got = joined(&ctx, &outs, dims);
             check(
                 &format!("wgrad m {m} n {n} n1 {n1} groups {sizes:?} splits {splits}"),
                 &got,
@@ -173,94 +119,65 @@ fn wgrad_matches_a_host_gemm() {
 /// not only the product), groups with 0 rows, hidden not a multiple of the tile.
 #[test]
 fn down_scatter_matches_a_host_gemm() {
-    let Some(ctx) = gpu() else { return };
-    // The classic rows kernel (the default engine, ws, has its own test below).
-    let _classic = ForcedEngine::new(Engine::Classic);
+    let Some((ctx, _classic)) = classic_gpu() else {
+        return;
+    };
     let mut r = rng(71);
     let (tokens, top_k, width, hidden) = (97usize, 3usize, 40usize, 136usize);
     let sizes = [0usize, 100, 1, 0, 190];
-    let g = sizes.len();
-    let rows: usize = sizes.iter().sum();
+    let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
     assert_eq!(rows, tokens * top_k);
-    let mut offsets = vec![0u64];
-    for s in sizes {
-        offsets.push(offsets.last().unwrap() + s as u64);
-    }
     // row → slot: a permutation of the slots.
-    let mut row_slot: Vec<u32> = (0..rows as u32).collect();
-    for i in (1..rows).rev() {
-        let j = r.gen_range(0..=i);
-        row_slot.swap(i, j);
-    }
+    let row_slot = permutation(&mut r, rows);
     let weights: Vec<f32> = (0..rows).map(|_| r.gen_range(0.0f32..1.0)).collect();
     let h = rand_bf16(&mut r, rows * width);
     let w2 = rand_bf16(&mut r, g * width * hidden);
     let acc0: Vec<f32> = (0..tokens * hidden)
         .map(|_| r.gen_range(-1.0f32..1.0))
         .collect();
-    let mut want: Vec<f64> = acc0.iter().map(|&v| f64::from(v)).collect();
-    let mut mag: Vec<f64> = acc0.iter().map(|&v| f64::from(v).abs()).collect();
-    for e in 0..g {
-        for row in offsets[e] as usize..offsets[e + 1] as usize {
-            let slot = row_slot[row] as usize;
-            let (t, w) = (slot / top_k, f64::from(weights[slot]));
-            for j in 0..hidden {
-                let mut s = 0f64;
-                let mut sm = 0f64;
-                for k in 0..width {
-                    let p = f64::from(h[row * width + k].to_f32())
-                        * f64::from(w2[(e * width + k) * hidden + j].to_f32());
-                    s += p;
-                    sm += p.abs();
-                }
-                want[t * hidden + j] += w * s;
-                mag[t * hidden + j] += w * sm;
-            }
-        }
-    }
-    let (hd, w2d, od, rsd, wd) = (
+    let (v, m) = host_rows(
+        &offsets,
+        hidden,
+        width,
+        |row, k| f64::from(h[row * width + k].to_f32()),
+        |e, k, j| f64::from(w2[(e * width + k) * hidden + j].to_f32()),
+    );
+    let (want, mag) = host_scatter(&acc0, (&v, &m), &row_slot, &weights, top_k, hidden);
+    let (hd, w2d, rsd, wd) = (
         up(&ctx, &h),
         up(&ctx, &w2),
-        up(&ctx, &offsets),
         up(&ctx, &row_slot),
         up(&ctx, &weights),
     );
-    let mut acc = up(&ctx, &acc0);
-    gemm::down(
+    let rw = RowWeights {
+        row_slot: &rsd,
+        weights: &wd,
+        top_k,
+    };
+    let got = down_scatter(
         &ctx,
-        Groups::Experts {
-            offsets: &od,
-            experts: g,
-            capacity: rows,
-        },
-        &hd,
-        &w2d,
-        width,
-        hidden,
-        RowsOut::Scatter {
-            acc: &mut acc,
-            weights: RowWeights {
-                row_slot: &rsd,
-                weights: &wd,
-                top_k,
-            },
-            weighted: true,
-        },
-    )
-    .unwrap();
-    let got = download(&ctx, &acc).unwrap();
+        experts(&od, g, rows),
+        (&hd, &w2d),
+        (width, hidden),
+        &acc0,
+        rw,
+    );
     // f32 accumulators: the tolerance's bf16 term is far above the f32 error; keep it, the
     // magnitude term covers the order of the atomic adds.
     check("down scatter", &got, &want, &mag);
 }
 
-/// Expert groups of `sizes` rows: the device offsets and the host ones.
-fn groups_of(ctx: &afdep_kernels::GpuContext, sizes: &[usize]) -> (CudaSlice<u64>, Vec<u64>) {
+/// Expert groups of `sizes` rows: the device offsets, the host ones, the number of groups and
+/// the rows in all.
+fn groups_of(
+    ctx: &afdep_kernels::GpuContext,
+    sizes: &[usize],
+) -> (CudaSlice<u64>, Vec<u64>, usize, usize) {
     let mut offsets = vec![0u64];
     for &s in sizes {
         offsets.push(offsets.last().unwrap() + s as u64);
     }
-    (up(ctx, &offsets), offsets)
+    (up(ctx, &offsets), offsets, sizes.len(), sizes.iter().sum())
 }
 
 /// The up-projection with SwiGLU at widths and hiddens that are multiples of 8 but not of the
@@ -268,15 +185,13 @@ fn groups_of(ctx: &afdep_kernels::GpuContext, sizes: &[usize]) -> (CudaSlice<u64
 /// the train step stores, against a host f64 GEMM; groups of 0 and 1 rows; outputs poisoned.
 #[test]
 fn up_swiglu_odd_sizes_match_a_host_gemm() {
-    let Some(ctx) = gpu() else { return };
-    // The classic rows kernel (the default engine, ws, has its own test below).
-    let _classic = ForcedEngine::new(Engine::Classic);
+    let Some((ctx, _classic)) = classic_gpu() else {
+        return;
+    };
     let mut r = rng(23);
     for (hidden, width) in [(136usize, 40usize), (72, 24), (264, 136)] {
         let sizes = [0usize, 37, 1, 130];
-        let g = sizes.len();
-        let rows: usize = sizes.iter().sum();
-        let (od, offsets) = groups_of(&ctx, &sizes);
+        let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
         let x = rand_bf16(&mut r, rows * hidden);
         let w1 = rand_bf16(&mut r, g * hidden * width);
         let w3 = rand_bf16(&mut r, g * hidden * width);
@@ -307,37 +222,21 @@ fn up_swiglu_odd_sizes_match_a_host_gemm() {
             }
         }
         let (xd, w1d, w3d) = (up(&ctx, &x), up(&ctx, &w1), up(&ctx, &w3));
-        let mut h = zeros::<bf16>(&ctx, n).unwrap();
-        let mut a = zeros::<bf16>(&ctx, n).unwrap();
-        let mut b = zeros::<bf16>(&ctx, n).unwrap();
-        poison(&ctx, &mut h).unwrap();
-        poison(&ctx, &mut a).unwrap();
-        poison(&ctx, &mut b).unwrap();
-        gemm::up_swiglu(
+        let [a, b, h] = up_swiglu_abh(
             &ctx,
-            Groups::Experts {
-                offsets: &od,
-                experts: g,
-                capacity: rows,
-            },
-            &xd,
-            None,
-            &w1d,
-            &w3d,
-            hidden,
-            width,
-            &mut h,
-            Some(&mut a),
-            Some(&mut b),
-        )
-        .unwrap();
+            experts(&od, g, rows),
+            (&xd, None),
+            (&w1d, &w3d),
+            (hidden, width),
+            rows,
+        );
         let what = format!("up_swiglu hidden {hidden} width {width}");
         for (name, got, want, mag) in [
             ("a", &a, &wa, &ma),
             ("b", &b, &wb, &mb),
             ("h", &h, &wh, &mh),
         ] {
-            check(&format!("{what} {name}"), &f32s(&ctx, got), want, mag);
+            check(&format!("{what} {name}"), got, want, mag);
         }
     }
 }
@@ -347,15 +246,13 @@ fn up_swiglu_odd_sizes_match_a_host_gemm() {
 /// not a multiple of the tile; groups of 0 rows; output poisoned.
 #[test]
 fn dx_odd_sizes_match_a_host_gemm() {
-    let Some(ctx) = gpu() else { return };
-    // The classic rows kernel (the default engine, ws, has its own test below).
-    let _classic = ForcedEngine::new(Engine::Classic);
+    let Some((ctx, _classic)) = classic_gpu() else {
+        return;
+    };
     let mut r = rng(29);
     for (hidden, width) in [(136usize, 40usize), (72, 64), (40, 24)] {
         let sizes = [5usize, 0, 129, 0];
-        let g = sizes.len();
-        let rows: usize = sizes.iter().sum();
-        let (od, offsets) = groups_of(&ctx, &sizes);
+        let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
         let dab = rand_bf16(&mut r, rows * 2 * width);
         let w1 = rand_bf16(&mut r, g * hidden * width);
         let w3 = rand_bf16(&mut r, g * hidden * width);
@@ -376,27 +273,8 @@ fn dx_odd_sizes_match_a_host_gemm() {
             }
         }
         let (dd, w1d, w3d) = (up(&ctx, &dab), up(&ctx, &w1), up(&ctx, &w3));
-        let mut out = zeros::<bf16>(&ctx, rows * hidden).unwrap();
-        poison(&ctx, &mut out).unwrap();
-        gemm::dx(
-            &ctx,
-            Groups::Experts {
-                offsets: &od,
-                experts: g,
-                capacity: rows,
-            },
-            &dd,
-            &w1d,
-            Some(&w3d),
-            width,
-            hidden,
-            RowsOut::Store {
-                out: &mut out,
-                weights: None,
-            },
-        )
-        .unwrap();
-        let got = f32s(&ctx, &out);
+        let groups = experts(&od, g, rows);
+        let got = dx_stored(&ctx, groups, (&dd, &w1d, &w3d), (width, hidden), rows);
         check(
             &format!("dx hidden {hidden} width {width}"),
             &got,
@@ -406,20 +284,29 @@ fn dx_odd_sizes_match_a_host_gemm() {
     }
 }
 
-/// Forces an engine on this thread; the default comes back when dropped.
-struct ForcedEngine;
+/// Forces an engine on this thread through `force` (`gemm::force_engine`, or
+/// `gemm::force_wgrad_engine` for the weight-gradient engine); the default comes back when
+/// dropped.
+struct ForcedEngine(fn(Option<Engine>));
 
 impl ForcedEngine {
-    fn new(engine: Engine) -> Self {
-        gemm::force_engine(Some(engine));
-        ForcedEngine
+    fn new(force: fn(Option<Engine>), engine: Engine) -> Self {
+        force(Some(engine));
+        ForcedEngine(force)
     }
 }
 
 impl Drop for ForcedEngine {
     fn drop(&mut self) {
-        gemm::force_engine(None);
+        (self.0)(None);
     }
+}
+
+/// The GPU with the classic rows kernel forced on this thread (the default engine, ws, has its
+/// own test), or `None` (skip).
+fn classic_gpu() -> Option<(afdep_kernels::GpuContext, ForcedEngine)> {
+    let ctx = gpu()?;
+    Some((ctx, ForcedEngine::new(gemm::force_engine, Engine::Classic)))
 }
 
 /// A random permutation of `0..n`.
@@ -468,6 +355,214 @@ fn f32s(ctx: &afdep_kernels::GpuContext, d: &CudaSlice<bf16>) -> Vec<f32> {
         .collect()
 }
 
+/// Host token accumulators: `acc0` plus, for every problem row, its row of `v` (`Σ|·|`: `m`)
+/// times the router weight of its slot, added onto the slot's token (rows in order).
+fn host_scatter(
+    acc0: &[f32],
+    (v, m): (&[f64], &[f64]),
+    row_slot: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    hidden: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut want: Vec<f64> = acc0.iter().map(|&x| f64::from(x)).collect();
+    let mut mag: Vec<f64> = acc0.iter().map(|&x| f64::from(x).abs()).collect();
+    for (row, &slot) in row_slot.iter().enumerate() {
+        let slot = slot as usize;
+        let (t, w) = (slot / top_k, f64::from(weights[slot]));
+        for j in 0..hidden {
+            want[t * hidden + j] += w * v[row * hidden + j];
+            mag[t * hidden + j] += w * m[row * hidden + j];
+        }
+    }
+    (want, mag)
+}
+
+/// The down-projection of `h` by `w2` over `groups` (K = `width`, N = `hidden`), scattered with
+/// the router weights `rw` onto token accumulators that start at `acc0`; returns them.
+fn down_scatter(
+    ctx: &afdep_kernels::GpuContext,
+    groups: Groups<'_>,
+    (h, w2): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    (width, hidden): (usize, usize),
+    acc0: &[f32],
+    rw: RowWeights<'_>,
+) -> Vec<f32> {
+    let mut acc = up(ctx, acc0);
+    gemm::down(
+        ctx,
+        groups,
+        h,
+        w2,
+        width,
+        hidden,
+        RowsOut::Scatter {
+            acc: &mut acc,
+            weights: rw,
+            weighted: true,
+        },
+    )
+    .unwrap();
+    download(ctx, &acc).unwrap()
+}
+
+/// The up-projection with SwiGLU of `x` (its rows through the gather when given) by `w1` and
+/// `w3` over `groups` (`rows` rows, K = `hidden`, N = `width`) into poisoned outputs:
+/// `[a, b, h]`.
+fn up_swiglu_abh(
+    ctx: &afdep_kernels::GpuContext,
+    groups: Groups<'_>,
+    (x, gather): (&CudaSlice<bf16>, Option<Gather<'_>>),
+    (w1, w3): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    (hidden, width): (usize, usize),
+    rows: usize,
+) -> [Vec<f32>; 3] {
+    let n = rows * width;
+    let mut h = poisoned(ctx, n);
+    let mut a = poisoned(ctx, n);
+    let mut b = poisoned(ctx, n);
+    gemm::up_swiglu(
+        ctx,
+        groups,
+        x,
+        gather,
+        w1,
+        w3,
+        hidden,
+        width,
+        &mut h,
+        Some(&mut a),
+        Some(&mut b),
+    )
+    .unwrap();
+    [f32s(ctx, &a), f32s(ctx, &b), f32s(ctx, &h)]
+}
+
+/// The data gradient `[da | db]·[W1 | W3]ᵀ` of `dab` over `groups` (`rows` rows, K split at
+/// `width`, N = `hidden`), stored unweighted into a poisoned output.
+fn dx_stored(
+    ctx: &afdep_kernels::GpuContext,
+    groups: Groups<'_>,
+    (dab, w1, w3): (&CudaSlice<bf16>, &CudaSlice<bf16>, &CudaSlice<bf16>),
+    (width, hidden): (usize, usize),
+    rows: usize,
+) -> Vec<f32> {
+    let mut out = poisoned(ctx, rows * hidden);
+    gemm::dx(
+        ctx,
+        groups,
+        dab,
+        w1,
+        Some(w3),
+        width,
+        hidden,
+        RowsOut::Store {
+            out: &mut out,
+            weights: None,
+        },
+    )
+    .unwrap();
+    f32s(ctx, &out)
+}
+
+/// A weight-gradient operand: rows of `ld` elements of `buf`, read through `gather` if given.
+fn k_operand<'a>(buf: &'a CudaSlice<bf16>, ld: usize, gather: Option<Gather<'a>>) -> KOperand<'a> {
+    KOperand { buf, ld, gather }
+}
+
+/// `n` bf16 elements on the device, poisoned (NaN).
+fn poisoned(ctx: &afdep_kernels::GpuContext, n: usize) -> CudaSlice<bf16> {
+    let mut v = zeros::<bf16>(ctx, n).unwrap();
+    poison(ctx, &mut v).unwrap();
+    v
+}
+
+/// The expert groups of the device `offsets`: `g` groups of at most `capacity` rows in all.
+fn experts(offsets: &CudaSlice<u64>, g: usize, capacity: usize) -> Groups<'_> {
+    Groups::Experts {
+        offsets,
+        experts: g,
+        capacity,
+    }
+}
+
+/// Host weight gradients over the groups of `offsets`: `want[(e·m + i)·n + j] = Σ_r a(r, i)·
+/// b(r, j)` over the rows `r` of group `e`, with `Σ|·|`.
+fn host_wgrad(
+    offsets: &[u64],
+    (m, n): (usize, usize),
+    a: impl Fn(usize, usize) -> f64,
+    b: impl Fn(usize, usize) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let g = offsets.len() - 1;
+    let mut want = vec![0f64; g * m * n];
+    let mut mag = vec![0f64; g * m * n];
+    for e in 0..g {
+        for row in offsets[e] as usize..offsets[e + 1] as usize {
+            for i in 0..m {
+                let av = a(row, i);
+                for j in 0..n {
+                    let p = av * b(row, j);
+                    want[(e * m + i) * n + j] += p;
+                    mag[(e * m + i) * n + j] += p.abs();
+                }
+            }
+        }
+    }
+    (want, mag)
+}
+
+/// The weight gradient of `a` and `b` over `groups` (`g` of them) in `splits` chunks (`ws`:
+/// the chunks' f32 partials), stored into poisoned outputs split at column `n1`: columns
+/// `< n1` (`g × m × n1`) and the rest (`g × m × (n − n1)`).
+fn wgrad_split(
+    ctx: &afdep_kernels::GpuContext,
+    groups: Groups<'_>,
+    (a, b): (KOperand<'_>, KOperand<'_>),
+    (g, m, n, n1): (usize, usize, usize, usize),
+    splits: usize,
+    ws: &mut CudaSlice<f32>,
+) -> (CudaSlice<bf16>, CudaSlice<bf16>) {
+    let mut out = poisoned(ctx, g * m * n1);
+    let mut out2 = poisoned(ctx, g * m * (n - n1));
+    gemm::wgrad(
+        ctx,
+        groups,
+        a,
+        b,
+        m,
+        n,
+        splits,
+        ws,
+        &mut out,
+        Some((&mut out2, n1)),
+    )
+    .unwrap();
+    (out, out2)
+}
+
+/// The `g × m × n` weight gradient from the two column blocks of [`wgrad_split`].
+fn joined(
+    ctx: &afdep_kernels::GpuContext,
+    (out, out2): &(CudaSlice<bf16>, CudaSlice<bf16>),
+    (g, m, n, n1): (usize, usize, usize, usize),
+) -> Vec<f32> {
+    let (o1, o2) = (f32s(ctx, out), f32s(ctx, out2));
+    let mut got = vec![0f32; g * m * n];
+    for e in 0..g {
+        for i in 0..m {
+            for j in 0..n {
+                got[(e * m + i) * n + j] = if j < n1 {
+                    o1[(e * m + i) * n1 + j]
+                } else {
+                    o2[(e * m + i) * (n - n1) + j - n1]
+                };
+            }
+        }
+    }
+    got
+}
+
 /// The warp-specialised engine (forced on this thread) on every rows problem at odd sizes:
 /// groups of 0, 1, 257 and uneven sizes (more 128 × 256 tiles than SMs for the wide
 /// problems, so persistent blocks take several tiles), N not a multiple of the 256-column
@@ -478,17 +573,11 @@ fn f32s(ctx: &afdep_kernels::GpuContext, d: &CudaSlice<bf16>) -> Vec<f32> {
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
     let Some(ctx) = gpu() else { return };
-    let _ws = ForcedEngine::new(Engine::Ws);
+    let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];
-    let g = sizes.len();
-    let rows: usize = sizes.iter().sum();
-    let (od, offsets) = groups_of(&ctx, &sizes);
-    let groups = Groups::Experts {
-        offsets: &od,
-        experts: g,
-        capacity: rows,
-    };
+    let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
+    let groups = experts(&od, g, rows);
     let (hidden, width) = (1096usize, 328usize);
     // Gather: problem row r reads token row_slot[r] / 2 (two slots per token).
     let top_k = 2usize;
@@ -498,6 +587,11 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         .map(|_| r.gen_range(0.1f32..1.0))
         .collect();
     let (rsd, wd) = (up(&ctx, &row_slot), up(&ctx, &weights));
+    let rw = RowWeights {
+        row_slot: &rsd,
+        weights: &wd,
+        top_k,
+    };
     let bf = |v: &[bf16], i: usize| f64::from(v[i].to_f32());
 
     // Up-projection with SwiGLU, A dense (TMA) and gathered (cp.async).
@@ -514,20 +608,16 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
             }
         };
         let bw = |w: &[bf16], e: usize, kk: usize, j: usize| bf(w, (e * hidden + kk) * width + j);
-        let (va, ma) = host_rows(
-            &offsets,
-            width,
-            hidden,
-            |row, kk| bf(&x, src(row) * hidden + kk),
-            |e, kk, j| bw(&w1, e, kk, j),
-        );
-        let (vb, mb) = host_rows(
-            &offsets,
-            width,
-            hidden,
-            |row, kk| bf(&x, src(row) * hidden + kk),
-            |e, kk, j| bw(&w3, e, kk, j),
-        );
+        // a = x·W1 and b = x·W3
+        let [(va, ma), (vb, mb)] = [&w1, &w3].map(|w| {
+            host_rows(
+                &offsets,
+                width,
+                hidden,
+                |row, kk| bf(&x, src(row) * hidden + kk),
+                |e, kk, j| bw(w, e, kk, j),
+            )
+        });
         let n = rows * width;
         let (mut wh, mut mh) = (vec![0f64; n], vec![0f64; n]);
         for i in 0..n {
@@ -535,34 +625,22 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
             wh[i] = va[i] * s * vb[i];
             mh[i] = 1.1 * vb[i].abs() * ma[i] + (va[i] * s).abs() * mb[i] + wh[i].abs() * 1e-3;
         }
-        let mut h = zeros::<bf16>(&ctx, n).unwrap();
-        let mut a = zeros::<bf16>(&ctx, n).unwrap();
-        let mut b = zeros::<bf16>(&ctx, n).unwrap();
-        poison(&ctx, &mut h).unwrap();
-        poison(&ctx, &mut a).unwrap();
-        poison(&ctx, &mut b).unwrap();
         let gather = gathered.then_some(Gather {
             index: &rsd,
             div: top_k,
         });
-        gemm::up_swiglu(
+        let [a, b, h] = up_swiglu_abh(
             &ctx,
             groups,
-            &xd,
-            gather,
-            &w1d,
-            &w3d,
-            hidden,
-            width,
-            &mut h,
-            Some(&mut a),
-            Some(&mut b),
-        )
-        .unwrap();
+            (&xd, gather),
+            (&w1d, &w3d),
+            (hidden, width),
+            rows,
+        );
         let what = format!("ws up_swiglu gathered {gathered}");
-        check(&format!("{what} a"), &f32s(&ctx, &a), &va, &ma);
-        check(&format!("{what} b"), &f32s(&ctx, &b), &vb, &mb);
-        check(&format!("{what} h"), &f32s(&ctx, &h), &wh, &mh);
+        check(&format!("{what} a"), &a, &va, &ma);
+        check(&format!("{what} b"), &b, &vb, &mb);
+        check(&format!("{what} h"), &h, &wh, &mh);
     }
 
     // Down-projection (K = width, N = hidden): weighted store, and scatter into tokens.
@@ -577,13 +655,7 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         |e, kk, j| bf(&w2, (e * width + kk) * hidden + j),
     );
     {
-        let mut out = zeros::<bf16>(&ctx, rows * hidden).unwrap();
-        poison(&ctx, &mut out).unwrap();
-        let rw = RowWeights {
-            row_slot: &rsd,
-            weights: &wd,
-            top_k,
-        };
+        let mut out = poisoned(&ctx, rows * hidden);
         gemm::down(
             &ctx,
             groups,
@@ -611,42 +683,9 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         let acc0: Vec<f32> = (0..tokens * hidden)
             .map(|_| r.gen_range(-1.0f32..1.0))
             .collect();
-        let mut want: Vec<f64> = acc0.iter().map(|&x| f64::from(x)).collect();
-        let mut mag: Vec<f64> = acc0.iter().map(|&x| f64::from(x).abs()).collect();
-        for row in 0..rows {
-            let slot = row_slot[row] as usize;
-            let (t, w) = (slot / top_k, f64::from(weights[slot]));
-            for j in 0..hidden {
-                want[t * hidden + j] += w * v[row * hidden + j];
-                mag[t * hidden + j] += w * m[row * hidden + j];
-            }
-        }
-        let mut acc = up(&ctx, &acc0);
-        let rw = RowWeights {
-            row_slot: &rsd,
-            weights: &wd,
-            top_k,
-        };
-        gemm::down(
-            &ctx,
-            groups,
-            &hd,
-            &w2d,
-            width,
-            hidden,
-            RowsOut::Scatter {
-                acc: &mut acc,
-                weights: rw,
-                weighted: true,
-            },
-        )
-        .unwrap();
-        check(
-            "ws down scatter",
-            &download(&ctx, &acc).unwrap(),
-            &want,
-            &mag,
-        );
+        let (want, mag) = host_scatter(&acc0, (&v, &m), &row_slot, &weights, top_k, hidden);
+        let got = down_scatter(&ctx, groups, (&hd, &w2d), (width, hidden), &acc0, rw);
+        check("ws down scatter", &got, &want, &mag);
     }
 
     // dh_dswiglu: G = dy[token]·W2ᵀ (dy gathered, K = hidden, N = width), the SwiGLU backward
@@ -688,11 +727,9 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
             }
         }
         let (dyd, ad, bd) = (up(&ctx, &dy), up(&ctx, &av), up(&ctx, &bv));
-        let mut dab = zeros::<bf16>(&ctx, 2 * n).unwrap();
-        let mut hw = zeros::<bf16>(&ctx, n).unwrap();
+        let mut dab = poisoned(&ctx, 2 * n);
+        let mut hw = poisoned(&ctx, n);
         let mut gsum = zeros::<f32>(&ctx, tokens * top_k).unwrap();
-        poison(&ctx, &mut dab).unwrap();
-        poison(&ctx, &mut hw).unwrap();
         gemm::dh_dswiglu(
             &ctx,
             groups,
@@ -709,11 +746,7 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
                 b: &bd,
                 dab: &mut dab,
                 hw: Some(&mut hw),
-                weights: Some(RowWeights {
-                    row_slot: &rsd,
-                    weights: &wd,
-                    top_k,
-                }),
+                weights: Some(rw),
                 gsum: Some(&mut gsum),
             },
         )
@@ -744,44 +777,8 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
             },
         );
         let (dd, w1d, w3d) = (up(&ctx, &dab), up(&ctx, &w1), up(&ctx, &w3));
-        let mut out = zeros::<bf16>(&ctx, rows * hidden).unwrap();
-        poison(&ctx, &mut out).unwrap();
-        gemm::dx(
-            &ctx,
-            groups,
-            &dd,
-            &w1d,
-            Some(&w3d),
-            width,
-            hidden,
-            RowsOut::Store {
-                out: &mut out,
-                weights: None,
-            },
-        )
-        .unwrap();
-        check(
-            &format!("ws dx width {width}"),
-            &f32s(&ctx, &out),
-            &want,
-            &mag,
-        );
-    }
-}
-
-/// Forces the weight-gradient engine on this thread; the default comes back when dropped.
-struct ForcedWgradEngine;
-
-impl ForcedWgradEngine {
-    fn new(engine: Engine) -> Self {
-        gemm::force_wgrad_engine(Some(engine));
-        ForcedWgradEngine
-    }
-}
-
-impl Drop for ForcedWgradEngine {
-    fn drop(&mut self) {
-        gemm::force_wgrad_engine(None);
+        let got = dx_stored(&ctx, groups, (&dd, &w1d, &w3d), (width, hidden), rows);
+        check(&format!("ws dx width {width}"), &got, &want, &mag);
     }
 }
 
@@ -816,13 +813,11 @@ fn ws_wgrad_odd_sizes_match_a_host_gemm() {
         return;
     }
     let Some(ctx) = gpu() else { return };
-    let _ws = ForcedWgradEngine::new(Engine::Ws);
+    let _ws = ForcedEngine::new(gemm::force_wgrad_engine, Engine::Ws);
     let mut r = rng(131);
     let sizes = [0usize, 1, 257, 2100, 45, 700, 3];
-    let g = sizes.len();
-    let rows: usize = sizes.iter().sum();
+    let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
     let cap = rows + 40;
-    let (od, offsets) = groups_of(&ctx, &sizes);
     let nan = bf16::from_f32(f32::NAN);
     // An operand of `cols` columns: `nrows` rows of `ld` elements, random inside, NaN in the
     // padding columns and in the rows from `live` on.
@@ -882,22 +877,12 @@ fn ws_wgrad_odd_sizes_match_a_host_gemm() {
                     j
                 }
             };
-            let mut want = vec![0f64; g * m * n];
-            let mut mag = vec![0f64; g * m * n];
-            for e in 0..g {
-                for j in offsets[e] as usize..offsets[e + 1] as usize {
-                    let (ar, br) = (arow(j) * lda, brow(j) * ldb);
-                    for i in 0..m {
-                        let av = f64::from(a[ar + i].to_f32());
-                        let o = (e * m + i) * n;
-                        for (jj, bv) in b[br..br + n].iter().enumerate() {
-                            let p = av * f64::from(bv.to_f32());
-                            want[o + jj] += p;
-                            mag[o + jj] += p.abs();
-                        }
-                    }
-                }
-            }
+            let (want, mag) = host_wgrad(
+                &offsets,
+                (m, n),
+                |j, i| f64::from(a[arow(j) * lda + i].to_f32()),
+                |j, jj| f64::from(b[brow(j) * ldb + jj].to_f32()),
+            );
             let (ad, bd, aid, bid) = (
                 up(&ctx, &a),
                 up(&ctx, &b),
@@ -908,55 +893,33 @@ fn ws_wgrad_odd_sizes_match_a_host_gemm() {
                 let mut ws =
                     zeros::<f32>(&ctx, if splits > 1 { g * splits * m * n } else { 0 }).unwrap();
                 poison(&ctx, &mut ws).unwrap();
-                let mut out = zeros::<bf16>(&ctx, g * m * n1).unwrap();
-                let mut out2 = zeros::<bf16>(&ctx, g * m * (n - n1)).unwrap();
-                poison(&ctx, &mut out).unwrap();
-                poison(&ctx, &mut out2).unwrap();
-                gemm::wgrad(
+                let a_op = k_operand(
+                    &ad,
+                    lda,
+                    a_gathered.then_some(Gather {
+                        index: &aid,
+                        div: a_div,
+                    }),
+                );
+                let b_op = k_operand(
+                    &bd,
+                    ldb,
+                    b_gathered.then_some(Gather {
+                        index: &bid,
+                        div: b_div,
+                    }),
+                );
+                let dims = (g, m, n, n1);
+                let outs = wgrad_split(
                     &ctx,
-                    Groups::Experts {
-                        offsets: &od,
-                        experts: g,
-                        capacity: cap,
-                    },
-                    KOperand {
-                        buf: &ad,
-                        ld: lda,
-                        gather: a_gathered.then_some(Gather {
-                            index: &aid,
-                            div: a_div,
-                        }),
-                    },
-                    KOperand {
-                        buf: &bd,
-                        ld: ldb,
-                        gather: b_gathered.then_some(Gather {
-                            index: &bid,
-                            div: b_div,
-                        }),
-                    },
-                    m,
-                    n,
+                    experts(&od, g, cap),
+                    (a_op, b_op),
+                    dims,
                     splits,
                     &mut ws,
-                    &mut out,
-                    Some((&mut out2, n1)),
-                )
-                .unwrap();
+                );
                 ctx.take_fault().unwrap();
-                let (o1, o2) = (f32s(&ctx, &out), f32s(&ctx, &out2));
-                let mut got = vec![0f32; g * m * n];
-                for e in 0..g {
-                    for i in 0..m {
-                        for j in 0..n {
-                            got[(e * m + i) * n + j] = if j < n1 {
-                                o1[(e * m + i) * n1 + j]
-                            } else {
-                                o2[(e * m + i) * (n - n1) + j - n1]
-                            };
-                        }
-                    }
-                }
+                let got = joined(&ctx, &outs, dims);
                 check(
                     &format!(
                         "ws wgrad m {m} n {n} n1 {n1} A gathered {a_gathered} B gathered \

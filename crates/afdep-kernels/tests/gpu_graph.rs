@@ -471,6 +471,13 @@ impl Case {
         );
         self.seen[class as usize] += 1;
     }
+
+    /// Runs the valid table on the over-capacity graph: rejected as over capacity (checked
+    /// before any slot).
+    fn valid_table_over_capacity(&mut self, ctx: &GpuContext) {
+        let base = self.base.clone();
+        self.rejected(ctx, Run::OverGraph, &base, route_class::OVER_CAPACITY, None);
+    }
 }
 
 /// The rank and the (token, slot) an error names.
@@ -557,14 +564,7 @@ fn graph_replays_every_rejected_class_then_a_valid_table() {
                 with_offence(&mut r, &c.base, &c.rig.rules, route_class::NEGATIVE).unwrap();
             c.rejected(&ctx, Run::OverGraph, &bad, route_class::OVER_CAPACITY, None);
             c.valid(&ctx, Run::Graph);
-            let base = c.base.clone();
-            c.rejected(
-                &ctx,
-                Run::OverGraph,
-                &base,
-                route_class::OVER_CAPACITY,
-                None,
-            );
+            c.valid_table_over_capacity(&ctx);
             c.valid(&ctx, Run::Graph);
             for (s, n) in seen.iter_mut().zip(c.seen) {
                 *s += n;
@@ -603,14 +603,7 @@ fn eager_and_graph_runs_interleave_on_one_context() {
             let (bad, _) = with_offence(&mut r, &c.base, &c.rig.rules, route_class::WIDE).unwrap();
             c.rejected(&ctx, Run::EagerOver, &bad, route_class::OVER_CAPACITY, None);
             c.valid(&ctx, Run::Graph);
-            let base = c.base.clone();
-            c.rejected(
-                &ctx,
-                Run::OverGraph,
-                &base,
-                route_class::OVER_CAPACITY,
-                None,
-            );
+            c.valid_table_over_capacity(&ctx);
             c.valid(&ctx, Run::Eager);
             for class in 0..=6 {
                 assert!(
@@ -663,14 +656,7 @@ fn graph_finds_an_offender_near_the_end_of_a_million_tokens() {
             c.valid(&ctx, Run::Graph);
         }
     }
-    let base = c.base.clone();
-    c.rejected(
-        &ctx,
-        Run::OverGraph,
-        &base,
-        route_class::OVER_CAPACITY,
-        None,
-    );
+    c.valid_table_over_capacity(&ctx);
     c.valid(&ctx, Run::Graph);
     c.valid(&ctx, Run::Eager);
 }

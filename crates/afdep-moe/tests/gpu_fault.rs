@@ -21,8 +21,8 @@ use afdep_kernels::KernelError;
 use afdep_kernels::ops::download;
 use afdep_kernels::ops::gemm::{Engine, force_engine, force_wgrad_engine, inject_tma_fault};
 use afdep_moe::accuracy::{OUT_TOL, max_rel_err};
-use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-use common::{gpu, hot_routes, shape};
+use afdep_moe::{Dispatch, LayerGpuError, LayerRouting};
+use common::{gpu, hot_routes, shape, train_layer};
 use rand::SeedableRng;
 
 #[test]
@@ -59,10 +59,7 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
     for (engine, wgrad, d) in cases {
         force_engine(engine);
         force_wgrad_engine(wgrad);
-        let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-        layer.upload_params(&ctx, &params).unwrap();
-        layer.upload_x(&ctx, &x).unwrap();
-        layer.upload_dy(&ctx, &dy).unwrap();
+        let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
         layer.upload_routes(&ctx, &routes).unwrap();
 
         inject_tma_fault(16, 50);

@@ -31,7 +31,9 @@ use afdep_kernels::cudarc::driver::sys;
 use afdep_kernels::ops::download;
 use afdep_moe::accuracy::{check_elementwise, check_layer_tensor, layer_roundings};
 use afdep_moe::{Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-use common::{gpu, hot_routes, in_shard, max_tokens, shape};
+use common::{
+    gpu, hot_routes, in_shard, layer_sweep, max_tokens, poisoned_train_step, shape, train_layer,
+};
 use rand::SeedableRng;
 
 /// The GPU results of one train step.
@@ -160,66 +162,53 @@ fn router_layer_matches_the_oracle() {
     let mut bad = Vec::new();
     let mut cases = 0;
     let mut case = 0;
-    for &(h, w, s) in &[(96usize, 96usize, 0usize), (96, 96, 160), (512, 128, 1024)] {
-        for &e in &[8usize, 64] {
-            for &k in &[1usize, 2, 8] {
-                for &t in &[1usize, 33, 1000] {
-                    case += 1;
-                    if t > max_tokens() || !in_shard(case - 1) {
-                        left_out += 1;
-                        continue;
-                    }
-                    let sh = shape(h, w, e, k, s);
-                    let params = LayerParams::random(sh, 7 + e as u64 + k as u64);
-                    let mut agreed = None;
-                    for seed in 0..8u64 {
-                        let x = random_tokens(t, h, 1000 + seed);
-                        let dy = random_tokens(t, h, 2000 + seed);
-                        let (out, grads) = train_step(&params, &x, t, &dy).unwrap();
-                        let cpu_routes = forward(&params, &x, t).unwrap().routes;
-                        let Some(sc) = scales(&params, &x, t, &dy, None, &cpu_routes.idx) else {
-                            continue; // a near-tie in f64: redraw
-                        };
-                        for d in Dispatch::ALL {
-                            let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-                            layer.upload_params(&ctx, &params).unwrap();
-                            layer.upload_x(&ctx, &x).unwrap();
-                            layer.upload_dy(&ctx, &dy).unwrap();
-                            layer.poison_outputs(&ctx).unwrap();
-                            layer.train_step(&ctx, LayerRouting::Router).unwrap();
-                            let got = read(&ctx, &layer);
-                            if got.routes.idx != cpu_routes.idx {
-                                agreed = None;
-                                break;
-                            }
-                            let what = format!("{d} T={t} H={h} W={w} E={e} K={k} S={s}");
-                            bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
-                            cases += 1;
-                            agreed = Some(seed);
-                        }
-                        if agreed.is_some() {
-                            break;
-                        }
-                    }
-                    if agreed.is_none() {
-                        bad.push(format!(
-                            "T={t} H={h} E={e} K={k}: GPU and CPU routes never agreed in 8 draws"
-                        ));
-                    }
+    for (h, w, s, e, k, t) in
+        layer_sweep(&[(96usize, 96usize, 0usize), (96, 96, 160), (512, 128, 1024)])
+    {
+        case += 1;
+        if t > max_tokens() || !in_shard(case - 1) {
+            left_out += 1;
+            continue;
+        }
+        let sh = shape(h, w, e, k, s);
+        let params = LayerParams::random(sh, 7 + e as u64 + k as u64);
+        let mut agreed = None;
+        for seed in 0..8u64 {
+            let x = random_tokens(t, h, 1000 + seed);
+            let dy = random_tokens(t, h, 2000 + seed);
+            let (out, grads) = train_step(&params, &x, t, &dy).unwrap();
+            let cpu_routes = forward(&params, &x, t).unwrap().routes;
+            let Some(sc) = scales(&params, &x, t, &dy, None, &cpu_routes.idx) else {
+                continue; // a near-tie in f64: redraw
+            };
+            for d in Dispatch::ALL {
+                let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
+                layer.poison_outputs(&ctx).unwrap();
+                layer.train_step(&ctx, LayerRouting::Router).unwrap();
+                let got = read(&ctx, &layer);
+                if got.routes.idx != cpu_routes.idx {
+                    agreed = None;
+                    break;
                 }
+                let what = format!("{d} T={t} H={h} W={w} E={e} K={k} S={s}");
+                bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
+                cases += 1;
+                agreed = Some(seed);
             }
+            if agreed.is_some() {
+                break;
+            }
+        }
+        if agreed.is_none() {
+            bad.push(format!(
+                "T={t} H={h} E={e} K={k}: GPU and CPU routes never agreed in 8 draws"
+            ));
         }
     }
     println!(
         "{cases} cases compared, {left_out} left out (above AFDEP_TEST_MAX_TOKENS or in another AFDEP_TEST_SHARD)"
     );
-    common::assert_sweep_ran("router_layer_matches_the_oracle", cases, left_out);
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    common::finish_sweep("router_layer_matches_the_oracle", cases, left_out, &bad);
 }
 
 /// Every strategy on given routes (hot expert, zero-token experts, masked slots) against
@@ -234,38 +223,28 @@ fn given_routes_match_the_oracle() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
     // d_model 160: the last 128-column tile of the down-projection has one 64-column half
     // (its TMA box for the other half is not issued).
-    for &(h, w, s) in &[(96usize, 96usize, 0usize), (96, 64, 160), (160, 64, 0)] {
-        for &e in &[8usize, 64] {
-            for &k in &[1usize, 2, 8] {
-                for &t in &[1usize, 33, 1000] {
-                    let routes = hot_routes(&mut rng, t, k, e);
-                    case += 1;
-                    if t > max_tokens() || !in_shard(case - 1) {
-                        left_out += 1;
-                        continue;
-                    }
-                    let sh = shape(h, w, e, k, s);
-                    let params = LayerParams::random(sh, 3 + k as u64);
-                    let x = random_tokens(t, h, 31);
-                    let dy = random_tokens(t, h, 32);
-                    let (out, grads) =
-                        train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
-                    let sc = scales(&params, &x, t, &dy, Some(&routes), &routes.idx).unwrap();
-                    for d in Dispatch::ALL {
-                        let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-                        layer.upload_params(&ctx, &params).unwrap();
-                        layer.upload_x(&ctx, &x).unwrap();
-                        layer.upload_dy(&ctx, &dy).unwrap();
-                        layer.upload_routes(&ctx, &routes).unwrap();
-                        layer.poison_outputs(&ctx).unwrap();
-                        layer.train_step(&ctx, LayerRouting::Given).unwrap();
-                        let got = read(&ctx, &layer);
-                        let what = format!("given {d} T={t} H={h} W={w} E={e} K={k} S={s}");
-                        bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
-                        cases += 1;
-                    }
-                }
-            }
+    for (h, w, s, e, k, t) in
+        layer_sweep(&[(96usize, 96usize, 0usize), (96, 64, 160), (160, 64, 0)])
+    {
+        let routes = hot_routes(&mut rng, t, k, e);
+        case += 1;
+        if t > max_tokens() || !in_shard(case - 1) {
+            left_out += 1;
+            continue;
+        }
+        let sh = shape(h, w, e, k, s);
+        let params = LayerParams::random(sh, 3 + k as u64);
+        let x = random_tokens(t, h, 31);
+        let dy = random_tokens(t, h, 32);
+        let (out, grads) = train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
+        let sc = scales(&params, &x, t, &dy, Some(&routes), &routes.idx).unwrap();
+        for d in Dispatch::ALL {
+            let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
+            poisoned_train_step(&ctx, &mut layer, LayerRouting::Given, &routes);
+            let got = read(&ctx, &layer);
+            let what = format!("given {d} T={t} H={h} W={w} E={e} K={k} S={s}");
+            bad.extend(compare(&what, &sh, &got, &out, &grads, &sc));
+            cases += 1;
         }
     }
     if left_out > 0 {
@@ -273,13 +252,7 @@ fn given_routes_match_the_oracle() {
             "{left_out} cases left out (above AFDEP_TEST_MAX_TOKENS or in another AFDEP_TEST_SHARD)"
         );
     }
-    common::assert_sweep_ran("given_routes_match_the_oracle", cases, left_out);
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    common::finish_sweep("given_routes_match_the_oracle", cases, left_out, &bad);
 }
 
 /// A rejected table is the oracle's exact error, the outputs are NaN afterwards, and the next
@@ -295,10 +268,7 @@ fn rejected_routes_are_typed_and_leave_the_layer_usable() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
     let good = hot_routes(&mut rng, t, 2, 8);
     for d in Dispatch::ALL {
-        let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-        layer.upload_params(&ctx, &params).unwrap();
-        layer.upload_x(&ctx, &x).unwrap();
-        layer.upload_dy(&ctx, &dy).unwrap();
+        let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
         for (i, bad_value) in [(17usize * 2 + 1, 9i32), (5 * 2, -3)] {
             let mut bad = good.clone();
             bad.idx[i] = bad_value;
@@ -542,12 +512,7 @@ fn odd_sweep(cases: &[(usize, usize, usize, usize, usize)], tokens: &[usize]) {
         ran > 0,
         "AFDEP_TEST_MAX_TOKENS and AFDEP_TEST_SHARD left no case to run"
     );
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    common::assert_no_failures(&bad);
 }
 
 /// Expert counts that are not multiples of 8 (5, 12, 60; the router's GEMMs on padded rows),

@@ -8,12 +8,11 @@
 
 use std::time::Duration;
 
-use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::{self as reference, SourceInput};
 use afdep_core::oracle::layer;
-use afdep_core::route::{MASKED, Routes};
+use afdep_core::route::Routes;
 use afdep_core::tensor::uniform_bf16;
-use afdep_core::{ExchangeConfig, LayerShape, RouteError, bf16};
+use afdep_core::{ExchangeConfig, RouteError, bf16};
 use afdep_moe::{ExchangeError, StagedEngine};
 use afdep_transport::{
     AnyTransport, Bootstrap, Nccl, Span, Transport, TransportBuffer, TransportError, TransportKind,
@@ -134,30 +133,9 @@ fn nccl_needs_a_gpu_per_rank() {
 }
 
 fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
-    let mut idx = Vec::with_capacity(tokens * k);
-    let mut weights = Vec::with_capacity(tokens * k);
-    for t in 0..tokens {
-        // expert 2 is hot; every slot with (t + j + seed) % 5 == 0 is masked
-        let base = if t % 4 != 0 {
-            2
-        } else {
-            (t * 7 + seed) % experts
-        };
-        for j in 0..k {
-            idx.push(if (t + j + seed) % 5 == 0 {
-                MASKED
-            } else {
-                ((base + j * 3) % experts) as i32
-            });
-            weights.push(0.05 + ((t * 11 + j * 5) % 19) as f32 / 19.0);
-        }
-    }
-    Routes {
-        tokens,
-        top_k: k,
-        idx,
-        weights,
-    }
+    // expert 2 is hot; every slot with (t + j + seed) % 5 == 0 is masked
+    let masked = |t: usize, j: usize| (t + j + seed) % 5 == 0;
+    exchange_common::patterned_routes(tokens, k, experts, seed, (4, 2), masked)
 }
 
 #[test]
@@ -165,17 +143,7 @@ fn staged_engine_over_nccl_matches_the_oracle() {
     let _serial = exchange_common::serial();
     let Some(t) = world_of_one() else { return };
     let cfg = ExchangeConfig::new("EP1".parse().unwrap(), 64, 8, 3, 4096).unwrap();
-    let p = LayerParams::random(
-        LayerShape {
-            d_model: 64,
-            width: 16,
-            experts: 8,
-            top_k: 3,
-            shared: 0,
-            renormalize: true,
-        },
-        5,
-    );
+    let p = exchange_common::params(&cfg, 16, 5);
     // through the run-time choice of transport, as the CLI builds it
     let t = AnyTransport::Nccl(t);
     let mut eng = StagedEngine::new(cfg.clone(), t).unwrap();
@@ -276,33 +244,7 @@ fn run_device(
 /// One round against the oracle with `experts`: every source's combine bit for bit (no NaN from
 /// the poison), every FFN rank's received views.
 fn check(cfg: &ExchangeConfig, inp: &[SourceInput], got: &[RankResult], experts: &DeviceExperts) {
-    let want_rx = reference::dispatch(cfg, inp).unwrap();
-    let want = reference::exchange(cfg, inp, experts.host()).unwrap();
-    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (rank, r) in got.iter().enumerate() {
-        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        if let Some(s) = cfg.topology.attention_index(rank) {
-            let c = r.combined.as_ref().expect("an attention rank combines");
-            assert!(c.iter().all(|v| !v.is_nan()), "NaN in rank {rank}'s output");
-            assert_eq!(
-                bits(c),
-                bits(&want[s]),
-                "{}: combine of source {s} differs",
-                cfg.topology
-            );
-        }
-        if let Some(f) = cfg.topology.ffn_index(rank) {
-            let rx = r
-                .received
-                .as_ref()
-                .expect("an FFN rank keeps what it received");
-            assert_eq!(
-                rx, &want_rx[f],
-                "{}: dispatch to FFN rank {f} differs",
-                cfg.topology
-            );
-        }
-    }
+    exchange_common::check_round_with(cfg, inp, got, experts.host());
 }
 
 fn device_cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {

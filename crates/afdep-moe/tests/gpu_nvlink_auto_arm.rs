@@ -29,21 +29,11 @@ use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
     RoundArm,
 };
-use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// The bucket of these tests: rounds of 15 tokens at most run payload-first, from 16 count-first.
 const BUCKET: usize = 16;
-
-fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(cfg),
-        timeout: TIMEOUT,
-    };
-    nvlink_group(n, opts)
-}
 
 fn config(topo: &str) -> ExchangeConfig {
     config_with(topo, PayloadKind::Bf16)
@@ -51,13 +41,7 @@ fn config(topo: &str) -> ExchangeConfig {
 
 /// `config` with `payload` (fp8: hidden 128, one whole scale group).
 fn config_with(topo: &str, payload: PayloadKind) -> ExchangeConfig {
-    let hidden = match payload {
-        PayloadKind::Bf16 => 40,
-        PayloadKind::Fp8E4m3 => 128,
-    };
-    let mut c = cfg(topo, hidden, 12, 3);
-    c.capacity = 48;
-    c.payload = payload;
+    let mut c = payload_cfg(topo, payload, 40, 3, 48);
     c.knobs.min_token_bucket = BUCKET;
     c.validate().unwrap();
     c
@@ -71,7 +55,7 @@ fn on_group<T: Send>(
     f: impl Fn(usize, &mut FusedEngine) -> (T, Vec<FusedGraph>) + Sync,
 ) -> Option<Vec<T>> {
     let world = c.topology.world_size();
-    let g = nvlink(world, c)?;
+    let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
     let opts = DeviceRoundOptions {
         experts: DeviceExperts::index_scale(c.experts),
         keep_received: true,

@@ -23,22 +23,11 @@ use std::time::{Duration, Instant};
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ExchangeConfig, PayloadKind};
-use afdep_moe::{DispatchArm, ExchangeEngine, ExchangeError, ExpertFn, FusedEngine, StagedEngine};
-use afdep_transport::{NvlinkIpc, NvlinkOptions};
+use afdep_moe::{DispatchArm, ExchangeEngine, ExchangeError, ExpertFn, FusedEngine};
+use afdep_transport::NvlinkIpc;
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// `n` in-process ranks on device 0 with room for `cfg`'s fused workspace, or `None` after
-/// printing `SKIP: <reason>`.
-fn nvlink(n: usize, cfg: &ExchangeConfig, timeout: Duration) -> Option<Vec<NvlinkIpc>> {
-    let opts = NvlinkOptions {
-        staging_bytes: 128 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(cfg),
-        timeout,
-    };
-    nvlink_group(n, opts)
-}
 
 /// Runs `rounds`, each once per arm of `arms` in turn (round-major), on one fused group.
 /// Returns `[round][arm][rank]`.
@@ -48,7 +37,7 @@ fn run_arms(
     arms: &[Option<DispatchArm>],
     p: Option<&afdep_core::oracle::LayerParams>,
 ) -> Option<Vec<Vec<Vec<RankResult>>>> {
-    let g = nvlink(c.topology.world_size(), c, TIMEOUT)?;
+    let g = fused_group(c.topology.world_size(), c, 128 << 20, TIMEOUT)?;
     Some(run_arms_on(g, c, rounds, arms, p))
 }
 
@@ -58,10 +47,9 @@ fn staged_rounds(
     p: Option<&afdep_core::oracle::LayerParams>,
 ) -> Option<Vec<Vec<RankResult>>> {
     let world = c.topology.world_size();
-    let g = nvlink(world, c, TIMEOUT)?;
-    let make = |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| StagedEngine::new(cfg, t);
+    let g = fused_group(world, c, 128 << 20, TIMEOUT)?;
     Some(
-        run_group(g, &vec![c.clone(); world], rounds, p, &make)
+        run_group(g, &vec![c.clone(); world], rounds, p, &staged)
             .unwrap_or_else(|e| panic!("{}: staged set-up failed: {e:?}", c.topology)),
     )
 }
@@ -85,6 +73,22 @@ fn hash_of(r: &RankResult) -> u64 {
         h.write(bytemuck::cast_slice(&rx.compact_weights));
     }
     h.finish()
+}
+
+/// Runs `rounds` with every forced arm and checks them ([`check_arms`]) against the staged
+/// engine's `staged`; `false` when there is no GPU (the test returns).
+fn forced_arms_match(
+    what: &str,
+    c: &ExchangeConfig,
+    rounds: &[Vec<SourceInput>],
+    staged: &[Vec<RankResult>],
+    p: Option<&afdep_core::oracle::LayerParams>,
+) -> bool {
+    let Some(got) = run_arms(c, rounds, &FORCED, p) else {
+        return false;
+    };
+    check_arms(what, c, rounds, &got, staged, &FORCED, p);
+    true
 }
 
 /// Checks every arm's rounds against the oracle and the staged engine's rounds.
@@ -123,10 +127,9 @@ fn every_arm_is_bit_identical_to_the_oracle_and_the_staged_engine_for_every_rati
         let Some(st) = staged_rounds(&c, &rounds, Some(&p)) else {
             return;
         };
-        let Some(got) = run_arms(&c, &rounds, &FORCED, Some(&p)) else {
+        if !forced_arms_match(topo, &c, &rounds, &st, Some(&p)) {
             return;
-        };
-        check_arms(topo, &c, &rounds, &got, &st, &FORCED, Some(&p));
+        }
     }
 }
 
@@ -175,18 +178,10 @@ fn every_arm_at_large_hidden_and_both_capacities() {
             let Some(st) = staged_rounds(&c, &rounds, None) else {
                 return;
             };
-            let Some(got) = run_arms(&c, &rounds, &FORCED, None) else {
+            let what = format!("{topo} hidden {hidden} capacity {cap}");
+            if !forced_arms_match(&what, &c, &rounds, &st, None) {
                 return;
-            };
-            check_arms(
-                &format!("{topo} hidden {hidden} capacity {cap}"),
-                &c,
-                &rounds,
-                &got,
-                &st,
-                &FORCED,
-                None,
-            );
+            }
             println!(
                 "{topo} hidden {hidden} capacity {cap}: {:.2} s",
                 t0.elapsed().as_secs_f64()
@@ -241,18 +236,9 @@ fn every_arm_under_sm_budgets_and_knobs() {
             let mut c = base.clone();
             set(&mut c.knobs);
             c.validate().unwrap();
-            let Some(got) = run_arms(&c, &rounds, &FORCED, None) else {
+            if !forced_arms_match(&format!("{topo} {what}"), &c, &rounds, &st, None) {
                 return;
-            };
-            check_arms(
-                &format!("{topo} {what}"),
-                &c,
-                &rounds,
-                &got,
-                &st,
-                &FORCED,
-                None,
-            );
+            }
         }
     }
 }
@@ -277,7 +263,7 @@ fn the_token_bucket_selects_the_arm() {
         assert_eq!(DispatchArm::select(&c.knobs, 9), DispatchArm::PayloadFirst);
         assert_eq!(DispatchArm::select(&c.knobs, 10), DispatchArm::CountFirst);
         let world = c.topology.world_size();
-        let Some(g) = nvlink(world, &c, TIMEOUT) else {
+        let Some(g) = fused_group(world, &c, 128 << 20, TIMEOUT) else {
             return;
         };
         let ran = std::sync::Mutex::new(Vec::new());
@@ -403,26 +389,20 @@ fn count_first_rejects_a_route_on_every_rank_and_goes_on() {
         }
     }
     for g in &got[1] {
-        for (rank, r) in g.iter().enumerate() {
-            match r {
-                Err(ExchangeError::Route { reporter, error }) => {
-                    assert_eq!(*reporter, rank);
-                    assert!(
-                        matches!(
-                            error,
-                            afdep_core::RouteError::Negative {
-                                rank: 1,
-                                token: 0,
-                                slot: 1,
-                                ..
-                            }
-                        ),
-                        "rank {rank}: {error}"
-                    );
-                }
-                other => panic!("rank {rank}: expected a negative-id rejection, got {other:?}"),
-            }
-        }
+        check_route_errors(g, "", &"a negative-id rejection", |rank, error| {
+            assert!(
+                matches!(
+                    error,
+                    afdep_core::RouteError::Negative {
+                        rank: 1,
+                        token: 0,
+                        slot: 1,
+                        ..
+                    }
+                ),
+                "rank {rank}: {error}"
+            );
+        });
     }
 }
 
@@ -434,7 +414,7 @@ fn disagreeing_arms_time_out_with_typed_errors() {
     let c = cfg("1A:1F", 32, 4, 2);
     let inp = vec![sources(&c, &[6], None, 71)];
     let timeout = Duration::from_millis(300);
-    let Some(g) = nvlink(2, &c, timeout) else {
+    let Some(g) = fused_group(2, &c, 128 << 20, timeout) else {
         return;
     };
     let make = |rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {

@@ -16,7 +16,7 @@ use std::time::Duration;
 use afdep_core::ExchangeConfig;
 use afdep_core::RouteError;
 use afdep_core::oracle::exchange::SourceInput;
-use afdep_moe::{ExchangeEngine, ExchangeError, FusedEngine, StagedEngine};
+use afdep_moe::{ExchangeEngine, ExchangeError, FusedEngine};
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -30,14 +30,6 @@ fn nvlink(n: usize) -> Option<Vec<NvlinkIpc>> {
         timeout: TIMEOUT,
     };
     nvlink_group(n, opts)
-}
-
-fn staged(
-    _rank: usize,
-    cfg: ExchangeConfig,
-    t: NvlinkIpc,
-) -> Result<StagedEngine<NvlinkIpc>, ExchangeError> {
-    StagedEngine::new(cfg, t)
 }
 
 #[test]
@@ -87,20 +79,10 @@ fn staged_over_nvlink_rejects_a_route_on_every_rank_and_goes_on() {
         return;
     };
     let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &staged).unwrap();
-    for (rank, r) in got[0].iter().enumerate() {
-        match r {
-            Err(ExchangeError::Route { reporter, error }) => {
-                assert_eq!(*reporter, rank);
-                assert_eq!(error.to_word(), want.to_word(), "rank {rank}: {error}");
-            }
-            other => panic!("rank {rank}: expected {want}, got {other:?}"),
-        }
-    }
+    check_route_errors(&got[0], "", &want, |rank, error| {
+        assert_eq!(error.to_word(), want.to_word(), "rank {rank}: {error}");
+    });
     check_round(&c, &good, &got[1], None);
-}
-
-fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {
-    FusedEngine::new(cfg, t)
 }
 
 #[test]
@@ -174,26 +156,20 @@ fn fused_rejects_a_route_on_every_rank_and_goes_on() {
     };
     let got = run_group(g, &vec![c.clone(); 4], &rounds, None, &fused).unwrap();
     check_round(&c, &good, &got[0], None);
-    for (rank, r) in got[1].iter().enumerate() {
-        match r {
-            Err(ExchangeError::Route { reporter, error }) => {
-                assert_eq!(*reporter, rank);
-                assert!(
-                    matches!(
-                        error,
-                        RouteError::Wide {
-                            rank: 0,
-                            token: 0,
-                            slot: 0,
-                            ..
-                        }
-                    ),
-                    "rank {rank}: {error}"
-                );
-            }
-            other => panic!("rank {rank}: expected a wide-id rejection, got {other:?}"),
-        }
-    }
+    check_route_errors(&got[1], "", &"a wide-id rejection", |rank, error| {
+        assert!(
+            matches!(
+                error,
+                RouteError::Wide {
+                    rank: 0,
+                    token: 0,
+                    slot: 0,
+                    ..
+                }
+            ),
+            "rank {rank}: {error}"
+        );
+    });
     check_round(&c, &good, &got[2], None);
 }
 

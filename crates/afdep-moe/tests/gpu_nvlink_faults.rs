@@ -32,7 +32,7 @@ use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, Fault, FusedEngine,
 };
-use afdep_transport::{NvlinkOptions, Transport};
+use afdep_transport::Transport;
 use exchange_common::*;
 
 /// Every wait of the engines (device and control plane): a hang would be a typed timeout.
@@ -249,12 +249,7 @@ fn run_group_faults(
     inputs: &[Vec<SourceInput>],
 ) -> Option<(Vec<FaultRuns>, Option<PerMode>)> {
     let world = c.topology.world_size();
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(c),
-        timeout: TIMEOUT,
-    };
-    let g = nvlink_group(world, opts)?;
+    let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
     type PerRank = (
         Vec<(Vec<Vec<RankResult>>, u64, Duration)>,
         Option<Vec<RankResult>>,

@@ -25,7 +25,7 @@ use std::time::Duration;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, RouteError, bf16};
-use afdep_moe::{ExchangeError, FusedEngine, StagedEngine};
+use afdep_moe::FusedEngine;
 use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
@@ -40,18 +40,6 @@ fn nvlink(n: usize, bytes: usize) -> Option<Vec<NvlinkIpc>> {
         timeout: TIMEOUT,
     };
     nvlink_group(n, opts)
-}
-
-fn fused(_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc) -> Result<FusedEngine, ExchangeError> {
-    FusedEngine::new(cfg, t)
-}
-
-fn staged(
-    _rank: usize,
-    cfg: ExchangeConfig,
-    t: NvlinkIpc,
-) -> Result<StagedEngine<NvlinkIpc>, ExchangeError> {
-    StagedEngine::new(cfg, t)
 }
 
 fn fp8_cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
@@ -166,25 +154,21 @@ fn fused_fp8_rejects_a_non_finite_row_on_every_rank_and_goes_on() {
         check_round(&c, &good, g, None);
     }
     for (arm, g) in FORCED.iter().zip(&got[1]) {
-        for (rank, r) in g.iter().enumerate() {
-            match r {
-                Err(ExchangeError::Route { reporter, error }) => {
-                    assert_eq!(*reporter, rank);
-                    match error {
-                        RouteError::NonFinitePayload {
-                            rank: 1,
-                            token: 2,
-                            channel: 1500,
-                            value,
-                        } if value.is_nan() => {}
-                        other => panic!("{arm:?} rank {rank}: {other}"),
-                    }
-                }
-                other => {
-                    panic!("{arm:?} rank {rank}: expected a non-finite payload, got {other:?}")
-                }
-            }
-        }
+        let what = format!("{arm:?} ");
+        check_route_errors(
+            g,
+            &what,
+            &"a non-finite payload",
+            |rank, error| match error {
+                RouteError::NonFinitePayload {
+                    rank: 1,
+                    token: 2,
+                    channel: 1500,
+                    value,
+                } if value.is_nan() => {}
+                other => panic!("{arm:?} rank {rank}: {other}"),
+            },
+        );
     }
     for g in &got[2] {
         check_round(&c, &good, g, None);

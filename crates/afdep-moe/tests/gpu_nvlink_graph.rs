@@ -37,21 +37,11 @@ use afdep_core::route::{RouteRules, validate};
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
+    DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph, RoundOutput,
 };
-use afdep_transport::{NvlinkIpc, NvlinkOptions};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(cfg),
-        timeout: TIMEOUT,
-    };
-    nvlink_group(n, opts)
-}
 
 /// How one run of a round goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +91,7 @@ fn run_modes_with(
     opts: &DeviceRoundOptions,
 ) -> Option<(Runs, Nodes)> {
     let world = c.topology.world_size();
-    let g = nvlink(world, c)?;
+    let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
     // engines and graphs are dropped after every rank's thread is done
     let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
     let per_rank: Vec<RankRuns> = std::thread::scope(|sc| {
@@ -198,36 +188,50 @@ fn check_modes(
     }
 }
 
-/// Every run of `rounds` against `want`: a round with `Some(error)` fails on every rank with
-/// that route error (compared as error words, so a NaN value's bits count), reported by the
-/// rank itself; a round with `None` is bit-identical to the oracle.
+/// Each rank's output of round `i` in every mode of `modes` (`per_mode`: `[mode][rank]`):
+/// `f(mode, rank, output)`; an error fails the test with `what`, the round, mode and rank.
+fn each_output(
+    what: &str,
+    i: usize,
+    per_mode: &[Vec<RankResult>],
+    modes: &[Mode],
+    mut f: impl FnMut(&Mode, usize, &RoundOutput),
+) {
+    for (m, g) in modes.iter().zip(per_mode) {
+        for (rank, r) in g.iter().enumerate() {
+            let r = r
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{what} round {i} {m:?} rank {rank}: {e}"));
+            f(m, rank, r);
+        }
+    }
+}
+
+/// Runs `rounds` in every mode of `modes` ([`run_modes`]; nothing without a GPU) and checks
+/// every run against `want`: a round with `Some(error)` fails on every rank with that route
+/// error (compared as error words, so a NaN value's bits count), reported by the rank itself;
+/// a round with `None` is bit-identical to the oracle.
 fn check_rejections(
     c: &ExchangeConfig,
     rounds: &[Vec<SourceInput>],
     want: &[Option<RouteError>],
-    got: &[Vec<Vec<RankResult>>],
     modes: &[Mode],
 ) {
-    for (i, ((inp, w), per_mode)) in rounds.iter().zip(want).zip(got).enumerate() {
+    let Some((got, _)) = run_modes(c, rounds, modes) else {
+        return;
+    };
+    for (i, ((inp, w), per_mode)) in rounds.iter().zip(want).zip(&got).enumerate() {
         for (m, g) in modes.iter().zip(per_mode) {
             match w {
                 None => check_round(c, inp, g, None),
                 Some(want) => {
-                    for (rank, r) in g.iter().enumerate() {
-                        match r {
-                            Err(ExchangeError::Route { reporter, error }) => {
-                                assert_eq!(*reporter, rank);
-                                assert_eq!(
-                                    error.to_word(),
-                                    want.to_word(),
-                                    "round {i} {m:?} rank {rank}: {error} instead of {want}"
-                                );
-                            }
-                            other => panic!(
-                                "round {i} {m:?} rank {rank}: expected {want}, got {other:?}"
-                            ),
-                        }
-                    }
+                    check_route_errors(g, &format!("round {i} {m:?} "), want, |rank, error| {
+                        assert_eq!(
+                            error.to_word(),
+                            want.to_word(),
+                            "round {i} {m:?} rank {rank}: {error} instead of {want}"
+                        );
+                    });
                 }
             }
         }
@@ -421,10 +425,7 @@ fn rejected_routes_fail_every_rank_in_graph_and_eager_rounds_and_the_next_round_
         rounds.push(sources(&c, &[3, 0, 16], Some(4), 80 + i as u64));
         want.push(None);
     }
-    let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
-        return;
-    };
-    check_rejections(&c, &rounds, &want, &got, &modes);
+    check_rejections(&c, &rounds, &want, &modes);
 }
 
 /// Repeated replays of the same seeds give identical outputs (hash of every run's bits).
@@ -475,14 +476,7 @@ fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
         ("3A:1F", PayloadKind::Fp8E4m3),
         ("EP4", PayloadKind::Fp8E4m3),
     ] {
-        // 12 experts: a multiple of 1, 3 and 4 FFN ranks; fp8 needs whole groups of 128
-        let hidden = match payload {
-            PayloadKind::Bf16 => 64,
-            PayloadKind::Fp8E4m3 => 128,
-        };
-        let mut c = cfg(topo, hidden, 12, 2);
-        c.capacity = 40;
-        c.payload = payload;
+        let c = payload_cfg(topo, payload, 64, 2, 40);
         c.validate().unwrap();
         let p = params(&c, 32, 7);
         let opts = DeviceRoundOptions {
@@ -503,25 +497,20 @@ fn swiglu_device_experts_are_within_bf16_tolerance_of_the_oracle() {
         for (i, (inp, per_mode)) in rounds.iter().zip(&got).enumerate() {
             let want = afdep_core::oracle::exchange::exchange(&c, inp, expert).unwrap();
             let want_rx = afdep_core::oracle::exchange::dispatch(&c, inp).unwrap();
-            for (m, g) in modes.iter().zip(per_mode) {
-                for (rank, r) in g.iter().enumerate() {
-                    let r = r
-                        .as_ref()
-                        .unwrap_or_else(|e| panic!("{topo} round {i} {m:?} rank {rank}: {e}"));
-                    if let Some(s) = c.topology.attention_index(rank) {
-                        let got = r.combined.as_ref().unwrap();
-                        let err = afdep_moe::accuracy::max_rel_err(got, &want[s]);
-                        assert!(
-                            err <= afdep_moe::accuracy::OUT_TOL,
-                            "{topo} round {i} {m:?} source {s}: error {err}"
-                        );
-                        println!("{topo} round {i} {m:?} source {s}: max rel err {err:.2e}");
-                    }
-                    if let Some(f) = c.topology.ffn_index(rank) {
-                        assert_eq!(r.received.as_ref().unwrap(), &want_rx[f]);
-                    }
+            each_output(topo, i, per_mode, &modes, |m, rank, r| {
+                if let Some(s) = c.topology.attention_index(rank) {
+                    let got = r.combined.as_ref().unwrap();
+                    let err = afdep_moe::accuracy::max_rel_err(got, &want[s]);
+                    assert!(
+                        err <= afdep_moe::accuracy::OUT_TOL,
+                        "{topo} round {i} {m:?} source {s}: error {err}"
+                    );
+                    println!("{topo} round {i} {m:?} source {s}: max rel err {err:.2e}");
                 }
-            }
+                if let Some(f) = c.topology.ffn_index(rank) {
+                    assert_eq!(r.received.as_ref().unwrap(), &want_rx[f]);
+                }
+            });
             for (m, g) in modes.iter().zip(per_mode).skip(1) {
                 for (rank, (x, y)) in g.iter().zip(&per_mode[0]).enumerate() {
                     let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
@@ -664,10 +653,7 @@ fn fp8_non_finite_rows_are_rejected_on_the_device_and_the_next_round_works() {
         want.push(None);
     }
     let modes = all_modes();
-    let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
-        return;
-    };
-    check_rejections(&c, &rounds, &want, &got, &modes);
+    check_rejections(&c, &rounds, &want, &modes);
 }
 
 /// [`DeviceExperts::Identity`] (no expert kernel: the combine reads the expanded rows
@@ -703,25 +689,20 @@ fn identity_experts_read_the_expanded_rows() {
         let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
         for (i, (inp, per_mode)) in rounds.iter().zip(&got).enumerate() {
             let want = afdep_core::oracle::exchange::exchange(&c, inp, identity).unwrap();
-            for (m, g) in modes.iter().zip(per_mode) {
-                for (rank, r) in g.iter().enumerate() {
-                    let r = r
-                        .as_ref()
-                        .unwrap_or_else(|e| panic!("{topo} round {i} {m:?} rank {rank}: {e}"));
-                    if let Some(s) = c.topology.attention_index(rank) {
-                        let got = r.combined.as_ref().expect("a source's output");
-                        let (g, w) = (bits(got), bits(&want[s]));
-                        let bad = g.iter().zip(&w).position(|(a, b)| a != b);
-                        assert!(
-                            g.len() == w.len() && bad.is_none(),
-                            "{topo} {payload:?} hidden {hidden} round {i} {m:?} source {s}: \
-                             {} values against {}, first difference at {bad:?}",
-                            g.len(),
-                            w.len()
-                        );
-                    }
+            each_output(topo, i, per_mode, &modes, |m, rank, r| {
+                if let Some(s) = c.topology.attention_index(rank) {
+                    let got = r.combined.as_ref().expect("a source's output");
+                    let (g, w) = (bits(got), bits(&want[s]));
+                    let bad = g.iter().zip(&w).position(|(a, b)| a != b);
+                    assert!(
+                        g.len() == w.len() && bad.is_none(),
+                        "{topo} {payload:?} hidden {hidden} round {i} {m:?} source {s}: \
+                         {} values against {}, first difference at {bad:?}",
+                        g.len(),
+                        w.len()
+                    );
                 }
-            }
+            });
         }
         println!("identity experts {topo} {payload:?} hidden {hidden}: ok");
     }

@@ -27,11 +27,7 @@ use afdep_core::{ExchangeConfig, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
-use afdep_moe::{
-    BorrowedRound, DeviceExperts, DeviceRoundOptions, ExchangeError, FusedEngine, FusedGraph,
-    RoundArm,
-};
-use afdep_transport::NvlinkOptions;
+use afdep_moe::{BorrowedRound, DeviceExperts, ExchangeError, FusedEngine, FusedGraph, RoundArm};
 use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -127,50 +123,22 @@ fn on_stream(
 /// Runs `rounds` on a group for `c`: `[rank][round][way]`.
 fn run(c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) -> Option<Vec<Vec<Vec<Got>>>> {
     let world = c.topology.world_size();
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(c),
-        timeout: TIMEOUT,
-    };
-    let g = nvlink_group(world, opts)?;
+    let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
     // engines and graphs are dropped after every rank's thread is done
-    let mut keep: Vec<(FusedEngine, FusedGraph)> = Vec::new();
-    let per_rank: Vec<Vec<Vec<Got>>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = g
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = c.clone();
-                sc.spawn(move || {
-                    let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
-                    eng.prepare_device(DeviceRoundOptions {
-                        experts: DeviceExperts::index_scale(cfg.experts),
-                        keep_received: false,
-                    })
-                    .expect("device buffers");
-                    let graph = eng.capture(RoundArm::Auto).expect("capture");
-                    let ctx = CudaContext::new(0).unwrap();
-                    let s = ctx.new_stream().unwrap();
-                    let mut out = Vec::new();
-                    for inp in rounds {
-                        let mine = cfg.topology.attention_index(rank).map(|i| &inp[i]);
-                        let host = eng.device_round(RoundArm::Auto, mine).map(|o| o.combined);
-                        let eager = on_stream(&mut eng, None, &s, mine, true);
-                        let replay = on_stream(&mut eng, Some(&graph), &s, mine, true);
-                        let queued = on_stream(&mut eng, Some(&graph), &s, mine, false);
-                        out.push(vec![host, eager, replay, queued]);
-                    }
-                    (out, eng, graph)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (out, eng, graph) = h.join().expect("rank thread");
-                keep.push((eng, graph));
-                out
-            })
-            .collect()
+    let (per_rank, keep): (Vec<Vec<Vec<Got>>>, _) = on_fused_ranks(g, c, false, |rank, eng| {
+        let graph = eng.capture(RoundArm::Auto).expect("capture");
+        let ctx = CudaContext::new(0).unwrap();
+        let s = ctx.new_stream().unwrap();
+        let mut out = Vec::new();
+        for inp in rounds {
+            let mine = c.topology.attention_index(rank).map(|i| &inp[i]);
+            let host = eng.device_round(RoundArm::Auto, mine).map(|o| o.combined);
+            let eager = on_stream(eng, None, &s, mine, true);
+            let replay = on_stream(eng, Some(&graph), &s, mine, true);
+            let queued = on_stream(eng, Some(&graph), &s, mine, false);
+            out.push(vec![host, eager, replay, queued]);
+        }
+        (out, graph)
     });
     drop(keep);
     Some(per_rank)

@@ -21,16 +21,6 @@ use exchange_common::*;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// `n` in-process ranks on device 0 with a workspace for `cfg`, or `None` after `SKIP`.
-fn nvlink(n: usize, cfg: &ExchangeConfig) -> Option<Vec<NvlinkIpc>> {
-    let opts = NvlinkOptions {
-        staging_bytes: 8 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(cfg),
-        timeout: TIMEOUT,
-    };
-    nvlink_group(n, opts)
-}
-
 const ARMS: [DispatchArm; 3] = [
     DispatchArm::PayloadFirst,
     DispatchArm::CountFirst,
@@ -172,7 +162,7 @@ fn every_rejected_route_class_in_every_arm_fails_every_rank_and_the_next_round_w
         rounds.push(good2.clone());
     }
     for arm in ARMS {
-        let Some(g) = nvlink(c.topology.world_size(), &c) else {
+        let Some(g) = fused_group(c.topology.world_size(), &c, 8 << 20, TIMEOUT) else {
             return;
         };
         let make = move |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {

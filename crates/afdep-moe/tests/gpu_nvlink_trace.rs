@@ -18,10 +18,7 @@ use std::time::Duration;
 
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{ExchangeConfig, PayloadKind};
-use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, RoundArm, RoundTrace, TracePhase,
-};
-use afdep_transport::NvlinkOptions;
+use afdep_moe::{DispatchArm, RoundArm, RoundTrace, TracePhase};
 use exchange_common::*;
 
 const ARMS: [DispatchArm; 3] = [
@@ -38,61 +35,33 @@ type Traced = (RankResult, Option<RoundTrace>);
 /// with tracing off (payload-first). Returns `[round][run][rank]`.
 fn traced_runs(c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) -> Option<Vec<Vec<Vec<Traced>>>> {
     let world = c.topology.world_size();
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(c),
-        timeout: Duration::from_secs(20),
-    };
-    let g = nvlink_group(world, opts)?;
-    let mut keep = Vec::new();
-    let per_rank: Vec<Vec<Vec<Traced>>> = std::thread::scope(|sc| {
-        let hs: Vec<_> = g
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let cfg = c.clone();
-                sc.spawn(move || {
-                    let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
-                    eng.prepare_device(DeviceRoundOptions {
-                        experts: DeviceExperts::index_scale(cfg.experts),
-                        keep_received: true,
-                    })
-                    .expect("device buffers");
-                    let untraced = eng.capture(DispatchArm::PayloadFirst).expect("capture");
-                    eng.set_trace(true).expect("tracing");
-                    let graphs: Vec<_> = ARMS
-                        .iter()
-                        .map(|&a| eng.capture(a).expect("capture"))
-                        .collect();
-                    let mut out = Vec::new();
-                    for inp in rounds {
-                        let mine = cfg.topology.attention_index(rank).map(|s| &inp[s]);
-                        let mut runs = Vec::new();
-                        for &a in &ARMS {
-                            let r = eng.device_round(RoundArm::Fixed(a), mine);
-                            runs.push((r, eng.last_trace().cloned()));
-                        }
-                        for gr in &graphs {
-                            let r = eng.replay(gr, mine);
-                            runs.push((r, eng.last_trace().cloned()));
-                        }
-                        let r = eng.replay(&untraced, mine);
-                        runs.push((r, eng.last_trace().cloned()));
-                        out.push(runs);
-                    }
-                    (out, eng, graphs, untraced)
-                })
-            })
+    let g = fused_group(world, c, 16 << 20, Duration::from_secs(20))?;
+    let (per_rank, keep): (Vec<Vec<Vec<Traced>>>, _) = on_fused_ranks(g, c, true, |rank, eng| {
+        let untraced = eng.capture(DispatchArm::PayloadFirst).expect("capture");
+        eng.set_trace(true).expect("tracing");
+        let graphs: Vec<_> = ARMS
+            .iter()
+            .map(|&a| eng.capture(a).expect("capture"))
             .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (out, eng, graphs, untraced) = h.join().expect("rank thread panicked");
-                keep.push((eng, graphs, untraced));
-                out
-            })
-            .collect()
+        let mut out = Vec::new();
+        for inp in rounds {
+            let mine = c.topology.attention_index(rank).map(|s| &inp[s]);
+            let mut runs = Vec::new();
+            for &a in &ARMS {
+                let r = eng.device_round(RoundArm::Fixed(a), mine);
+                runs.push((r, eng.last_trace().cloned()));
+            }
+            for gr in &graphs {
+                let r = eng.replay(gr, mine);
+                runs.push((r, eng.last_trace().cloned()));
+            }
+            let r = eng.replay(&untraced, mine);
+            runs.push((r, eng.last_trace().cloned()));
+            out.push(runs);
+        }
+        (out, (graphs, untraced))
     });
-    for (eng, graphs, untraced) in keep {
+    for (eng, (graphs, untraced)) in keep {
         drop(graphs);
         drop(untraced);
         drop(eng);

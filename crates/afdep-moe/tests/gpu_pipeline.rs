@@ -29,7 +29,7 @@ use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, ExpertFn, FusedEngine,
     PipelineConfig, PipelineError, PipelineOutput, PipelineRank, RoundArm, TracePhase,
 };
-use afdep_transport::{NvlinkIpc, NvlinkOptions};
+use afdep_transport::NvlinkIpc;
 use exchange_common::*;
 
 /// Microbatch counts of the equivalence tests.
@@ -44,14 +44,12 @@ fn with_pipeline<R: Send>(
     work: impl Fn(usize, &mut PipelineRank) -> R + Sync,
 ) -> Option<Vec<R>> {
     let world = c.topology.world_size();
-    let opts = NvlinkOptions {
-        staging_bytes: 1 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(c),
-        timeout: Duration::from_secs(20),
-    };
     let mut per_rank: Vec<Vec<NvlinkIpc>> = (0..world).map(|_| Vec::new()).collect();
     for _ in 0..slots {
-        for (r, t) in nvlink_group(world, opts)?.into_iter().enumerate() {
+        for (r, t) in fused_group(world, c, 1 << 20, Duration::from_secs(20))?
+            .into_iter()
+            .enumerate()
+        {
             per_rank[r].push(t);
         }
     }

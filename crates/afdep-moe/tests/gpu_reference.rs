@@ -54,7 +54,7 @@ use afdep_moe::reference::{
     upload_params,
 };
 use afdep_moe::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
-use common::{gpu, hot_routes, shape};
+use common::{gpu, hot_routes, layer_sweep, poisoned_train_step, shape, train_layer};
 use rand::{Rng, SeedableRng};
 
 /// The tolerance of the reference against the oracle for a tensor (see the module): one bf16
@@ -160,15 +160,6 @@ fn check_oracle(what: &str, got: &Got, out: &[bf16], grads: Option<&LayerGrads>)
     bad
 }
 
-fn assert_none(bad: &[String]) {
-    assert!(
-        bad.is_empty(),
-        "{} failures:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
-}
-
 /// The (H, W, S) of the small shapes: multiples of 32 (the fast layer's), and odd ones.
 const SMALL: [(usize, usize, usize); 4] = [(96, 96, 0), (96, 96, 160), (40, 24, 56), (40, 24, 0)];
 
@@ -209,7 +200,7 @@ fn reference_matches_the_oracle_with_router_semantics() {
         }
     }
     println!("{cases} cases compared");
-    assert_none(&bad);
+    common::assert_no_failures(&bad);
 }
 
 /// Given routes (hot expert, zero-token experts, masked slots with NaN weights) against
@@ -219,36 +210,31 @@ fn reference_matches_the_oracle_on_given_routes() {
     let Some((_g, ctx)) = gpu() else { return };
     let mut bad = Vec::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(43);
-    for &(h, w, s) in &[(96usize, 64usize, 160usize), (40, 24, 56), (40, 24, 0)] {
-        for &e in &[8usize, 64] {
-            for &k in &[1usize, 2, 8] {
-                for &t in &[1usize, 33, 1000] {
-                    let sh = shape(h, w, e, k, s);
-                    let params = LayerParams::random(sh, 5 + k as u64);
-                    let x = random_tokens(t, h, 31);
-                    let dy = random_tokens(t, h, 32);
-                    let routes = hot_routes(&mut rng, t, k, e);
-                    let (out, grads) =
-                        train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
-                    assert!(grads.dwr.iter().all(|v| v.to_f32() == 0.0));
-                    let inp = Inputs::new(&ctx, &params, &x, &dy, &routes);
-                    let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
-                    let what = format!("given T={t} H={h} W={w} E={e} K={k} S={s}");
-                    r.run(&ctx, &inp.get(true, LayerRouting::Given)).unwrap();
-                    bad.extend(check_oracle(&what, &read_ref(&ctx, &r), &out, Some(&grads)));
-                    r.run(&ctx, &inp.get(false, LayerRouting::Given)).unwrap();
-                    let fwd = forward_with_routes(&params, &x, t, &routes).unwrap();
-                    bad.extend(check_oracle(
-                        &format!("forward {what}"),
-                        &read_ref(&ctx, &r),
-                        &fwd,
-                        None,
-                    ));
-                }
-            }
-        }
+    for (h, w, s, e, k, t) in
+        layer_sweep(&[(96usize, 64usize, 160usize), (40, 24, 56), (40, 24, 0)])
+    {
+        let sh = shape(h, w, e, k, s);
+        let params = LayerParams::random(sh, 5 + k as u64);
+        let x = random_tokens(t, h, 31);
+        let dy = random_tokens(t, h, 32);
+        let routes = hot_routes(&mut rng, t, k, e);
+        let (out, grads) = train_step_with_routes(&params, &x, t, &dy, &routes).unwrap();
+        assert!(grads.dwr.iter().all(|v| v.to_f32() == 0.0));
+        let inp = Inputs::new(&ctx, &params, &x, &dy, &routes);
+        let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
+        let what = format!("given T={t} H={h} W={w} E={e} K={k} S={s}");
+        r.run(&ctx, &inp.get(true, LayerRouting::Given)).unwrap();
+        bad.extend(check_oracle(&what, &read_ref(&ctx, &r), &out, Some(&grads)));
+        r.run(&ctx, &inp.get(false, LayerRouting::Given)).unwrap();
+        let fwd = forward_with_routes(&params, &x, t, &routes).unwrap();
+        bad.extend(check_oracle(
+            &format!("forward {what}"),
+            &read_ref(&ctx, &r),
+            &fwd,
+            None,
+        ));
     }
-    assert_none(&bad);
+    common::assert_no_failures(&bad);
 }
 
 /// 0 tokens: empty outputs, weight gradients written as exact zeros (like the oracle).
@@ -280,7 +266,7 @@ fn zero_tokens() {
                 assert_eq!(g.len(), n);
                 assert!(g.iter().all(|v| v.to_bits() == 0), "S={s}: not exact zeros");
             }
-            assert_none(&check_oracle(
+            common::assert_no_failures(&check_oracle(
                 &format!("{routing:?} T=0 S={s}"),
                 &got,
                 &out,
@@ -373,10 +359,7 @@ fn compare_agrees_with_the_host_metric() {
     let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
     let mut bad = Vec::new();
     for d in Dispatch::ALL {
-        let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-        layer.upload_params(&ctx, &params).unwrap();
-        layer.upload_x(&ctx, &x).unwrap();
-        layer.upload_dy(&ctx, &dy).unwrap();
+        let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
         layer.poison_outputs(&ctx).unwrap();
         layer.train_step(&ctx, LayerRouting::Router).unwrap();
         r.run_like(&ctx, &layer, true).unwrap();
@@ -418,7 +401,7 @@ fn compare_agrees_with_the_host_metric() {
         assert_eq!((f.gx, f.gw), (None, None));
         assert_eq!(f.out, s.out, "{d}: the train step's forward is the forward");
     }
-    assert_none(&bad);
+    common::assert_no_failures(&bad);
 }
 
 /// The fast layer against the reference at the record shape at 16,384 and 131,072 tokens, every
@@ -437,16 +420,9 @@ fn fast_layer_matches_the_reference_at_the_record_shape() {
         let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
         println!("reference device bytes at T={t}: {}", r.device_bytes());
         for d in Dispatch::ALL {
-            let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-            layer.upload_params(&ctx, &params).unwrap();
-            layer.upload_x(&ctx, &x).unwrap();
-            layer.upload_dy(&ctx, &dy).unwrap();
+            let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
             for routing in [LayerRouting::Router, LayerRouting::Given] {
-                if routing == LayerRouting::Given {
-                    layer.upload_routes(&ctx, &given).unwrap();
-                }
-                layer.poison_outputs(&ctx).unwrap();
-                layer.train_step(&ctx, routing).unwrap();
+                poisoned_train_step(&ctx, &mut layer, routing, &given);
                 let started = std::time::Instant::now();
                 r.run_like_with(&ctx, &layer, true, routing).unwrap();
                 let secs = started.elapsed().as_secs_f64();
@@ -485,7 +461,7 @@ fn fast_layer_matches_the_reference_at_the_record_shape() {
             }
         }
     }
-    assert_none(&bad);
+    common::assert_no_failures(&bad);
 }
 
 /// The independent top-k check: the oracle's own choice passes (wrong = 0) at odd shapes; a
@@ -566,10 +542,7 @@ fn bad_inputs_are_typed_errors() {
     let params = LayerParams::random(sh, 5);
     let x = random_tokens(t, 96, 6);
     let dy = random_tokens(t, 96, 7);
-    let mut layer = MoeLayer::new(&ctx, sh, t, Dispatch::Sorted, true).unwrap();
-    layer.upload_params(&ctx, &params).unwrap();
-    layer.upload_x(&ctx, &x).unwrap();
-    layer.upload_dy(&ctx, &dy).unwrap();
+    let mut layer = train_layer(&ctx, sh, t, Dispatch::Sorted, &params, &x, &dy);
     layer.train_step(&ctx, LayerRouting::Router).unwrap();
     // Other shape, other token count, forward-only reference asked for a train step,
     // forward-only layer asked for one.
@@ -649,7 +622,7 @@ fn bad_inputs_are_typed_errors() {
     let inp = Inputs::new(&ctx, &params, &x, &dy, &good);
     r.run(&ctx, &inp.get(true, LayerRouting::Given)).unwrap();
     let (out, grads) = train_step_with_routes(&params, &x, t, &dy, &good).unwrap();
-    assert_none(&check_oracle(
+    common::assert_no_failures(&check_oracle(
         "after rejections",
         &read_ref(&ctx, &r),
         &out,
@@ -670,10 +643,7 @@ fn record_shape_at_large_token_counts() {
         let t = 1usize << 20;
         let x = random_tokens(t, sh.d_model, 8);
         let dy = random_tokens(t, sh.d_model, 9);
-        let mut layer = MoeLayer::new(&ctx, sh, t, Dispatch::Sorted, true).unwrap();
-        layer.upload_params(&ctx, &params).unwrap();
-        layer.upload_x(&ctx, &x).unwrap();
-        layer.upload_dy(&ctx, &dy).unwrap();
+        let mut layer = train_layer(&ctx, sh, t, Dispatch::Sorted, &params, &x, &dy);
         layer.train_step(&ctx, LayerRouting::Router).unwrap();
         let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -724,16 +694,9 @@ fn fast_layer_matches_a_host_input_reference_per_group() {
         let host = reference::HostInputs::upload(&ctx, &params, &x, Some(&dy)).unwrap();
         let mut r = ReferenceLayer::new(&ctx, &sh, t, true).unwrap();
         for d in Dispatch::ALL {
-            let mut layer = MoeLayer::new(&ctx, sh, t, d, true).unwrap();
-            layer.upload_params(&ctx, &params).unwrap();
-            layer.upload_x(&ctx, &x).unwrap();
-            layer.upload_dy(&ctx, &dy).unwrap();
+            let mut layer = train_layer(&ctx, sh, t, d, &params, &x, &dy);
             for routing in [LayerRouting::Router, LayerRouting::Given] {
-                if routing == LayerRouting::Given {
-                    layer.upload_routes(&ctx, &given).unwrap();
-                }
-                layer.poison_outputs(&ctx).unwrap();
-                layer.train_step(&ctx, routing).unwrap();
+                poisoned_train_step(&ctx, &mut layer, routing, &given);
                 r.poison_outputs(&ctx).unwrap();
                 r.run(&ctx, &host.inputs(layer.routes(), routing)).unwrap();
                 if routing == LayerRouting::Router {
@@ -766,5 +729,5 @@ fn fast_layer_matches_a_host_input_reference_per_group() {
             }
         }
     }
-    assert_none(&bad);
+    common::assert_no_failures(&bad);
 }

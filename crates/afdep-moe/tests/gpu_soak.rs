@@ -41,9 +41,8 @@ use afdep_core::oracle::exchange::{self as reference, SourceInput};
 use afdep_core::route::{MASKED, Routes};
 use afdep_core::tensor::{rng, uniform_bf16};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
-use afdep_moe::{DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, RoundArm};
-use afdep_transport::NvlinkOptions;
-use exchange_common::{nvlink_group, serial};
+use afdep_moe::{DeviceExperts, DispatchArm, FusedEngine, RoundArm};
+use exchange_common::{fused_group, on_fused_ranks, serial};
 use rand::Rng;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -252,12 +251,7 @@ fn soak(payload: PayloadKind) {
     let _lock = serial();
     let c = config(payload);
     let world = c.topology.world_size();
-    let opts = NvlinkOptions {
-        staging_bytes: 16 << 20,
-        workspace_bytes: FusedEngine::workspace_bytes(&c),
-        timeout: TIMEOUT,
-    };
-    let Some(g) = nvlink_group(world, opts) else {
+    let Some(g) = fused_group(world, &c, 16 << 20, TIMEOUT) else {
         return;
     };
     let n = replays();
@@ -268,81 +262,58 @@ fn soak(payload: PayloadKind) {
     let pool = Pool::new(&c);
     let experts = DeviceExperts::index_scale(c.experts);
     let t0 = Instant::now();
-    let mut keep = Vec::new();
     // the quiescent points: every rank thread at the top of replay WARM_UP and n / 2 and after
     // its last replay; rank 0 reads the memory between two waits
     let barrier = Barrier::new(world);
     let checkpoints = [WARM_UP, (WARM_UP + n) / 2, n];
-    let tallies: Vec<Tally> = std::thread::scope(|sc| {
-        let hs: Vec<_> = g
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let (c, pool, experts, barrier) = (&c, &pool, &experts, &barrier);
-                sc.spawn(move || {
-                    let mut eng = FusedEngine::new(c.clone(), t).expect("set-up");
-                    eng.prepare_device(DeviceRoundOptions {
-                        experts: experts.clone(),
-                        keep_received: false,
-                    })
-                    .expect("device buffers");
-                    let graph = eng.capture(RoundArm::Auto).expect("capture");
-                    let me = c.topology.attention_index(rank);
-                    let mut tally = Tally {
-                        hash: 0xcbf2_9ce4_8422_2325,
-                        ..Tally::default()
-                    };
-                    let quiesce = |i: usize, tally: &mut Tally, eng: &mut FusedEngine| {
-                        let Some(point) = checkpoints.iter().position(|&p| p == i) else {
-                            return;
-                        };
-                        barrier.wait();
-                        if rank == 0 {
-                            eng.transport_mut().context().bind_to_thread().unwrap();
-                            tally.memory[point] = Memory::now();
-                        }
-                        barrier.wait();
-                    };
-                    for i in 0..n {
-                        quiesce(i, &mut tally, &mut eng);
-                        let mine = me.map(|s| source_input(c, pool, i, s));
-                        let out = eng
-                            .replay(&graph, mine.as_ref())
-                            .unwrap_or_else(|e| panic!("replay {i} rank {rank}: {e}"));
-                        let arm = eng.last_arm();
-                        tally.arms[DispatchArm::ALL.iter().position(|&a| a == arm).unwrap()] += 1;
-                        let Some(s) = me else { continue };
-                        let got = out.combined.as_deref().expect("an attention rank combines");
-                        fnv(&mut tally.hash, got);
-                        if i % CHECK_EVERY == 0 || i == n - 1 {
-                            let all: Vec<SourceInput> = (0..c.topology.attention_count())
-                                .map(|s| source_input(c, pool, i, s))
-                                .collect();
-                            let want = reference::exchange(c, &all, experts.host()).unwrap();
-                            let bits =
-                                |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                            tally.checked += 1;
-                            if bits(got) != bits(&want[s]) || got.iter().any(|v| v.is_nan()) {
-                                tally.mismatches += 1;
-                                println!("replay {i}: source {s} differs from the oracle");
-                            }
-                        }
-                    }
-                    quiesce(n, &mut tally, &mut eng);
-                    (tally, eng, graph)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                let (tally, eng, graph) = h.join().expect("rank thread panicked");
-                keep.push((graph, eng));
-                tally
-            })
-            .collect()
+    let (tallies, keep): (Vec<Tally>, _) = on_fused_ranks(g, &c, false, |rank, eng| {
+        let (c, pool, experts, barrier) = (&c, &pool, &experts, &barrier);
+        let graph = eng.capture(RoundArm::Auto).expect("capture");
+        let me = c.topology.attention_index(rank);
+        let mut tally = Tally {
+            hash: 0xcbf2_9ce4_8422_2325,
+            ..Tally::default()
+        };
+        let quiesce = |i: usize, tally: &mut Tally, eng: &mut FusedEngine| {
+            let Some(point) = checkpoints.iter().position(|&p| p == i) else {
+                return;
+            };
+            barrier.wait();
+            if rank == 0 {
+                eng.transport_mut().context().bind_to_thread().unwrap();
+                tally.memory[point] = Memory::now();
+            }
+            barrier.wait();
+        };
+        for i in 0..n {
+            quiesce(i, &mut tally, eng);
+            let mine = me.map(|s| source_input(c, pool, i, s));
+            let out = eng
+                .replay(&graph, mine.as_ref())
+                .unwrap_or_else(|e| panic!("replay {i} rank {rank}: {e}"));
+            let arm = eng.last_arm();
+            tally.arms[DispatchArm::ALL.iter().position(|&a| a == arm).unwrap()] += 1;
+            let Some(s) = me else { continue };
+            let got = out.combined.as_deref().expect("an attention rank combines");
+            fnv(&mut tally.hash, got);
+            if i % CHECK_EVERY == 0 || i == n - 1 {
+                let all: Vec<SourceInput> = (0..c.topology.attention_count())
+                    .map(|s| source_input(c, pool, i, s))
+                    .collect();
+                let want = reference::exchange(c, &all, experts.host()).unwrap();
+                let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                tally.checked += 1;
+                if bits(got) != bits(&want[s]) || got.iter().any(|v| v.is_nan()) {
+                    tally.mismatches += 1;
+                    println!("replay {i}: source {s} differs from the oracle");
+                }
+            }
+        }
+        quiesce(n, &mut tally, eng);
+        (tally, graph)
     });
     let took = t0.elapsed();
-    for (graph, eng) in keep {
+    for (eng, graph) in keep {
         drop(graph);
         drop(eng);
     }

@@ -5,15 +5,16 @@
 //! environment of `afdep launch`), waits for both with a bound and fails if either does.
 //! Without a driver or a GPU it prints `SKIP: <reason>` and passes, unless `AFDEP_REQUIRE_GPU=1`.
 
+mod exchange_common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::{self as reference, SourceInput};
 use afdep_core::oracle::layer;
-use afdep_core::route::{MASKED, Routes};
+use afdep_core::route::Routes;
 use afdep_core::tensor::uniform_bf16;
-use afdep_core::{ExchangeConfig, LayerShape, bf16};
+use afdep_core::{ExchangeConfig, bf16};
 use afdep_moe::{ExchangeError, StagedEngine};
 use afdep_transport::{
     Bootstrap, DeviceStaged, ENV_RANK, ENV_RENDEZVOUS, ENV_WORLD_SIZE, TransportKind, Ucx,
@@ -25,29 +26,9 @@ const CHILD: &str = "AFDEP_TEST_UCX_DEVICE_TLS";
 const TEST: &str = "two_processes_on_one_gpu_match_the_oracle";
 
 fn routes(tokens: usize, k: usize, experts: usize, seed: usize) -> Routes {
-    let mut idx = Vec::with_capacity(tokens * k);
-    let mut weights = Vec::with_capacity(tokens * k);
-    for t in 0..tokens {
-        let base = if t % 3 != 0 {
-            5
-        } else {
-            (t * 7 + seed) % experts
-        };
-        for j in 0..k {
-            idx.push(if (t + 2 * j + seed) % 6 == 0 {
-                MASKED
-            } else {
-                ((base + j * 3) % experts) as i32
-            });
-            weights.push(0.05 + ((t * 11 + j * 5) % 19) as f32 / 19.0);
-        }
-    }
-    Routes {
-        tokens,
-        top_k: k,
-        idx,
-        weights,
-    }
+    // expert 5 is hot; every slot with (t + 2j + seed) % 6 == 0 is masked
+    let masked = |t: usize, j: usize| (t + 2 * j + seed) % 6 == 0;
+    exchange_common::patterned_routes(tokens, k, experts, seed, (3, 5), masked)
 }
 
 /// One rank's part: the engine over device buffers, every round checked on the attention rank.
@@ -57,17 +38,7 @@ fn rank_main(tls: &str) {
     let ucx = Ucx::new(boot, &UcxOptions::with_tls(tls)).expect("UCX");
     let t = DeviceStaged::new(ucx, Some(0)).expect("device buffers on GPU 0");
     let cfg = ExchangeConfig::new("1A:1F".parse().unwrap(), 64, 8, 3, 1024).unwrap();
-    let p = LayerParams::random(
-        LayerShape {
-            d_model: 64,
-            width: 16,
-            experts: 8,
-            top_k: 3,
-            shared: 0,
-            renormalize: true,
-        },
-        11,
-    );
+    let p = exchange_common::params(&cfg, 16, 11);
     let mut eng = StagedEngine::new(cfg.clone(), t).expect("engine");
     let expert = |e: usize, rows: &[bf16], n: usize| layer::expert_rows(&p, e, rows, n).unwrap();
     for (i, tokens) in [1usize, 0, 9, 1024].into_iter().enumerate() {

@@ -202,19 +202,14 @@ fn rejected_route_on<T: Transport + Send>(make: &dyn Fn(usize) -> Vec<T>) {
         corrupt(&mut bad);
         let good = sources(cf, &[3, 0, 5], Some(2), 12);
         let got = run_on(make, &vec![cf.clone(); 4], &[bad, good.clone()], None).unwrap();
-        for (rank, r) in got[0].iter().enumerate() {
-            match r {
-                Err(ExchangeError::Route { reporter, error }) => {
-                    assert_eq!(*reporter, rank);
-                    assert_eq!(
-                        error.to_word(),
-                        want.to_word(),
-                        "rank {rank}: {error} (wanted {want})"
-                    );
-                }
-                other => panic!("rank {rank}: expected the route error {want}, got {other:?}"),
-            }
-        }
+        let expected = format!("the route error {want}");
+        check_route_errors(&got[0], "", &expected, |rank, error| {
+            assert_eq!(
+                error.to_word(),
+                want.to_word(),
+                "rank {rank}: {error} (wanted {want})"
+            );
+        });
         check_round(cf, &good, &got[1], None);
     }
 }
@@ -482,15 +477,9 @@ fn fp8_non_finite_row_fails_every_rank_and_the_next_round_works() {
     };
     let good = sources(&c, &[3, 0], Some(2), 12);
     let got = run(&vec![c.clone(); 4], &[bad, good.clone()], None).unwrap();
-    for (rank, r) in got[0].iter().enumerate() {
-        match r {
-            Err(ExchangeError::Route { reporter, error }) => {
-                assert_eq!(*reporter, rank);
-                assert_eq!(error, &want, "rank {rank}");
-            }
-            other => panic!("rank {rank}: expected {want}, got {other:?}"),
-        }
-    }
+    check_route_errors(&got[0], "", &want, |rank, error| {
+        assert_eq!(error, &want, "rank {rank}");
+    });
     check_round(&c, &good, &got[1], None);
 }
 

@@ -7,6 +7,8 @@
 //! missing GPU fails.
 #![cfg(feature = "nvlink")]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use afdep_transport::{
@@ -23,17 +25,7 @@ fn opts(timeout: Duration) -> NvlinkOptions {
 
 /// `n` in-process ranks on device 0, or `None` after printing `SKIP: <reason>`.
 fn group(n: usize, timeout: Duration) -> Option<Vec<NvlinkIpc>> {
-    match NvlinkIpc::group_on_device(n, 0, opts(timeout)) {
-        Ok(g) => Some(g),
-        Err(TransportError::Unavailable { why, .. }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but NvlinkIpc is unavailable: {why}");
-            }
-            println!("SKIP: {why}");
-            None
-        }
-        Err(e) => panic!("creating the NvlinkIpc group failed: {e}"),
-    }
+    common::nvlink::nvlink_group(n, opts(timeout))
 }
 
 /// Deterministic bytes of (rank, op).
@@ -94,6 +86,21 @@ fn plan(rank: usize, world: usize, op: usize) -> Plan {
 
 const POISON: u8 = 0xA7;
 
+/// Runs operation `op` of the plan on `t`, rank `rank` of `world` (the receive buffer poisoned
+/// first); returns the plan and the bytes received.
+fn run_op<T: Transport>(t: &mut T, rank: usize, world: usize, op: usize) -> (Plan, Vec<u8>) {
+    let p = plan(rank, world, op);
+    let mut send = t.alloc(p.send.len()).unwrap();
+    send.write(0, &p.send).unwrap();
+    let mut recv = t.alloc(p.recv_len).unwrap();
+    recv.write(0, &vec![POISON; p.recv_len]).unwrap();
+    t.all_to_all_v(&send, &p.send_spans, &mut recv, &p.recv_spans)
+        .unwrap_or_else(|e| panic!("rank {rank} op {op}: {e}"));
+    let mut out = vec![0u8; p.recv_len];
+    recv.read(0, &mut out).unwrap();
+    (p, out)
+}
+
 /// Runs `ops` operations on every rank of `group`; returns `[op][rank]` received bytes.
 fn run_ops<T: Transport + Send>(group: Vec<T>, ops: usize) -> Vec<Vec<Vec<u8>>> {
     let world = group.len();
@@ -104,18 +111,7 @@ fn run_ops<T: Transport + Send>(group: Vec<T>, ops: usize) -> Vec<Vec<Vec<u8>>> 
             .map(|(rank, mut t)| {
                 sc.spawn(move || {
                     (0..ops)
-                        .map(|op| {
-                            let p = plan(rank, world, op);
-                            let mut send = t.alloc(p.send.len()).unwrap();
-                            send.write(0, &p.send).unwrap();
-                            let mut recv = t.alloc(p.recv_len).unwrap();
-                            recv.write(0, &vec![POISON; p.recv_len]).unwrap();
-                            t.all_to_all_v(&send, &p.send_spans, &mut recv, &p.recv_spans)
-                                .unwrap_or_else(|e| panic!("rank {rank} op {op}: {e}"));
-                            let mut out = vec![0u8; p.recv_len];
-                            recv.read(0, &mut out).unwrap();
-                            out
-                        })
+                        .map(|op| run_op(&mut t, rank, world, op).1)
                         .collect()
                 })
             })
@@ -340,15 +336,7 @@ const CHILD_WORLD: &str = "AFDEP_TEST_NVLINK_CHILD_WORLD";
 fn ipc_rank(mut t: NvlinkIpc, ops: usize) {
     let (rank, world) = (t.rank(), t.world_size());
     for op in 0..ops {
-        let p = plan(rank, world, op);
-        let mut send = t.alloc(p.send.len()).unwrap();
-        send.write(0, &p.send).unwrap();
-        let mut recv = t.alloc(p.recv_len).unwrap();
-        recv.write(0, &vec![POISON; p.recv_len]).unwrap();
-        t.all_to_all_v(&send, &p.send_spans, &mut recv, &p.recv_spans)
-            .unwrap_or_else(|e| panic!("rank {rank} op {op}: {e}"));
-        let mut out = vec![0u8; p.recv_len];
-        recv.read(0, &mut out).unwrap();
+        let (p, out) = run_op(&mut t, rank, world, op);
         for (src, s) in p.recv_spans.iter().enumerate() {
             let sent = plan(src, world, op);
             let sp = sent.send_spans[rank];

@@ -5,9 +5,11 @@
 
 use std::sync::Mutex;
 
-use afdep_core::LayerShape;
+use afdep_core::oracle::LayerParams;
 use afdep_core::route::{MASKED, Routes};
+use afdep_core::{LayerShape, bf16};
 use afdep_kernels::{GpuContext, KernelError};
+use afdep_moe::{Dispatch, LayerRouting, MoeLayer};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -75,6 +77,73 @@ pub fn assert_sweep_ran(what: &str, cases: usize, left_out: usize) {
         max_tokens(),
         std::env::var("AFDEP_TEST_SHARD").ok()
     );
+}
+
+/// Fails a test with every failure it collected, one a line.
+pub fn assert_no_failures(bad: &[String]) {
+    assert!(
+        bad.is_empty(),
+        "{} failures:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+}
+
+/// Ends a sweep: [`assert_sweep_ran`], then [`assert_no_failures`].
+pub fn finish_sweep(what: &str, cases: usize, left_out: usize, bad: &[String]) {
+    assert_sweep_ran(what, cases, left_out);
+    assert_no_failures(bad);
+}
+
+/// A training layer of `sh` for `t` tokens with dispatch `d`, holding `params`, `x` and `dy`.
+pub fn train_layer(
+    ctx: &GpuContext,
+    sh: LayerShape,
+    t: usize,
+    d: Dispatch,
+    params: &LayerParams,
+    x: &[bf16],
+    dy: &[bf16],
+) -> MoeLayer {
+    let mut layer = MoeLayer::new(ctx, sh, t, d, true).unwrap();
+    layer.upload_params(ctx, params).unwrap();
+    layer.upload_x(ctx, x).unwrap();
+    layer.upload_dy(ctx, dy).unwrap();
+    layer
+}
+
+/// A train step of `layer` by `routing` on poisoned outputs; given routes are `given`, uploaded
+/// first.
+pub fn poisoned_train_step(
+    ctx: &GpuContext,
+    layer: &mut MoeLayer,
+    routing: LayerRouting,
+    given: &Routes,
+) {
+    if routing == LayerRouting::Given {
+        layer.upload_routes(ctx, given).unwrap();
+    }
+    layer.poison_outputs(ctx).unwrap();
+    layer.train_step(ctx, routing).unwrap();
+}
+
+/// The cases of the small-shape sweeps, in loop order: every `(h, w, s)` of `hws` (d_model,
+/// width, shared width) with 8 and 64 experts, top-k 1, 2 and 8, and 1, 33 and 1000 tokens.
+/// Returns `(h, w, s, e, k, t)`.
+pub fn layer_sweep(
+    hws: &[(usize, usize, usize)],
+) -> Vec<(usize, usize, usize, usize, usize, usize)> {
+    let mut v = Vec::new();
+    for &(h, w, s) in hws {
+        for e in [8, 64] {
+            for k in [1, 2, 8] {
+                for t in [1, 33, 1000] {
+                    v.push((h, w, s, e, k, t));
+                }
+            }
+        }
+    }
+    v
 }
 
 /// A layer shape with renormalised top-k weights.

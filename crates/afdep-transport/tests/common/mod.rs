@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "nvlink")]
+pub mod nvlink;
+
 use std::fmt::Debug;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
