@@ -152,21 +152,10 @@ fn run() -> Result<(), KernelError> {
         let mut xs = zeros::<bf16>(&ctx, t * k * h)?;
         let mut out = zeros::<bf16>(&ctx, t * h)?;
         // one untimed pass so every later stage sees real routes and layout
-        router_logits(
-            &ctx,
-            &x,
-            &wr,
-            LogitsDims::new(t, h, e, k),
-            &mut logits,
-            LogitsKernel::Auto,
-        )?;
-        router_topk(
-            &ctx,
-            &logits,
-            TopkDims::new(t, e, k, true),
-            &mut routes,
-            None,
-        )?;
+        let ld = LogitsDims::new(t, h, e, k);
+        router_logits(&ctx, &x, &wr, ld, &mut logits, LogitsKernel::Auto)?;
+        let td = TopkDims::new(t, e, k, true);
+        router_topk(&ctx, &logits, td, &mut routes, None)?;
         layout.build(&ctx, &routes.idx)?;
         ctx.synchronize()?;
         let (tk, th) = ((t * k) as f64, (t * h) as f64);
@@ -174,21 +163,10 @@ fn run() -> Result<(), KernelError> {
             (
                 "router",
                 time(&ctx, iters, || {
-                    router_logits(
-                        &ctx,
-                        &x,
-                        &wr,
-                        LogitsDims::new(t, h, e, k),
-                        &mut logits,
-                        LogitsKernel::Auto,
-                    )?;
-                    router_topk(
-                        &ctx,
-                        &logits,
-                        TopkDims::new(t, e, k, true),
-                        &mut routes,
-                        None,
-                    )
+                    let ld = LogitsDims::new(t, h, e, k);
+                    router_logits(&ctx, &x, &wr, ld, &mut logits, LogitsKernel::Auto)?;
+                    let td = TopkDims::new(t, e, k, true);
+                    router_topk(&ctx, &logits, td, &mut routes, None)
                 })?,
                 None,
             ),

@@ -202,15 +202,8 @@ fn logits_within_tolerance() {
                 let wd = ctx.stream().clone_htod(&wr).unwrap();
                 let mut l = zeros::<f32>(&ctx, t * e).unwrap();
                 poison(&ctx, &mut l).unwrap();
-                router_logits(
-                    &ctx,
-                    &xd,
-                    &wd,
-                    LogitsDims::new(t, h, e, 8),
-                    &mut l,
-                    LogitsKernel::Auto,
-                )
-                .unwrap();
+                let ld = LogitsDims::new(t, h, e, 8);
+                router_logits(&ctx, &xd, &wd, ld, &mut l, LogitsKernel::Auto).unwrap();
                 let got = download(&ctx, &l).unwrap();
                 let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                 let wf: Vec<f32> = wr.iter().map(|v| v.to_f32()).collect();

@@ -64,15 +64,8 @@ fn logits_of(
     let wd = ctx.stream().clone_htod(wr).unwrap();
     let mut l = zeros::<f32>(ctx, t * e).unwrap();
     poison(ctx, &mut l).unwrap();
-    router_logits(
-        ctx,
-        &xd,
-        &wd,
-        LogitsDims::new(t, h, e, k),
-        &mut l,
-        LogitsKernel::Auto,
-    )
-    .unwrap();
+    let ld = LogitsDims::new(t, h, e, k);
+    router_logits(ctx, &xd, &wd, ld, &mut l, LogitsKernel::Auto).unwrap();
     download(ctx, &l).unwrap()
 }
 
@@ -143,24 +136,11 @@ fn non_finite_logits_are_the_cpu_error() {
         let xd = ctx.stream().clone_htod(&x).unwrap();
         let wd = ctx.stream().clone_htod(&w).unwrap();
         let mut l = zeros::<f32>(&ctx, t * e).unwrap();
-        router_logits(
-            &ctx,
-            &xd,
-            &wd,
-            LogitsDims::new(t, h, e, k),
-            &mut l,
-            LogitsKernel::Auto,
-        )
-        .unwrap();
+        let ld = LogitsDims::new(t, h, e, k);
+        router_logits(&ctx, &xd, &wd, ld, &mut l, LogitsKernel::Auto).unwrap();
         let mut out = DeviceRoutes::zeros(&ctx, t, k).unwrap();
-        router_topk(
-            &ctx,
-            &l,
-            TopkDims::new(t, e, k, true),
-            &mut out,
-            Some(&mut v),
-        )
-        .unwrap();
+        let td = TopkDims::new(t, e, k, true);
+        router_topk(&ctx, &l, td, &mut out, Some(&mut v)).unwrap();
         v.launch_routed(&ctx, &l, &out, &rules, 0).unwrap();
         let got = v.result(&ctx).unwrap();
         let logits = download(&ctx, &l).unwrap();
@@ -255,41 +235,21 @@ fn logits_at_a_million_tokens_timing() {
             t0.elapsed().as_secs_f64() * 1e3 / n as f64
         };
         let simt = time(&mut || {
-            router_logits(
-                &ctx,
-                &xd,
-                &wd,
-                LogitsDims::new(t, h, e, k),
-                &mut l,
-                LogitsKernel::Simt,
-            )
-            .unwrap()
+            let ld = LogitsDims::new(t, h, e, k);
+            router_logits(&ctx, &xd, &wd, ld, &mut l, LogitsKernel::Simt).unwrap()
         });
         poison(&ctx, &mut l).unwrap();
         let mma = time(&mut || {
-            router_logits(
-                &ctx,
-                &xd,
-                &wd,
-                LogitsDims::new(t, h, e, k),
-                &mut l,
-                LogitsKernel::Auto,
-            )
-            .unwrap()
+            let ld = LogitsDims::new(t, h, e, k);
+            router_logits(&ctx, &xd, &wd, ld, &mut l, LogitsKernel::Auto).unwrap()
         });
         let got = download(&ctx, &l.slice(..block * e).to_owned_via(&ctx)).unwrap();
         if let Some(m) = check_logits(&got, &xb, &wr, block, h, e) {
             panic!("{m}");
         }
         let topk = time(&mut || {
-            router_topk(
-                &ctx,
-                &l,
-                TopkDims::new(t, e, k, true),
-                &mut out,
-                Some(&mut v),
-            )
-            .unwrap()
+            let td = TopkDims::new(t, e, k, true);
+            router_topk(&ctx, &l, td, &mut out, Some(&mut v)).unwrap()
         });
         v.launch_routed(
             &ctx,

@@ -825,6 +825,17 @@ impl FusedEngine {
         })
     }
 
+    /// `Input` unless `graph` was captured by this engine.
+    fn check_graph(&self, graph: &FusedGraph) -> Result<(), ExchangeError> {
+        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
+            return Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "the graph was captured by another engine".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Replays a captured round with new input: copies `input` (rows, routes, token count) into
     /// the fixed device buffers, poisons the outputs, launches the graph, reads the results.
     /// Collective, like a round.
@@ -833,13 +844,7 @@ impl FusedEngine {
         graph: &FusedGraph,
         input: Option<&SourceInput>,
     ) -> Result<RoundOutput, ExchangeError> {
-        let rank = self.rank();
-        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
-            return Err(ExchangeError::Input {
-                rank,
-                what: "the graph was captured by another engine".into(),
-            });
-        }
+        self.check_graph(graph)?;
         self.guarded(|eng| {
             let t0 = Instant::now();
             let local = eng.load_input(graph.arm, Feed::Host(input))?;
@@ -917,13 +922,7 @@ impl FusedEngine {
         stream: sys::CUstream,
         wait: bool,
     ) -> Result<(), ExchangeError> {
-        let rank = self.rank();
-        if self.device.as_ref().map(|d| d.id) != Some(graph.engine) {
-            return Err(ExchangeError::Input {
-                rank,
-                what: "the graph was captured by another engine".into(),
-            });
-        }
+        self.check_graph(graph)?;
         self.guarded(|eng| {
             // SAFETY: the caller's contract.
             unsafe { eng.on_stream(graph.arm, Some(graph), input, stream, wait) }
