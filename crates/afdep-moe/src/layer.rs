@@ -117,6 +117,15 @@ impl FromStr for Dispatch {
     }
 }
 
+/// `(Some(a), Some(b))` when the forward keeps its SwiGLU inputs (a train step), else nothing.
+fn kept<'a, T>(keep: bool, a: &'a mut T, b: &'a mut T) -> (Option<&'a mut T>, Option<&'a mut T>) {
+    if keep {
+        (Some(a), Some(b))
+    } else {
+        (None, None)
+    }
+}
+
 /// Where a step's routes come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerRouting {
@@ -615,11 +624,7 @@ impl MoeLayer {
         } else {
             (&self.x, Some(gather))
         };
-        let (a_out, b_out) = if keep {
-            (Some(&mut self.a), Some(&mut self.b))
-        } else {
-            (None, None)
-        };
+        let (a_out, b_out) = kept(keep, &mut self.a, &mut self.b);
         gemm::up_swiglu(
             ctx,
             groups,
@@ -633,53 +638,36 @@ impl MoeLayer {
             a_out,
             b_out,
         )?;
-        match self.dispatch {
-            Dispatch::Sorted | Dispatch::FusedGsum | Dispatch::Gather => {
-                // the router weight applied in the GEMM's epilogue (gather) or in the combine
-                let (row_w, combine_w) = match self.dispatch {
-                    Dispatch::Gather => (Some(rw), None),
-                    _ => (None, Some(&self.routes.weights)),
-                };
-                gemm::down(
-                    ctx,
-                    groups,
-                    &self.h,
-                    &self.params.w2,
-                    w,
-                    hd,
-                    RowsOut::Store {
-                        out: &mut self.rows,
-                        weights: row_w,
-                    },
-                )?;
-                moe::combine(ctx, &self.rows, hd, &self.layout, combine_w, &mut self.acc)?;
-            }
-            Dispatch::Fused => {
-                ctx.stream()
-                    .memset_zeros(&mut self.acc)
-                    .map_err(KernelError::driver("zeroing the accumulator"))?;
-                gemm::down(
-                    ctx,
-                    groups,
-                    &self.h,
-                    &self.params.w2,
-                    w,
-                    hd,
-                    RowsOut::Scatter {
-                        acc: &mut self.acc,
-                        weights: rw,
-                        weighted: true,
-                    },
-                )?;
-            }
+        // the router weight applied in the GEMM's epilogue (gather, fused) or in the combine
+        let fused = self.dispatch == Dispatch::Fused;
+        if fused {
+            ctx.stream()
+                .memset_zeros(&mut self.acc)
+                .map_err(KernelError::driver("zeroing the accumulator"))?;
+        }
+        let out = match self.dispatch {
+            Dispatch::Fused => RowsOut::Scatter {
+                acc: &mut self.acc,
+                weights: rw,
+                weighted: true,
+            },
+            Dispatch::Gather => RowsOut::Store {
+                out: &mut self.rows,
+                weights: Some(rw),
+            },
+            Dispatch::Sorted | Dispatch::FusedGsum => RowsOut::Store {
+                out: &mut self.rows,
+                weights: None,
+            },
+        };
+        gemm::down(ctx, groups, &self.h, &self.params.w2, w, hd, out)?;
+        if !fused {
+            let combine_w = (self.dispatch != Dispatch::Gather).then_some(&self.routes.weights);
+            moe::combine(ctx, &self.rows, hd, &self.layout, combine_w, &mut self.acc)?;
         }
         if s > 0 {
             let dense = Groups::Dense { rows: tokens };
-            let (a_out, b_out) = if keep {
-                (Some(&mut self.sa), Some(&mut self.sb))
-            } else {
-                (None, None)
-            };
+            let (a_out, b_out) = kept(keep, &mut self.sa, &mut self.sb);
             gemm::up_swiglu(
                 ctx,
                 dense,
@@ -769,16 +757,8 @@ impl MoeLayer {
         gemm::wgrad(
             ctx,
             groups,
-            KOperand {
-                buf: &self.hw,
-                ld: w,
-                gather: None,
-            },
-            KOperand {
-                buf: &self.dy,
-                ld: hd,
-                gather: Some(gather),
-            },
+            KOperand::rows(&self.hw, w),
+            KOperand::gathered(&self.dy, hd, gather),
             w,
             hd,
             self.splits.w2,
@@ -788,27 +768,15 @@ impl MoeLayer {
         )?;
         // [dW1 | dW3]_e = Σ xᵀ [da | db].
         let xop = if self.dispatch == Dispatch::Sorted {
-            KOperand {
-                buf: &self.xs,
-                ld: hd,
-                gather: None,
-            }
+            KOperand::rows(&self.xs, hd)
         } else {
-            KOperand {
-                buf: &self.x,
-                ld: hd,
-                gather: Some(gather),
-            }
+            KOperand::gathered(&self.x, hd, gather)
         };
         gemm::wgrad(
             ctx,
             groups,
             xop,
-            KOperand {
-                buf: &self.dab,
-                ld: 2 * w,
-                gather: None,
-            },
+            KOperand::rows(&self.dab, 2 * w),
             hd,
             2 * w,
             self.splits.w13,
@@ -871,16 +839,8 @@ impl MoeLayer {
             gemm::wgrad(
                 ctx,
                 dense,
-                KOperand {
-                    buf: &self.sh,
-                    ld: s,
-                    gather: None,
-                },
-                KOperand {
-                    buf: &self.dy,
-                    ld: hd,
-                    gather: None,
-                },
+                KOperand::rows(&self.sh, s),
+                KOperand::rows(&self.dy, hd),
                 s,
                 hd,
                 self.splits.s2,
@@ -891,16 +851,8 @@ impl MoeLayer {
             gemm::wgrad(
                 ctx,
                 dense,
-                KOperand {
-                    buf: &self.x,
-                    ld: hd,
-                    gather: None,
-                },
-                KOperand {
-                    buf: &self.dab,
-                    ld: 2 * s,
-                    gather: None,
-                },
+                KOperand::rows(&self.x, hd),
+                KOperand::rows(&self.dab, 2 * s),
                 hd,
                 2 * s,
                 self.splits.s13,
@@ -954,11 +906,7 @@ impl MoeLayer {
             gemm::wgrad(
                 ctx,
                 Groups::Dense { rows: tokens },
-                KOperand {
-                    buf: &self.x,
-                    ld: hd,
-                    gather: None,
-                },
+                KOperand::rows(&self.x, hd),
                 KOperand {
                     buf: &self.dlogits,
                     ld,

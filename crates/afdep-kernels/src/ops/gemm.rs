@@ -1018,6 +1018,26 @@ pub struct KOperand<'a> {
     pub gather: Option<Gather<'a>>,
 }
 
+impl<'a> KOperand<'a> {
+    /// Rows of `buf` in order, `ld` elements apart.
+    pub fn rows(buf: &'a CudaSlice<bf16>, ld: usize) -> Self {
+        KOperand {
+            buf,
+            ld,
+            gather: None,
+        }
+    }
+
+    /// Rows of `buf` through `gather`, `ld` elements apart.
+    pub fn gathered(buf: &'a CudaSlice<bf16>, ld: usize, gather: Gather<'a>) -> Self {
+        KOperand {
+            buf,
+            ld,
+            gather: Some(gather),
+        }
+    }
+}
+
 /// Weight gradients: for each group `g` (rows `r` of `groups`), `C_g = Σ_r a_rᵀ b_r`, an `m × n`
 /// matrix, cast once to bf16 into `out` (`groups × m × n`), or, with `out2 = Some((c2, n1))`,
 /// columns `< n1` into `out` (`groups × m × n1`) and the rest into `c2` (`groups × m × (n −
