@@ -760,31 +760,16 @@ impl Nccl {
         let mut queued = Ok(());
         for (dir, p) in parts.into_iter().filter(|(_, p)| p.bytes > 0) {
             if queued.is_ok() {
-                let peer = p.peer as c_int;
+                let (addr, bytes, peer) = (p.addr as *mut c_void, p.bytes, p.peer as c_int);
                 // SAFETY: the caller's contract: `bytes` readable (send) or writable (receive)
                 // device bytes at `addr`.
-                queued = match dir {
-                    Dir::Send => call("ncclSend", unsafe {
-                        (api.send)(
-                            p.addr as *const c_void,
-                            p.bytes,
-                            NCCL_UINT8,
-                            peer,
-                            comm,
-                            cu_stream,
-                        )
-                    }),
-                    Dir::Recv => call("ncclRecv", unsafe {
-                        (api.recv)(
-                            p.addr as *mut c_void,
-                            p.bytes,
-                            NCCL_UINT8,
-                            peer,
-                            comm,
-                            cu_stream,
-                        )
-                    }),
+                let r = unsafe {
+                    match dir {
+                        Dir::Send => (api.send)(addr, bytes, NCCL_UINT8, peer, comm, cu_stream),
+                        Dir::Recv => (api.recv)(addr, bytes, NCCL_UINT8, peer, comm, cu_stream),
+                    }
                 };
+                queued = call(dir.call_name(), r);
             }
         }
         // SAFETY: no argument; closes the group opened above.
@@ -804,6 +789,16 @@ enum Dir {
     Send,
     /// `ncclRecv` into the part's bytes.
     Recv,
+}
+
+impl Dir {
+    /// The NCCL call of this direction, as errors name it.
+    fn call_name(self) -> &'static str {
+        match self {
+            Dir::Send => "ncclSend",
+            Dir::Recv => "ncclRecv",
+        }
+    }
 }
 
 /// A copy of an argument error (the variants `check_spans` returns), to return it after it was
