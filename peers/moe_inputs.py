@@ -314,6 +314,18 @@ def peer_arg_parser(doc, inputs_required):
     return ap
 
 
+def afdep_outputs(row, out_dir, tokens):
+    """afdep's outputs for ``tokens`` in ``out_dir`` (a :class:`LayerOutputs`), named in
+    ``row["err_vs"]``; None, with a note in ``row``, where there are none."""
+    path = outputs_path(out_dir, tokens)
+    if not os.path.exists(path):
+        row["note"] = f"no afdep outputs at {path}: errors not computed"
+        return None
+    ref = LayerOutputs(path)
+    row["err_vs"] = ref.label()
+    return ref
+
+
 def record_failure(row, e, oom):
     """Marks ``row`` as failed by the exception ``e`` being handled: status ``oom`` (``oom``
     true) or ``error`` (its traceback printed to stderr), and the exception as the note."""
