@@ -16,12 +16,14 @@ Run as a script, it describes a file without numpy (used by afdep's CLI tests)::
     python3 moe_inputs.py describe FILE   # JSON: metadata, and per tensor dtype, shape, first values
 """
 
+import argparse
 import json
 import math
 import os
 import re
 import struct
 import sys
+import traceback
 
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "F64": 8, "U8": 1, "I8": 1,
                "U16": 2, "I16": 2, "U32": 4, "U64": 8, "BOOL": 1}
@@ -295,6 +297,42 @@ def parse_tokens(s):
         mul = {"k": 1024, "K": 1024, "m": 1 << 20, "M": 1 << 20}.get(p[-1:], 1)
         out.append(int(p[:-1] if mul > 1 else p) * mul)
     return out
+
+
+def peer_arg_parser(doc, inputs_required):
+    """The command line every MoE peer script shares (inputs, token counts, afdep's outputs,
+    iterations, warm-ups, forward only, JSONL output); the caller adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--inputs", required=inputs_required,
+                    help="directory of moe-inputs-T.safetensors")
+    ap.add_argument("--tokens", type=parse_tokens, help="token counts (default: every file)")
+    ap.add_argument("--afdep-outputs", help="directory of afdep's moe-outputs-T.safetensors")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmups", type=int, default=3)
+    ap.add_argument("--no-train", action="store_true", help="forward only")
+    ap.add_argument("--json-out", help="append rows to this JSONL file")
+    return ap
+
+
+def afdep_outputs(row, out_dir, tokens):
+    """afdep's outputs for ``tokens`` in ``out_dir`` (a :class:`LayerOutputs`), named in
+    ``row["err_vs"]``; None, with a note in ``row``, where there are none."""
+    path = outputs_path(out_dir, tokens)
+    if not os.path.exists(path):
+        row["note"] = f"no afdep outputs at {path}: errors not computed"
+        return None
+    ref = LayerOutputs(path)
+    row["err_vs"] = ref.label()
+    return ref
+
+
+def record_failure(row, e, oom):
+    """Marks ``row`` as failed by the exception ``e`` being handled: status ``oom`` (``oom``
+    true) or ``error`` (its traceback printed to stderr), and the exception as the note."""
+    row["status"] = "oom" if oom else "error"
+    row["note"] = f"{type(e).__name__}: {str(e)[:400]}"
+    if row["status"] == "error":
+        traceback.print_exc(file=sys.stderr)
 
 
 def describe(path):

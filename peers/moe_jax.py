@@ -30,13 +30,11 @@ caught) or ``error``. Needs no network and no ``safetensors`` package.
                        [--warmups 3] [--json-out FILE] [--platform gpu|cpu]
 """
 
-import argparse
 import functools
 import math
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_inputs as mi  # noqa: E402
@@ -165,20 +163,14 @@ def run_one(T, args, device):
             compare(row, args.afdep_outputs, T, y, topi, grads)
             mi.judge(row)
     except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
-        row["status"] = "oom" if is_oom(e) else "error"
-        row["note"] = f"{type(e).__name__}: {str(e)[:400]}"
-        if row["status"] == "error":
-            traceback.print_exc(file=sys.stderr)
+        mi.record_failure(row, e, is_oom(e))
     return row
 
 
 def compare(row, out_dir, T, y, topi, grads):
-    path = mi.outputs_path(out_dir, T)
-    if not os.path.exists(path):
-        row["note"] = f"no afdep outputs at {path}: errors not computed"
+    ref = mi.afdep_outputs(row, out_dir, T)
+    if ref is None:
         return
-    ref = mi.LayerOutputs(path)
-    row["err_vs"] = ref.label()
     row["out_err"] = max_rel_err(to_bits(y), ref.y)
     if grads is not None and ref.dx is not None:
         dP, dx = grads
@@ -192,14 +184,7 @@ def compare(row, out_dir, T, y, topi, grads):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--inputs", required=True, help="directory of moe-inputs-T.safetensors")
-    ap.add_argument("--tokens", type=mi.parse_tokens, help="token counts (default: every file)")
-    ap.add_argument("--afdep-outputs", help="directory of afdep's moe-outputs-T.safetensors")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmups", type=int, default=3)
-    ap.add_argument("--no-train", action="store_true", help="forward only")
-    ap.add_argument("--json-out", help="append rows to this JSONL file")
+    ap = mi.peer_arg_parser(__doc__, inputs_required=True)
     ap.add_argument("--platform", help="jax platform (gpu, cpu); default: JAX's default device")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.warmups < 1:

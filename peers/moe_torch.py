@@ -60,7 +60,6 @@ import math
 import os
 import sys
 import time
-import traceback
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -287,10 +286,7 @@ def run_one(T, args, device, timer, impl="eager"):
             compare(row, args.afdep_outputs, T, y, x, P, aux, device)
             mi.judge(row)
     except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
-        row["status"] = "oom" if is_oom(e) else "error"
-        row["note"] = f"{type(e).__name__}: {str(e)[:400]}"
-        if row["status"] == "error":
-            traceback.print_exc(file=sys.stderr)
+        mi.record_failure(row, e, is_oom(e))
     finally:
         state.clear()
         if device.type == "cuda":
@@ -424,12 +420,9 @@ def oracle_errors(x, P, dy, top_k, renormalize, y, dx, grads, chunk=1 << 15):
 
 
 def compare(row, out_dir, T, y, x, P, aux, device):
-    path = mi.outputs_path(out_dir, T)
-    if not os.path.exists(path):
-        row["note"] = f"no afdep outputs at {path}: errors not computed"
+    ref = mi.afdep_outputs(row, out_dir, T)
+    if ref is None:
         return
-    ref = mi.LayerOutputs(path)
-    row["err_vs"] = ref.label()
     row["out_err"] = max_rel_err(y, to_torch_bf16(ref.y, device))
     if x.grad is not None and ref.dx is not None:
         row["gx_err"] = max_rel_err(x.grad, to_torch_bf16(ref.dx, device))
@@ -476,14 +469,8 @@ def self_test():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--inputs", help="directory of moe-inputs-T.safetensors")
-    ap.add_argument("--tokens", type=mi.parse_tokens, help="token counts (default: every file)")
-    ap.add_argument("--afdep-outputs", help="directory of afdep's moe-outputs-T.safetensors")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmups", type=int, default=3)
-    ap.add_argument("--no-train", action="store_true", help="forward only")
-    ap.add_argument("--json-out", help="append rows to this JSONL file")
+    # --inputs is checked after --self-test, which needs none
+    ap = mi.peer_arg_parser(__doc__, inputs_required=False)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--impls", default="eager",
                     help="comma-separated: eager (torch_grouped_mm), compile (torch_compile)")

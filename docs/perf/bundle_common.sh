@@ -7,6 +7,11 @@
 # into OUT unless AFDEP_KERNEL_CACHE is set.
 # perf_env: the lines every env.txt starts with (date, GPU, driver, GPU count, kernel digest,
 # the bundle's commit).
+# perf_begin LINE...: writes OUT/env.txt (perf_env, then each LINE; also shown), empties
+# OUT/rows.jsonl and starts the clock of perf_total.
+# perf_run TAG COMMAND...: runs COMMAND, its output dropped and its stderr in OUT/TAG.log (a
+# failure shows the log's last 30 lines and stops the script), then adds TAG's time to env.txt.
+# perf_total: adds the time since perf_begin to env.txt.
 
 perf_start() {
   if [ $# -ne 2 ]; then
@@ -27,4 +32,25 @@ perf_env() {
   echo "gpus: $(nvidia-smi -L 2>/dev/null | wc -l)"
   echo "kernel digest: $("$afdep" kernels --digest)"
   echo "commit: $(cat "$bundle/commit.txt" 2>/dev/null || echo unknown)"
+}
+
+perf_begin() {
+  {
+    perf_env
+    printf '%s\n' "$@"
+  } | tee "$out/env.txt"
+  : > "$out/rows.jsonl"
+  start=$(date +%s)
+}
+
+perf_run() {
+  local tag=$1 t0
+  shift
+  t0=$(date +%s)
+  "$@" > /dev/null 2> "$out/$tag.log" || { echo "$tag failed:"; tail -30 "$out/$tag.log"; exit 1; }
+  echo "$tag: $(( $(date +%s) - t0 )) s" | tee -a "$out/env.txt"
+}
+
+perf_total() {
+  echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/env.txt"
 }

@@ -42,31 +42,22 @@ warmup=${WARMUP:-5}
 mode=${MODE:---graph}
 engine=${ENGINE:-"--backend cuda --transport nvlink --device 0"}
 
-{
-  perf_env
-  echo "load: $load; arm $arm; $mode; rounds $rounds (+$warmup warm-up) per pass and token count"
-  echo "engine: $engine"
-} | tee "$out/env.txt"
-
-: > "$out/rows.jsonl"
-start=$(date +%s)
+perf_begin "load: $load; arm $arm; $mode; rounds $rounds (+$warmup warm-up) per pass and token count" \
+  "engine: $engine"
 for ratio in $ratios; do
   for hidden in $hiddens; do
     for sms in $sms_list; do
-      tag="${ratio//:/}-h$hidden-sm$sms"
-      t0=$(date +%s)
       # shellcheck disable=SC2086 # ENGINE and MODE are lists of flags
-      "$afdep" exchange $engine $mode --arm "$arm" --load "$load" \
+      perf_run "${ratio//:/}-h$hidden-sm$sms" "$afdep" exchange $engine $mode --arm "$arm" \
+        --load "$load" \
         --topology "$ratio" --hidden "$hidden" --experts 128 --top-k 8 --capacity 2048 \
         --payload bf16 --transport-sms "$sms" --tokens "$tokens" \
         --expert identity --rounds "$rounds" --warmup "$warmup" \
-        --json-out "$out/rows.jsonl" > /dev/null 2> "$out/$tag.log" \
-        || { echo "$tag failed:"; tail -30 "$out/$tag.log"; exit 1; }
-      echo "$tag: $(( $(date +%s) - t0 )) s" | tee -a "$out/env.txt"
+        --json-out "$out/rows.jsonl"
     done
   done
 done
-echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/env.txt"
+perf_total
 
 # the table for docs/perf/exchange.md: per ratio, hidden and token count, the round alone and
 # under load and the GEMM alone and under the rounds, per SM budget

@@ -40,31 +40,21 @@ rounds=${ROUNDS:-20}
 warmup=${WARMUP:-3}
 engine=${ENGINE:-"--backend cuda --transport nvlink --device 0"}
 
-{
-  perf_env
-  echo "pipeline: M $ms over 2 slots; arm $arm; tokens $tokens; rounds $rounds (+$warmup warm-up) each"
-  echo "engine: $engine"
-} | tee "$out/env.txt"
-
-: > "$out/rows.jsonl"
-start=$(date +%s)
+perf_begin "pipeline: M $ms over 2 slots; arm $arm; tokens $tokens; rounds $rounds (+$warmup warm-up) each" \
+  "engine: $engine"
 for ratio in $ratios; do
   for hw in $hiddens; do
     hidden=${hw%%:*}
     width=${hw##*:}
-    tag="${ratio//:/}-h$hidden"
-    t0=$(date +%s)
     # shellcheck disable=SC2086 # ENGINE is a list of flags
-    "$afdep" exchange $engine --pipeline "$ms" --arm "$arm" \
+    perf_run "${ratio//:/}-h$hidden" "$afdep" exchange $engine --pipeline "$ms" --arm "$arm" \
       --topology "$ratio" --hidden "$hidden" --width "$width" --experts 128 --top-k 8 \
       --capacity 2048 --payload bf16 --tokens "$tokens" --expert swiglu \
       --rounds "$rounds" --warmup "$warmup" \
-      --json-out "$out/rows.jsonl" > /dev/null 2> "$out/$tag.log" \
-      || { echo "$tag failed:"; tail -30 "$out/$tag.log"; exit 1; }
-    echo "$tag: $(( $(date +%s) - t0 )) s" | tee -a "$out/env.txt"
+      --json-out "$out/rows.jsonl"
   done
 done
-echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/env.txt"
+perf_total
 
 python3 - "$out/rows.jsonl" > "$out/table.md" <<'PY'
 import json, sys

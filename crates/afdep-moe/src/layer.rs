@@ -205,15 +205,7 @@ impl DeviceParams {
 
     /// The tensors in `PARAM_NAMES` order, writable.
     pub fn tensors_mut(&mut self) -> [&mut CudaSlice<bf16>; 7] {
-        [
-            &mut self.wr,
-            &mut self.w1,
-            &mut self.w3,
-            &mut self.w2,
-            &mut self.s1,
-            &mut self.s3,
-            &mut self.s2,
-        ]
+        afdep_core::param_tensors!(mut self)
     }
 
     /// Bytes on the device.

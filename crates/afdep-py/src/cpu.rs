@@ -24,17 +24,7 @@ pub fn run(py: Python<'_>, shape: LayerShape, step: &Step) -> PyResult<()> {
     // and nothing else accesses the tensors during it (see the function's documentation).
     let read = |v: &View| unsafe { v.read_f32() };
     let [wr, w1, w3, w2, s1, s3, s2] = step.params.each_ref().map(read);
-    let [wr, w1, w3, w2, s1, s3, s2] = [wr?, w1?, w3?, w2?, s1?, s3?, s2?];
-    let p = ParamsT::<f32> {
-        shape,
-        wr,
-        w1,
-        w3,
-        w2,
-        s1,
-        s3,
-        s2,
-    };
+    let p = ParamsT::<f32>::from_tensors(shape, [wr?, w1?, w3?, w2?, s1?, s3?, s2?]);
     let x = read(&step.x)?;
     let given = if step.given {
         Some(Routes {

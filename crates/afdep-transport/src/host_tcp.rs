@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use crate::{
-    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_gathered,
+    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_framed,
     framed_all_to_all_v,
 };
 
@@ -103,13 +103,7 @@ impl Transport for HostTcp {
         const OP: &str = "all_gather";
         let me = self.rank();
         let all = self.boot.all_gather(&with_status(OK, mine))?;
-        // every peer's failure takes precedence over a size mismatch, lowest rank first
-        let bodies = all
-            .iter()
-            .enumerate()
-            .map(|(p, b)| body_of(OP, me, p, b))
-            .collect::<Result<Vec<_>, _>>()?;
-        concat_gathered(OP, me, mine.len(), bodies)
+        concat_framed(OP, me, mine.len(), &all, |p, b| body_of(OP, me, p, b))
     }
 
     fn all_to_all_v(

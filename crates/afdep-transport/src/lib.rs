@@ -461,6 +461,32 @@ pub fn concat_gathered<'a>(
     Ok(out)
 }
 
+/// Unframes every peer's message with `body_of` (`(peer, message)`), in rank order: the lowest
+/// peer's failure is returned. For the host transports that frame their messages (TCP, UCX).
+pub(crate) fn unframe_all<'m>(
+    msgs: &'m [Vec<u8>],
+    body_of: impl for<'a> Fn(usize, &'a [u8]) -> Result<&'a [u8], TransportError>,
+) -> Result<Vec<&'m [u8]>, TransportError> {
+    msgs.iter()
+        .enumerate()
+        .map(|(p, m)| body_of(p, m))
+        .collect()
+}
+
+/// The [`all_gather`](Transport::all_gather) result of the host transports that frame their
+/// contributions (TCP, UCX): every peer's message unframed by `body_of` ([`unframe_all`]; every
+/// peer's failure takes precedence over a size mismatch, lowest rank first), then
+/// [`concat_gathered`].
+pub(crate) fn concat_framed(
+    op: &'static str,
+    rank: usize,
+    mine_len: usize,
+    msgs: &[Vec<u8>],
+    body_of: impl for<'a> Fn(usize, &'a [u8]) -> Result<&'a [u8], TransportError>,
+) -> Result<Vec<u8>, TransportError> {
+    concat_gathered(op, rank, mine_len, unframe_all(msgs, body_of)?)
+}
+
 /// Checks the arguments of an [`all_to_all_v`](Transport::all_to_all_v) on `rank`: both span
 /// lists have `world_size` entries, every span lies inside its buffer, and non-empty receive spans
 /// do not overlap. For implementers of [`Transport`]; the error is
@@ -563,11 +589,7 @@ pub(crate) fn framed_all_to_all_v<T: Transport<Buffer = HostBuffer> + ?Sized>(
     };
     let got = exchange(t, out)?;
     checked?;
-    let bodies = got
-        .iter()
-        .enumerate()
-        .map(|(p, b)| body_of(p, b))
-        .collect::<Result<Vec<_>, _>>()?;
+    let bodies = unframe_all(&got, body_of)?;
     for (p, body) in bodies.iter().enumerate() {
         if body.len() as u64 != recv_spans[p].len {
             return Err(TransportError::SizeMismatch {

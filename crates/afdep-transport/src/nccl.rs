@@ -723,49 +723,55 @@ impl Nccl {
         self.ctx
             .bind_to_thread()
             .map_err(driver_error(OP, me, "binding the context"))?;
+        let parts =
+            (sends.iter().map(|&p| (Dir::Send, p))).chain(recvs.iter().map(|&p| (Dir::Recv, p)));
+        // SAFETY: the caller's contract: `bytes` readable (sends) or writable (receives) device
+        // bytes at each `addr`, live until the group has run.
+        unsafe { self.run_group(OP, stream, parts) }
+    }
+
+    /// Runs one NCCL group on `stream`: `ncclSend` or `ncclRecv` for every part of `parts` with
+    /// bytes, in order, none after the first failure. The group is always closed, even after a
+    /// failed call inside it; a failure aborts the communicator and is returned. Does not wait.
+    ///
+    /// # Safety
+    ///
+    /// `stream` belongs to this transport's device; every part addresses `bytes` readable
+    /// ([`Dir::Send`]) or writable ([`Dir::Recv`]) device bytes of that device, live until the
+    /// group has run.
+    unsafe fn run_group(
+        &mut self,
+        op: &'static str,
+        stream: &CudaStream,
+        parts: impl IntoIterator<Item = (Dir, RawPart)>,
+    ) -> Result<(), TransportError> {
+        let me = self.rank();
         let cu_stream = stream.cu_stream() as *mut c_void;
         let (api, comm) = (self.api, self.comm);
         let call = |name: &str, r: NcclResult| {
             if r == NCCL_SUCCESS {
                 Ok(())
             } else {
-                Err(nccl_error(api, OP, me, name, r, comm))
+                Err(nccl_error(api, op, me, name, r, comm))
             }
         };
         // SAFETY: no argument.
         call("ncclGroupStart", unsafe { (api.group_start)() })?;
         let mut queued = Ok(());
-        for p in sends.iter().filter(|p| p.bytes > 0) {
+        for (dir, p) in parts.into_iter().filter(|(_, p)| p.bytes > 0) {
             if queued.is_ok() {
-                // SAFETY: the caller's contract: `bytes` readable device bytes at `addr`.
-                queued = call("ncclSend", unsafe {
-                    (api.send)(
-                        p.addr as *const c_void,
-                        p.bytes,
-                        NCCL_UINT8,
-                        p.peer as c_int,
-                        comm,
-                        cu_stream,
-                    )
-                });
+                let (addr, bytes, peer) = (p.addr as *mut c_void, p.bytes, p.peer as c_int);
+                // SAFETY: the caller's contract: `bytes` readable (send) or writable (receive)
+                // device bytes at `addr`.
+                let r = unsafe {
+                    match dir {
+                        Dir::Send => (api.send)(addr, bytes, NCCL_UINT8, peer, comm, cu_stream),
+                        Dir::Recv => (api.recv)(addr, bytes, NCCL_UINT8, peer, comm, cu_stream),
+                    }
+                };
+                queued = call(dir.call_name(), r);
             }
         }
-        for p in recvs.iter().filter(|p| p.bytes > 0) {
-            if queued.is_ok() {
-                // SAFETY: the caller's contract: `bytes` writable device bytes at `addr`.
-                queued = call("ncclRecv", unsafe {
-                    (api.recv)(
-                        p.addr as *mut c_void,
-                        p.bytes,
-                        NCCL_UINT8,
-                        p.peer as c_int,
-                        comm,
-                        cu_stream,
-                    )
-                });
-            }
-        }
-        // the group is always closed, even after a failed call inside it
         // SAFETY: no argument; closes the group opened above.
         let ended = call("ncclGroupEnd", unsafe { (api.group_end)() });
         if let Err(e) = queued.and(ended) {
@@ -773,6 +779,25 @@ impl Nccl {
             return Err(e);
         }
         Ok(())
+    }
+}
+
+/// The direction of one part of an NCCL group ([`Nccl::run_group`]).
+#[derive(Debug, Clone, Copy)]
+enum Dir {
+    /// `ncclSend` from the part's bytes.
+    Send,
+    /// `ncclRecv` into the part's bytes.
+    Recv,
+}
+
+impl Dir {
+    /// The NCCL call of this direction, as errors name it.
+    fn call_name(self) -> &'static str {
+        match self {
+            Dir::Send => "ncclSend",
+            Dir::Recv => "ncclRecv",
+        }
     }
 }
 
@@ -861,57 +886,22 @@ impl Transport for Nccl {
             .bind_to_thread()
             .map_err(driver_error(OP, me, "binding the context"))?;
         let stream = self.stream.clone();
-        let cu_stream = stream.cu_stream() as *mut c_void;
         let (send_ptr, _s) = send.mem().device_ptr(&stream);
         let (recv_ptr, _r) = recv.mem_mut().device_ptr_mut(&stream);
-        let api = self.api;
-        let comm = self.comm;
-        let call = |name: &str, r: NcclResult| {
-            if r == NCCL_SUCCESS {
-                Ok(())
-            } else {
-                Err(nccl_error(api, OP, me, name, r, comm))
-            }
+        let part = |peer: usize, base: u64, span: Span| RawPart {
+            peer,
+            addr: base + span.offset,
+            bytes: span.len as usize,
         };
-        // SAFETY: no argument.
-        call("ncclGroupStart", unsafe { (api.group_start)() })?;
-        let mut queued = Ok(());
-        for p in 0..world {
-            let (s, r) = (send_spans[p], recv_spans[p]);
-            if s.len > 0 && queued.is_ok() {
-                // SAFETY: the span lies inside `send` (checked), which outlives the wait below.
-                queued = call("ncclSend", unsafe {
-                    (api.send)(
-                        (send_ptr + s.offset) as *const c_void,
-                        s.len as usize,
-                        NCCL_UINT8,
-                        p as c_int,
-                        comm,
-                        cu_stream,
-                    )
-                });
-            }
-            if r.len > 0 && queued.is_ok() {
-                // SAFETY: the span lies inside `recv` (checked), which outlives the wait below.
-                queued = call("ncclRecv", unsafe {
-                    (api.recv)(
-                        (recv_ptr + r.offset) as *mut c_void,
-                        r.len as usize,
-                        NCCL_UINT8,
-                        p as c_int,
-                        comm,
-                        cu_stream,
-                    )
-                });
-            }
-        }
-        // the group is always closed, even after a failed call inside it
-        // SAFETY: no argument; closes the group opened above.
-        let ended = call("ncclGroupEnd", unsafe { (api.group_end)() });
-        if let Err(e) = queued.and(ended) {
-            self.abort(e.to_string());
-            return Err(e);
-        }
+        let parts = (0..world).flat_map(|p| {
+            [
+                (Dir::Send, part(p, send_ptr, send_spans[p])),
+                (Dir::Recv, part(p, recv_ptr, recv_spans[p])),
+            ]
+        });
+        // SAFETY: every span lies inside its buffer (checked), and both buffers outlive the
+        // wait below.
+        unsafe { self.run_group(OP, &stream, parts) }?;
         self.wait(OP)
     }
 

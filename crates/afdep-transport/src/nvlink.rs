@@ -291,6 +291,26 @@ impl NvlinkBuffer {
         crate::checked_range(op, self.rank, peer, span, self.mem.bytes)?;
         Ok(self.mem.ptr + span.offset)
     }
+
+    /// A copy between host memory and the `len` bytes of this buffer at `offset`, synchronous:
+    /// checks the range, waits for the rank's stream to be idle, queues `copy` (given the device
+    /// address and the stream; nothing for `len` 0) and waits for it.
+    fn host_copy(
+        &self,
+        op: &'static str,
+        offset: usize,
+        len: usize,
+        copy: impl FnOnce(u64, cu::CUstream) -> cu::CUresult,
+    ) -> Result<(), TransportError> {
+        let dev = self.range(op, None, Span::new(offset as u64, len as u64))?;
+        if len == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        s.wait_idle(self.rank, op)?;
+        check(self.rank, op, copy(dev, s.stream.cu_stream()))?;
+        s.wait_idle(self.rank, op)
+    }
 }
 
 impl fmt::Debug for NvlinkBuffer {
@@ -308,40 +328,19 @@ impl TransportBuffer for NvlinkBuffer {
     }
 
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        const OP: &str = "write";
-        let dst = self.range(OP, None, Span::new(offset as u64, src.len() as u64))?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        let s = &self.stream;
-        s.wait_idle(self.rank, OP)?;
-        // SAFETY: dst..dst+len lies in this allocation (checked above); src outlives the copy,
-        // which is waited for before returning.
-        check(self.rank, OP, unsafe {
-            cu::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), s.stream.cu_stream())
-        })?;
-        s.wait_idle(self.rank, OP)
+        self.host_copy("write", offset, src.len(), |dst, stream| {
+            // SAFETY: dst..dst+len lies in this allocation (checked by `host_copy`); src outlives
+            // the copy, which is waited for before returning.
+            unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream) }
+        })
     }
 
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        const OP: &str = "read";
-        let src = self.range(OP, None, Span::new(offset as u64, dst.len() as u64))?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let s = &self.stream;
-        s.wait_idle(self.rank, OP)?;
-        // SAFETY: src..src+len lies in this allocation (checked above); dst outlives the copy,
-        // which is waited for before returning.
-        check(self.rank, OP, unsafe {
-            cu::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                src,
-                dst.len(),
-                s.stream.cu_stream(),
-            )
-        })?;
-        s.wait_idle(self.rank, OP)
+        self.host_copy("read", offset, dst.len(), |src, stream| {
+            // SAFETY: src..src+len lies in this allocation (checked by `host_copy`); dst outlives
+            // the copy, which is waited for before returning.
+            unsafe { cu::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), src, dst.len(), stream) }
+        })
     }
 }
 

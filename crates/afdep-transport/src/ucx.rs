@@ -96,8 +96,8 @@ use tracing::{debug, warn};
 use ucx_rs::sys;
 
 use crate::{
-    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_gathered,
-    framed_all_to_all_v,
+    Bootstrap, HostBuffer, Span, Transport, TransportError, TransportKind, concat_framed,
+    framed_all_to_all_v, unframe_all,
 };
 
 const OK: u8 = 0;
@@ -758,13 +758,9 @@ impl Transport for Ucx {
         let (me, world) = (self.rank, self.world);
         let msg = with_header(OK, Coll::AllGather, mine);
         let all = self.exchange(OP, vec![msg.clone(); world], msg)?;
-        // every peer's failure takes precedence over a size mismatch, lowest rank first
-        let bodies = all
-            .iter()
-            .enumerate()
-            .map(|(p, m)| body_of(OP, Coll::AllGather, me, p, m))
-            .collect::<Result<Vec<_>, _>>()?;
-        concat_gathered(OP, me, mine.len(), bodies)
+        concat_framed(OP, me, mine.len(), &all, |p, m| {
+            body_of(OP, Coll::AllGather, me, p, m)
+        })
     }
 
     fn all_to_all_v(
@@ -796,9 +792,7 @@ impl Transport for Ucx {
         let (me, world) = (self.rank, self.world);
         let msg = with_header(OK, Coll::Barrier, &[]);
         let all = self.exchange(OP, vec![msg.clone(); world], msg)?;
-        for (p, m) in all.iter().enumerate() {
-            body_of(OP, Coll::Barrier, me, p, m)?;
-        }
+        unframe_all(&all, |p, m| body_of(OP, Coll::Barrier, me, p, m))?;
         Ok(())
     }
 }

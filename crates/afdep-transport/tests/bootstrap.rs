@@ -11,11 +11,12 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use afdep_transport::{
-    Bootstrap, HandshakeFault, HostTcp, JobId, Transport, TransportError, TransportKind,
+    Bootstrap, BootstrapListener, HandshakeFault, HostTcp, JobId, Transport, TransportError,
+    TransportKind,
 };
 use common::{
     LONG, a2a_round, assert_timeouts_naming, assert_within, bad_rounds, bootstrap_ranks,
-    check_bad_rounds, gather_round, localhost0, on_ranks,
+    check_bad_rounds, free_port, gather_round, localhost0, on_ranks,
 };
 
 /// Forms a group of `world` ranks on an ephemeral port and runs `f(rank, bootstrap)` on each
@@ -71,12 +72,7 @@ fn a_world_of_one() {
 #[test]
 fn other_ranks_may_start_before_rank_0() {
     // pre-pick a free port, then let rank 0 bind it only after the others started connecting
-    let port = TcpListener::bind(localhost0())
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let out = on_ranks(vec![(); 3], |r, ()| {
         if r == 0 {
             std::thread::sleep(Duration::from_millis(150));
@@ -248,12 +244,7 @@ fn bad_arguments_are_rejected_before_any_io() {
 
 #[test]
 fn connecting_to_nobody_times_out_naming_rank_0() {
-    let port = TcpListener::bind(localhost0())
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let addr: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let t0 = Instant::now();
     let e = Bootstrap::connect(addr, 1, 2, Duration::from_millis(200)).unwrap_err();
     assert!(
@@ -346,6 +337,15 @@ fn job(s: &str) -> JobId {
     JobId::new(s).unwrap()
 }
 
+/// A rank 0 of job `name` for `world` ranks listening on an ephemeral port, and its address.
+fn job_listener(world: usize, timeout: Duration, name: &str) -> (BootstrapListener, SocketAddr) {
+    let listener = Bootstrap::listen(localhost0(), world, timeout)
+        .unwrap()
+        .with_job(job(name));
+    let addr = listener.local_addr();
+    (listener, addr)
+}
+
 /// Reads until the peer closes (bounded by a 5 s read timeout); the bytes.
 fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -358,10 +358,7 @@ fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
 fn every_kind_of_stray_is_dropped_with_a_typed_error_and_the_group_still_forms() {
     // hello wait: half the timeout
     let timeout = Duration::from_secs(2);
-    let listener = Bootstrap::listen(localhost0(), 3, timeout)
-        .unwrap()
-        .with_job(job("job-a"));
-    let addr = listener.local_addr();
+    let (listener, addr) = job_listener(3, timeout, "job-a");
     let t0 = Instant::now();
     let (root, strays, other_job, legit) = std::thread::scope(|sc| {
         let root = sc.spawn(move || listener.accept());
@@ -485,10 +482,7 @@ fn every_kind_of_stray_is_dropped_with_a_typed_error_and_the_group_still_forms()
 #[test]
 fn a_silent_peer_does_not_delay_the_right_ranks() {
     let timeout = Duration::from_secs(10);
-    let listener = Bootstrap::listen(localhost0(), 3, timeout)
-        .unwrap()
-        .with_job(job("quiet"));
-    let addr = listener.local_addr();
+    let (listener, addr) = job_listener(3, timeout, "quiet");
     let silent: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
     let t0 = Instant::now();
     let out = on_ranks(vec![Some(listener), None, None], |r, l| match l {
@@ -506,10 +500,7 @@ fn a_silent_peer_does_not_delay_the_right_ranks() {
 #[test]
 fn a_flood_of_connections_is_refused_beyond_the_pending_limit() {
     let timeout = Duration::from_secs(5);
-    let listener = Bootstrap::listen(localhost0(), 2, timeout)
-        .unwrap()
-        .with_job(job("busy"));
-    let addr = listener.local_addr();
+    let (listener, addr) = job_listener(2, timeout, "busy");
     let (root, leaf, flood) = std::thread::scope(|sc| {
         let root = sc.spawn(move || listener.accept());
         let flood: Vec<TcpStream> = (0..80).map(|_| TcpStream::connect(addr).unwrap()).collect();
@@ -680,10 +671,7 @@ fn a_peer_that_trickles_its_hello_is_dropped_as_silent() {
     // (about 3 s in all); the real rank connects at 1.8 s, well inside the 3 s timeout even on
     // a loaded CI machine
     let timeout = Duration::from_secs(3);
-    let listener = Bootstrap::listen(localhost0(), 2, timeout)
-        .unwrap()
-        .with_job(job("slow"));
-    let addr = listener.local_addr();
+    let (listener, addr) = job_listener(2, timeout, "slow");
     let (root, leaf, from) = std::thread::scope(|sc| {
         let root = sc.spawn(move || listener.accept());
         let mut s = TcpStream::connect(addr).unwrap();

@@ -13,7 +13,7 @@ use afdep_transport::{
 };
 use common::{
     LONG, a2a_round, assert_timeouts_naming, assert_within, bad_rounds, bootstrap_ranks, byte,
-    check_bad_rounds, gather_round, localhost0, on_ranks, size,
+    check_bad_rounds, free_port, gather_round, on_ranks, size,
 };
 
 /// The UCX transports the tests run over.
@@ -345,14 +345,6 @@ fn ucx_rank_process() {
         }
         m => panic!("unknown mode {m}"),
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind(localhost0())
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Starts `modes.len()` rank processes (rank r in mode `modes[r]`); returns them with the files

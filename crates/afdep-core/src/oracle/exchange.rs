@@ -355,6 +355,18 @@ mod tests {
         &v[i * width..(i + 1) * width]
     }
 
+    /// Asserts that row `i` of `a` equals row `j` of `b`, both matrices `width` elements wide.
+    #[track_caller]
+    fn assert_same_row<T: PartialEq + std::fmt::Debug>(
+        a: &[T],
+        i: usize,
+        b: &[T],
+        j: usize,
+        width: usize,
+    ) {
+        assert_eq!(matrix_row(a, i, width), matrix_row(b, j, width));
+    }
+
     fn inputs(cfg: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
         tokens
             .iter()
@@ -500,15 +512,9 @@ mod tests {
                 for (i, &(s, t)) in q.compact_tokens.iter().enumerate() {
                     let (s, t) = (s as usize, t as usize);
                     let qs = &quantised[s];
-                    assert_eq!(matrix_row(&rx.compact_q, i, 384), matrix_row(&qs.q, t, 384));
-                    assert_eq!(
-                        matrix_row(&rx.compact_scales, i, 3),
-                        matrix_row(&qs.scales, t, 3)
-                    );
-                    assert_eq!(
-                        matrix_row(&q.compact_x, i, 384),
-                        matrix_row(&qs.dequant, t, 384)
-                    );
+                    assert_same_row(&rx.compact_q, i, &qs.q, t, 384);
+                    assert_same_row(&rx.compact_scales, i, &qs.scales, t, 3);
+                    assert_same_row(&q.compact_x, i, &qs.dequant, t, 384);
                 }
                 // every expanded row is some source token's row: find it through the bf16 one
                 for row in 0..q.plan.total_rows() as usize {
@@ -516,18 +522,9 @@ mod tests {
                     let c = (0..b.compact_tokens.len())
                         .find(|&i| matrix_row(&b.compact_x, i, 384) == src)
                         .unwrap_or_else(|| panic!("{topo} rank {f} row {row}"));
-                    assert_eq!(
-                        matrix_row(&rx.expanded_q, row, 384),
-                        matrix_row(&rx.compact_q, c, 384)
-                    );
-                    assert_eq!(
-                        matrix_row(&rx.expanded_scales, row, 3),
-                        matrix_row(&rx.compact_scales, c, 3)
-                    );
-                    assert_eq!(
-                        matrix_row(&q.expanded, row, 384),
-                        matrix_row(&q.compact_x, c, 384)
-                    );
+                    assert_same_row(&rx.expanded_q, row, &rx.compact_q, c, 384);
+                    assert_same_row(&rx.expanded_scales, row, &rx.compact_scales, c, 3);
+                    assert_same_row(&q.expanded, row, &q.compact_x, c, 384);
                 }
             }
             // the experts see the dequantised rows

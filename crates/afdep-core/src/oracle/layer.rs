@@ -140,39 +140,38 @@ pub struct ParamsT<T> {
     pub s2: Vec<T>,
 }
 
+impl<T> ParamsT<T> {
+    /// Parameters of `shape` from their tensors in [`PARAM_NAMES`] order (the inverse of
+    /// [`tensors`](Self::tensors)).
+    pub fn from_tensors(shape: LayerShape, tensors: [Vec<T>; 7]) -> Self {
+        let [wr, w1, w3, w2, s1, s3, s2] = tensors;
+        ParamsT {
+            shape,
+            wr,
+            w1,
+            w3,
+            w2,
+            s1,
+            s3,
+            s2,
+        }
+    }
+}
+
 impl<T: Real> ParamsT<T> {
     /// Exact copies of bf16 parameters (bf16 is exactly representable in f32 and f64).
     pub fn from_bf16(p: &LayerParams) -> Self {
-        ParamsT {
-            shape: p.shape,
-            wr: to_t(&p.wr),
-            w1: to_t(&p.w1),
-            w3: to_t(&p.w3),
-            w2: to_t(&p.w2),
-            s1: to_t(&p.s1),
-            s3: to_t(&p.s3),
-            s2: to_t(&p.s2),
-        }
+        Self::from_tensors(p.shape, p.tensors().map(|t| to_t(t)))
     }
 
     /// The tensors in [`PARAM_NAMES`] order.
     pub fn tensors(&self) -> [&Vec<T>; 7] {
-        [
-            &self.wr, &self.w1, &self.w3, &self.w2, &self.s1, &self.s3, &self.s2,
-        ]
+        crate::param_tensors!(self)
     }
 
     /// Mutable tensors in [`PARAM_NAMES`] order.
     pub fn tensors_mut(&mut self) -> [&mut Vec<T>; 7] {
-        [
-            &mut self.wr,
-            &mut self.w1,
-            &mut self.w3,
-            &mut self.w2,
-            &mut self.s1,
-            &mut self.s3,
-            &mut self.s2,
-        ]
+        crate::param_tensors!(mut self)
     }
 
     /// Checks the shape and every tensor's length; the error names the tensor.

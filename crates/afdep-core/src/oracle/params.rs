@@ -38,6 +38,22 @@ pub struct LayerParams {
 /// The names of the parameter tensors, in a fixed order (also the safetensors names).
 pub const PARAM_NAMES: [&str; 7] = ["wr", "w1", "w3", "w2", "s1", "s3", "s2"];
 
+/// The seven parameter tensors of `$params`, any value with the tensor fields of
+/// [`LayerParams`](crate::oracle::LayerParams) (`wr` … `s2`), as an array of references in
+/// [`PARAM_NAMES`](crate::oracle::params::PARAM_NAMES) order;
+/// `param_tensors!(mut $params)` gives mutable references.
+#[macro_export]
+macro_rules! param_tensors {
+    (mut $p:expr) => {
+        [
+            &mut $p.wr, &mut $p.w1, &mut $p.w3, &mut $p.w2, &mut $p.s1, &mut $p.s3, &mut $p.s2,
+        ]
+    };
+    ($p:expr) => {
+        [&$p.wr, &$p.w1, &$p.w3, &$p.w2, &$p.s1, &$p.s3, &$p.s2]
+    };
+}
+
 impl LayerParams {
     /// Expected element count of each tensor, in [`PARAM_NAMES`] order.
     pub fn sizes(shape: &LayerShape) -> [usize; 7] {
@@ -78,22 +94,12 @@ impl LayerParams {
 
     /// The tensors in [`PARAM_NAMES`] order.
     pub fn tensors(&self) -> [&Vec<bf16>; 7] {
-        [
-            &self.wr, &self.w1, &self.w3, &self.w2, &self.s1, &self.s3, &self.s2,
-        ]
+        crate::param_tensors!(self)
     }
 
     /// Mutable tensors in [`PARAM_NAMES`] order.
     pub fn tensors_mut(&mut self) -> [&mut Vec<bf16>; 7] {
-        [
-            &mut self.wr,
-            &mut self.w1,
-            &mut self.w3,
-            &mut self.w2,
-            &mut self.s1,
-            &mut self.s3,
-            &mut self.s2,
-        ]
+        crate::param_tensors!(mut self)
     }
 
     /// Checks every tensor's length against the shape; the error names the tensor.

@@ -288,16 +288,7 @@ mod tests {
                     .map(|&e| e * (1.0 + r.gen_range(-delta..delta)))
                     .collect()
             };
-            let pp = ParamsT::<f64> {
-                shape: sh,
-                wr: jig(&base.wr),
-                w1: jig(&base.w1),
-                w3: jig(&base.w3),
-                w2: jig(&base.w2),
-                s1: jig(&base.s1),
-                s3: jig(&base.s3),
-                s2: jig(&base.s2),
-            };
+            let pp = ParamsT::<f64>::from_tensors(sh, base.tensors().map(|t| jig(t)));
             let (xp, dyp) = (jig(&x), jig(&dy));
             let (fp, gp) = train_step_t(&pp, &xp, t, &dyp, Routing::Router).unwrap();
             assert_eq!(fp.idx, fs.idx, "a perturbation this small keeps the routes");

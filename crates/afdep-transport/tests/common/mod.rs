@@ -40,6 +40,16 @@ pub fn localhost0() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
 }
 
+/// A port of 127.0.0.1 that was free a moment ago (the system picked it for a listener that is
+/// closed again): for a rank 0 that binds it later.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(localhost0())
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Listens for a bootstrap group of `world` ranks on an ephemeral port and runs
 /// `f(rank, bootstrap)` on the threads of ranks `0..started` (the others are never started);
 /// `f` gets the accept/connect error of its rank if forming failed. Results in rank order.
