@@ -128,6 +128,7 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
                 | KernelId::CfWait
                 | KernelId::RoundBump
                 | KernelId::RoundExperts
+                | KernelId::RoundStamp
         ) {
             1
         } else {

@@ -121,11 +121,12 @@ pub const FAULT_STATUS_WAIT: u32 = 32;
 pub const PAYLOAD_STATE_WORDS: usize = 16;
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 4] = [
+pub const KERNELS: [KernelId; 5] = [
     KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
     KernelId::RoundBump,
     KernelId::RoundExperts,
+    KernelId::RoundStamp,
 ];
 
 use super::fused::blocks_for as grid;
