@@ -107,8 +107,25 @@ pub const fn slab_row_bytes_for(payload: PayloadKind, hidden: usize, k: usize) -
 /// waiting for this rank's stores (the CUDA programming guide's lazy-loading caveat). Call it on
 /// every rank, then a barrier, before the first round.
 pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
-    let k = as_u32("top_k", top_k)?;
-    for id in [
+    for (id, kk) in preloaded(as_u32("top_k", top_k)?) {
+        let f = ctx.function(id, 0, kk)?;
+        ctx.cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
+        // SAFETY: f is a live function handle of a module this context keeps loaded.
+        unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
+            .result()
+            .map_err(KernelError::driver(format!("loading {id}")))?;
+    }
+    Ok(())
+}
+
+/// What [`preload`] loads for top-k `k`: every kernel a fused round may launch, each with the
+/// top-k its launcher asks the context for (1 for the kernels whose launchers always take the
+/// K = 1 module). The tests below check both against the registry and the launchers' text: a
+/// kernel missing here is loaded lazily in the middle of a round.
+fn preloaded(k: u32) -> Vec<(KernelId, u32)> {
+    [
         KernelId::FusedDispatch,
         KernelId::FusedSignal,
         KernelId::FusedCopyEpilogue,
@@ -120,8 +137,8 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     .into_iter()
     .chain(super::fused_cf::KERNELS)
     .chain(super::fused_round::KERNELS)
-    {
-        let kk = if matches!(
+    .map(|id| {
+        let at_one = matches!(
             id,
             KernelId::CfPublishCounts
                 | KernelId::CfPlan
@@ -129,21 +146,10 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
                 | KernelId::RoundBump
                 | KernelId::RoundExperts
                 | KernelId::RoundStamp
-        ) {
-            1
-        } else {
-            k
-        };
-        let f = ctx.function(id, 0, kk)?;
-        ctx.cuda()
-            .bind_to_thread()
-            .map_err(KernelError::driver("binding the context"))?;
-        // SAFETY: f is a live function handle of a module this context keeps loaded.
-        unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
-            .result()
-            .map_err(KernelError::driver(format!("loading {id}")))?;
-    }
-    Ok(())
+        );
+        (id, if at_one { 1 } else { k })
+    })
+    .collect()
 }
 
 /// Warps per block of every fused kernel (here, `fused_cf`, `fused_round`).
@@ -680,6 +686,65 @@ pub unsafe fn combine(
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+
+    /// Every kernel of the fused round's source files is preloaded: a round launches no kernel
+    /// whose function is loaded lazily (the stamp kernel was missing until 2026-12-06, and the
+    /// traced rounds on one GPU timed out on the device).
+    #[test]
+    fn preload_covers_every_fused_kernel() {
+        use crate::sources::SourceFile as S;
+        let loaded: Vec<KernelId> = preloaded(8).into_iter().map(|(id, _)| id).collect();
+        let fused = [
+            S::FusedDispatch,
+            S::FusedEpilogue,
+            S::FusedCombine,
+            S::FusedCounts,
+            S::FusedCfDispatch,
+            S::FusedStreamEpilogue,
+            S::FusedRound,
+        ];
+        for id in KernelId::ALL {
+            if fused.contains(&id.source()) {
+                assert!(loaded.contains(&id), "{id:?} is not preloaded");
+            }
+        }
+    }
+
+    /// [`preloaded`] asks for the module each launcher takes: `function(KernelId::X, 0, 1)` in a
+    /// launcher's text means the K = 1 module, any other literal id the round's top-k.
+    #[test]
+    fn preload_asks_for_the_launchers_top_k() {
+        let k = 8;
+        let loaded = preloaded(k);
+        let mut seen = 0;
+        for text in [
+            include_str!("fused.rs"),
+            include_str!("fused_cf.rs"),
+            include_str!("fused_round.rs"),
+        ] {
+            for call in text.split("function(KernelId::").skip(1) {
+                let (name, rest) = call.split_once(',').expect("a call's arguments");
+                let Some(id) = KernelId::ALL.into_iter().find(|i| format!("{i:?}") == name) else {
+                    continue;
+                };
+                let top_k = rest.split(')').next().unwrap_or("").trim();
+                let top_k = top_k.trim_start_matches("0,").trim();
+                let want = if top_k == "1" { 1 } else { k };
+                if top_k == "0" {
+                    continue; // a file not specialised by top-k: any value loads the same module
+                }
+                assert!(
+                    loaded.contains(&(id, want)),
+                    "{id:?}: its launcher takes top-k `{top_k}`, the preload does not load that"
+                );
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 12,
+            "only {seen} launcher calls found: the pattern no longer matches"
+        );
+    }
 
     /// The value of `#define name` in `layout/fused.cuh` (the header tests of every fused
     /// launcher module compare their constants with it).
