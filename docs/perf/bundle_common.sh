@@ -9,9 +9,11 @@
 # the bundle's commit).
 # perf_begin LINE...: writes OUT/env.txt (perf_env, then each LINE; also shown), empties
 # OUT/rows.jsonl and starts the clock of perf_total.
-# perf_run TAG COMMAND...: runs COMMAND, its output dropped and its stderr in OUT/TAG.log (a
-# failure shows the log's last 30 lines and stops the script), then adds TAG's time to env.txt.
+# perf_run TAG COMMAND...: runs COMMAND, its output dropped and its stderr in OUT/TAG.log, then
+# adds TAG's time to env.txt; a failure shows the log's last 30 lines, is counted and marked
+# FAILED in env.txt, and the script goes on with the next configuration.
 # perf_total: adds the time since perf_begin to env.txt.
+# perf_end: exits 1 when a configuration failed (call it last, after the table is written).
 
 perf_start() {
   if [ $# -ne 2 ]; then
@@ -47,8 +49,22 @@ perf_run() {
   local tag=$1 t0
   shift
   t0=$(date +%s)
-  "$@" > /dev/null 2> "$out/$tag.log" || { echo "$tag failed:"; tail -30 "$out/$tag.log"; exit 1; }
+  # a failing configuration is reported and counted, and the others still run (its rows are
+  # missing from the table); perf_end fails the script at the end
+  if ! "$@" > /dev/null 2> "$out/$tag.log"; then
+    echo "$tag FAILED after $(( $(date +%s) - t0 )) s:" | tee -a "$out/env.txt"
+    tail -30 "$out/$tag.log"
+    perf_failed=$(( ${perf_failed:-0} + 1 ))
+    return 0
+  fi
   echo "$tag: $(( $(date +%s) - t0 )) s" | tee -a "$out/env.txt"
+}
+
+perf_end() {
+  if [ "${perf_failed:-0}" -gt 0 ]; then
+    echo "${perf_failed} configurations failed (see env.txt and their logs)" | tee -a "$out/env.txt"
+    exit 1
+  fi
 }
 
 perf_total() {

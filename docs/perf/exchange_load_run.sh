@@ -80,3 +80,4 @@ for r in rows:
           f"| {l['gemm_launches_loaded']} | {r['status']} |")
 EOF
 cat "$out/table.md"
+perf_end

@@ -71,3 +71,4 @@ for r in rows:
           f"| {'yes' if r['emulated'] else 'no'} | {r['status']} |")
 PY
 cat "$out/table.md"
+perf_end
