@@ -168,34 +168,64 @@ macro_rules! real_impl {
 real_impl!(f32, sgemm);
 real_impl!(f64, dgemm);
 
-/// Defines row-major products `C[m×n] (+)= op(A) · op(B)` (+ C when `accumulate`), each
-/// `name => |m, k, n, a, b| (A operand, B operand)`: C is row-major and contiguous, the operands
-/// are the [`Strided`] views the arm builds from the slices.
-macro_rules! products {
-    ($($(#[$doc:meta])* $name:ident => |$m:ident, $k:ident, $n:ident, $a:ident, $b:ident|
-        ($op_a:expr, $op_b:expr);)*) => {$(
-        $(#[$doc])*
-        pub fn $name<T: Real>(
-            $m: usize,
-            $k: usize,
-            $n: usize,
-            $a: &[T],
-            $b: &[T],
-            c: &mut [T],
-            accumulate: bool,
-        ) {
-            T::gemm_raw([$m, $k, $n], T::ONE, $op_a, $op_b, beta(accumulate), rows_mut(c, $n));
-        }
-    )*};
+/// `C[m×n] = A[m×k] · B[k×n]` (+ C when `accumulate`), all row-major and contiguous.
+pub fn matmul<T: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    accumulate: bool,
+) {
+    T::gemm_raw(
+        [m, k, n],
+        T::ONE,
+        rows(a, k),
+        rows(b, n),
+        beta(accumulate),
+        rows_mut(c, n),
+    );
 }
 
-products! {
-    /// `C[m×n] = A[m×k] · B[k×n]` (+ C when `accumulate`), all row-major and contiguous.
-    matmul => |m, k, n, a, b| (rows(a, k), rows(b, n));
-    /// `C[m×n] (+)= A[m×k] · Bᵀ` where B is stored row-major as n × k.
-    matmul_bt => |m, k, n, a, b| (rows(a, k), cols(b, k));
-    /// `C[m×n] (+)= Aᵀ · B` where A is stored row-major as k × m and B as k × n.
-    matmul_at => |m, k, n, a, b| (cols(a, m), rows(b, n));
+/// `C[m×n] (+)= A[m×k] · Bᵀ` where B is stored row-major as n × k.
+pub fn matmul_bt<T: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    accumulate: bool,
+) {
+    T::gemm_raw(
+        [m, k, n],
+        T::ONE,
+        rows(a, k),
+        cols(b, k),
+        beta(accumulate),
+        rows_mut(c, n),
+    );
+}
+
+/// `C[m×n] (+)= Aᵀ · B` where A is stored row-major as k × m and B as k × n.
+pub fn matmul_at<T: Real>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    b: &[T],
+    c: &mut [T],
+    accumulate: bool,
+) {
+    T::gemm_raw(
+        [m, k, n],
+        T::ONE,
+        cols(a, m),
+        rows(b, n),
+        beta(accumulate),
+        rows_mut(c, n),
+    );
 }
 
 /// The `beta` of a product that adds to C (`accumulate`) or overwrites it.
