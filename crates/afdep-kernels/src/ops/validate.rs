@@ -132,49 +132,50 @@ impl RouteValidator {
             rules.owned as u64,
             rules.capacity as u64,
         );
-        let scan_cfg = grid(t.div_ceil(u64::from(BLOCK)).clamp(1, MAX_SCAN_BLOCKS))?;
+        let scan = ctx.function(KernelId::ValidateRoutes, 0, k)?;
+        let word = ctx.function(KernelId::ValidateWord, 0, k)?;
+        let cfg = grid(t.div_ceil(u64::from(BLOCK)).clamp(1, MAX_SCAN_BLOCKS))?;
+        let stream = ctx.stream();
+        let mut b = stream.launch_builder(&scan);
+        b.arg(idx)
+            .arg(weights)
+            .arg(&mut self.state)
+            .arg(&t)
+            .arg(&e)
+            .arg(&o)
+            .arg(&c);
+        // SAFETY: afdep_validate_scan(const i32* idx, const float* w, u32* state, u64 tokens,
+        // u64 experts, u64 owned, u64 capacity) with K = top_k compiled in. idx and weights
+        // hold tokens × K elements (checked above); state holds STATE_WORDS u32, allocated
+        // with 256-byte alignment, so its 64-bit key at word 6 is aligned.
+        unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::ValidateRoutes))?;
+        let mut b = stream.launch_builder(&word);
+        b.arg(idx)
+            .arg(weights)
+            .arg(&mut self.state)
+            .arg(&t)
+            .arg(&e)
+            .arg(&o)
+            .arg(&c)
+            .arg(&rank32);
+        let null: u64 = 0;
+        match logits {
+            Some(l) => b.arg(l),
+            None => b.arg(&null),
+        };
+        b.arg(&e);
         let one = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let null: u64 = 0;
-        let stream = ctx.stream();
-        // the scan, then the word kernel: the scan's parameters and three more
-        for (id, cfg) in [
-            (KernelId::ValidateRoutes, scan_cfg),
-            (KernelId::ValidateWord, one),
-        ] {
-            let f = ctx.function(id, 0, k)?;
-            let mut b = stream.launch_builder(&f);
-            b.arg(idx)
-                .arg(weights)
-                .arg(&mut self.state)
-                .arg(&t)
-                .arg(&e)
-                .arg(&o)
-                .arg(&c);
-            if id == KernelId::ValidateWord {
-                b.arg(&rank32);
-                match logits {
-                    Some(l) => b.arg(l),
-                    None => b.arg(&null),
-                };
-                b.arg(&e);
-            }
-            // SAFETY: afdep_validate_scan(const i32* idx, const float* w, u32* state, u64
-            // tokens, u64 experts, u64 owned, u64 capacity) with K = top_k compiled in. idx and
-            // weights hold tokens × K elements (checked above); state holds STATE_WORDS u32,
-            // allocated with 256-byte alignment, so its 64-bit key at word 6 is aligned.
-            // afdep_validate_word has the scan's parameters plus u32 rank, const float* logits
-            // (may be null) and u64 logit_experts (= experts); one thread re-reads one token's
-            // K slots (in bounds by the key's construction), or, when the router left its key,
-            // one logit of a token below `tokens` (logits hold tokens × experts, checked by
-            // `launch_routed`; the router key is only ever set by `router_topk` (given a validator) on a
-            // layer whose logits are these), writes the state's first 6 words and clears both
-            // keys.
-            unsafe { b.launch(cfg) }.map_err(launch_err(id))?;
-        }
+        // SAFETY: afdep_validate_word has the scan's parameters plus u32 rank, const float*
+        // logits (may be null) and u64 logit_experts (= experts); one thread re-reads one
+        // token's K slots (in bounds by the key's construction), or, when the router left its
+        // key, one logit of a token below `tokens` (logits hold tokens × experts, checked by
+        // `launch_routed`; the router key is only ever set by `router_topk` (given a validator) on a layer
+        // whose logits are these), writes the state's first 6 words and clears both keys.
+        unsafe { b.launch(one) }.map_err(launch_err(KernelId::ValidateWord))?;
         Ok(())
     }
 
