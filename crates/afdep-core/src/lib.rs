@@ -11,7 +11,8 @@
 //! - [`fp8`]: the e4m3 payload format, its host encoder and decoder, and row quantisation;
 //! - [`oracle`]: the CPU reference of every computation (the MoE layer forward and train step,
 //!   the AFD exchange), against which every other path is checked;
-//! - [`tensor`]: bf16 helpers and seeded random inputs.
+//! - [`tensor`]: bf16 helpers and seeded random inputs;
+//! - [`testing`]: the GPU tests' skip rule (`AFDEP_REQUIRE_GPU`), shared by every crate's tests.
 
 pub mod config;
 pub mod error;
@@ -21,6 +22,7 @@ pub mod layout;
 pub mod oracle;
 pub mod route;
 pub mod tensor;
+pub mod testing;
 pub mod topology;
 
 pub use config::{ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind};

@@ -85,6 +85,8 @@ pub mod loopback;
 pub mod nccl;
 #[cfg(feature = "nvlink")]
 pub mod nvlink;
+#[cfg(feature = "nvlink")]
+pub mod testing;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 

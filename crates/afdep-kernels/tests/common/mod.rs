@@ -41,7 +41,7 @@ pub fn tokens() -> Vec<usize> {
 /// Whether `AFDEP_REQUIRE_GPU` is set (to anything but empty or `0`): a missing GPU, driver or
 /// library then fails a test instead of skipping it.
 pub fn require_gpu() -> bool {
-    std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0")
+    afdep_core::testing::gpu_required()
 }
 
 /// Whether a test at `t` tokens runs under [`max_tokens`]; prints `SKIP: <reason>` if not.
@@ -68,10 +68,7 @@ pub fn gpu() -> Option<GpuContext> {
     match GpuContext::new(0) {
         Ok(c) => Some(c),
         Err(KernelError::NoDriver { why }) => {
-            if require_gpu() {
-                panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
-            }
-            println!("SKIP: {why}");
+            afdep_core::testing::skip_unavailable("the GPU driver", why);
             None
         }
         Err(e) => panic!("creating the GPU context failed: {e}"),

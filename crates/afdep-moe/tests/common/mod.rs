@@ -23,10 +23,7 @@ pub fn gpu() -> Option<(std::sync::MutexGuard<'static, ()>, GpuContext)> {
     match GpuContext::new(0) {
         Ok(c) => Some((guard, c)),
         Err(KernelError::NoDriver { why }) => {
-            if std::env::var("AFDEP_REQUIRE_GPU").is_ok_and(|v| !v.is_empty() && v != "0") {
-                panic!("AFDEP_REQUIRE_GPU is set, but there is no usable driver: {why}");
-            }
-            println!("SKIP: {why}");
+            afdep_core::testing::skip_unavailable("the GPU driver", why);
             None
         }
         Err(e) => panic!("creating the GPU context failed: {e}"),

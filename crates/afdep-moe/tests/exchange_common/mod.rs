@@ -29,11 +29,7 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-// The NvlinkIpc group with the GPU tests' skip convention: one copy, with afdep-transport's
-// test helpers.
-#[path = "../../../afdep-transport/tests/common/nvlink.rs"]
-mod nvlink;
-pub use nvlink::nvlink_group;
+pub use afdep_transport::testing::nvlink_group;
 
 /// [`nvlink_group`] of `n` ranks for fused engines of `cfg`: `staging_bytes` of staging, the
 /// workspace [`FusedEngine::workspace_bytes`] asks for, and `timeout`.

@@ -3,9 +3,6 @@
 
 #![allow(dead_code)]
 
-#[cfg(feature = "nvlink")]
-pub mod nvlink;
-
 use std::fmt::Debug;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
