@@ -15,23 +15,50 @@ ROOT=$PWD; W=/tmp/perf; mkdir -p $W "$OUT"
 cd "$ROOT" || exit 3
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
-step pipeline
-timeout $(( $(left) > 230 ? 200 : $(left) - 30 )) bash docs/perf/exchange_pipeline_run.sh /tmp/b4 $W/pipeline \
-  > $W/pipeline.txt 2>&1; echo "pipeline rc=$?" >> $W/steps.txt
-step wgrad
-timeout $(( $(left) > 230 ? 200 : $(left) - 30 )) bash docs/perf/gemm_wgrad_run.sh /tmp/b4 $W/wgrad \
-  > $W/wgrad.txt 2>&1; echo "wgrad rc=$?" >> $W/steps.txt
-step suite
-b=$(( $(left) - 90 ))
-if [ "$b" -gt 60 ]; then
-  bash peers/run_suite.sh /tmp/b4 $W/suite --suite record --peers torch --jax-shapes none \
-    --budget $b --peer-timeout $(( b < 150 ? b : 150 )) > $W/suite.txt 2>&1
-  echo "suite rc=$?" >> $W/steps.txt
-else
-  echo "suite: not run (time)" >> $W/steps.txt
-fi
+# PARTS: which parts, in this order (default "pipeline wgrad suite"; also "load", the
+# overlap table of docs/perf/exchange_load_run.sh, and "ncu", per-kernel times of the record
+# shape); each part gets at most
+# 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
+# with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
+cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
+for part in ${PARTS:-pipeline wgrad suite}; do
+  step "$part"
+  case $part in
+    pipeline)
+      timeout "$(cap200)" bash docs/perf/exchange_pipeline_run.sh /tmp/b4 $W/pipeline \
+        > $W/pipeline.txt 2>&1; echo "pipeline rc=$?" >> $W/steps.txt;;
+    load)
+      timeout "$(cap200)" bash docs/perf/exchange_load_run.sh /tmp/b4 $W/load \
+        > $W/load.txt 2>&1; echo "load rc=$?" >> $W/steps.txt;;
+    ncu)
+      # per-kernel times of the record shape's forward and train step (gather, 131,072 tokens):
+      # 3 warm-ups and 1 timed run of each, every launch profiled (NCU_ARGS replaces the
+      # bench_layer arguments)
+      timeout "$(cap200)" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        --log-file $W/ncu.csv /tmp/b4/bin/bench_layer ${NCU_ARGS:---tokens 131072 --dispatch gather --iters 1} \
+        > $W/ncu.txt 2>&1; echo "ncu rc=$?" >> $W/steps.txt;;
+    wgrad)
+      timeout "$(cap200)" bash docs/perf/gemm_wgrad_run.sh /tmp/b4 $W/wgrad \
+        > $W/wgrad.txt 2>&1; echo "wgrad rc=$?" >> $W/steps.txt;;
+    suite)
+      b=$(( $(left) - 90 ))
+      if [ "$b" -gt 60 ]; then
+        # shellcheck disable=SC2086
+        bash peers/run_suite.sh /tmp/b4 $W/suite ${SUITE:---suite record --peers torch --jax-shapes none} \
+          --budget $b --peer-timeout $(( b < 150 ? b : 150 )) > $W/suite.txt 2>&1
+        echo "suite rc=$?" >> $W/steps.txt
+      else
+        echo "suite: not run (time)" >> $W/steps.txt
+      fi;;
+    *) echo "unknown part $part" >> $W/steps.txt;;
+  esac
+done
 step done
-cp $W/steps.txt $W/pipeline.txt $W/wgrad.txt "$OUT/" 2>/dev/null
+cp $W/ncu.csv "$OUT/" 2>/dev/null
+cp $W/steps.txt $W/pipeline.txt $W/wgrad.txt $W/suite.txt "$OUT/" 2>/dev/null
+cp $W/wgrad/tests.txt "$OUT/wgrad-tests.txt" 2>/dev/null
 cp $W/pipeline/table.md "$OUT/pipeline-table.md" 2>/dev/null
+cp $W/load/table.md "$OUT/load-table.md" 2>/dev/null
+cp $W/wgrad/ab.jsonl "$OUT/wgrad-ab.jsonl" 2>/dev/null
 cp $W/suite/moe.md "$OUT/suite-moe.md" 2>/dev/null
 tar czf "$OUT/all.tgz" -C /tmp perf
