@@ -15,13 +15,13 @@ ROOT=$PWD; W=/tmp/perf; mkdir -p $W "$OUT"
 cd "$ROOT" || exit 3
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
-# PARTS: which parts, in this order (default "pipeline wgrad suite"; also "load", the
+# PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, and "ncu", per-kernel times of the record
-# shape); each part gets at most
+# shape; "onstream", gpu_nvlink_on_stream alone twice; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
-for part in ${PARTS:-pipeline wgrad suite}; do
+for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
   step "$part"
   case $part in
     pipeline)
@@ -30,6 +30,17 @@ for part in ${PARTS:-pipeline wgrad suite}; do
     load)
       timeout "$(cap200)" bash docs/perf/exchange_load_run.sh /tmp/b4 $W/load \
         > $W/load.txt 2>&1; echo "load rc=$?" >> $W/steps.txt;;
+    onstream)
+      # gpu_nvlink_on_stream alone (it failed once under the matrix's load on 2026-12-06), twice
+      for i in 1 2; do
+        timeout "$(( $(left) > 90 ? 60 : 20 ))" /tmp/b4/tests/gpu_nvlink_on_stream --test-threads=1 \
+          > $W/onstream-$i.log 2>&1; echo "onstream run $i rc=$?" >> $W/steps.txt
+      done;;
+    soak)
+      # the soak alone on a quiet GPU (its device-memory check reads the whole GPU's free memory)
+      timeout "$(( $(left) - 20 ))" /tmp/b4/tests/gpu_soak --test-threads=1 --nocapture \
+        > $W/soak.log 2>&1; echo "soak rc=$?" >> $W/steps.txt
+      grep -E "SOAK|^test |panicked|free device" $W/soak.log >> $W/steps.txt;;
     ncu)
       # per-kernel times of the record shape's forward and train step (gather, 131,072 tokens):
       # 3 warm-ups and 1 timed run of each, every launch profiled (NCU_ARGS replaces the
