@@ -445,6 +445,7 @@ impl ExchangeArgs {
                 .map(PayloadKind::from)
                 .or(file.payload)
                 .unwrap_or_default(),
+            partials: Default::default(),
             knobs,
         };
         cfg.validate().map_err(|e| match &self.config {
