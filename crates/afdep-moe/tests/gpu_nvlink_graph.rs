@@ -374,7 +374,7 @@ fn bf16_partials_in_graph_replays_and_device_rounds_match_the_bf16_oracle_within
         ("2A:2F", 40, 3, 48),
         ("1A:3F", 40, 3, 48),
         ("EP4", 40, 3, 48),
-        ("EP1", 40, 2, 24),
+        ("EP1", 40, 2, 48),
         ("2A:2F", 36, 2, 48),
         ("3A:1F", 2048, 8, 256),
         ("2A:2F", 2048, 8, 256),
