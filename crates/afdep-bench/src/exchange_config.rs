@@ -10,6 +10,7 @@
 //! top_k = 8
 //! capacity = 2048
 //! payload = "bf16"            # bf16 | fp8_e4m3
+//! partials = "f32"            # f32 (exact) | bf16 (half the combine's return bytes, not bit-identical)
 //! transport = "nvlink"        # or a table: [transport] kind = "ucx", ucx_tls = "tcp", ...
 //!
 //! [knobs]                     # any subset; the others keep their defaults
@@ -28,7 +29,7 @@
 
 use std::path::{Path, PathBuf};
 
-use afdep_core::{ConfigError, ExchangeKnobs, PayloadKind, Topology};
+use afdep_core::{CombinePartials, ConfigError, ExchangeKnobs, PayloadKind, Topology};
 use afdep_transport::TransportConfig;
 use serde::Deserialize;
 use thiserror::Error;
@@ -121,6 +122,8 @@ pub struct ExchangeFile {
     pub capacity: Option<usize>,
     /// Dispatch payload format.
     pub payload: Option<PayloadKind>,
+    /// How the combine's partials travel (`f32`, the default, or `bf16`).
+    pub partials: Option<CombinePartials>,
     /// Fused-engine knobs.
     #[serde(default)]
     pub knobs: KnobsFile,

@@ -183,6 +183,7 @@ fn parse_and_check(name: &str, text: &str) {
         top_k: file.top_k.unwrap_or(8),
         capacity: file.capacity.unwrap_or(2048),
         payload: file.payload.unwrap_or_default(),
+        partials: file.partials.unwrap_or_default(),
         knobs,
     };
     if cfg.validate().is_ok() {

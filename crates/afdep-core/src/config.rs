@@ -115,6 +115,53 @@ impl std::fmt::Display for PayloadKind {
     }
 }
 
+/// How each FFN rank's partial sum travels back to the source in the combine
+/// (docs/design.md, "Specification: AFD exchange", "bf16 partials"). The default is the exact
+/// path; [`CombinePartials::Bf16`] is an opt-in that halves the combine's return bytes and is
+/// **not** bit-identical to it: each partial is rounded to bf16 once more, and the result stays
+/// within [`crate::oracle::exchange::bf16_partials_error_bound`] of the exact one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CombinePartials {
+    /// Each partial travels as `hidden` f32, as computed (4 bytes a channel): the exact path,
+    /// bit-identical across engines and to the oracle.
+    #[default]
+    F32,
+    /// Each partial is rounded to bf16 (round to nearest, ties to even: `bf16::from_f32`) on its
+    /// FFN rank and travels as `hidden` bf16 (2 bytes a channel); the source widens it back to
+    /// f32 exactly and sums as with [`CombinePartials::F32`].
+    Bf16,
+}
+
+impl CombinePartials {
+    /// A partial as the source adds it: itself ([`CombinePartials::F32`]) or rounded to bf16
+    /// and widened back ([`CombinePartials::Bf16`]). This is the one place the bf16 rounding of
+    /// the partials is defined; the oracle's combine applies it to every partial.
+    pub fn as_received(self, partial: f32) -> f32 {
+        match self {
+            CombinePartials::F32 => partial,
+            CombinePartials::Bf16 => half::bf16::from_f32(partial).to_f32(),
+        }
+    }
+
+    /// Bytes of one channel of a partial on the way back.
+    pub fn bytes_per_channel(self) -> usize {
+        match self {
+            CombinePartials::F32 => 4,
+            CombinePartials::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for CombinePartials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CombinePartials::F32 => "f32",
+            CombinePartials::Bf16 => "bf16",
+        })
+    }
+}
+
 /// The knobs of the fused exchange (docs/design.md, "Specification: AFD exchange"), agreed across
 /// ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -185,6 +232,9 @@ pub struct ExchangeConfig {
     /// Dispatch payload format.
     #[serde(default)]
     pub payload: PayloadKind,
+    /// How the FFN ranks' partial sums travel back in the combine (default f32: exact).
+    #[serde(default)]
+    pub partials: CombinePartials,
     /// Fused-engine knobs.
     #[serde(default)]
     pub knobs: ExchangeKnobs,
@@ -216,6 +266,7 @@ impl ExchangeConfig {
             top_k,
             capacity,
             payload: PayloadKind::Bf16,
+            partials: CombinePartials::F32,
             knobs: ExchangeKnobs::default(),
         };
         cfg.validate()?;
@@ -332,5 +383,34 @@ mod tests {
         let mut c = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
         c.experts_per_rank = usize::MAX / 2 + 1;
         assert!(c.validate().is_err());
+    }
+
+    /// A config written before bf16 partials existed reads as the exact path; the setting
+    /// reads and prints as `f32` / `bf16`.
+    #[test]
+    fn partials_default_to_f32_and_read_by_name() {
+        let t: Topology = "2A:2F".parse().unwrap();
+        let c = ExchangeConfig::new(t, 64, 8, 2, 16).unwrap();
+        assert_eq!(c.partials, CombinePartials::F32);
+        let mut v = serde_json::to_value(&c).unwrap();
+        v.as_object_mut().unwrap().remove("partials");
+        let old: ExchangeConfig = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(old, c);
+        v["partials"] = "bf16".into();
+        let b: ExchangeConfig = serde_json::from_value(v).unwrap();
+        assert_eq!(b.partials, CombinePartials::Bf16);
+        assert_eq!(b.partials.to_string(), "bf16");
+        assert_eq!(CombinePartials::F32.bytes_per_channel(), 4);
+        assert_eq!(CombinePartials::Bf16.bytes_per_channel(), 2);
+        // nearest even: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 and goes to 1
+        assert_eq!(CombinePartials::Bf16.as_received(1.0 + 2f32.powi(-8)), 1.0);
+        assert_eq!(
+            CombinePartials::Bf16.as_received(1.0 + 3.0 * 2f32.powi(-8)),
+            1.0 + 2f32.powi(-6)
+        );
+        assert_eq!(
+            CombinePartials::F32.as_received(1.0 + 2f32.powi(-8)),
+            1.0 + 2f32.powi(-8)
+        );
     }
 }

@@ -32,6 +32,7 @@ impl Fingerprint {
                 f("top_k", c.top_k.to_string()),
                 f("capacity", c.capacity.to_string()),
                 f("payload", c.payload.to_string()),
+                f("partials", c.partials.to_string()),
                 f("knobs.min_token_bucket", k.min_token_bucket.to_string()),
                 f("knobs.epilogue_sm_cap", k.epilogue_sm_cap.to_string()),
                 f("knobs.payload_gate", k.payload_gate.to_string()),
@@ -129,5 +130,29 @@ mod tests {
             other => panic!("{other:?}"),
         }
         fa.compare(0, &Fingerprint::of_exchange(&a), 1).unwrap();
+    }
+
+    /// bf16 partials change the combine's result and its wire format: ranks that disagree on
+    /// them must not talk.
+    #[test]
+    fn partials_are_fingerprinted() {
+        let t: Topology = "2A:2F".parse().unwrap();
+        let a = ExchangeConfig::new(t, 2048, 128, 8, 2048).unwrap();
+        let mut b = a.clone();
+        b.partials = crate::CombinePartials::Bf16;
+        let (fa, fb) = (Fingerprint::of_exchange(&a), Fingerprint::of_exchange(&b));
+        assert_ne!(fa.digest(), fb.digest());
+        match fb.compare(1, &fa, 0) {
+            Err(ConfigError::Mismatch {
+                field,
+                local,
+                remote,
+                ..
+            }) => {
+                assert_eq!(field, "partials");
+                assert_eq!((local.as_str(), remote.as_str()), ("bf16", "f32"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

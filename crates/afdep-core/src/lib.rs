@@ -25,7 +25,7 @@ pub mod tensor;
 pub mod testing;
 pub mod topology;
 
-pub use config::{ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind};
+pub use config::{CombinePartials, ExchangeConfig, ExchangeKnobs, LayerShape, PayloadKind};
 pub use error::{ConfigError, RouteError};
 pub use half::bf16;
 pub use route::Routes;

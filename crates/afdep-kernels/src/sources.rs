@@ -302,13 +302,19 @@ kernel_registry! {
         FusedCopyEpilogueFp8 = "afdep_fused_copy_epilogue_fp8",
     }
     /// `fused_combine.cu`: the combine's two halves, the FFN ranks' partial sums and the sources'
-    /// fixed-order sum (specialised by top-k).
+    /// fixed-order sum, with f32 partials and with bf16 partials (specialised by top-k).
     FusedCombine = "fused_combine.cu", experts: false, top_k: true {
         /// `afdep_fused_combine_reduce`: an FFN rank's f32 partial sum of each token's slots into
         /// its source's return area.
         FusedCombineReduce = "afdep_fused_combine_reduce",
         /// `afdep_fused_combine`: waits for the FFN ranks, adds their partials in the fixed order.
         FusedCombine = "afdep_fused_combine",
+        /// `afdep_fused_combine_reduce_bf16`: [`KernelId::FusedCombineReduce`] with bf16
+        /// partials (each partial rounded to bf16, nearest even, as it is stored).
+        FusedCombineReduceBf16 = "afdep_fused_combine_reduce_bf16",
+        /// `afdep_fused_combine_bf16`: [`KernelId::FusedCombine`] with bf16 partials (each
+        /// widened to f32 as it is read).
+        FusedCombineBf16 = "afdep_fused_combine_bf16",
     }
     /// `fused_counts.cu`: count-first counts on the device, their publication, the FFN rank's
     /// plan and offsets, a bounded flag wait (specialised by top-k).

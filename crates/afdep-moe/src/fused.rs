@@ -40,6 +40,13 @@
 //!    bit-identical to the oracle and the staged engine. One f32 row per (token, FFN rank) travels
 //!    back instead of one bf16 row per slot: a quarter of the bytes when all 8 slots of a token are
 //!    on one FFN rank (3A:1F), about the same at 2 slots per rank.
+//!    With bf16 partials ([`afdep_core::CombinePartials::Bf16`], opt-in, fingerprinted) the FFN
+//!    rank rounds each partial to bf16 (nearest even) and stores `hidden` bf16, half the return
+//!    bytes; the source widens them back and sums as before: bit-identical to the oracle with
+//!    bf16 partials, within [`afdep_core::oracle::exchange::bf16_partials_error_bound`] of the
+//!    f32 path (and the same bits as it where a token's slots sit on one FFN rank). The setting
+//!    is a run-time field of the workspace layout both combine kernels read, in every arm, in
+//!    host-planned and device rounds and in graphs.
 //!
 //! # Workspace (bytes from every rank's workspace base, the same on every rank)
 //!
@@ -51,8 +58,9 @@
 //!                                     arm, ...}
 //! 1024   slabs           world × capacity rows of slab_row_bytes_for(payload, hidden, K)
 //!                        (by source rank)
-//! ret    return areas    ffn_ranks × capacity rows of hidden f32 (by FFN index; token t of
-//!                        the round's partial of FFN index f at row f·capacity + t)
+//! ret    return areas    ffn_ranks × capacity rows of hidden f32 (bf16 partials: hidden bf16)
+//!                        (by FFN index; token t of the round's partial of FFN index f at row
+//!                        f·capacity + t)
 //! cf     count-first     count flags, offset flags, counts, offsets, plan, row flags,
 //!                        expanded area (bf16; fp8: dequantised, then the rows' codes and
 //!                        scales) (`layout/fused.cuh`; 256-byte aligned after ret)

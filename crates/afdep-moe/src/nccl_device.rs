@@ -75,14 +75,14 @@
 //! A rejected route is [`ExchangeError::Route`] on every rank and leaves the engine usable.
 //! Any other failure of a round (a kernel or driver error, an NCCL error or time-out, which
 //! abort the communicator) closes the engine: [`ExchangeError::Closed`] afterwards. fp8 payloads
-//! are not supported by this engine (an [`ExchangeError::Input`] at set-up, the same on every
-//! rank).
+//! and bf16 combine partials ([`afdep_core::CombinePartials::Bf16`]) are not supported by this
+//! engine (an [`ExchangeError::Input`] at set-up, the same on every rank).
 
 use std::time::{Duration, Instant};
 
 use afdep_core::layout::{FfnPlan, SourceCounts};
 use afdep_core::oracle::exchange::{FfnReceived, SourceInput};
-use afdep_core::{ExchangeConfig, PayloadKind, bf16};
+use afdep_core::{CombinePartials, ExchangeConfig, PayloadKind, bf16};
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaGraph, sys};
 use afdep_kernels::ops::nccl_round::{HEADER_BYTES, NcclExperts, NcclGeometry, NcclRoundBuffers};
 use afdep_kernels::{GpuContext, KernelError};
@@ -147,7 +147,8 @@ impl NcclDeviceEngine {
     /// Sets up one rank, collective: the config agreement of every engine, the device buffers
     /// (capacity-sized) and the kernels (compiled or read from the cache now, outside any
     /// round), on `transport`'s device, with `experts` as the FFN ranks' experts (every rank
-    /// must pass the same). fp8 payloads are [`ExchangeError::Input`] on every rank.
+    /// must pass the same). fp8 payloads and bf16 combine partials are [`ExchangeError::Input`]
+    /// on every rank.
     pub fn new(
         cfg: ExchangeConfig,
         mut transport: Nccl,
@@ -161,6 +162,9 @@ impl NcclDeviceEngine {
         };
         if cfg.payload != PayloadKind::Bf16 {
             return Err(unsupported("fp8 payloads"));
+        }
+        if cfg.partials != CombinePartials::F32 {
+            return Err(unsupported("bf16 combine partials"));
         }
         let geo = geometry(&cfg);
         let src_index = cfg.topology.attention_index(rank);

@@ -15,7 +15,10 @@
 //! 4. **experts**: each FFN rank applies its experts to each local expert's group of rows.
 //! 5. **combine** (all-to-all-v): each FFN rank returns to each source its blocks for that
 //!    source, in local-expert order; the source combines them in the fixed order of
-//!    [`afdep_core::oracle::exchange`], so results are bit-identical to the oracle.
+//!    [`afdep_core::oracle::exchange`], so results are bit-identical to the oracle. With bf16
+//!    partials ([`afdep_core::CombinePartials::Bf16`]) the source rounds each FFN rank's
+//!    partial to bf16 before it adds it, as the oracle does: the same result as the fused
+//!    engine's bf16 partials, but no bytes saved (the staged engine returns rows, not partials).
 //!
 //! Wire formats are native-endian (afdep runs on little-endian hosts). A dispatch message of
 //! `n` tokens is `[n × hidden bf16][n u32 token indices][n × K i32 local ids][n × K f32
@@ -31,7 +34,7 @@ use afdep_core::fp8::{self, QuantisedRows};
 use afdep_core::layout::{
     FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
 };
-use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source_with};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_transport::{Span, Transport, TransportBuffer, TransportError};
 
@@ -271,9 +274,10 @@ impl<T: Transport> StagedEngine<T> {
             .collect();
         let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
         let pos = return_positions(&inp.routes, &p, &sources[s]);
-        Ok(Some(combine_source(
+        Ok(Some(combine_source_with(
             &inp.routes,
             h,
+            self.cfg.partials,
             |e| p.owner(e).expect("validated"),
             |i| pos[i].expect("unmasked").row,
             &refs,

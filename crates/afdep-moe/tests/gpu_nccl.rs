@@ -312,6 +312,14 @@ fn device_engine_rejects_what_it_does_not_support() {
     cfg.payload = afdep_core::PayloadKind::Fp8E4m3;
     let e = NcclDeviceEngine::new(cfg, g.remove(0), &DeviceExperts::Identity).unwrap_err();
     assert!(matches!(e, ExchangeError::Input { .. }), "{e}");
+    // bf16 combine partials: refused, never ignored
+    let Some(mut g) = nccl_group(1) else { return };
+    let cfg = exchange_common::bf16_partials(device_cfg("EP1", 128, 8, 2));
+    let e = NcclDeviceEngine::new(cfg, g.remove(0), &DeviceExperts::Identity).unwrap_err();
+    match &e {
+        ExchangeError::Input { rank: 0, what } => assert!(what.contains("partials"), "{what}"),
+        other => panic!("{other}"),
+    }
 }
 
 /// Every ratio's rounds (a hot expert, uneven ranks, a zero-token rank, a round with no token)

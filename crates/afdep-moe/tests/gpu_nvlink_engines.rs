@@ -4,7 +4,8 @@
 //! rejected route fails every rank and the next round works. The same for the fused engine
 //! (payload-first kernels storing through the peer table), which must also equal the staged
 //! engine bit for bit, also with phase timing on (device times after every round, none after a
-//! rejected one).
+//! rejected one). bf16 combine partials in every arm: bit-identical to the oracle with bf16
+//! partials and within the bound of the exact one.
 //!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
@@ -194,6 +195,48 @@ fn fused_rejects_a_too_small_workspace_on_every_rank() {
             }
             other => panic!("rank {rank}: {other:?}"),
         }
+    }
+}
+
+/// bf16 combine partials in host-planned rounds of every arm (payload-first, count-first
+/// streaming, the source arm, switching from round to round on the same engines): every round
+/// bit-identical to the oracle with bf16 partials (combine and received views), within the
+/// bound of the exact (f32-partials) oracle, the same bits as it on one FFN rank and different
+/// on several. Uneven ranks, a zero-token rank, one token each, no token at all, a hot expert;
+/// the element path (hidden 20) and the 16-byte path at top-8 (hidden 2048); SwiGLU experts on
+/// the host.
+#[test]
+fn fused_bf16_partials_match_the_bf16_oracle_in_every_arm_within_the_bound() {
+    let _serial = serial();
+    for (topo, hidden, experts, k) in [
+        ("3A:1F", 24, 12, 3),
+        ("2A:2F", 24, 12, 3),
+        ("1A:3F", 24, 12, 3),
+        ("EP4", 24, 12, 3),
+        ("2A:2F", 20, 12, 2),
+        ("3A:1F", 2048, 16, 8),
+        ("2A:2F", 2048, 16, 8),
+    ] {
+        let c = bf16_partials(cfg(topo, hidden, experts, k));
+        let p = params(&c, 8, 5);
+        let rounds = every_ratio_rounds(&c);
+        let Some(g) = fused_group(c.topology.world_size(), &c, 16 << 20, TIMEOUT) else {
+            return;
+        };
+        let got = run_arms_on(g, &c, &rounds, &FORCED, Some(&p));
+        let mut differing = 0;
+        for (i, (inp, per_arm)) in rounds.iter().zip(&got).enumerate() {
+            for (arm, g) in FORCED.iter().zip(per_arm) {
+                for (rank, r) in g.iter().enumerate() {
+                    if let Err(e) = r {
+                        panic!("{topo} hidden {hidden} round {i} {arm:?} rank {rank}: {e}");
+                    }
+                }
+                check_round(&c, inp, g, Some(&p));
+                differing += check_partials_bound(&c, inp, g, expert_of(Some(&p)));
+            }
+        }
+        check_partials_took_effect(&c, differing);
     }
 }
 

@@ -24,6 +24,10 @@
 //! checks, on every rank) in graph replays and eager rounds, a masked token's row not checked,
 //! and the next replay exact.
 //!
+//! bf16 combine partials: graph replays and eager rounds of every arm on 3A:1F, 2A:2F, 1A:3F,
+//! EP4 and EP1 and at hidden 2048 with top-8, bit-identical to the oracle with bf16 partials and
+//! within the bound of the exact one.
+//!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
 
@@ -352,6 +356,56 @@ fn graph_replays_at_large_hidden_with_knobs() {
             "{topo} hidden {hidden}: {:.2} s",
             t0.elapsed().as_secs_f64()
         );
+    }
+}
+
+/// bf16 combine partials in device rounds and graph replays of every arm: every run
+/// bit-identical to the oracle with bf16 partials and to every other mode, within the bound of
+/// the exact (f32-partials) oracle, the same bits as it on one FFN rank and different on
+/// several. The replay rounds (uneven ranks, a zero-token rank, one token each, no token
+/// anywhere, a rank at capacity, a hot expert), the element path (hidden 36) and top-8 at
+/// hidden 2048 (16-byte path).
+#[test]
+fn bf16_partials_in_graph_replays_and_device_rounds_match_the_bf16_oracle_within_the_bound() {
+    let _serial = serial();
+    let modes = all_modes();
+    for (topo, hidden, k, capacity) in [
+        ("3A:1F", 40, 3, 48),
+        ("2A:2F", 40, 3, 48),
+        ("1A:3F", 40, 3, 48),
+        ("EP4", 40, 3, 48),
+        ("EP1", 40, 2, 48),
+        ("2A:2F", 36, 2, 48),
+        ("3A:1F", 2048, 8, 256),
+        ("2A:2F", 2048, 8, 256),
+    ] {
+        let t0 = Instant::now();
+        let mut c = cfg(topo, hidden, if k == 8 { 24 } else { 12 }, k);
+        c.capacity = capacity;
+        let c = bf16_partials(c);
+        let rounds = if capacity == 256 {
+            let a = c.topology.attention_count();
+            vec![
+                sources(&c, &[250, 0, 131, 9][..a], Some(7), 71),
+                sources(&c, &[256, 256, 0, 64][..a], Some(2), 72),
+                sources(&c, &[1, 0, 256, 3][..a], None, 73),
+            ]
+        } else {
+            replay_rounds(&c)
+        };
+        let Some((got, _)) = run_modes(&c, &rounds, &modes) else {
+            return;
+        };
+        let what = format!("{topo} hidden {hidden} bf16 partials");
+        check_modes(&what, &c, &rounds, &got, &modes);
+        let mut differing = 0;
+        for (inp, per_mode) in rounds.iter().zip(&got) {
+            for g in per_mode {
+                differing += check_partials_bound(&c, inp, g, expert_of(None));
+            }
+        }
+        check_partials_took_effect(&c, differing);
+        println!("{what}: {:.2} s", t0.elapsed().as_secs_f64());
     }
 }
 

@@ -1,6 +1,6 @@
 //! The staged engine over Loopback against the oracle: every ratio, uneven ranks, a zero-token
-//! rank, a hot expert, masked slots, rejected routes, a rank with a different config, and the
-//! one-device layer. With the feature `ucx`, every ratio and the rejected routes also run over
+//! rank, a hot expert, masked slots, rejected routes, a rank with a different config (knobs,
+//! partials), bf16 combine partials, and the one-device layer. With the feature `ucx`, every ratio and the rejected routes also run over
 //! UCX (ranks as threads, over tcp and over shared memory).
 
 use std::sync::{Arc, Mutex};
@@ -233,6 +233,43 @@ fn a_rank_with_a_different_config_fails_at_set_up() {
                 assert_eq!(field, "knobs.min_rows_per_unit");
                 assert_eq!(*local_rank, rank);
                 assert_eq!(*remote_rank, if rank == 2 { 0 } else { 2 });
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
+/// bf16 combine partials: every ratio bit-identical to the oracle with bf16 partials, within the
+/// bound of the exact (f32-partials) oracle, the same bits as it on one FFN rank and different
+/// on several; the SwiGLU experts and the cheap scaling both.
+#[test]
+fn bf16_partials_every_ratio_match_the_bf16_oracle_within_the_bound() {
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4", "EP1"] {
+        let c = bf16_partials(cfg(topo, 24, 12, 3));
+        let p = params(&c, 8, 5);
+        let rounds = every_ratio_rounds(&c);
+        for params in [Some(&p), None] {
+            let got = run(&vec![c.clone(); c.topology.world_size()], &rounds, params).unwrap();
+            let mut differing = 0;
+            for (inp, g) in rounds.iter().zip(&got) {
+                check_round(&c, inp, g, params);
+                differing += check_partials_bound(&c, inp, g, expert_of(params));
+            }
+            check_partials_took_effect(&c, differing);
+        }
+    }
+}
+
+#[test]
+fn a_rank_with_other_partials_fails_at_set_up() {
+    let c = cfg("2A:2F", 16, 8, 2);
+    let mut cfgs = vec![c.clone(); 4];
+    cfgs[1] = bf16_partials(c);
+    let errs = run(&cfgs, &[], None).unwrap_err();
+    for (rank, e) in errs.iter().enumerate() {
+        match e {
+            ExchangeError::Config(ConfigError::Mismatch { field, .. }) => {
+                assert_eq!(field, "partials", "rank {rank}");
             }
             other => panic!("rank {rank}: {other:?}"),
         }

@@ -8,7 +8,7 @@
 //!
 //! The config is a JSON object with the fields of `afdep exchange --config FILE`
 //! (`topology`, `hidden`, `experts`, `experts_per_rank`, `top_k`, `capacity`, `payload`,
-//! `knobs`, `transport`), deserialised into the library types the CLI's file ends in
+//! `partials`, `knobs`, `transport`), deserialised into the library types the CLI's file ends in
 //! ([`ExchangeConfig`], [`TransportConfig`]); absent knobs keep their defaults.
 
 use std::cell::RefCell;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use afdep_core::{ExchangeConfig, ExchangeKnobs, PayloadKind, Topology};
+use afdep_core::{CombinePartials, ExchangeConfig, ExchangeKnobs, PayloadKind, Topology};
 use afdep_moe::FusedEngine;
 use afdep_transport::{TransportConfig, TransportKind, TransportOptions};
 use anyhow::{Result, bail};
@@ -129,6 +129,18 @@ impl EngineKind {
             EngineKind::NcclDevice => &[PayloadKind::Bf16],
         }
     }
+
+    /// The combine partials this engine has: the fused engine stores bf16 partials (half the
+    /// return bytes), the staged engine rounds the partials the same way on the source (same
+    /// results, no bytes saved), the NCCL device engine has f32 partials only.
+    pub fn partials(self) -> &'static [CombinePartials] {
+        match self {
+            EngineKind::Staged | EngineKind::Fused => {
+                &[CombinePartials::F32, CombinePartials::Bf16]
+            }
+            EngineKind::NcclDevice => &[CombinePartials::F32],
+        }
+    }
 }
 
 /// The exit status of `afdep exchange` when it was asked for an arm or a payload that its engine
@@ -145,6 +157,25 @@ pub struct Unsupported {
     pub what: String,
     /// What it supports.
     pub have: String,
+}
+
+/// Combine partials on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PartialsArg {
+    /// f32 partials: the exact path, bit-identical to the oracle's f32 combine.
+    F32,
+    /// bf16 partials: half the combine's return bytes, within the derived bound of the f32 path
+    /// (bit-identical to the oracle with bf16 partials).
+    Bf16,
+}
+
+impl From<PartialsArg> for CombinePartials {
+    fn from(p: PartialsArg) -> CombinePartials {
+        match p {
+            PartialsArg::F32 => CombinePartials::F32,
+            PartialsArg::Bf16 => CombinePartials::Bf16,
+        }
+    }
 }
 
 /// Payload formats on the command line.
@@ -305,6 +336,10 @@ pub struct ExchangeArgs {
     /// Dispatch payload [default: bf16].
     #[arg(long, value_enum)]
     pub payload: Option<PayloadArg>,
+    /// Combine partials: `f32` (exact) or `bf16` (each FFN rank's partial rounded to bf16: half
+    /// the return bytes, not bit-identical to f32) [default: f32].
+    #[arg(long, value_enum)]
+    pub partials: Option<PartialsArg>,
     /// Knob: SMs of the dispatch and combine kernels [default: 24].
     #[arg(long)]
     pub transport_sms: Option<u32>,
@@ -444,6 +479,11 @@ impl ExchangeArgs {
                 .payload
                 .map(PayloadKind::from)
                 .or(file.payload)
+                .unwrap_or_default(),
+            partials: self
+                .partials
+                .map(CombinePartials::from)
+                .or(file.partials)
                 .unwrap_or_default(),
             knobs,
         };

@@ -254,6 +254,19 @@ fn check_request(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
         }
         .into());
     }
+    if !engine.partials().contains(&cfg.partials) {
+        return Err(Unsupported {
+            engine: engine.name(),
+            what: format!("{} combine partials", cfg.partials),
+            have: engine
+                .partials()
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+        .into());
+    }
     if !engine.payloads().contains(&cfg.payload) {
         return Err(Unsupported {
             engine: engine.name(),
@@ -486,6 +499,7 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
         top_k: cfg.top_k,
         capacity: cfg.capacity,
         payload: cfg.payload.to_string(),
+        partials: cfg.partials.to_string(),
         transport_sms: cfg.knobs.transport_sms,
         tokens: prob.inputs.iter().map(|i| i.routes.tokens).collect(),
         expert: format!("{:?}", a.expert).to_lowercase(),

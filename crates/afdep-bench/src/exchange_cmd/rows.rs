@@ -30,6 +30,10 @@ pub struct ExchangeRow {
     pub capacity: usize,
     /// Payload.
     pub payload: String,
+    /// Combine partials: `f32` (exact) or `bf16` (`--partials bf16`); rows written before the
+    /// option read as `f32`.
+    #[serde(default = "f32_partials")]
+    pub partials: String,
     /// The transport SM budget (knob).
     pub transport_sms: u32,
     /// Tokens on each attention rank.
@@ -133,6 +137,11 @@ pub(super) fn eager() -> String {
     "eager".into()
 }
 
+/// The `partials` of rows written before bf16 partials existed.
+pub(super) fn f32_partials() -> String {
+    "f32".into()
+}
+
 pub(super) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -144,8 +153,9 @@ pub(super) fn median(mut v: Vec<f64>) -> f64 {
 /// The markdown table of `rows`.
 pub fn table(rows: &[ExchangeRow]) -> String {
     let mut t = String::from(
-        "| topology | engine | arm | mode | transport | tokens | round µs | dispatch µs | combine µs \
-         | wall µs | timing | status |\n|---|---|---|---|---|---|---:|---:|---:|---:|---|---|\n",
+        "| topology | engine | arm | mode | partials | transport | tokens | round µs | dispatch µs \
+         | combine µs | wall µs | timing | status |\n|---|---|---|---|---|---|---|---:|---:|---:|---:\
+         |---|---|\n",
     );
     for r in rows {
         let tokens = match r.tokens.iter().min() == r.tokens.iter().max() {
@@ -154,11 +164,12 @@ pub fn table(rows: &[ExchangeRow]) -> String {
         };
         let phase = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} |\n",
             r.topology,
             r.engine,
             r.arm,
             r.mode,
+            r.partials,
             r.transport,
             tokens,
             r.round_us,

@@ -19,6 +19,7 @@ fn row(mode: &str, phases: Option<f64>) -> ExchangeRow {
         top_k: 8,
         capacity: 2048,
         payload: "bf16".into(),
+        partials: "f32".into(),
         transport_sms: 24,
         tokens: vec![8, 8, 8],
         expert: "identity".into(),
@@ -56,17 +57,19 @@ fn graph_rows_carry_their_mode_and_no_phases() {
     assert_eq!(back.dispatch_us, None);
     let t = table(&[g, row("eager", Some(12.5))]);
     assert!(
-        t.contains("| 3A:1F | fused | auto | graph | nvlink-ipc | 8 | 41.2 | – | – |"),
+        t.contains("| 3A:1F | fused | auto | graph | f32 | nvlink-ipc | 8 | 41.2 | – | – |"),
         "{t}"
     );
     assert!(
-        t.contains("| eager | nvlink-ipc | 8 | 41.2 | 12.5 | 12.5 |"),
+        t.contains("| eager | f32 | nvlink-ipc | 8 | 41.2 | 12.5 | 12.5 |"),
         "{t}"
     );
     let mut old = serde_json::to_value(row("eager", Some(1.0))).unwrap();
     old.as_object_mut().unwrap().remove("mode");
+    old.as_object_mut().unwrap().remove("partials");
     let old: ExchangeRow = serde_json::from_value(old).unwrap();
     assert_eq!(old.mode, "eager");
+    assert_eq!(old.partials, "f32");
 }
 
 /// `--arm auto` is the rule in eager rounds (no forced arm) and every arm in one graph.
@@ -398,4 +401,58 @@ fn backend_cuda_over_nccl_is_the_nccl_device_engine() {
     check_graph(&parse("nccl", &["--expert", "identity", "--graph"])).unwrap();
     let e = parse("tcp", &[]).resolve().unwrap_err().to_string();
     assert!(e.contains("--transport nccl"), "{e}");
+}
+
+/// `--partials bf16` (or `partials = "bf16"` in the config file, which the flag overrides)
+/// reaches the exchange config, so the fingerprint and the rows carry it; the NCCL device engine,
+/// which has f32 partials only, refuses it as unsupported (exit status 3), never ignores it.
+#[test]
+fn partials_reach_the_config_and_unsupported_engines_refuse_them() {
+    use afdep_core::CombinePartials;
+    let res = args(&[]).unwrap().resolve().unwrap();
+    assert_eq!(res.cfg.partials, CombinePartials::F32);
+    let res = args(&["--partials", "bf16"]).unwrap().resolve().unwrap();
+    assert_eq!(res.cfg.partials, CombinePartials::Bf16);
+    assert_eq!(res.engine, EngineKind::Fused);
+    assert!(res.engine.partials().contains(&CombinePartials::Bf16));
+    assert!(args(&["--partials", "f16"]).is_err());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("x.toml");
+    std::fs::write(&file, "partials = \"bf16\"\n").unwrap();
+    let path = file.to_str().unwrap();
+    let res = args(&["--config", path]).unwrap().resolve().unwrap();
+    assert_eq!(res.cfg.partials, CombinePartials::Bf16);
+    let res = args(&["--config", path, "--partials", "f32"])
+        .unwrap()
+        .resolve()
+        .unwrap();
+    assert_eq!(res.cfg.partials, CombinePartials::F32);
+    std::fs::write(&file, "partials = \"f16\"\n").unwrap();
+    assert!(args(&["--config", path]).unwrap().resolve().is_err());
+    // the NCCL device engine
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ExchangeArgs,
+    }
+    let a = Cli::try_parse_from([
+        "afdep",
+        "--backend",
+        "cuda",
+        "--transport",
+        "nccl",
+        "--expert",
+        "identity",
+        "--partials",
+        "bf16",
+    ])
+    .unwrap()
+    .a;
+    let res = a.resolve().unwrap();
+    assert_eq!(res.engine, EngineKind::NcclDevice);
+    assert_eq!(res.engine.partials(), &[CombinePartials::F32]);
+    let e = check_request(&a, &res).unwrap_err();
+    let u = e.downcast_ref::<Unsupported>().expect("unsupported");
+    assert_eq!(u.what, "bf16 combine partials");
 }

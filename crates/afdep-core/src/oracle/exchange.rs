@@ -9,6 +9,14 @@
 //! the token, ascending; then one cast to bf16. `y_k` is the bf16 row the FFN rank returned.
 //! A token with no unmasked slot combines to +0.
 //!
+//! Partials ([`ExchangeConfig::partials`]): with [`CombinePartials::F32`] (the default) the
+//! source adds `partial_r` as computed, which is the arithmetic above. With
+//! [`CombinePartials::Bf16`] it adds `f32(bf16(partial_r))` instead (each partial rounded to
+//! bf16, nearest even, then widened exactly: [`CombinePartials::as_received`]), and everything
+//! else is unchanged: engines with bf16 partials are bit-identical to this oracle with bf16
+//! partials, and [`partials_bound`] / [`bf16_partials_error_bound`] bound their distance from
+//! the exact result (zero where a token's slots sit on one FFN rank).
+//!
 //! Payloads ([`ExchangeConfig::payload`]): with bf16 the FFN ranks receive the source rows bit
 //! for bit. With fp8 e4m3 ([`crate::fp8`]) every row that travels is quantised on its source
 //! (per token, one f32 scale per 128 channels); the FFN ranks receive the codes and scales in
@@ -20,7 +28,7 @@
 
 use half::bf16;
 
-use crate::config::{ExchangeConfig, PayloadKind};
+use crate::config::{CombinePartials, ExchangeConfig, PayloadKind};
 use crate::error::RouteError;
 use crate::fp8::{self, QuantisedRows};
 use crate::layout::{FfnPlan, SourceCounts, block_positions, compact_slots, payload_first_slabs};
@@ -246,9 +254,77 @@ where
         .collect()
 }
 
+/// The f32 partials of a source's tokens, in the combine's order: for token `t`,
+/// [`Partials::token`] hands each FFN rank's partial `Σ_{slot k ascending, expert on f} w_k ·
+/// y_k` (from 0, each product and sum rounded to f32, no FMA) to its callback, FFN ranks
+/// ascending, skipping the ranks that hold no slot of `t`. The combine and the error bound of
+/// bf16 partials both read the partials from here, so they are the same numbers.
+struct Partials<'a, O, R> {
+    routes: &'a Routes,
+    hidden: usize,
+    owner: O,
+    row_of: R,
+    ffn_rows: &'a [&'a [bf16]],
+    slots_of: Vec<Vec<usize>>,
+    partial: Vec<f32>,
+}
+
+impl<'a, O, R> Partials<'a, O, R>
+where
+    O: Fn(usize) -> usize,
+    R: Fn(usize) -> u64,
+{
+    fn new(
+        routes: &'a Routes,
+        hidden: usize,
+        owner: O,
+        row_of: R,
+        ffn_rows: &'a [&'a [bf16]],
+    ) -> Self {
+        Partials {
+            routes,
+            hidden,
+            owner,
+            row_of,
+            ffn_rows,
+            slots_of: vec![Vec::new(); ffn_rows.len()],
+            partial: vec![0f32; hidden],
+        }
+    }
+
+    /// Calls `each(partial)` for every FFN rank holding a slot of token `t`, ascending.
+    fn token(&mut self, t: usize, mut each: impl FnMut(&[f32])) {
+        let (k, h) = (self.routes.top_k, self.hidden);
+        for s in self.slots_of.iter_mut() {
+            s.clear();
+        }
+        for j in 0..k {
+            let e = self.routes.idx[t * k + j];
+            if e != MASKED {
+                self.slots_of[(self.owner)(e as usize)].push(j);
+            }
+        }
+        for (f, slots) in self.slots_of.iter().enumerate() {
+            if slots.is_empty() {
+                continue;
+            }
+            self.partial.iter_mut().for_each(|a| *a = 0.0);
+            for &j in slots {
+                let w = self.routes.weights[t * k + j];
+                let row = (self.row_of)(t * k + j) as usize;
+                let y = &self.ffn_rows[f][row * h..(row + 1) * h];
+                for (p, v) in self.partial.iter_mut().zip(y) {
+                    *p += w * v.to_f32();
+                }
+            }
+            each(&self.partial);
+        }
+    }
+}
+
 /// Combine one source's tokens from the rows each FFN rank returns: `owner(expert)` is the FFN
 /// index holding an expert and `row_of(slot index)` the slot's row in `ffn_rows[owner]`; the
-/// arithmetic is the module's.
+/// arithmetic is the module's, with f32 partials ([`CombinePartials::F32`]).
 pub fn combine_source<R>(
     routes: &Routes,
     hidden: usize,
@@ -259,75 +335,271 @@ pub fn combine_source<R>(
 where
     R: Fn(usize) -> u64,
 {
-    let k = routes.top_k;
-    let nf = ffn_rows.len();
-    let mut out = vec![bf16::ZERO; routes.tokens * hidden];
-    let mut acc = vec![0f32; hidden];
-    let mut partial = vec![0f32; hidden];
-    let mut slots_of = vec![Vec::new(); nf];
-    for t in 0..routes.tokens {
-        for s in slots_of.iter_mut() {
-            s.clear();
-        }
-        for j in 0..k {
-            let e = routes.idx[t * k + j];
-            if e != MASKED {
-                slots_of[owner(e as usize)].push(j);
-            }
-        }
+    combine_source_with(
+        routes,
+        hidden,
+        CombinePartials::F32,
+        owner,
+        row_of,
+        ffn_rows,
+    )
+}
+
+/// [`combine_source`] with the partials travelling as `partials` says: each FFN rank's f32
+/// partial is replaced by [`CombinePartials::as_received`] of it before the source adds it (for
+/// [`CombinePartials::Bf16`], rounded to bf16 and widened back), then summed as ever.
+pub fn combine_source_with<R>(
+    routes: &Routes,
+    hidden: usize,
+    partials: CombinePartials,
+    owner: impl Fn(usize) -> usize,
+    row_of: R,
+    ffn_rows: &[&[bf16]],
+) -> Vec<bf16>
+where
+    R: Fn(usize) -> u64,
+{
+    let mut sums = Partials::new(routes, hidden, owner, row_of, ffn_rows);
+    combine_tokens(&mut sums, |p| partials.as_received(p))
+}
+
+/// Every token of `sums`' source: `acc = 0; acc = acc + received(P_f)` over its partials
+/// (FFN ranks ascending, in f32), then one cast to bf16.
+fn combine_tokens<O, R>(sums: &mut Partials<'_, O, R>, received: impl Fn(f32) -> f32) -> Vec<bf16>
+where
+    O: Fn(usize) -> usize,
+    R: Fn(usize) -> u64,
+{
+    let (tokens, h) = (sums.routes.tokens, sums.hidden);
+    let mut out = vec![bf16::ZERO; tokens * h];
+    let mut acc = vec![0f32; h];
+    for t in 0..tokens {
         acc.iter_mut().for_each(|a| *a = 0.0);
-        for (f, slots) in slots_of.iter().enumerate() {
-            if slots.is_empty() {
-                continue;
+        sums.token(t, |partial| {
+            for (a, p) in acc.iter_mut().zip(partial) {
+                *a += received(*p);
             }
-            partial.iter_mut().for_each(|a| *a = 0.0);
-            for &j in slots {
-                let w = routes.weights[t * k + j];
-                let row = row_of(t * k + j) as usize;
-                let y = &ffn_rows[f][row * hidden..(row + 1) * hidden];
-                for (p, v) in partial.iter_mut().zip(y) {
-                    *p += w * v.to_f32();
-                }
-            }
-            for (a, p) in acc.iter_mut().zip(&partial) {
-                *a += *p;
-            }
-        }
-        for (o, a) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(&acc) {
+        });
+        for (o, a) in out[t * h..(t + 1) * h].iter_mut().zip(&acc) {
             *o = bf16::from_f32(*a);
         }
     }
     out
 }
 
-/// Combine: the output of every source, from the expanded rows `y[f]` of every FFN rank.
+/// Calls `each(source, partials)` for every source with the [`Partials`] of its tokens over
+/// the expert outputs `y` of every FFN rank.
+fn each_source_partials(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+    received: &[FfnReceived],
+    y: &[Vec<bf16>],
+    mut each: impl FnMut(usize, &mut Partials<'_, &dyn Fn(usize) -> usize, &dyn Fn(usize) -> u64>),
+) {
+    let p = cfg.placement();
+    let rows: Vec<&[bf16]> = y.iter().map(|v| v.as_slice()).collect();
+    for (s, inp) in inputs.iter().enumerate() {
+        let pos = block_positions(&inp.routes, &p);
+        let row_of = |i: usize| {
+            let e = inp.routes.idx[i] as usize;
+            let f = p.owner(e).expect("validated");
+            received[f].plan.block_start(p.local(e), s) + pos[i].expect("unmasked")
+        };
+        let owner = |e: usize| p.owner(e).expect("validated");
+        let mut sums = Partials::new(
+            &inp.routes,
+            cfg.hidden,
+            &owner as &dyn Fn(usize) -> usize,
+            &row_of as &dyn Fn(usize) -> u64,
+            &rows,
+        );
+        each(s, &mut sums);
+    }
+}
+
+/// Combine: the output of every source, from the expanded rows `y[f]` of every FFN rank, with
+/// the partials of [`ExchangeConfig::partials`].
 pub fn combine(
     cfg: &ExchangeConfig,
     inputs: &[SourceInput],
     received: &[FfnReceived],
     y: &[Vec<bf16>],
 ) -> Vec<Vec<bf16>> {
-    let p = cfg.placement();
-    let rows: Vec<&[bf16]> = y.iter().map(|v| v.as_slice()).collect();
-    inputs
-        .iter()
-        .enumerate()
-        .map(|(s, inp)| {
-            let pos = block_positions(&inp.routes, &p);
-            let row_of = |i: usize| {
-                let e = inp.routes.idx[i] as usize;
-                let f = p.owner(e).expect("validated");
-                received[f].plan.block_start(p.local(e), s) + pos[i].expect("unmasked")
-            };
-            combine_source(
-                &inp.routes,
-                cfg.hidden,
-                |e| p.owner(e).expect("validated"),
-                row_of,
-                &rows,
-            )
-        })
-        .collect()
+    combine_with(cfg, inputs, received, y, |p| cfg.partials.as_received(p))
+}
+
+/// [`combine`] with `received(partial)` as what the source adds of each partial.
+fn combine_with(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+    received: &[FfnReceived],
+    y: &[Vec<bf16>],
+    received_partial: impl Fn(f32) -> f32,
+) -> Vec<Vec<bf16>> {
+    let mut out = Vec::with_capacity(inputs.len());
+    each_source_partials(cfg, inputs, received, y, |_, sums| {
+        out.push(combine_tokens(sums, &received_partial));
+    });
+    out
+}
+
+/// The error bound of bf16 partials for one output element (docs/design.md, "Specification:
+/// AFD exchange", "bf16 partials and their error bound"): how far the element's result with
+/// [`CombinePartials::Bf16`] may lie from its result with [`CombinePartials::F32`], `exact`,
+/// given `abs_partials` = `S = Σ_f |P_f|` (the f32 partials of the FFN ranks holding a slot of
+/// the token, for this channel) and `partials` = `n`, their number.
+///
+/// With `u = 2^-8` (bf16's unit roundoff), `η = 2^-134` (half of bf16's smallest subnormal
+/// spacing: the absolute error of a rounding to bf16 below its normal range) and
+/// `γ = (n−1)·2^-24 / (1 − (n−1)·2^-24)` (the f32 sum of n terms from 0), the derivation:
+///
+/// - each partial is rounded once more, `Q_f = bf16(P_f)`: `|Q_f − P_f| ≤ u·|P_f| + η`, so
+///   `|ΣQ − ΣP| ≤ u·S + n·η`;
+/// - both paths sum their n terms in f32 from 0 in the same order (the first addition is
+///   exact): `|acc_e − ΣP| ≤ γ·S` and `|acc_b − ΣQ| ≤ γ·Σ|Q| ≤ γ·((1+u)·S + n·η)`, so
+///   `D = |acc_b − acc_e| ≤ (u + (2+u)·γ)·S + (1+γ)·n·η`;
+/// - both cast to bf16 once: `|out − acc| ≤ u·|acc| + η` each, `|acc_b| ≤ |acc_e| + D` and
+///   `|acc_e| ≤ (|exact| + η)/(1−u)`; so
+///
+/// `|out_b − exact| ≤ (1+u)·(u + (2+u)·γ)·S + 2u/(1−u)·|exact| + (n+2)·2^-133`
+///
+/// (the `η` terms together stay below `(n+2)·2η`). To first order: `2^-8·S + 2^-7·|exact| +
+/// 2(n−1)·2^-24·S`. With `n ≤ 1` the two results are the same bits (one partial: `0 + Q = Q`
+/// exactly, and `bf16(Q) = Q = bf16(P)`), so the bound is 0: with one FFN rank (3A:1F, EP1),
+/// bf16 partials change the bytes on the wire but not the result. It assumes nothing
+/// overflows bf16 (no `|P_f|`, sum or output at or above bf16's largest finite value plus half
+/// an ulp); a non-finite `S` or `exact` has no bound (infinity is returned).
+pub fn bf16_partials_error_bound(abs_partials: f64, partials: usize, exact: f32) -> f64 {
+    if partials <= 1 {
+        return 0.0;
+    }
+    if !abs_partials.is_finite() || !exact.is_finite() {
+        return f64::INFINITY;
+    }
+    let u = 2f64.powi(-8);
+    let m = (partials - 1) as f64 * 2f64.powi(-24);
+    let gamma = m / (1.0 - m);
+    (1.0 + u) * (u + (2.0 + u) * gamma) * abs_partials
+        + 2.0 * u / (1.0 - u) * f64::from(exact.abs())
+        + (partials as f64 + 2.0) * 2f64.powi(-133)
+}
+
+/// A round's exact result (f32 partials) and, per element, the bound of its result with bf16
+/// partials ([`bf16_partials_error_bound`]); see [`partials_bound`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartialsBound {
+    /// Every source's output with [`CombinePartials::F32`].
+    pub exact: Vec<Vec<bf16>>,
+    /// Every source's bound, element by element (0 where one FFN rank or none holds the
+    /// token's slots: the results are then the same bits).
+    pub bound: Vec<Vec<f64>>,
+}
+
+/// An element outside its bound ([`PartialsBound::first_violation`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BoundViolation {
+    /// The source.
+    pub source: usize,
+    /// The element (`token × hidden + channel`).
+    pub index: usize,
+    /// The element checked.
+    pub got: f32,
+    /// The exact result's.
+    pub exact: f32,
+    /// Its bound.
+    pub bound: f64,
+}
+
+impl PartialsBound {
+    /// The first element (source, then element order) of `got` (every source's output with
+    /// bf16 partials) whose distance from the exact result exceeds its bound, or is not a
+    /// number; `None` when every element is within its bound. Outputs of the wrong size are a
+    /// violation (NaN values) at the first missing or extra source or element.
+    pub fn first_violation(&self, got: &[Vec<bf16>]) -> Option<BoundViolation> {
+        let missing = |source: usize, index: usize| BoundViolation {
+            source,
+            index,
+            got: f32::NAN,
+            exact: f32::NAN,
+            bound: 0.0,
+        };
+        if got.len() != self.exact.len() {
+            return Some(missing(got.len().min(self.exact.len()), 0));
+        }
+        for (s, ((e, b), g)) in self.exact.iter().zip(&self.bound).zip(got).enumerate() {
+            for (i, ((ev, bv), gv)) in e.iter().zip(b).zip(g).enumerate() {
+                let (gv, ev) = (gv.to_f32(), ev.to_f32());
+                let same = gv.to_bits() == ev.to_bits() || (gv.is_nan() && ev.is_nan());
+                // false for a NaN distance: a violation
+                let within = (f64::from(gv) - f64::from(ev)).abs() <= *bv;
+                if !same && !within {
+                    return Some(BoundViolation {
+                        source: s,
+                        index: i,
+                        got: gv,
+                        exact: ev,
+                        bound: *bv,
+                    });
+                }
+            }
+            if g.len() != e.len() {
+                return Some(missing(s, g.len().min(e.len())));
+            }
+        }
+        None
+    }
+
+    /// The largest `|got − exact| / bound` over the elements with a positive finite bound (how
+    /// much of the bound a result uses: at most 1 when [`Self::first_violation`] is `None`).
+    pub fn worst_ratio(&self, got: &[Vec<bf16>]) -> f64 {
+        let mut worst = 0f64;
+        for ((e, b), g) in self.exact.iter().zip(&self.bound).zip(got) {
+            for ((ev, bv), gv) in e.iter().zip(b).zip(g) {
+                if *bv > 0.0 && bv.is_finite() {
+                    let d = (f64::from(gv.to_f32()) - f64::from(ev.to_f32())).abs();
+                    worst = worst.max(d / bv);
+                }
+            }
+        }
+        worst
+    }
+}
+
+/// The exact result of a round and the bound of its bf16-partials result, element by element
+/// ([`bf16_partials_error_bound`] of the element's f32 partials, read from the same partial
+/// sums the combine adds). `cfg.partials` is ignored: this compares the two settings.
+pub fn partials_bound<F>(
+    cfg: &ExchangeConfig,
+    inputs: &[SourceInput],
+    expert: F,
+) -> Result<PartialsBound, RouteError>
+where
+    F: Fn(usize, &[bf16], usize) -> Vec<bf16>,
+{
+    let received = dispatch(cfg, inputs)?;
+    let y = apply_experts(cfg, &received, expert);
+    let exact = combine_with(cfg, inputs, &received, &y, |p| p);
+    let h = cfg.hidden;
+    let mut bound = Vec::with_capacity(inputs.len());
+    let mut abs = vec![0f64; h];
+    each_source_partials(cfg, inputs, &received, &y, |s, sums| {
+        let mut b = vec![0f64; inputs[s].routes.tokens * h];
+        for t in 0..inputs[s].routes.tokens {
+            abs.iter_mut().for_each(|a| *a = 0.0);
+            let mut n = 0usize;
+            sums.token(t, |partial| {
+                n += 1;
+                for (a, p) in abs.iter_mut().zip(partial) {
+                    *a += f64::from(p.abs());
+                }
+            });
+            for (c, bc) in b[t * h..(t + 1) * h].iter_mut().enumerate() {
+                *bc = bf16_partials_error_bound(abs[c], n, exact[s][t * h + c].to_f32());
+            }
+        }
+        bound.push(b);
+    });
+    Ok(PartialsBound { exact, bound })
 }
 
 /// The whole round: validate, dispatch, apply experts, combine. Returns each source's output.
@@ -397,48 +669,213 @@ mod tests {
             .collect()
     }
 
-    /// With an expert that scales rows by (expert id + 1), combine equals a direct sum.
+    /// With an expert that scales rows by (expert id + 1), combine equals a direct sum, for
+    /// both settings of the partials (bf16: each partial rounded to bf16 before it is added).
     #[test]
     fn combine_equals_direct_sum_in_the_fixed_order() {
-        for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
-            let t: Topology = topo.parse().unwrap();
-            let cfg = ExchangeConfig::new(t, 16, 12, 3, 64).unwrap();
-            let inp = inputs(&cfg, &[5, 0, 9, 3][..t.attention_count()], 1);
-            let scale = |e: usize, rows: &[bf16], _n: usize| {
-                rows.iter()
-                    .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
-                    .collect()
+        for partials in [CombinePartials::F32, CombinePartials::Bf16] {
+            // written out here, not through CombinePartials::as_received
+            let round = |p: f32| match partials {
+                CombinePartials::F32 => p,
+                CombinePartials::Bf16 => bf16::from_f32(p).to_f32(),
             };
-            let out = exchange(&cfg, &inp, scale).unwrap();
-            let p = cfg.placement();
-            for (s, i) in inp.iter().enumerate() {
-                for tok in 0..i.routes.tokens {
-                    for c in 0..cfg.hidden {
-                        let mut acc = 0f32;
-                        for f in 0..p.ffn_ranks {
-                            let mut part = 0f32;
-                            let mut any = false;
-                            for (e, w) in i.routes.slots(tok) {
-                                if e != MASKED && p.owner(e as usize) == Some(f) {
-                                    let y = bf16::from_f32(
-                                        i.x[tok * cfg.hidden + c].to_f32() * (e as f32 + 1.0),
-                                    );
-                                    part += w * y.to_f32();
-                                    any = true;
+            for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4"] {
+                let t: Topology = topo.parse().unwrap();
+                let mut cfg = ExchangeConfig::new(t, 16, 12, 3, 64).unwrap();
+                cfg.partials = partials;
+                let inp = inputs(&cfg, &[5, 0, 9, 3][..t.attention_count()], 1);
+                let scale = |e: usize, rows: &[bf16], _n: usize| {
+                    rows.iter()
+                        .map(|v| bf16::from_f32(v.to_f32() * (e as f32 + 1.0)))
+                        .collect()
+                };
+                let out = exchange(&cfg, &inp, scale).unwrap();
+                let p = cfg.placement();
+                for (s, i) in inp.iter().enumerate() {
+                    for tok in 0..i.routes.tokens {
+                        for c in 0..cfg.hidden {
+                            let mut acc = 0f32;
+                            for f in 0..p.ffn_ranks {
+                                let mut part = 0f32;
+                                let mut any = false;
+                                for (e, w) in i.routes.slots(tok) {
+                                    if e != MASKED && p.owner(e as usize) == Some(f) {
+                                        let y = bf16::from_f32(
+                                            i.x[tok * cfg.hidden + c].to_f32() * (e as f32 + 1.0),
+                                        );
+                                        part += w * y.to_f32();
+                                        any = true;
+                                    }
+                                }
+                                if any {
+                                    acc += round(part);
                                 }
                             }
-                            if any {
-                                acc += part;
-                            }
+                            assert_eq!(
+                                out[s][tok * cfg.hidden + c],
+                                bf16::from_f32(acc),
+                                "{partials} {topo} s{s} t{tok} c{c}"
+                            );
                         }
-                        assert_eq!(
-                            out[s][tok * cfg.hidden + c],
-                            bf16::from_f32(acc),
-                            "{topo} s{s} t{tok} c{c}"
-                        );
                     }
                 }
             }
+        }
+    }
+
+    /// Inputs for the bf16-partials tests: `tokens[s]` tokens on source s, rows spread over
+    /// 2^-12 .. 2^12, distinct experts per token with one slot in five masked, and signed
+    /// weights, so that partials of different FFN ranks cancel.
+    fn signed_inputs(cfg: &ExchangeConfig, tokens: &[usize], seed: u64) -> Vec<SourceInput> {
+        use rand::Rng;
+        use rand::seq::SliceRandom;
+        let mut r = crate::tensor::rng(seed, 3);
+        let owned = cfg.placement().owned();
+        let k = cfg.top_k;
+        tokens
+            .iter()
+            .map(|&t| {
+                let x = (0..t * cfg.hidden)
+                    .map(|_| {
+                        let m: f32 = r.gen_range(-1.0..1.0);
+                        bf16::from_f32(m * 2f32.powi(r.gen_range(-12..=12)))
+                    })
+                    .collect();
+                let mut idx = Vec::with_capacity(t * k);
+                for _ in 0..t {
+                    let mut ids: Vec<i32> = (0..owned as i32).collect();
+                    ids.shuffle(&mut r);
+                    idx.extend(
+                        ids[..k]
+                            .iter()
+                            .map(|&e| if r.gen_bool(0.2) { MASKED } else { e }),
+                    );
+                }
+                let weights = (0..t * k).map(|_| r.gen_range(-2.0f32..2.0)).collect();
+                SourceInput {
+                    x,
+                    routes: Routes {
+                        tokens: t,
+                        top_k: k,
+                        idx,
+                        weights,
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Expert e scales its rows by a signed per-expert factor of magnitude 2^-3 .. 2^3.
+    fn signed_scale(e: usize, rows: &[bf16], _n: usize) -> Vec<bf16> {
+        let f = if e % 2 == 0 { 1.0 } else { -1.0 } * 2f32.powi((e % 7) as i32 - 3) * 1.37;
+        rows.iter()
+            .map(|v| bf16::from_f32(v.to_f32() * f))
+            .collect()
+    }
+
+    fn bf16_cfg(topo: &str, hidden: usize, experts: usize, top_k: usize) -> ExchangeConfig {
+        let mut cfg =
+            ExchangeConfig::new(topo.parse().unwrap(), hidden, experts, top_k, 512).unwrap();
+        cfg.partials = CombinePartials::Bf16;
+        cfg
+    }
+
+    /// With one FFN rank every token has one partial, and `bf16(0 + bf16(P)) = bf16(P)`: bf16
+    /// partials give the exact result's bits.
+    #[test]
+    fn bf16_partials_of_one_ffn_rank_are_bit_identical() {
+        for topo in ["3A:1F", "1A:1F", "EP1"] {
+            let cfg = bf16_cfg(topo, 24, 12, 4);
+            let mut f32_cfg = cfg.clone();
+            f32_cfg.partials = CombinePartials::F32;
+            let inp = signed_inputs(&cfg, &[40, 0, 17][..cfg.topology.attention_count()], 3);
+            assert_eq!(
+                exchange(&cfg, &inp, signed_scale).unwrap(),
+                exchange(&f32_cfg, &inp, signed_scale).unwrap(),
+                "{topo}"
+            );
+            let b = partials_bound(&cfg, &inp, signed_scale).unwrap();
+            assert!(b.bound.iter().flatten().all(|&v| v == 0.0), "{topo}");
+        }
+    }
+
+    /// On several FFN ranks bf16 partials give another result than f32 partials, within the
+    /// bound; the bound is not loose (the results use most of it somewhere), its `S` term is
+    /// needed (cancelling partials exceed the output-rounding terms alone), and it catches an
+    /// implementation that truncates the partials to bf16 instead of rounding them to nearest.
+    #[test]
+    fn bf16_partials_are_different_within_a_tight_bound() {
+        let u = 2f64.powi(-8);
+        for topo in ["2A:2F", "1A:3F", "EP4", "1A:4F"] {
+            let cfg = bf16_cfg(topo, 32, 24, 6);
+            let a = cfg.topology.attention_count();
+            let inp = signed_inputs(&cfg, &[300, 0, 257, 64][..a], 7);
+            let got = exchange(&cfg, &inp, signed_scale).unwrap();
+            let b = partials_bound(&cfg, &inp, signed_scale).unwrap();
+            if let Some(v) = b.first_violation(&got) {
+                panic!("{topo}: outside the bound: {v:?}");
+            }
+            let differ = got
+                .iter()
+                .flatten()
+                .zip(b.exact.iter().flatten())
+                .filter(|(g, e)| g.to_bits() != e.to_bits())
+                .count();
+            assert!(differ > 0, "{topo}: bf16 partials changed nothing");
+            let worst = b.worst_ratio(&got);
+            assert!(
+                worst > 0.5,
+                "{topo}: the results use {worst} of the bound at most"
+            );
+            // the output-rounding terms alone do not hold the results
+            let beyond = got
+                .iter()
+                .flatten()
+                .zip(b.exact.iter().flatten())
+                .any(|(g, e)| {
+                    let d = (f64::from(g.to_f32()) - f64::from(e.to_f32())).abs();
+                    d > 2.0 * u / (1.0 - u) * f64::from(e.to_f32().abs()) + 1e-30
+                });
+            assert!(beyond, "{topo}: no result needs the S term");
+            // a wrong rounding of the partials (toward zero) leaves the bound
+            let received = dispatch(&cfg, &inp).unwrap();
+            let y = apply_experts(&cfg, &received, signed_scale);
+            let truncated = combine_with(&cfg, &inp, &received, &y, |p| {
+                f32::from_bits(p.to_bits() & 0xffff_0000)
+            });
+            assert!(
+                b.first_violation(&truncated).is_some(),
+                "{topo}: truncated partials stayed within the bound"
+            );
+            // and the oracle's combine is this module's rounding, nothing else
+            let nearest = combine_with(&cfg, &inp, &received, &y, |p| bf16::from_f32(p).to_f32());
+            assert_eq!(nearest, got, "{topo}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+        /// Random rounds on several FFN ranks (any hidden size, top-k, expert count, uneven and
+        /// empty sources): every element of the bf16-partials result lies within its bound of
+        /// the exact result, and tokens with one partial are the same bits.
+        #[test]
+        fn bf16_partials_stay_within_the_bound(
+            topo in proptest::sample::select(vec!["2A:2F", "1A:3F", "EP4", "3A:2F", "1A:4F", "EP2"]),
+            hidden in 1usize..40,
+            epr in 1usize..5,
+            k_frac in 0.0f64..1.0,
+            tokens in proptest::collection::vec(0usize..24, 4),
+            seed in 0u64..1_000_000,
+        ) {
+            let t: Topology = topo.parse().unwrap();
+            let experts = epr * t.ffn_count();
+            let top_k = 1 + ((experts - 1) as f64 * k_frac) as usize;
+            let cfg = bf16_cfg(topo, hidden, experts, top_k);
+            let inp = signed_inputs(&cfg, &tokens[..t.attention_count()], seed);
+            let got = exchange(&cfg, &inp, signed_scale).unwrap();
+            let b = partials_bound(&cfg, &inp, signed_scale).unwrap();
+            proptest::prop_assert_eq!(b.first_violation(&got), None);
         }
     }
 

@@ -37,6 +37,7 @@ struct afdep_fused_layout {
     u64 row_bytes;
     u64 meta_off;
     u64 ret_off;
+    u64 ret_row_bytes;
     u64 count_flags;
     u64 offset_flags;
     u64 counts;
@@ -53,14 +54,23 @@ struct afdep_fused_layout {
     u32 hidden;
     u32 top_k;
     u32 payload;
+    u32 partials;
+    u32 reserved;
 };
-static_assert(sizeof(afdep_fused_layout) == 144, "FusedLayout's size: no padding");
+static_assert(sizeof(afdep_fused_layout) == 160, "FusedLayout's size: no padding");
 static_assert(alignof(afdep_fused_layout) == 8, "FusedLayout's alignment");
 
 // Payload kinds, a compile-time constant of the dispatch and epilogue kernels
 // (afdep_core::PayloadKind).
 #define AFDEP_PAYLOAD_BF16 0
 #define AFDEP_PAYLOAD_FP8 1
+
+// How the combine's partials travel (afdep_core::CombinePartials; the layout's partials field,
+// by which the launchers pick the combine's entries, fused_combine.cu): hidden f32 per return
+// row, or hidden bf16 (rounded to nearest even on the FFN rank, widened exactly on the source).
+// L.ret_row_bytes is the row's size either way.
+#define AFDEP_PARTIALS_F32 0
+#define AFDEP_PARTIALS_BF16 1
 
 // Bytes of the payload part of a slab row: where the metadata starts.
 template <int PAYLOAD>

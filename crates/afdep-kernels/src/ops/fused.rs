@@ -51,7 +51,7 @@
 //! [`RankAddrs`] bundles the four addresses of one rank (with its rank and wait bound) for the
 //! launchers that take them together.
 
-use afdep_core::{PayloadKind, bf16};
+use afdep_core::{CombinePartials, PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::fused_layout::{COMBINE_FLAGS, DISPATCH_FLAGS, FusedLayout};
@@ -131,6 +131,8 @@ fn preloaded(k: u32) -> Vec<(KernelId, u32)> {
         KernelId::FusedCopyEpilogue,
         KernelId::FusedCombineReduce,
         KernelId::FusedCombine,
+        KernelId::FusedCombineReduceBf16,
+        KernelId::FusedCombineBf16,
         KernelId::FusedDispatchFp8,
         KernelId::FusedCopyEpilogueFp8,
     ]
@@ -531,9 +533,10 @@ pub struct CompactView {
 /// The FFN half of the combine (`afdep_fused_combine_reduce`, the workspace layout passed by
 /// value): for every compact row of the round (source s, token t), the f32 partial sum of the
 /// token's slots on this FFN rank (index `ffn`) over the expert outputs `view.y`, slots
-/// ascending, each product and sum rounded, stored as `hidden` f32 at `ret_off + (ffn cap + t)
-/// 4 hidden` of workspace `r.peers[src_ranks[s]]`. Nothing when the control block `r.ctl`'s
-/// verdict is not go.
+/// ascending, each product and sum rounded, stored at `ret_off + (ffn cap + t) ret_row_bytes`
+/// of workspace `r.peers[src_ranks[s]]`: as `hidden` f32, or, with the layout's bf16 partials
+/// ([`afdep_core::CombinePartials::Bf16`]), rounded to `hidden` bf16 (nearest even). Nothing
+/// when the control block `r.ctl`'s verdict is not go.
 ///
 /// # Safety
 ///
@@ -544,7 +547,7 @@ pub struct CompactView {
 /// `view.layout.cap`; the metadata of those rows names expanded rows below `view.y_rows`;
 /// `view.y` is the device address of `y_rows × hidden` live bf16; every `src_ranks` entry (at
 /// least `view.sources`) is below the world, and every workspace holds `ffns × cap` return rows
-/// of `hidden` f32 at `view.layout.ret_off` with `ffn` below `ffns`.
+/// of `view.layout.ret_row_bytes` at `view.layout.ret_off` with `ffn` below `ffns`.
 pub unsafe fn combine_reduce(
     ctx: &GpuContext,
     r: &RankAddrs,
@@ -571,7 +574,17 @@ pub unsafe fn combine_reduce(
         Some(a) => (1u32, a),
         None => (0u32, view.slab_offsets),
     };
-    let f = ctx.function(KernelId::FusedCombineReduce, 0, k)?;
+    // one entry per kind of partials (the preload test reads these calls)
+    let (id, f) = match view.layout.partials_kind() {
+        CombinePartials::F32 => (
+            KernelId::FusedCombineReduce,
+            ctx.function(KernelId::FusedCombineReduce, 0, k)?,
+        ),
+        CombinePartials::Bf16 => (
+            KernelId::FusedCombineReduceBf16,
+            ctx.function(KernelId::FusedCombineReduceBf16, 0, k)?,
+        ),
+    };
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(&r.ctl)
@@ -585,18 +598,18 @@ pub unsafe fn combine_reduce(
         .arg(&view.y)
         .arg(&y_rows)
         .arg(&ffn);
-    // SAFETY: afdep_fused_combine_reduce(const u8* ws, const u32* ctl, const u64* peers, const
-    // u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, afdep_fused_layout L (by
+    // SAFETY: afdep_fused_combine_reduce(_bf16)(const u8* ws, const u32* ctl, const u64* peers,
+    // const u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, afdep_fused_layout L (by
     // value, asserted equal in layout/fused.cuh; its slab_off, cap, row_bytes, meta_off,
-    // ret_off, hidden), const u16* y, u64 y_rows, u32 f) with K compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
+    // ret_off, ret_row_bytes, hidden), const u16* y, u64 y_rows, u32 f) with K
+    // compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
     // bs: epr × sources when rel), the metadata of the slab rows they count (the caller's plan
     // keeps them within each source's cap rows of this rank's workspace), y rows below y_rows
     // (the caller's y holds y_rows × hidden: a live buffer or its workspace's expanded area),
-    // and writes hidden f32 at return row (f, t < cap) of
-    // workspaces of the live peer table, which hold ffns × cap such rows (the caller's
-    // geometry).
-    unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }
-        .map_err(launch_err(KernelId::FusedCombineReduce))?;
+    // and writes return row (f, t < cap) (ret_row_bytes: hidden f32, or hidden bf16 for the
+    // _bf16 entry, which the layout's bf16 partials pick) of workspaces of the live peer table,
+    // which hold ffns × cap such rows (the caller's geometry).
+    unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }
 
@@ -622,16 +635,18 @@ pub struct CombineRoutes<'a> {
 /// value): waits for every FFN rank's combine flag (`>=` the round of the control block
 /// `r.ctl`, which also gives the token count; nothing when skipped), at [`COMBINE_FLAGS`] of
 /// this rank's workspace `r.ws`, at most `r.timeout_ns`), then writes `out` (`tokens × hidden`
-/// bf16): the f32 partials of the FFN ranks that own a slot of the token (return area at
-/// `layout.ret_off`, by FFN index), ascending, summed in f32, cast once. A timeout records
-/// [`fault::COMBINE_WAIT`] in `r.err`.
+/// bf16): the partials of the FFN ranks that own a slot of the token (return area at
+/// `layout.ret_off`, by FFN index; f32, or bf16 widened to f32 with the layout's bf16
+/// partials), ascending, summed in f32, cast once. A timeout records [`fault::COMBINE_WAIT`] in
+/// `r.err`.
 ///
 /// # Safety
 ///
 /// `r.ws` is a live workspace, `r.ctl` a live control block (its token count at most
 /// `routes.tokens`) and `r.err` a live error word ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); the workspace holds `world` u32 flags
-/// at [`COMBINE_FLAGS`] and `ffns × layout.cap` return rows of `hidden` f32 at `layout.ret_off`.
+/// at [`COMBINE_FLAGS`] and `ffns × layout.cap` return rows of `layout.ret_row_bytes` at
+/// `layout.ret_off`.
 pub unsafe fn combine(
     ctx: &GpuContext,
     r: &RankAddrs,
@@ -656,7 +671,16 @@ pub unsafe fn combine(
     let nf = as_u32("ffns", ffns)?;
     let epr = as_u32("experts per rank", routes.experts_per_rank.max(1))?;
     let t = routes.tokens as u64;
-    let f = ctx.function(KernelId::FusedCombine, 0, layout.top_k)?;
+    let (id, f) = match layout.partials_kind() {
+        CombinePartials::F32 => (
+            KernelId::FusedCombine,
+            ctx.function(KernelId::FusedCombine, 0, layout.top_k)?,
+        ),
+        CombinePartials::Bf16 => (
+            KernelId::FusedCombineBf16,
+            ctx.function(KernelId::FusedCombineBf16, 0, layout.top_k)?,
+        ),
+    };
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(ffn_ranks)
@@ -669,17 +693,17 @@ pub unsafe fn combine(
         .arg(&r.timeout_ns)
         .arg(&r.err)
         .arg(out);
-    // SAFETY: afdep_fused_combine(const u8* ws, const u32* ffn_rank, u32 ffns, u64 flag_off,
-    // afdep_fused_layout L (by value, asserted equal in layout/fused.cuh; its ret_off, cap,
-    // hidden), const i32* idx, u32 epr, const u32* ctl, u64 timeout_ns, u32* err, u16* out)
+    // SAFETY: afdep_fused_combine(_bf16)(const u8* ws, const u32* ffn_rank, u32 ffns, u64
+    // flag_off, afdep_fused_layout L (by value, asserted equal in layout/fused.cuh; its ret_off,
+    // ret_row_bytes, cap, hidden; the _bf16 entry, which the layout's bf16 partials pick, reads
+    // rows of hidden bf16), const i32* idx, u32 epr, const u32* ctl, u64 timeout_ns, u32* err, u16* out)
     // with K compiled in: reads the caller's live control
     // block, whose token count the caller keeps at most `routes.tokens` (the kernel also stops
     // at cap); thread 0 of each block reads the FFN ranks' flags of this rank's live workspace;
     // then warp t reads K route ids (the buffer holds routes.tokens × K, checked), the return
     // rows (f < ffns, t < cap) of this workspace, which holds ffns × cap of them (the caller's
     // geometry), and writes out[t] (routes.tokens × hidden, checked); err is a live u32[4].
-    unsafe { b.launch(combine_blocks_for(t, blocks)) }
-        .map_err(launch_err(KernelId::FusedCombine))?;
+    unsafe { b.launch(combine_blocks_for(t, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }
 

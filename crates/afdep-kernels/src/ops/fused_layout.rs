@@ -16,12 +16,12 @@
 //! | [`ERROR_WORD`] | the error word, `u32[4]` |
 //! | [`CONTROL`] | the round control block ([`super::fused_round`]) |
 //! | [`SLABS`] | the slabs: `world × capacity` rows of `row_bytes` |
-//! | `ret_off` | the return areas: `ffns × capacity` rows of `hidden` f32 |
+//! | `ret_off` | the return areas: `ffns × capacity` rows of `ret_row_bytes` (`hidden` f32, or `hidden` bf16 with bf16 partials) |
 //! | `count_flags` … `exp_scales` | the count-first areas (`layout/fused.cuh`) |
 //! | `status` | the status area of device rounds ([`super::fused_round::STATUS_BYTES`]) |
 //! | `bytes` | the end: the workspace size the engine needs |
 
-use afdep_core::{ExchangeConfig, PayloadKind, fp8};
+use afdep_core::{CombinePartials, ExchangeConfig, PayloadKind, fp8};
 use cudarc::driver::DeviceRepr;
 
 use super::fused::{SlabGeometry, slab_payload_bytes, slab_row_bytes_for};
@@ -51,8 +51,11 @@ pub struct FusedLayout {
     pub row_bytes: u64,
     /// Byte offset of a slab row's metadata within the row ([`slab_payload_bytes`]).
     pub meta_off: u64,
-    /// The return areas: `ffns × cap` rows of `hidden` f32, by FFN index.
+    /// The return areas: `ffns × cap` rows of `ret_row_bytes`, by FFN index.
     pub ret_off: u64,
+    /// Bytes of one return row: `hidden` f32, or `hidden` bf16 with bf16 partials
+    /// ([`CombinePartials::bytes_per_channel`]).
+    pub ret_row_bytes: u64,
     /// Count-first: count flags, `u32[64]` by source rank.
     pub count_flags: u64,
     /// Count-first: offset flags, `u32[64]` by FFN rank.
@@ -85,9 +88,14 @@ pub struct FusedLayout {
     pub top_k: u32,
     /// The payload kind (`AFDEP_PAYLOAD_BF16` 0, `AFDEP_PAYLOAD_FP8` 1).
     pub payload: u32,
+    /// How the combine's partials travel (`AFDEP_PARTIALS_F32` 0, `AFDEP_PARTIALS_BF16` 1): the
+    /// combine launchers pick their kernels' f32 or `_bf16` entries by it.
+    pub partials: u32,
+    /// Always 0 (keeps the struct free of padding).
+    pub reserved: u32,
 }
 
-// SAFETY: FusedLayout is #[repr(C)], plain integers without padding (16 u64, then 4 u32), and
+// SAFETY: FusedLayout is #[repr(C)], plain integers without padding (17 u64, then 6 u32), and
 // the kernels take it by value as `struct afdep_fused_layout` of the same layout
 // (static_asserts in layout/fused.cuh).
 unsafe impl DeviceRepr for FusedLayout {}
@@ -107,7 +115,8 @@ impl FusedLayout {
         let h = cfg.hidden as u64;
         let row_bytes = slab_row_bytes_for(cfg.payload, cfg.hidden, cfg.top_k) as u64;
         let ret_off = align256(SLABS + world * cap * row_bytes);
-        let count_flags = align256(ret_off + ffns * cap * 4 * h);
+        let ret_row_bytes = cfg.partials.bytes_per_channel() as u64 * h;
+        let count_flags = align256(ret_off + ffns * cap * ret_row_bytes);
         let counts = count_flags + 512;
         let offsets = align256(counts + world * (epr + 1) * 8);
         let plan = align256(offsets + world * epr * 8);
@@ -132,6 +141,7 @@ impl FusedLayout {
             row_bytes,
             meta_off: slab_payload_bytes(cfg.payload, cfg.hidden) as u64,
             ret_off,
+            ret_row_bytes,
             count_flags,
             offset_flags: count_flags + 256,
             counts,
@@ -151,6 +161,11 @@ impl FusedLayout {
                 PayloadKind::Bf16 => 0,
                 PayloadKind::Fp8E4m3 => 1,
             },
+            partials: match cfg.partials {
+                CombinePartials::F32 => 0,
+                CombinePartials::Bf16 => 1,
+            },
+            reserved: 0,
         }
     }
 
@@ -159,6 +174,14 @@ impl FusedLayout {
         match self.payload {
             0 => PayloadKind::Bf16,
             _ => PayloadKind::Fp8E4m3,
+        }
+    }
+
+    /// How the combine's partials travel.
+    pub fn partials_kind(&self) -> CombinePartials {
+        match self.partials {
+            0 => CombinePartials::F32,
+            _ => CombinePartials::Bf16,
         }
     }
 
@@ -221,9 +244,9 @@ mod tests {
         }
         #[rustfmt::skip]
         let rust: Vec<(String, usize)> = offsets!(
-            slab_off, row_bytes, meta_off, ret_off, count_flags, offset_flags, counts, offsets,
-            plan, row_flags, expanded, exp_q, exp_scales, exp_rows, status, bytes, cap, hidden,
-            top_k, payload
+            slab_off, row_bytes, meta_off, ret_off, ret_row_bytes, count_flags, offset_flags,
+            counts, offsets, plan, row_flags, expanded, exp_q, exp_scales, exp_rows, status, bytes,
+            cap, hidden, top_k, payload, partials, reserved
         );
         assert_eq!(fields, rust);
     }
@@ -274,6 +297,55 @@ mod tests {
             assert_eq!(l.slab().row_bytes, l.row_bytes);
             assert_eq!(l.payload_kind(), payload);
         }
+    }
+
+    /// bf16 partials halve the return rows and nothing else: every area before them stays, every
+    /// area after them moves down by the bytes saved (`ffns × cap × hidden × 2`).
+    #[test]
+    fn bf16_partials_halve_the_return_areas() {
+        for (topo, payload) in [
+            ("3A:1F", PayloadKind::Bf16),
+            ("2A:2F", PayloadKind::Fp8E4m3),
+            ("1A:3F", PayloadKind::Bf16),
+        ] {
+            let mut cfg =
+                ExchangeConfig::new(topo.parse::<Topology>().unwrap(), 2048, 48, 8, 256).unwrap();
+            cfg.payload = payload;
+            let f = FusedLayout::new(&cfg);
+            cfg.partials = CombinePartials::Bf16;
+            let b = FusedLayout::new(&cfg);
+            assert_eq!(f.ret_row_bytes, 4 * 2048);
+            assert_eq!(b.ret_row_bytes, 2 * 2048);
+            assert_eq!((f.partials, b.partials, b.reserved), (0, 1, 0));
+            assert_eq!(f.partials_kind(), CombinePartials::F32);
+            assert_eq!(b.partials_kind(), CombinePartials::Bf16);
+            let saved = cfg.placement().ffn_ranks as u64 * 256 * 2 * 2048;
+            assert_eq!(
+                [b.slab_off, b.row_bytes, b.meta_off, b.ret_off],
+                [f.slab_off, f.row_bytes, f.meta_off, f.ret_off]
+            );
+            let after = |l: &FusedLayout| {
+                [
+                    l.count_flags,
+                    l.offset_flags,
+                    l.counts,
+                    l.offsets,
+                    l.plan,
+                    l.row_flags,
+                    l.expanded,
+                    l.exp_q,
+                    l.exp_scales,
+                    l.status,
+                    l.bytes,
+                ]
+            };
+            assert_eq!(after(&b), after(&f).map(|v| v - saved), "{topo} {payload}");
+            assert_eq!(b.exp_rows, f.exp_rows);
+        }
+        // the codes of the partials field, as layout/fused.cuh names them
+        use crate::ops::fused::tests::define;
+        assert_eq!(define("AFDEP_PARTIALS_F32"), "0");
+        assert_eq!(define("AFDEP_PARTIALS_BF16"), "1");
     }
 
     const PINNED_BF16: [u64; 14] = [

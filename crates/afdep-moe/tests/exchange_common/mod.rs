@@ -500,3 +500,59 @@ pub fn parts(r: &RoundOutput) -> (Option<Vec<u16>>, Option<reference::FfnReceive
         r.received.clone(),
     )
 }
+
+/// `c` with bf16 combine partials ([`afdep_core::CombinePartials::Bf16`]), validated.
+pub fn bf16_partials(mut c: ExchangeConfig) -> ExchangeConfig {
+    c.partials = afdep_core::CombinePartials::Bf16;
+    c.validate().unwrap();
+    c
+}
+
+/// Checks a round run with bf16 partials against the exact path: every source's output lies
+/// within the oracle's bound ([`reference::partials_bound`]) of the f32-partials oracle's, and
+/// is the same bits where the bound is 0 (a token whose slots sit on one FFN rank). Returns how
+/// many elements differ from the exact result (the caller checks that the knob took effect:
+/// none on one FFN rank, some on several). [`check_round`] with `cfg` is the bit-for-bit check
+/// against the oracle with bf16 partials.
+pub fn check_partials_bound(
+    cfg: &ExchangeConfig,
+    inp: &[SourceInput],
+    got: &[RankResult],
+    expert: impl Fn(usize, &[bf16], usize) -> Vec<bf16>,
+) -> usize {
+    let b = reference::partials_bound(cfg, inp, expert).unwrap();
+    let mut outs = vec![Vec::new(); inp.len()];
+    for (rank, r) in got.iter().enumerate() {
+        let r = r.as_ref().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        if let Some(s) = cfg.topology.attention_index(rank) {
+            outs[s] = r.combined.clone().expect("attention rank combines");
+        }
+    }
+    if let Some(v) = b.first_violation(&outs) {
+        panic!("{}: outside the bf16-partials bound: {v:?}", cfg.topology);
+    }
+    outs.iter()
+        .flatten()
+        .zip(b.exact.iter().flatten())
+        .filter(|(g, e)| g.to_bits() != e.to_bits())
+        .count()
+}
+
+/// The checks of [`check_partials_bound`]'s count over a test's rounds: with one FFN rank
+/// nothing may differ from the exact result, with several something must (else the knob was
+/// ignored, or the inputs cannot tell).
+pub fn check_partials_took_effect(cfg: &ExchangeConfig, differing: usize) {
+    if cfg.topology.ffn_count() == 1 {
+        assert_eq!(
+            differing, 0,
+            "{}: one FFN rank, yet bf16 partials changed the result",
+            cfg.topology
+        );
+    } else {
+        assert!(
+            differing > 0,
+            "{}: bf16 partials gave the exact result everywhere",
+            cfg.topology
+        );
+    }
+}

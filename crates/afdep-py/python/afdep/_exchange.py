@@ -137,7 +137,9 @@ class Exchange:
 
     Built from the same config as ``afdep exchange --config FILE`` (a dict or that file:
     ``topology`` such as ``"2A:1F"``, ``hidden``, ``experts``, ``top_k``, ``capacity``, optional
-    ``experts_per_rank``, ``payload`` (``bf16`` | ``fp8_e4m3``), ``knobs``, ``transport``
+    ``experts_per_rank``, ``payload`` (``bf16`` | ``fp8_e4m3``), ``partials`` (``f32`` |
+    ``bf16``: the combine's partials, bf16 halves their bytes and is not bit-identical to
+    f32), ``knobs``, ``transport``
     (``loopback`` | ``tcp`` | ``nvlink`` | ... or a table with ``kind``, ``timeout_ms``,
     ``device``, ...; default ``tcp``, ``nvlink`` for the fused engine)). The rank, world size
     and rendezvous come from ``AFDEP_RANK``, ``AFDEP_WORLD_SIZE`` and ``AFDEP_RENDEZVOUS``, as
