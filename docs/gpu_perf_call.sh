@@ -17,7 +17,7 @@ export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, and "ncu", per-kernel times of the record
-# shape; "onstream", gpu_nvlink_on_stream alone twice; "soak", gpu_soak alone); each part gets at most
+# shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
@@ -35,6 +35,13 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       for i in 1 2; do
         timeout "$(( $(left) > 90 ? 60 : 20 ))" /tmp/b4/tests/gpu_nvlink_on_stream --test-threads=1 \
           > $W/onstream-$i.log 2>&1; echo "onstream run $i rc=$?" >> $W/steps.txt
+      done;;
+    fused)
+      # the fused engine's binaries alone (engines in every arm, graphs and device rounds, the
+      # pipeline), for a change of the fused kernels or layout checked in the quiet call
+      for t in gpu_nvlink_engines gpu_nvlink_graph gpu_pipeline; do
+        timeout "$(( $(left) > 120 ? 90 : 20 ))" /tmp/b4/tests/$t --test-threads=1 > $W/fused-$t.log 2>&1
+        echo "fused $t rc=$? $(grep -h '^test result' $W/fused-$t.log)" >> $W/steps.txt
       done;;
     soak)
       # the soak alone on a quiet GPU (its device-memory check reads the whole GPU's free memory)
