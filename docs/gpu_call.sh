@@ -3,7 +3,7 @@
 # parallel on one GPU (timings under this load are not measurements). The matrix in five
 # run.sh lanes (the soak runs alone in docs/gpu_perf_call.sh), four racecheck shards of gpu_layer (all passed on
 # 2026-12-06: kept as a regression check, one process at a time for host memory), Python (bundle/py, crates/afdep-py/gpu/bundle.sh), the ws weight-gradient tests
-# (AFDEP_TEST_WGRAD_WS=1), the trace files of 3A:1F and 2A:2F, and the NCCL EP1 rows.
+# (in the matrix since the ws kernel became the default), the trace files of 3A:1F and 2A:2F, and the NCCL EP1 rows.
 # Everything goes into $OUT/all.tgz (the device tool returns only a few files), small
 # summaries beside it.
 #
@@ -39,9 +39,6 @@ lane b3 --only gpu_context,gpu_fp8,gpu_graph,gpu_layout,gpu_offsets64,gpu_permut
     echo "$t shard $i/4 rc=$? at $(( $(date +%s) - START ))s" >> $W/race.txt
   done ) &
 ( [ -d "$ROOT/bundle/py" ] && cd "$ROOT" && OUT=$W AFDEP_TRAIN_STEPS=${STEPS:-20} timeout $(cap 400) bash bundle/py/go.sh > $W/py.txt 2>&1; echo "py rc=$?" >> $W/py.txt ) &
-( export AFDEP_TEST_WGRAD_WS=1
-  timeout $(cap 150) tests/gpu_gemm ws_wgrad_odd_sizes_match_a_host_gemm --exact --nocapture --test-threads=1 > $W/wgrad-gemm.log 2>&1; echo "wgrad gpu_gemm rc=$?" >> $W/wgrad.txt
-  timeout $(cap 150) tests/gpu_layer ws_wgrad_engine_odd_shapes_match_the_oracle --exact --nocapture > $W/wgrad-layer.log 2>&1; echo "wgrad gpu_layer rc=$?" >> $W/wgrad.txt ) &
 ( for topo in 3A:1F 2A:2F; do for mode in --graph --device-rounds; do
     n=$(echo "$topo$mode" | tr -d ':-')
     timeout $(cap 30) ./bin/afdep exchange --backend cuda --transport nvlink --device 0 --topology $topo \
@@ -55,7 +52,6 @@ lane b3 --only gpu_context,gpu_fp8,gpu_graph,gpu_layout,gpu_offsets64,gpu_permut
 wait
 step done
 grep -h -E "^test |RACECHECK SUMMARY|Maximum resident|Exit status" $W/race-*.log > $W/race-summary.txt 2>/dev/null
-grep -h -E "^test |test result|worst|panicked|SKIP" $W/wgrad-*.log >> $W/wgrad.txt 2>/dev/null
 for l in a a2 b1 b2 b3; do echo "## $l"; cat $W/$l/summary.txt 2>/dev/null || { tail -3 $W/$l.txt; for f in $W/$l/*.log; do echo "$(basename $f): $(./run.sh --count-results $f)"; done; }; done > $W/summary.txt 2>&1
-cp $W/steps.txt $W/race.txt $W/gpu.txt $W/summary.txt $W/py.txt $W/wgrad.txt "$OUT/" 2>/dev/null
+cp $W/steps.txt $W/race.txt $W/gpu.txt $W/summary.txt $W/py.txt "$OUT/" 2>/dev/null
 tar czf "$OUT/all.tgz" -C /tmp w

@@ -5,7 +5,7 @@
 # tests.txt and ab.jsonl.
 # 1. The GPU tests of the ws KSUM kernel (each forces the engine itself):
 #    gpu_gemm ws_wgrad_odd_sizes_match_a_host_gemm (host f64 reference, ~10-30 s),
-#    gpu_layer ws_wgrad_engine_odd_shapes_match_the_oracle, and the classic KSUM test
+#    gpu_layer wgrad_engines_odd_shapes_match_the_oracle (both kernels forced), and the classic KSUM test
 #    wgrad_matches_a_host_gemm beside them.
 # 2. Only if both ws tests passed: `afdep moe --backend cuda` at each SHAPE:TOKENS of
 #    AB_SHAPES (default the Mixtral-like shape at 16,384 tokens), dispatch AB_DISPATCH
@@ -17,9 +17,7 @@
 set -u
 B=$1; out=$2
 mkdir -p "$out"
-# AFDEP_TEST_WGRAD_WS=1: the ws weight-gradient tests run (they SKIP in the matrix until the
-# kernel has passed on a GPU).
-export AFDEP_REQUIRE_GPU=1 AFDEP_TEST_WGRAD_WS=1
+export AFDEP_REQUIRE_GPU=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
   | tee "$out/gpu.txt"
 cat "$B/commit.txt" 2>/dev/null | tee -a "$out/gpu.txt"
@@ -33,7 +31,7 @@ else
   [ "${PIPESTATUS[0]}" = 0 ] || { echo "gpu_gemm wgrad: FAILED"; ok=0; }
   # the whole log to a file first: a `| head` on the live output would end the test with
   # SIGPIPE and count it as failed (as it did on 2026-12-06)
-  timeout 300 "$B/tests/gpu_layer" ws_wgrad_engine_odd_shapes_match_the_oracle --exact \
+  timeout 300 "$B/tests/gpu_layer" wgrad_engines_odd_shapes_match_the_oracle --exact \
     --nocapture > "$out/gpu_layer_ws_wgrad.log" 2>&1
   rc=$?
   grep -E "^test |compared|panicked|failures|result|W=" "$out/gpu_layer_ws_wgrad.log" | head -60

@@ -782,21 +782,6 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
     }
 }
 
-/// Whether the tests of the warp-specialised weight-gradient kernel run: once it is the
-/// default (`gemm::DEFAULT_WGRAD_ENGINE`), or with `AFDEP_TEST_WGRAD_WS=1`. Until it has
-/// passed on a GPU the matrix leaves them out with a SKIP line (its first GPU run sets the
-/// variable: docs/perf/gemm_wgrad_run.sh).
-fn wgrad_ws_tests_on() -> bool {
-    let on = gemm::DEFAULT_WGRAD_ENGINE == gemm::Engine::Ws
-        || std::env::var_os("AFDEP_TEST_WGRAD_WS").is_some_and(|v| v == "1");
-    if !on {
-        println!(
-            "SKIP: the ws weight-gradient kernel is off by default and not yet verified on a GPU (AFDEP_TEST_WGRAD_WS=1 runs this test)"
-        );
-    }
-    on
-}
-
 /// The warp-specialised weight-gradient kernel (forced on this thread) against a host f64
 /// GEMM: groups of 0, 1, 257, 2100, 45, 700 and 3 rows (K not a multiple of the 64-row stage,
 /// so every group's last stage ends inside it); M and N not multiples of the 128 × 256 tile
@@ -809,9 +794,6 @@ fn wgrad_ws_tests_on() -> bool {
 /// read past M / N, shows; outputs are poisoned first.
 #[test]
 fn ws_wgrad_odd_sizes_match_a_host_gemm() {
-    if !wgrad_ws_tests_on() {
-        return;
-    }
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_wgrad_engine, Engine::Ws);
     let mut r = rng(131);

@@ -39,23 +39,18 @@ fn a_tma_wait_that_runs_out_is_a_typed_fault_and_the_layer_recovers() {
     // sorted: A and B by TMA; gather: B by TMA, A rows by cp.async. On the default engine
     // (the warp-specialised one, whose consumers run out on `full` and its producer then on
     // `empty`) and on the classic kernel (forced); then the default rows engine with the ws
-    // weight-gradient kernel forced (sorted: both its operands by TMA; gather: one gathered).
-    // The ws weight-gradient cases only once that kernel is the default or with
-    // AFDEP_TEST_WGRAD_WS=1 (it has not yet passed on a GPU).
-    let wgrad_ws = afdep_kernels::ops::gemm::DEFAULT_WGRAD_ENGINE == Engine::Ws
-        || std::env::var_os("AFDEP_TEST_WGRAD_WS").is_some_and(|v| v == "1");
-    let mut cases = vec![
+    // weight-gradient kernel forced (sorted: both its operands by TMA; gather: one gathered),
+    // then the classic weight-gradient kernel forced.
+    let cases = [
         (None, None, Dispatch::Sorted),
         (None, None, Dispatch::Gather),
         (Some(Engine::Classic), None, Dispatch::Sorted),
         (Some(Engine::Classic), None, Dispatch::Gather),
+        (None, Some(Engine::Ws), Dispatch::Sorted),
+        (None, Some(Engine::Ws), Dispatch::Gather),
+        (None, Some(Engine::Classic), Dispatch::Sorted),
+        (None, Some(Engine::Classic), Dispatch::Gather),
     ];
-    if wgrad_ws {
-        cases.extend([
-            (None, Some(Engine::Ws), Dispatch::Sorted),
-            (None, Some(Engine::Ws), Dispatch::Gather),
-        ]);
-    }
     for (engine, wgrad, d) in cases {
         force_engine(engine);
         force_wgrad_engine(wgrad);

@@ -569,44 +569,32 @@ impl Drop for RestoreEngine {
     }
 }
 
-/// Whether the tests of the warp-specialised weight-gradient kernel run: once it is the
-/// default (`gemm::DEFAULT_WGRAD_ENGINE`), or with `AFDEP_TEST_WGRAD_WS=1`. Until it has
-/// passed on a GPU the matrix leaves them out with a SKIP line (its first GPU run sets the
-/// variable: docs/perf/gemm_wgrad_run.sh).
-fn wgrad_ws_tests_on() -> bool {
-    let on = afdep_kernels::ops::gemm::DEFAULT_WGRAD_ENGINE == afdep_kernels::ops::gemm::Engine::Ws
-        || std::env::var_os("AFDEP_TEST_WGRAD_WS").is_some_and(|v| v == "1");
-    if !on {
-        println!(
-            "SKIP: the ws weight-gradient kernel is off by default and not yet verified on a GPU (AFDEP_TEST_WGRAD_WS=1 runs this test)"
-        );
-    }
-    on
-}
-
-/// The warp-specialised weight-gradient kernel forced for every weight gradient the layer
-/// launches from this thread (the default is the classic KSUM kernel; the rows GEMMs keep
-/// the default engine): every strategy (the sorted one's contiguous operands by TMA, the
-/// gathered ones by cp.async), forward and train step, E 5 / 12 / 60, K 1-3, widths and
-/// hiddens that are not multiples of the 128 × 256 tile, with and without a shared expert;
-/// T 0, 1, 257, and 2100 (the shared expert's and the router's gradients then sum in two
-/// chunks: f32 partials and the reduce).
+/// Both weight-gradient kernels forced in turn for every weight gradient the layer launches
+/// from this thread (the warp-specialised one is the default, `gemm::DEFAULT_WGRAD_ENGINE`;
+/// the rows GEMMs keep the default engine): every strategy (the sorted one's contiguous
+/// operands by TMA, the gathered ones by cp.async), forward and train step, E 5 / 12 / 60,
+/// K 1-3, widths and hiddens that are not multiples of the 128 × 256 tile, with and without a
+/// shared expert; T 0, 1, 257, and 2100 (the shared expert's and the router's gradients then
+/// sum in two chunks: f32 partials and the reduce).
 #[test]
-fn ws_wgrad_engine_odd_shapes_match_the_oracle() {
-    if !wgrad_ws_tests_on() {
-        return;
+fn wgrad_engines_odd_shapes_match_the_oracle() {
+    for engine in [
+        afdep_kernels::ops::gemm::Engine::Ws,
+        afdep_kernels::ops::gemm::Engine::Classic,
+    ] {
+        println!("weight gradients forced to {engine:?}");
+        afdep_kernels::ops::gemm::force_wgrad_engine(Some(engine));
+        let restore = RestoreWgradEngine;
+        odd_sweep(
+            &[
+                (136, 64, 60, 3, 0),
+                (96, 328, 5, 1, 40),
+                (264, 192, 12, 2, 136),
+            ],
+            &[0, 1, 257, 2100],
+        );
+        drop(restore);
     }
-    afdep_kernels::ops::gemm::force_wgrad_engine(Some(afdep_kernels::ops::gemm::Engine::Ws));
-    let restore = RestoreWgradEngine;
-    odd_sweep(
-        &[
-            (136, 64, 60, 3, 0),
-            (96, 328, 5, 1, 40),
-            (264, 192, 12, 2, 136),
-        ],
-        &[0, 1, 257, 2100],
-    );
-    drop(restore);
 }
 
 /// Restores the default weight-gradient engine on this thread when dropped.

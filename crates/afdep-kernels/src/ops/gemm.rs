@@ -21,10 +21,10 @@
 //! warp-specialised one (a TMA/cp.async producer warpgroup, two wgmma consumer warpgroups,
 //! 128 × 256 tiles); [`engine_for`] picks one per problem ([`DEFAULT_ENGINE`], the ws engine
 //! by measurement, unless `AFDEP_GEMM_ENGINE` or [`force_engine`] asks for the classic one).
-//! The weight gradients have the same two ([`wgrad_engine_for`]): the classic k-sum kernel by
-//! default ([`DEFAULT_WGRAD_ENGINE`]), the warp-specialised one (128 × 256 tiles, TMA for the
-//! contiguous operands, cp.async for the gathered ones) only where `AFDEP_GEMM_WGRAD=ws` or
-//! [`force_wgrad_engine`] asks for it: it has not been validated on a GPU yet.
+//! The weight gradients have the same two ([`wgrad_engine_for`]): the warp-specialised one
+//! (128 × 256 tiles, TMA for the contiguous operands, cp.async for the gathered ones) by
+//! default ([`DEFAULT_WGRAD_ENGINE`], by measurement), the classic k-sum kernel where
+//! `AFDEP_GEMM_WGRAD=classic` or [`force_wgrad_engine`] asks for it.
 //!
 //! Sizes: every matrix dimension is a multiple of 8 (16-byte rows) and the K sizes of the data
 //! gradients ([`dx`]'s `width`, where K switches from W1 to W3) a multiple of 8 too; the launchers return
@@ -150,11 +150,11 @@ pub fn force_engine(engine: Option<Engine>) {
 }
 
 /// The engine the weight gradients ([`wgrad`]) run on unless `AFDEP_GEMM_WGRAD` or
-/// [`force_wgrad_engine`] asks for the other: [`Engine::Classic`], the two-warpgroup KSUM
-/// kernel. The warp-specialised KSUM kernel (`gemm_ksum_ws`: 128 × 256 tiles, TMA for the
-/// contiguous operands, cp.async for the gathered ones) has not been validated on a GPU yet
-/// (docs/perf/moe.md, 2026-12-05 (c)), so it runs only when asked for.
-pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Classic;
+/// [`force_wgrad_engine`] asks for the other: [`Engine::Ws`], the warp-specialised KSUM
+/// kernel (`gemm_ksum_ws`: 128 × 256 tiles, TMA for the contiguous operands, cp.async for the
+/// gathered ones). Chosen by measurement (docs/perf/moe.md, 2026-12-06 (b), H200): the
+/// Mixtral-like train step 82.6 → 70.8 ms, GPT-OSS-like 12.77 → 12.64 ms, every row checked.
+pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Ws;
 
 /// The engine the weight gradients run on: [`force_wgrad_engine`]'s choice on this thread,
 /// else the process environment `AFDEP_GEMM_WGRAD` (read once: `classic` or `ws`; `auto` or
@@ -1292,19 +1292,19 @@ mod tests {
         );
     }
 
-    /// The weight gradients run on the classic kernel unless asked (the ws KSUM kernel is
-    /// not validated on a GPU yet); force_wgrad_engine overrides it on this thread, `None`
-    /// gives the default back, and the rows engine's switch does not move it.
+    /// The weight gradients run on the ws kernel unless asked for the classic one;
+    /// force_wgrad_engine overrides it on this thread, `None` gives the default back, and the
+    /// rows engine's switch does not move it.
     #[test]
-    fn wgrad_engine_is_classic_unless_forced() {
-        assert_eq!(DEFAULT_WGRAD_ENGINE, Engine::Classic);
+    fn wgrad_engine_is_ws_unless_forced() {
+        assert_eq!(DEFAULT_WGRAD_ENGINE, Engine::Ws);
         let env = std::env::var_os("AFDEP_GEMM_WGRAD").is_none();
         if env {
-            assert_eq!(wgrad_engine_for(), Engine::Classic);
+            assert_eq!(wgrad_engine_for(), Engine::Ws);
         }
-        force_engine(Some(Engine::Ws));
+        force_engine(Some(Engine::Classic));
         if env {
-            assert_eq!(wgrad_engine_for(), Engine::Classic);
+            assert_eq!(wgrad_engine_for(), Engine::Ws);
         }
         force_engine(None);
         force_wgrad_engine(Some(Engine::Ws));
