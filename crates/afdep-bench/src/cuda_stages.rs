@@ -9,6 +9,7 @@
 
 use std::time::Instant;
 
+use afdep_core::CombinePartials;
 use afdep_core::layout::block_positions;
 use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::combine_source;
@@ -201,7 +202,14 @@ pub fn run(params: &LayerParams, x: &[bf16], tokens: usize) -> Result<StagesRow>
     }
     let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
     let permute_exact = bits(&xs_h[..total * h]) == bits(&want_xs);
-    let want_out = combine_source(&gpu, h, |_| 0, |i| want_slot_row[i] as u64, &[&want_xs]);
+    let want_out = combine_source(
+        &gpu,
+        h,
+        CombinePartials::F32,
+        |_| 0,
+        |i| want_slot_row[i] as u64,
+        &[&want_xs],
+    );
     let unpermute_exact = bits(&download(&ctx, &out)?) == bits(&want_out);
 
     let mut problems = Vec::new();

@@ -3,6 +3,7 @@
 
 mod common;
 
+use afdep_core::CombinePartials;
 use afdep_core::oracle::exchange::combine_source;
 use afdep_core::route::Routes;
 use afdep_kernels::ops::{download, poison, zeros};
@@ -94,7 +95,14 @@ fn check_unpermute(
         ),
     };
     let rows: Vec<&[bf16]> = vec![y; ranks];
-    let want = combine_source(routes, h, owner, |i| u64::from(slot_row[i]), &rows);
+    let want = combine_source(
+        routes,
+        h,
+        CombinePartials::F32,
+        owner,
+        |i| u64::from(slot_row[i]),
+        &rows,
+    );
     assert_eq!(bf16_bits(&got), bf16_bits(&want), "{what}");
 }
 

@@ -34,7 +34,7 @@ use afdep_core::fp8::{self, QuantisedRows};
 use afdep_core::layout::{
     FfnPlan, SourceCounts, compact_slots, copy_plan, payload_first_slabs, return_positions,
 };
-use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source_with};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput, combine_source};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_transport::{Span, Transport, TransportBuffer, TransportError};
 
@@ -274,7 +274,7 @@ impl<T: Transport> StagedEngine<T> {
             .collect();
         let refs: Vec<&[bf16]> = rows.iter().map(|r| r.as_slice()).collect();
         let pos = return_positions(&inp.routes, &p, &sources[s]);
-        Ok(Some(combine_source_with(
+        Ok(Some(combine_source(
             &inp.routes,
             h,
             self.cfg.partials,

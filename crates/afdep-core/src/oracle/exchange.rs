@@ -324,31 +324,10 @@ where
 
 /// Combine one source's tokens from the rows each FFN rank returns: `owner(expert)` is the FFN
 /// index holding an expert and `row_of(slot index)` the slot's row in `ffn_rows[owner]`; the
-/// arithmetic is the module's, with f32 partials ([`CombinePartials::F32`]).
+/// arithmetic is the module's, with the partials travelling as `partials` says: each FFN rank's
+/// f32 partial is replaced by [`CombinePartials::as_received`] of it before the source adds it
+/// (for [`CombinePartials::Bf16`], rounded to bf16 and widened back), then summed as ever.
 pub fn combine_source<R>(
-    routes: &Routes,
-    hidden: usize,
-    owner: impl Fn(usize) -> usize,
-    row_of: R,
-    ffn_rows: &[&[bf16]],
-) -> Vec<bf16>
-where
-    R: Fn(usize) -> u64,
-{
-    combine_source_with(
-        routes,
-        hidden,
-        CombinePartials::F32,
-        owner,
-        row_of,
-        ffn_rows,
-    )
-}
-
-/// [`combine_source`] with the partials travelling as `partials` says: each FFN rank's f32
-/// partial is replaced by [`CombinePartials::as_received`] of it before the source adds it (for
-/// [`CombinePartials::Bf16`], rounded to bf16 and widened back), then summed as ever.
-pub fn combine_source_with<R>(
     routes: &Routes,
     hidden: usize,
     partials: CombinePartials,
@@ -656,15 +635,8 @@ mod tests {
                     }
                 }
                 let weights = (0..t * k).map(|i| 0.1 + (i % 5) as f32 * 0.2).collect();
-                SourceInput {
-                    x,
-                    routes: Routes {
-                        tokens: t,
-                        top_k: k,
-                        idx,
-                        weights,
-                    },
-                }
+                let routes = Routes::new(t, k, idx, weights).unwrap();
+                SourceInput { x, routes }
             })
             .collect()
     }
@@ -752,15 +724,8 @@ mod tests {
                     );
                 }
                 let weights = (0..t * k).map(|_| r.gen_range(-2.0f32..2.0)).collect();
-                SourceInput {
-                    x,
-                    routes: Routes {
-                        tokens: t,
-                        top_k: k,
-                        idx,
-                        weights,
-                    },
-                }
+                let routes = Routes::new(t, k, idx, weights).unwrap();
+                SourceInput { x, routes }
             })
             .collect()
     }

@@ -185,7 +185,7 @@ mod tests {
                     let nf = if g == 0 { 1 } else { e.div_ceil(g) };
                     let owner = |ex: usize| if g == 0 { 0 } else { ex / g };
                     let rows: Vec<&[bf16]> = vec![&y[..]; nf];
-                    let want = afdep_core::oracle::exchange::combine_source(&routes, h, owner, |i| sr[i] as u64, &rows);
+                    let want = afdep_core::oracle::exchange::combine_source(&routes, h, afdep_core::CombinePartials::F32, owner, |i| sr[i] as u64, &rows);
                     assert_eq!(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "k={k} t={t} h={h} g={g}");
                 }
             }
