@@ -250,7 +250,9 @@ pub struct MoeLayer {
     validator: RouteValidator,
     /// Permuted x (sorted only), slots × H.
     xs: CudaSlice<bf16>,
-    /// a, b (train only) and h of the routed experts, slots × W.
+    /// a, b (train only) and h of the routed experts, slots × W. In the backward, once the
+    /// down projection has read it, `h` holds w·h (the dW2 operand; the shared expert's `sh`
+    /// does the same), so the train step needs no fourth slots × W buffer.
     a: CudaSlice<bf16>,
     b: CudaSlice<bf16>,
     h: CudaSlice<bf16>,
@@ -265,8 +267,6 @@ pub struct MoeLayer {
     sh: CudaSlice<bf16>,
     /// [da | db] rows: max(slots × 2W, T × 2S) (train).
     dab: CudaSlice<bf16>,
-    /// w·h rows, slots × W (train).
-    hw: CudaSlice<bf16>,
     /// g[slot] = <dy_t, y_k> (train, router).
     gsum: CudaSlice<f32>,
     /// dlogits, T × `router_ld` (train, router; the columns from E on are zero).
@@ -389,7 +389,6 @@ impl MoeLayer {
             sb: zeros(ctx, t(train, tokens * s))?,
             sh: zeros(ctx, tokens * s)?,
             dab: zeros(ctx, t(train, (slots * 2 * w).max(tokens * 2 * s)))?,
-            hw: zeros(ctx, t(train, slots * w))?,
             gsum: zeros(ctx, t(train, slots))?,
             dlogits: zeros(ctx, t(train, tokens * router_ld))?,
             router_ld,
@@ -493,7 +492,6 @@ impl MoeLayer {
             &self.sb,
             &self.sh,
             &self.dab,
-            &self.hw,
             &self.dlogits,
             &self.wr_pad,
             &self.gwr_pad,
@@ -740,7 +738,8 @@ impl MoeLayer {
                 a: &self.a,
                 b: &self.b,
                 dab: &mut self.dab,
-                hw: Some(&mut self.hw),
+                // h is dead after the forward's down projection: w·h replaces it
+                hw: Some(&mut self.h),
                 weights: Some(rw),
                 gsum: if router { Some(&mut self.gsum) } else { None },
             },
@@ -749,7 +748,7 @@ impl MoeLayer {
         gemm::wgrad(
             ctx,
             groups,
-            KOperand::rows(&self.hw, w),
+            KOperand::rows(&self.h, w),
             KOperand::gathered(&self.dy, hd, gather),
             w,
             hd,
