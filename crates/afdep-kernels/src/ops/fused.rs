@@ -107,8 +107,13 @@ pub const fn slab_row_bytes_for(payload: PayloadKind, hidden: usize, k: usize) -
 /// waiting for this rank's stores (the CUDA programming guide's lazy-loading caveat). Call it on
 /// every rank, then a barrier, before the first round.
 pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
-    for (id, kk) in preloaded(as_u32("top_k", top_k)?) {
-        let f = ctx.function(id, 0, kk)?;
+    let k = as_u32("top_k", top_k)?;
+    for id in PRELOADED
+        .into_iter()
+        .chain(super::fused_cf::KERNELS)
+        .chain(super::fused_round::KERNELS)
+    {
+        let f = fused_function(ctx, id, k)?;
         ctx.cuda()
             .bind_to_thread()
             .map_err(KernelError::driver("binding the context"))?;
@@ -120,38 +125,41 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// What [`preload`] loads for top-k `k`: every kernel a fused round may launch, each with the
-/// top-k its launcher asks the context for (1 for the kernels whose launchers always take the
-/// K = 1 module). The tests below check both against the registry and the launchers' text: a
-/// kernel missing here is loaded lazily in the middle of a round.
-fn preloaded(k: u32) -> Vec<(KernelId, u32)> {
-    [
-        KernelId::FusedDispatch,
-        KernelId::FusedSignal,
-        KernelId::FusedCopyEpilogue,
-        KernelId::FusedCombineReduce,
-        KernelId::FusedCombine,
-        KernelId::FusedCombineReduceBf16,
-        KernelId::FusedCombineBf16,
-        KernelId::FusedDispatchFp8,
-        KernelId::FusedCopyEpilogueFp8,
-    ]
-    .into_iter()
-    .chain(super::fused_cf::KERNELS)
-    .chain(super::fused_round::KERNELS)
-    .map(|id| {
-        let at_one = matches!(
-            id,
-            KernelId::CfPublishCounts
-                | KernelId::CfPlan
-                | KernelId::CfWait
-                | KernelId::RoundBump
-                | KernelId::RoundExperts
-                | KernelId::RoundStamp
-        );
-        (id, if at_one { 1 } else { k })
-    })
-    .collect()
+/// The kernels of this module that [`preload`] loads (with those of `fused_cf` and
+/// `fused_round`): every kernel a fused round may launch. A test checks the three lists against
+/// the registry: a kernel missing here is loaded lazily in the middle of a round.
+const PRELOADED: [KernelId; 9] = [
+    KernelId::FusedDispatch,
+    KernelId::FusedSignal,
+    KernelId::FusedCopyEpilogue,
+    KernelId::FusedCombineReduce,
+    KernelId::FusedCombine,
+    KernelId::FusedCombineReduceBf16,
+    KernelId::FusedCombineBf16,
+    KernelId::FusedDispatchFp8,
+    KernelId::FusedCopyEpilogueFp8,
+];
+
+/// The function of fused kernel `id` for a round of top-k `k`, from the module its launcher
+/// and [`preload`] both use (one rule, so that the preload loads exactly what rounds launch):
+/// the kernels that do not depend on the top-k come from the K = 1 module of their
+/// (top-k-specialised) source file, every other kernel from the module of `k` (0 for a source
+/// file that is not specialised by top-k: every value gives the same module).
+pub(super) fn fused_function(
+    ctx: &GpuContext,
+    id: KernelId,
+    k: u32,
+) -> Result<cudarc::driver::CudaFunction, KernelError> {
+    let at_one = matches!(
+        id,
+        KernelId::CfPublishCounts
+            | KernelId::CfPlan
+            | KernelId::CfWait
+            | KernelId::RoundBump
+            | KernelId::RoundExperts
+            | KernelId::RoundStamp
+    );
+    ctx.function(id, 0, if at_one { 1 } else { k })
 }
 
 /// Warps per block of every fused kernel (here, `fused_cf`, `fused_round`).
@@ -313,7 +321,7 @@ pub unsafe fn dispatch(
     let rows = send.rows as u64;
     let mw = as_u32("meta words", mw)?;
     let me = as_u32("rank", r.me)?;
-    let f = ctx.function(id, 0, 0)?;
+    let f = fused_function(ctx, id, 0)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
         .arg(send.token)
@@ -364,7 +372,7 @@ pub unsafe fn signal(
     need("ranks", ranks, n)?;
     let n32 = as_u32("ranks", n)?;
     let me = as_u32("rank", me)?;
-    let f = ctx.function(KernelId::FusedSignal, 0, 0)?;
+    let f = fused_function(ctx, KernelId::FusedSignal, 0)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&peers)
         .arg(ranks)
@@ -467,7 +475,7 @@ pub unsafe fn copy_epilogue(
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", src.sources)?;
     let rows = expanded_rows as u64;
-    let f = ctx.function(id, 0, k)?;
+    let f = fused_function(ctx, id, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(src.rank)
@@ -574,17 +582,12 @@ pub unsafe fn combine_reduce(
         Some(a) => (1u32, a),
         None => (0u32, view.slab_offsets),
     };
-    // one entry per kind of partials (the preload test reads these calls)
-    let (id, f) = match view.layout.partials_kind() {
-        CombinePartials::F32 => (
-            KernelId::FusedCombineReduce,
-            ctx.function(KernelId::FusedCombineReduce, 0, k)?,
-        ),
-        CombinePartials::Bf16 => (
-            KernelId::FusedCombineReduceBf16,
-            ctx.function(KernelId::FusedCombineReduceBf16, 0, k)?,
-        ),
+    // one entry per kind of partials
+    let id = match view.layout.partials_kind() {
+        CombinePartials::F32 => KernelId::FusedCombineReduce,
+        CombinePartials::Bf16 => KernelId::FusedCombineReduceBf16,
     };
+    let f = fused_function(ctx, id, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(&r.ctl)
@@ -671,16 +674,11 @@ pub unsafe fn combine(
     let nf = as_u32("ffns", ffns)?;
     let epr = as_u32("experts per rank", routes.experts_per_rank.max(1))?;
     let t = routes.tokens as u64;
-    let (id, f) = match layout.partials_kind() {
-        CombinePartials::F32 => (
-            KernelId::FusedCombine,
-            ctx.function(KernelId::FusedCombine, 0, layout.top_k)?,
-        ),
-        CombinePartials::Bf16 => (
-            KernelId::FusedCombineBf16,
-            ctx.function(KernelId::FusedCombineBf16, 0, layout.top_k)?,
-        ),
+    let id = match layout.partials_kind() {
+        CombinePartials::F32 => KernelId::FusedCombine,
+        CombinePartials::Bf16 => KernelId::FusedCombineBf16,
     };
+    let f = fused_function(ctx, id, layout.top_k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(ffn_ranks)
@@ -713,11 +711,16 @@ pub(super) mod tests {
 
     /// Every kernel of the fused round's source files is preloaded: a round launches no kernel
     /// whose function is loaded lazily (the stamp kernel was missing until 2026-12-06, and the
-    /// traced rounds on one GPU timed out on the device).
+    /// traced rounds on one GPU timed out on the device). The module each one comes from is
+    /// [`fused_function`]'s, for the launchers and the preload alike.
     #[test]
     fn preload_covers_every_fused_kernel() {
         use crate::sources::SourceFile as S;
-        let loaded: Vec<KernelId> = preloaded(8).into_iter().map(|(id, _)| id).collect();
+        let loaded: Vec<KernelId> = PRELOADED
+            .into_iter()
+            .chain(super::super::fused_cf::KERNELS)
+            .chain(super::super::fused_round::KERNELS)
+            .collect();
         let fused = [
             S::FusedDispatch,
             S::FusedEpilogue,
@@ -732,42 +735,6 @@ pub(super) mod tests {
                 assert!(loaded.contains(&id), "{id:?} is not preloaded");
             }
         }
-    }
-
-    /// [`preloaded`] asks for the module each launcher takes: `function(KernelId::X, 0, 1)` in a
-    /// launcher's text means the K = 1 module, any other literal id the round's top-k.
-    #[test]
-    fn preload_asks_for_the_launchers_top_k() {
-        let k = 8;
-        let loaded = preloaded(k);
-        let mut seen = 0;
-        for text in [
-            include_str!("fused.rs"),
-            include_str!("fused_cf.rs"),
-            include_str!("fused_round.rs"),
-        ] {
-            for call in text.split("function(KernelId::").skip(1) {
-                let (name, rest) = call.split_once(',').expect("a call's arguments");
-                let Some(id) = KernelId::ALL.into_iter().find(|i| format!("{i:?}") == name) else {
-                    continue;
-                };
-                let top_k = rest.split(')').next().unwrap_or("").trim();
-                let top_k = top_k.trim_start_matches("0,").trim();
-                let want = if top_k == "1" { 1 } else { k };
-                if top_k == "0" {
-                    continue; // a file not specialised by top-k: any value loads the same module
-                }
-                assert!(
-                    loaded.contains(&(id, want)),
-                    "{id:?}: its launcher takes top-k `{top_k}`, the preload does not load that"
-                );
-                seen += 1;
-            }
-        }
-        assert!(
-            seen >= 12,
-            "only {seen} launcher calls found: the pattern no longer matches"
-        );
     }
 
     /// The value of `#define name` in `layout/fused.cuh` (the header tests of every fused

@@ -19,7 +19,7 @@
 use afdep_core::{PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::fused::{RankAddrs, SlabGeometry};
+use super::fused::{RankAddrs, SlabGeometry, fused_function};
 use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
@@ -100,7 +100,7 @@ pub unsafe fn counts(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     as_u32("owned experts", ffns * epr)?;
-    let f = ctx.function(KernelId::CfCounts, 0, k)?;
+    let f = fused_function(ctx, KernelId::CfCounts, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(src.idx)
         .arg(&ctl)
@@ -148,7 +148,7 @@ pub unsafe fn publish_counts(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let f = ctx.function(KernelId::CfPublishCounts, 0, 1)?;
+    let f = fused_function(ctx, KernelId::CfPublishCounts, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(counts)
         .arg(&r.peers)
@@ -199,7 +199,7 @@ pub unsafe fn plan(
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let f = ctx.function(KernelId::CfPlan, 0, 1)?;
+    let f = fused_function(ctx, KernelId::CfPlan, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(&r.peers)
@@ -246,7 +246,7 @@ pub unsafe fn wait(
     }
     need("ranks", ranks, n)?;
     let n = as_u32("ranks", n)?;
-    let f = ctx.function(KernelId::CfWait, 0, 1)?;
+    let f = fused_function(ctx, KernelId::CfWait, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(ranks)
@@ -338,7 +338,7 @@ pub unsafe fn dispatch(
         PayloadKind::Bf16 => KernelId::CfDispatch,
         PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
     };
-    let f = ctx.function(id, 0, k)?;
+    let f = fused_function(ctx, id, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x)
         .arg(src.idx)
@@ -410,7 +410,7 @@ pub unsafe fn stream_epilogue(
         PayloadKind::Bf16 => KernelId::CfStreamEpilogue,
         PayloadKind::Fp8E4m3 => KernelId::CfStreamEpilogueFp8,
     };
-    let f = ctx.function(id, 0, k)?;
+    let f = fused_function(ctx, id, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
         .arg(src_ranks)
@@ -483,7 +483,7 @@ pub unsafe fn dequant(
     let k = as_u32("top_k", top_k)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
-    let f = ctx.function(KernelId::CfDequant, 0, k)?;
+    let f = fused_function(ctx, KernelId::CfDequant, k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws).arg(&r.ctl).arg(areas).arg(&e).arg(&ns);
     // SAFETY: afdep_cf_dequant(u8* ws, const u32* ctl, afdep_fused_layout L (by value, asserted

@@ -41,7 +41,7 @@
 use afdep_core::bf16;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::fused::RankAddrs;
+use super::fused::{RankAddrs, fused_function};
 use super::fused_layout::FusedLayout;
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
@@ -193,7 +193,7 @@ pub unsafe fn begin(
         )));
     }
     let me = as_u32("rank", r.me)?;
-    let f = ctx.function(KernelId::RoundBegin, 0, layout.top_k)?;
+    let f = fused_function(ctx, KernelId::RoundBegin, layout.top_k)?;
     // an FFN-only rank passes no tables and no payload state: null pointers, never read
     let null = 0u64;
     let src = match source {
@@ -281,7 +281,7 @@ pub unsafe fn check_payload(
     need("payload check state", state, PAYLOAD_STATE_WORDS)?;
     let src = as_u32("attention index", rows.source)?;
     let cap = capacity as u64;
-    let f = ctx.function(KernelId::RoundCheckPayload, 0, layout.top_k)?;
+    let f = fused_function(ctx, KernelId::RoundCheckPayload, layout.top_k)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x).arg(idx).arg(&ctl).arg(layout).arg(&src).arg(state);
     // SAFETY: afdep_round_check_payload(const u16* x, const i32* idx, const u32* ctl,
@@ -315,7 +315,7 @@ pub struct PayloadRows<'a> {
 /// contract](crate::ops::fused#safety-of-the-launchers)).
 pub unsafe fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), KernelError> {
     let t = as_u32("tokens", tokens)?;
-    let f = ctx.function(KernelId::RoundBump, 0, 1)?;
+    let f = fused_function(ctx, KernelId::RoundBump, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ctl).arg(&t);
     // SAFETY: afdep_round_bump(u32* ctl, u32 tokens), one thread: writes three words of the
@@ -336,7 +336,7 @@ pub fn stamp(
 ) -> Result<(), KernelError> {
     need("the stamp buffer", stamps, slot + 1)?;
     let s = as_u32("slot", slot)?;
-    let f = ctx.function(KernelId::RoundStamp, 0, 1)?;
+    let f = fused_function(ctx, KernelId::RoundStamp, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(stamps).arg(&s);
     // SAFETY: afdep_round_stamp(u64* stamps, u32 slot), one thread: writes stamps[slot], which
@@ -384,7 +384,7 @@ pub unsafe fn experts(
     need("y", y, exp_rows as usize * pv.layout.hidden as usize)?;
     let e = as_u32("experts per rank", pv.epr)?;
     let ns = as_u32("sources", pv.sources)?;
-    let f = ctx.function(KernelId::RoundExperts, 0, 1)?;
+    let f = fused_function(ctx, KernelId::RoundExperts, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&pv.ws)
         .arg(&ctl)
