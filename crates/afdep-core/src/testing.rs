@@ -26,16 +26,3 @@ pub fn skip_unavailable(what: &str, why: impl Display) {
     }
     println!("SKIP: {why}");
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_flag_reads_empty_and_zero_as_off() {
-        // the process environment is shared by the crate's tests: read, never set, here
-        let v = std::env::var(REQUIRE_GPU).ok();
-        let want = matches!(v.as_deref(), Some(s) if !s.is_empty() && s != "0");
-        assert_eq!(gpu_required(), want);
-    }
-}
