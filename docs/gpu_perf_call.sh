@@ -16,7 +16,8 @@ cd "$ROOT" || exit 3
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
-# overlap table of docs/perf/exchange_load_run.sh, and "ncu", per-kernel times of the record
+# overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
+# quiet GPU, and "ncu", per-kernel times of the record
 # shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
@@ -30,6 +31,16 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
     load)
       timeout "$(cap200)" bash docs/perf/exchange_load_run.sh /tmp/b4 $W/load \
         > $W/load.txt 2>&1; echo "load rc=$?" >> $W/steps.txt;;
+    trace)
+      # the trace files of 3A:1F and 2A:2F, graph and eager device rounds, on a quiet GPU (the
+      # matrix call's traces run beside its lanes); `afdep report trace` draws them here
+      for topo in 3A:1F 2A:2F; do for mode in --graph --device-rounds; do
+        n=$(echo "$topo$mode" | tr -d ':-')
+        timeout "$(( $(left) > 90 ? 40 : 10 ))" /tmp/b4/bin/afdep exchange --backend cuda --transport nvlink \
+          --device 0 --topology $topo $mode --arm auto --tokens 1,128,2048 --rounds 5 \
+          --trace $W/trace-$n.json --json-out $W/trace-rows.jsonl > $W/trace-$n.txt 2>&1
+        echo "trace $n rc=$?" >> $W/steps.txt
+      done; done;;
     onstream)
       # gpu_nvlink_on_stream alone (it failed once under the matrix's load on 2026-12-06), twice
       for i in 1 2; do
