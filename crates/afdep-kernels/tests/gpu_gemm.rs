@@ -408,7 +408,7 @@ fn down_scatter(
 
 /// The up-projection with SwiGLU of `x` (its rows through the gather when given) by `w1` and
 /// `w3` over `groups` (`rows` rows, K = `hidden`, N = `width`) into poisoned outputs:
-/// `[a, b, h]`.
+/// `[a, b, h]` (a and b split from the kept `[a | b]` rows).
 fn up_swiglu_abh(
     ctx: &afdep_kernels::GpuContext,
     groups: Groups<'_>,
@@ -419,8 +419,7 @@ fn up_swiglu_abh(
 ) -> [Vec<f32>; 3] {
     let n = rows * width;
     let mut h = poisoned(ctx, n);
-    let mut a = poisoned(ctx, n);
-    let mut b = poisoned(ctx, n);
+    let mut ab = poisoned(ctx, 2 * n);
     gemm::up_swiglu(
         ctx,
         groups,
@@ -431,11 +430,16 @@ fn up_swiglu_abh(
         hidden,
         width,
         &mut h,
-        Some(&mut a),
-        Some(&mut b),
+        Some(&mut ab),
     )
     .unwrap();
-    [f32s(ctx, &a), f32s(ctx, &b), f32s(ctx, &h)]
+    let ab = f32s(ctx, &ab);
+    let half = |second: usize| -> Vec<f32> {
+        ab.chunks(2 * width.max(1))
+            .flat_map(|row| row[second * width..(second + 1) * width].to_vec())
+            .collect()
+    };
+    [half(0), half(1), f32s(ctx, &h)]
 }
 
 /// The data gradient `[da | db]·[W1 | W3]ᵀ` of `dab` over `groups` (`rows` rows, K split at
@@ -726,34 +730,87 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
                 mhw[i] = (w * hh).abs() * 1e-3;
             }
         }
-        let (dyd, ad, bd) = (up(&ctx, &dy), up(&ctx, &av), up(&ctx, &bv));
-        let mut dab = poisoned(&ctx, 2 * n);
-        let mut hw = poisoned(&ctx, n);
-        let mut gsum = zeros::<f32>(&ctx, tokens * top_k).unwrap();
-        gemm::dh_dswiglu(
-            &ctx,
-            groups,
-            &dyd,
-            Some(Gather {
-                index: &rsd,
-                div: top_k,
-            }),
-            &w2d,
-            width,
-            hidden,
-            gemm::DswigluIo {
-                a: &ad,
-                b: &bd,
-                dab: &mut dab,
-                hw: Some(&mut hw),
-                weights: Some(rw),
-                gsum: Some(&mut gsum),
-            },
-        )
-        .unwrap();
-        check("ws dh_dswiglu [da | db]", &f32s(&ctx, &dab), &wda, &mda);
-        check("ws dh_dswiglu w·h", &f32s(&ctx, &hw), &whw, &mhw);
-        check("ws dh_dswiglu g", &download(&ctx, &gsum).unwrap(), &wg, &mg);
+        // the forward's [a | b] rows
+        let abv: Vec<bf16> = (0..rows)
+            .flat_map(|row| {
+                let span = row * width..(row + 1) * width;
+                av[span.clone()]
+                    .iter()
+                    .chain(&bv[span])
+                    .copied()
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let (dyd, abd) = (up(&ctx, &dy), up(&ctx, &abv));
+        // [a | b] in a buffer of their own (left unchanged), then in the output itself (each
+        // element replaced by its [da | db]), on each engine: the same results bit for bit
+        let mut first: Option<Vec<f32>> = None;
+        for engine in [Engine::Ws, Engine::Classic] {
+            let _e = ForcedEngine::new(gemm::force_engine, engine);
+            for in_place in [false, true] {
+                let what = format!("dh_dswiglu {engine:?} in place {in_place}");
+                let mut dab = if in_place {
+                    up(&ctx, &abv)
+                } else {
+                    poisoned(&ctx, 2 * n)
+                };
+                let mut hw = poisoned(&ctx, n);
+                let mut gsum = zeros::<f32>(&ctx, tokens * top_k).unwrap();
+                gemm::dh_dswiglu(
+                    &ctx,
+                    groups,
+                    &dyd,
+                    Some(Gather {
+                        index: &rsd,
+                        div: top_k,
+                    }),
+                    &w2d,
+                    width,
+                    hidden,
+                    gemm::DswigluIo {
+                        ab: if in_place {
+                            gemm::SavedAb::InPlace
+                        } else {
+                            gemm::SavedAb::Separate(&abd)
+                        },
+                        dab: &mut dab,
+                        hw: Some(&mut hw),
+                        weights: Some(rw),
+                        gsum: Some(&mut gsum),
+                    },
+                )
+                .unwrap();
+                let got = f32s(&ctx, &dab);
+                check(&format!("{what} [da | db]"), &got, &wda, &mda);
+                check(&format!("{what} w·h"), &f32s(&ctx, &hw), &whw, &mhw);
+                check(
+                    &format!("{what} g"),
+                    &download(&ctx, &gsum).unwrap(),
+                    &wg,
+                    &mg,
+                );
+                if !in_place {
+                    let kept: Vec<u16> = download(&ctx, &abd)
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    let want: Vec<u16> = abv.iter().map(|v| v.to_bits()).collect();
+                    assert!(kept == want, "{what}: the separate [a | b] changed");
+                }
+                // the epilogue's arithmetic is the same in every case: identical bits
+                let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                match &first {
+                    None => first = Some(got),
+                    Some(f) => assert!(
+                        f.iter().map(|v| v.to_bits()).eq(bits),
+                        "{what}: [da | db] differs from the first run's"
+                    ),
+                }
+            }
+        }
+        // each ForcedEngine above put the default back on drop: the rest is the ws test's
+        gemm::force_engine(Some(Engine::Ws));
     }
 
     // The data gradient [da | db]·[W1 | W3]ᵀ: K split at a width that is a multiple of 64

@@ -57,7 +57,7 @@ use afdep_core::route::RouteRules;
 use afdep_core::{LayerShape, RouteError, Routes, bf16};
 use afdep_kernels::cudarc::driver::CudaSlice;
 use afdep_kernels::ops::gemm::{
-    self, DswigluIo, Gather, Groups, KOperand, RowWeights, RowsOut, TILE_M, TILE_N,
+    self, DswigluIo, Gather, Groups, KOperand, RowWeights, RowsOut, SavedAb, TILE_M, TILE_N,
 };
 use afdep_kernels::ops::{moe, poison, zeros};
 use afdep_kernels::{
@@ -114,15 +114,6 @@ impl FromStr for Dispatch {
             .ok_or_else(|| {
                 format!("unknown dispatch `{s}`: expected sorted, gather, fused or fused_gsum")
             })
-    }
-}
-
-/// `(Some(a), Some(b))` when the forward keeps its SwiGLU inputs (a train step), else nothing.
-fn kept<'a, T>(keep: bool, a: &'a mut T, b: &'a mut T) -> (Option<&'a mut T>, Option<&'a mut T>) {
-    if keep {
-        (Some(a), Some(b))
-    } else {
-        (None, None)
     }
 }
 
@@ -250,22 +241,21 @@ pub struct MoeLayer {
     validator: RouteValidator,
     /// Permuted x (sorted only), slots × H.
     xs: CudaSlice<bf16>,
-    /// a, b (train only) and h of the routed experts, slots × W. In the backward, once the
-    /// down projection has read it, `h` holds w·h (the dW2 operand; the shared expert's `sh`
-    /// does the same), so the train step needs no fourth slots × W buffer.
-    a: CudaSlice<bf16>,
-    b: CudaSlice<bf16>,
+    /// h of the routed experts, slots × W. In the backward, once the down projection has read
+    /// it, `h` holds w·h (the dW2 operand; the shared expert's `sh` does the same), so the
+    /// train step needs no second slots × W buffer. The forward's a, b live in `dab`.
     h: CudaSlice<bf16>,
     /// Expert-sorted rows (y in the forward, dx rows in the backward), slots × H; empty for
     /// fused.
     rows: CudaSlice<bf16>,
     /// Token-order f32 accumulator (output, then dx), T × H.
     acc: CudaSlice<f32>,
-    /// Shared expert a, b (train), h, T × S.
-    sa: CudaSlice<bf16>,
-    sb: CudaSlice<bf16>,
+    /// Shared expert [a | b] rows (train), T × 2S, and h, T × S.
+    sab: CudaSlice<bf16>,
     sh: CudaSlice<bf16>,
-    /// [da | db] rows: max(slots × 2W, T × 2S) (train).
+    /// [da | db] rows: max(slots × 2W, T × 2S) (train). A train step's forward keeps the
+    /// routed experts' [a | b] rows here, and the SwiGLU backward turns them into [da | db] in
+    /// place ([`SavedAb::InPlace`]): no buffer of their own (2 × slots × W bf16 less).
     dab: CudaSlice<bf16>,
     /// g[slot] = <dy_t, y_k> (train, router).
     gsum: CudaSlice<f32>,
@@ -380,13 +370,10 @@ impl MoeLayer {
             layout,
             validator: RouteValidator::new(ctx)?,
             xs: zeros(ctx, t(sorted, slots * h))?,
-            a: zeros(ctx, t(train, slots * w))?,
-            b: zeros(ctx, t(train, slots * w))?,
             h: zeros(ctx, slots * w)?,
             rows: zeros(ctx, t(!fused, slots * h))?,
             acc: zeros(ctx, tokens * h)?,
-            sa: zeros(ctx, t(train, tokens * s))?,
-            sb: zeros(ctx, t(train, tokens * s))?,
+            sab: zeros(ctx, t(train, tokens * 2 * s))?,
             sh: zeros(ctx, tokens * s)?,
             dab: zeros(ctx, t(train, (slots * 2 * w).max(tokens * 2 * s)))?,
             gsum: zeros(ctx, t(train, slots))?,
@@ -484,12 +471,9 @@ impl MoeLayer {
             &self.out,
             &self.dx,
             &self.xs,
-            &self.a,
-            &self.b,
             &self.h,
             &self.rows,
-            &self.sa,
-            &self.sb,
+            &self.sab,
             &self.sh,
             &self.dab,
             &self.dlogits,
@@ -561,7 +545,8 @@ impl MoeLayer {
         self.queue_forward(ctx, routing, false)
     }
 
-    /// The forward; `keep` stores the SwiGLU inputs a, b (routed and shared) for the backward.
+    /// The forward; `keep` stores the SwiGLU inputs [a | b] for the backward (routed: in
+    /// `dab`, shared: in `sab`).
     fn queue_forward(
         &mut self,
         ctx: &GpuContext,
@@ -614,7 +599,6 @@ impl MoeLayer {
         } else {
             (&self.x, Some(gather))
         };
-        let (a_out, b_out) = kept(keep, &mut self.a, &mut self.b);
         gemm::up_swiglu(
             ctx,
             groups,
@@ -625,8 +609,7 @@ impl MoeLayer {
             hd,
             w,
             &mut self.h,
-            a_out,
-            b_out,
+            keep.then_some(&mut self.dab),
         )?;
         // the router weight applied in the GEMM's epilogue (gather, fused) or in the combine
         let fused = self.dispatch == Dispatch::Fused;
@@ -657,7 +640,6 @@ impl MoeLayer {
         }
         if s > 0 {
             let dense = Groups::Dense { rows: tokens };
-            let (a_out, b_out) = kept(keep, &mut self.sa, &mut self.sb);
             gemm::up_swiglu(
                 ctx,
                 dense,
@@ -668,8 +650,7 @@ impl MoeLayer {
                 hd,
                 s,
                 &mut self.sh,
-                a_out,
-                b_out,
+                keep.then_some(&mut self.sab),
             )?;
             gemm::down(
                 ctx,
@@ -735,8 +716,8 @@ impl MoeLayer {
             w,
             hd,
             DswigluIo {
-                a: &self.a,
-                b: &self.b,
+                // the forward's [a | b] rows, replaced by [da | db]
+                ab: SavedAb::InPlace,
                 dab: &mut self.dab,
                 // h is dead after the forward's down projection: w·h replaces it
                 hw: Some(&mut self.h),
@@ -819,8 +800,7 @@ impl MoeLayer {
                 s,
                 hd,
                 DswigluIo {
-                    a: &self.sa,
-                    b: &self.sb,
+                    ab: SavedAb::Separate(&self.sab),
                     dab: &mut self.dab,
                     hw: Some(&mut self.sh),
                     weights: None,

@@ -196,6 +196,7 @@ struct GemmProblem {
     ldb: u64,
     b_gs: u64,
     ldc: u64,
+    ld2: u64,
     fault: u64,
     m: u32,
     n: u32,
@@ -211,7 +212,7 @@ struct GemmProblem {
     inject_tx: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<GemmProblem>() == 200);
+const _: () = assert!(std::mem::size_of::<GemmProblem>() == 208);
 
 /// Bound of one TMA stage wait (a stage lands in microseconds: the bound only turns a lost
 /// transaction into a [`KernelError::DeviceFault`] instead of a hang, with room for
@@ -333,13 +334,23 @@ pub enum RowsOut<'a> {
     },
 }
 
+/// Where the SwiGLU backward ([`dh_dswiglu`]) finds the forward's `a = x·W1` and `b = x·W3`:
+/// `[a | b]` rows of `2·width` bf16, as [`up_swiglu`] keeps them.
+#[derive(Debug, Clone, Copy)]
+pub enum SavedAb<'a> {
+    /// In a buffer of their own, `capacity × 2·width`, left unchanged.
+    Separate(&'a CudaSlice<bf16>),
+    /// In the output [`DswigluIo::dab`] itself: each element of `[a | b]` is read and replaced
+    /// by its `[da | db]` by the same thread, so the step needs no buffer for them. The
+    /// forward's values are gone afterwards.
+    InPlace,
+}
+
 /// The SwiGLU backward's per-row inputs and outputs ([`dh_dswiglu`]).
 #[derive(Debug)]
 pub struct DswigluIo<'a> {
-    /// `a = x·W1` of the forward, `capacity × width` bf16.
-    pub a: &'a CudaSlice<bf16>,
-    /// `b = x·W3` of the forward.
-    pub b: &'a CudaSlice<bf16>,
+    /// The forward's `[a | b]` rows.
+    pub ab: SavedAb<'a>,
     /// Output `[da | db]`, `capacity × 2·width` bf16.
     pub dab: &'a mut CudaSlice<bf16>,
     /// Output `w·h` (the dW2 operand), `capacity × width`, or none.
@@ -639,7 +650,9 @@ fn set_groups<'a>(
 
 /// The forward up-projection with SwiGLU: for every row `r` of `groups` (expert `e`),
 /// `a = x_r·W1_e`, `b = x_r·W3_e` (f32), `h[r] = bf16(silu(a)·b)`, and, for the train step,
-/// `a_out[r] = bf16(a)`, `b_out[r] = bf16(b)`. `x` is read at row `r` or through `gather`.
+/// `ab_out[r] = [bf16(a) | bf16(b)]` (rows of `2·width`: the layout of the backward's
+/// `[da | db]`, so that [`SavedAb::InPlace`] can use one buffer for both). `x` is read at row
+/// `r` or through `gather`.
 /// `w1`, `w3` are `groups × hidden × width` (the shared expert: one group, `hidden × S`).
 #[allow(clippy::too_many_arguments)]
 pub fn up_swiglu(
@@ -652,8 +665,7 @@ pub fn up_swiglu(
     hidden: usize,
     width: usize,
     h: &mut CudaSlice<bf16>,
-    a_out: Option<&mut CudaSlice<bf16>>,
-    b_out: Option<&mut CudaSlice<bf16>>,
+    ab_out: Option<&mut CudaSlice<bf16>>,
 ) -> Result<(), KernelError> {
     let cap = groups.capacity();
     if cap == 0 {
@@ -688,13 +700,11 @@ pub fn up_swiglu(
         p.a_div = as_u32("gather divisor", gt.div.max(1))?;
         need("gather index", gt.index, cap)?;
     }
-    if let Some(a) = a_out {
-        need("a", a, cap * width)?;
-        p.c2 = ptrs.w(a);
-    }
-    if let Some(b) = b_out {
-        need("b", b, cap * width)?;
-        p.c3 = ptrs.w(b);
+    if let Some(ab) = ab_out {
+        need("[a | b]", ab, cap * 2 * width)?;
+        p.c2 = ptrs.w(ab);
+        p.c3 = p.c2 + 2 * width as u64;
+        p.ld2 = 2 * width as u64;
     }
     p.c = ptrs.w(h);
     let (pa, pb, pb2) = (p.a, p.b, p.b2);
@@ -865,9 +875,10 @@ pub fn dh_dswiglu(
     if gather.is_none() {
         need("dy", dy, cap * hidden)?;
     }
-    need("a", io.a, cap * width)?;
-    need("b", io.b, cap * width)?;
     need("[da | db]", io.dab, cap * 2 * width)?;
+    if let SavedAb::Separate(ab) = io.ab {
+        need("[a | b]", ab, cap * 2 * width)?;
+    }
     let stream = ctx.stream();
     let mut ptrs = Ptrs::new(stream);
     let mut p = GemmProblem {
@@ -879,10 +890,12 @@ pub fn dh_dswiglu(
         ldc: width as u64,
         n: wn,
         k: hk,
-        c2: ptrs.r(io.a),
-        c3: ptrs.r(io.b),
+        ld2: 2 * width as u64,
         ..Default::default()
     };
+    if let SavedAb::Separate(ab) = io.ab {
+        p.c2 = ptrs.r(ab);
+    }
     let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
     if let Some(gt) = gather {
         need("gather index", gt.index, cap)?;
@@ -907,6 +920,11 @@ pub fn dh_dswiglu(
         p.c4 = ptrs.w(hw);
     }
     p.c = ptrs.w(io.dab);
+    if matches!(io.ab, SavedAb::InPlace) {
+        p.c2 = p.c;
+    }
+    // b's half of each [a | b] row (bytes)
+    p.c3 = p.c2 + 2 * width as u64;
     let (pa, pb, gathered) = (p.a, p.b, p.a_idx != 0);
     let ks = RowsKernels {
         classic: KernelId::GemmDhDswiglu,

@@ -1853,7 +1853,7 @@ fn swiglu_gemms(
         capacity: rows,
     };
     gemm::up_swiglu(
-        gpu, groups, &sw.x, None, &sw.w1, &sw.w3, hidden, sw.width, &mut sw.h, None, None,
+        gpu, groups, &sw.x, None, &sw.w1, &sw.w3, hidden, sw.width, &mut sw.h, None,
     )?;
     gemm::down(
         gpu,
