@@ -85,6 +85,19 @@ pub fn probe_driver() -> Result<usize, KernelError> {
     Ok(n as usize)
 }
 
+/// A new non-blocking stream of `ctx`, without the `cuCtxSynchronize` that cudarc's
+/// `CudaContext::new_stream` issues for the first stream of a context object that tracks
+/// events. That wait covers every kernel of the (primary) context, so on a GPU where emulated
+/// ranks of a group run kernels that spin on each other's stores, a rank whose thread creates
+/// its first stream after a peer's kernel started waiting for it blocks that kernel's wait
+/// until it times out (a device timeout seen under load, 2026-12-06). Nothing was allocated on
+/// a fresh context object's streams yet, so the wait protects nothing here. The stream is
+/// forked from the legacy default stream: it starts after that stream's work, which afdep
+/// never uses.
+pub fn quiet_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>, DriverError> {
+    ctx.default_stream().fork()
+}
+
 impl GpuContext {
     /// A context on device `ordinal` with the JIT settings of [`JitOptions::from_env`].
     ///
@@ -117,9 +130,7 @@ impl GpuContext {
             _ => Arch::from_compute_capability(major, minor),
         };
         let jit = Jit::new(options)?;
-        let stream = ctx
-            .new_stream()
-            .map_err(KernelError::driver("creating a stream"))?;
+        let stream = quiet_stream(&ctx).map_err(KernelError::driver("creating a stream"))?;
         tracing::info!(
             ordinal,
             device = ctx.name().unwrap_or_default(),

@@ -28,7 +28,7 @@ pub mod resources;
 pub mod sources;
 
 pub use cache::{CacheSetting, KernelCache};
-pub use context::GpuContext;
+pub use context::{GpuContext, quiet_stream};
 pub use error::KernelError;
 pub use jit::{Arch, CompiledModule, Jit, JitOptions};
 pub use ops::DeviceRoutes;

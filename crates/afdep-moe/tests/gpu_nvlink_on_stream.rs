@@ -27,6 +27,7 @@ use afdep_core::{ExchangeConfig, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
+use afdep_kernels::quiet_stream;
 use afdep_moe::{BorrowedRound, DeviceExperts, ExchangeError, FusedEngine, FusedGraph, RoundArm};
 use exchange_common::*;
 
@@ -126,9 +127,13 @@ fn run(c: &ExchangeConfig, rounds: &[Vec<SourceInput>]) -> Option<Vec<Vec<Vec<Go
     let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
     // engines and graphs are dropped after every rank's thread is done
     let (per_rank, keep): (Vec<Vec<Vec<Got>>>, _) = on_fused_ranks(g, c, false, |rank, eng| {
-        let graph = eng.capture(RoundArm::Auto).expect("capture");
+        // the caller's stream, made before the capture (whose barrier follows every rank's)
+        // and without cudarc's first-stream cuCtxSynchronize: that wait, on a rank whose peer's
+        // round kernel already spins for it, held the round past its 20 s bound under load
+        // (`afdep_kernels::quiet_stream`)
         let ctx = CudaContext::new(0).unwrap();
-        let s = ctx.new_stream().unwrap();
+        let s = quiet_stream(&ctx).unwrap();
+        let graph = eng.capture(RoundArm::Auto).expect("capture");
         let mut out = Vec::new();
         for inp in rounds {
             let mine = c.topology.attention_index(rank).map(|i| &inp[i]);

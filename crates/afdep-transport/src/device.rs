@@ -310,9 +310,8 @@ impl<T: Transport<Buffer = HostBuffer>> DeviceStaged<T> {
         }
         let ctx =
             CudaContext::new(device).map_err(driver_error(kind, OP, rank, "creating a context"))?;
-        let stream = ctx
-            .new_stream()
-            .map_err(driver_error(kind, OP, rank, "creating a stream"))?;
+        let stream =
+            crate::quiet_stream(&ctx).map_err(driver_error(kind, OP, rank, "creating a stream"))?;
         Ok(DeviceStaged {
             inner,
             device,

@@ -90,6 +90,16 @@ pub mod testing;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
+/// A new non-blocking stream of `ctx` without the `cuCtxSynchronize` of cudarc's first
+/// `new_stream` on a context object (`afdep_kernels::quiet_stream` says why: on a GPU whose
+/// emulated ranks spin on each other, that wait stalls a peer's kernel until it times out).
+#[cfg(any(feature = "nvlink", feature = "cuda"))]
+pub(crate) fn quiet_stream(
+    ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, cudarc::driver::DriverError> {
+    ctx.default_stream().fork()
+}
+
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;

@@ -341,9 +341,8 @@ impl Nccl {
             }
             let ctx =
                 CudaContext::new(dev).map_err(driver_error(OP, rank, "creating a context"))?;
-            let stream = ctx
-                .new_stream()
-                .map_err(driver_error(OP, rank, "creating a stream"))?;
+            let stream =
+                crate::quiet_stream(&ctx).map_err(driver_error(OP, rank, "creating a stream"))?;
             Ok((dev, ctx, stream))
         });
         let mine = match &local {

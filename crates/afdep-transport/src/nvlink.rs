@@ -438,8 +438,8 @@ fn rank_stream(
 ) -> Result<Arc<RankStream>, TransportError> {
     const OP: &str = "init";
     let ctx = CudaContext::new(ordinal).map_err(|e| driver_err(rank, OP, e))?;
-    let stream = ctx.new_stream().map_err(|e| driver_err(rank, OP, e))?;
-    let poll = ctx.new_stream().map_err(|e| driver_err(rank, OP, e))?;
+    let stream = crate::quiet_stream(&ctx).map_err(|e| driver_err(rank, OP, e))?;
+    let poll = crate::quiet_stream(&ctx).map_err(|e| driver_err(rank, OP, e))?;
     Ok(Arc::new(RankStream {
         ctx,
         stream,
