@@ -12,7 +12,9 @@
 //! nothing else is allocated during a step.
 //!
 //! `bench_layer [--tokens 16384,131072,1048576] [--dispatch sorted,gather,fused,fused_gsum]
-//! [--iters 10]`
+//! [--iters 10] [--shape H,W,E,K,S]` (`--shape`: d_model, expert width, experts, top-k and
+//! shared width instead of the record's, e.g. `4096,14336,8,2,0` for the Mixtral-like row of
+//! `afdep moe --suite models`; a small program to run under `ncu` at a model's size).
 
 use afdep_core::LayerShape;
 use afdep_core::oracle::LayerParams;
@@ -37,6 +39,9 @@ struct Args {
     /// Timed runs per measurement.
     #[arg(long, default_value_t = 10)]
     iters: usize,
+    /// The layer's sizes `H,W,E,K,S` (default: the record's, 512,128,64,8,1024).
+    #[arg(long, value_delimiter = ',', num_args = 5)]
+    shape: Option<Vec<usize>>,
 }
 
 fn main() {
@@ -51,13 +56,24 @@ fn run() -> Result<(), LayerGpuError> {
         tokens,
         dispatch: dispatches,
         iters,
+        shape,
     } = <Args as clap::Parser>::parse();
     let ctx = GpuContext::new(0)?;
     // SAFETY: every buffer lives on the context's one stream, whose order is all the
     // synchronisation needed; no buffer exists yet. Without this, cudarc records and waits on
     // events around every launch.
     unsafe { ctx.cuda().disable_event_tracking() };
-    let shape = LayerShape::RECORD;
+    let shape = match shape.as_deref() {
+        Some(&[d_model, width, experts, top_k, shared]) => LayerShape {
+            d_model,
+            width,
+            experts,
+            top_k,
+            shared,
+            renormalize: true,
+        },
+        _ => LayerShape::RECORD,
+    };
     let params = LayerParams::random(shape, 0);
     let device = ctx.device_name()?;
     let timer = EventTimer::new(&ctx, iters)?;
