@@ -40,7 +40,7 @@ struct Args {
     #[arg(long, default_value_t = 10)]
     iters: usize,
     /// The layer's sizes `H,W,E,K,S` (default: the record's, 512,128,64,8,1024).
-    #[arg(long, value_delimiter = ',', num_args = 5)]
+    #[arg(long, value_delimiter = ',')]
     shape: Option<Vec<usize>>,
 }
 
@@ -72,7 +72,12 @@ fn run() -> Result<(), LayerGpuError> {
             shared,
             renormalize: true,
         },
-        _ => LayerShape::RECORD,
+        Some(other) => {
+            return Err(LayerGpuError::Unsupported(format!(
+                "--shape takes five sizes H,W,E,K,S, not {other:?}"
+            )));
+        }
+        None => LayerShape::RECORD,
     };
     let params = LayerParams::random(shape, 0);
     let device = ctx.device_name()?;
