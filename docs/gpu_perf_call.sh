@@ -63,9 +63,18 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # per-kernel times of the record shape's forward and train step (gather, 131,072 tokens):
       # 3 warm-ups and 1 timed run of each, every launch profiled (NCU_ARGS replaces the
       # bench_layer arguments)
-      timeout "$(cap200)" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-        --log-file $W/ncu.csv /tmp/b4/bin/bench_layer ${NCU_ARGS:---tokens 131072 --dispatch gather --iters 1} \
-        > $W/ncu.txt 2>&1; echo "ncu rc=$?" >> $W/steps.txt;;
+      # NCU_ARGS replaces the bench_layer arguments; several runs separated by `;`
+      # (e.g. "--shape 4096,14336,8,2,0 --tokens 16384 --dispatch sorted --iters 1;..."), each
+      # into ncu-N.csv (the first also ncu.csv)
+      i=0; IFS=';' read -r -a runs <<< "${NCU_ARGS:---tokens 131072 --dispatch gather --iters 1}"
+      for args in "${runs[@]}"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086 # a list of flags
+        timeout "$(cap200)" ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+          --log-file $W/ncu-$i.csv /tmp/b4/bin/bench_layer $args > $W/ncu-$i.txt 2>&1
+        echo "ncu $i ($args) rc=$?" >> $W/steps.txt
+      done
+      cp $W/ncu-1.csv $W/ncu.csv 2>/dev/null;;
     wgrad)
       timeout "$(cap200)" bash docs/perf/gemm_wgrad_run.sh /tmp/b4 $W/wgrad \
         > $W/wgrad.txt 2>&1; echo "wgrad rc=$?" >> $W/steps.txt;;
@@ -83,7 +92,7 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
   esac
 done
 step done
-cp $W/ncu.csv "$OUT/" 2>/dev/null
+cp $W/ncu*.csv "$OUT/" 2>/dev/null
 cp $W/steps.txt $W/pipeline.txt $W/wgrad.txt $W/suite.txt "$OUT/" 2>/dev/null
 cp $W/wgrad/tests.txt "$OUT/wgrad-tests.txt" 2>/dev/null
 cp $W/pipeline/table.md "$OUT/pipeline-table.md" 2>/dev/null
