@@ -17,7 +17,7 @@ export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
-# quiet GPU, and "ncu", per-kernel times of the record
+# quiet GPU, "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
@@ -41,6 +41,17 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
           --trace $W/trace-$n.json --json-out $W/trace-rows.jsonl > $W/trace-$n.txt 2>&1
         echo "trace $n rc=$?" >> $W/steps.txt
       done; done;;
+    partials)
+      # issue 20 item 3: the combine's bf16 partials beside the exact f32 ones, same engines'
+      # settings, quiet GPU: graph rounds, identity experts, the source arm, hidden 2048 and 7168
+      for topo in 3A:1F 2A:2F; do for hidden in 2048 7168; do for pk in f32 bf16; do
+        timeout "$(( $(left) > 90 ? 40 : 10 ))" /tmp/b4/bin/afdep exchange --backend cuda --transport nvlink \
+          --device 0 --topology $topo --graph --arm count-first-source --expert identity \
+          --hidden $hidden --experts 128 --top-k 8 --capacity 2048 --payload bf16 --partials $pk \
+          --tokens 1,128,2048 --rounds 30 --warmup 5 --json-out $W/partials.jsonl \
+          > $W/partials-$topo-$hidden-$pk.txt 2>&1
+        echo "partials $topo h$hidden $pk rc=$?" >> $W/steps.txt
+      done; done; done;;
     onstream)
       # gpu_nvlink_on_stream alone (it failed once under the matrix's load on 2026-12-06), twice
       for i in 1 2; do
