@@ -92,8 +92,10 @@ pub fn probe_driver() -> Result<usize, KernelError> {
 /// its first stream after a peer's kernel started waiting for it blocks that kernel's wait
 /// until it times out (a device timeout seen under load, 2026-12-06). Nothing was allocated on
 /// a fresh context object's streams yet, so the wait protects nothing here. The stream is
-/// forked from the legacy default stream: it starts after that stream's work, which afdep
-/// never uses.
+/// forked from the legacy default stream (an event recorded there, waited for by the new
+/// stream): its first work runs after what was queued on the legacy stream when it was made
+/// (afdep queues nothing there; a caller such as PyTorch may), a one-time order, not a wait
+/// of this thread.
 pub fn quiet_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>, DriverError> {
     ctx.default_stream().fork()
 }
