@@ -270,7 +270,7 @@ impl MoeRow {
 
     /// Fills the shape's name and the TFLOP/s columns from the times.
     pub fn finish(&mut self, shape: Option<&str>) {
-        let s = shapes::layer_shape(
+        let s = LayerShape::renormalized(
             self.d_model,
             self.width,
             self.experts,

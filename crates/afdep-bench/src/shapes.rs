@@ -52,32 +52,13 @@ pub struct NamedShape {
 impl NamedShape {
     /// The layer shape (top-k weights renormalised, as in docs/design.md, "Specification: Router").
     pub fn layer(&self) -> LayerShape {
-        layer_shape(
+        LayerShape::renormalized(
             self.d_model,
             self.width,
             self.experts,
             self.top_k,
             self.shared,
         )
-    }
-}
-
-/// The layer shape of the given sizes as every `afdep moe` row runs it: top-k weights
-/// renormalised (docs/design.md, "Specification: Router").
-pub fn layer_shape(
-    d_model: usize,
-    width: usize,
-    experts: usize,
-    top_k: usize,
-    shared: usize,
-) -> LayerShape {
-    LayerShape {
-        d_model,
-        width,
-        experts,
-        top_k,
-        shared,
-        renormalize: true,
     }
 }
 

@@ -38,6 +38,25 @@ impl LayerShape {
         renormalize: true,
     };
 
+    /// The shape of the given sizes with the top-k weights renormalised (the router's default,
+    /// docs/design.md, "Specification: Router").
+    pub const fn renormalized(
+        d_model: usize,
+        width: usize,
+        experts: usize,
+        top_k: usize,
+        shared: usize,
+    ) -> LayerShape {
+        LayerShape {
+            d_model,
+            width,
+            experts,
+            top_k,
+            shared,
+            renormalize: true,
+        }
+    }
+
     /// Checks that every field is usable.
     pub fn validate(&self) -> Result<(), ConfigError> {
         positive("d_model", self.d_model)?;

@@ -64,14 +64,9 @@ fn run() -> Result<(), LayerGpuError> {
     // events around every launch.
     unsafe { ctx.cuda().disable_event_tracking() };
     let shape = match shape.as_deref() {
-        Some(&[d_model, width, experts, top_k, shared]) => LayerShape {
-            d_model,
-            width,
-            experts,
-            top_k,
-            shared,
-            renormalize: true,
-        },
+        Some(&[d_model, width, experts, top_k, shared]) => {
+            LayerShape::renormalized(d_model, width, experts, top_k, shared)
+        }
         Some(other) => {
             return Err(LayerGpuError::Unsupported(format!(
                 "--shape takes five sizes H,W,E,K,S, not {other:?}"
