@@ -198,7 +198,7 @@ impl FusedLayout {
 
 #[cfg(test)]
 mod tests {
-    use std::mem::{offset_of, size_of};
+    use std::mem::size_of;
 
     use afdep_core::Topology;
 
@@ -209,41 +209,12 @@ mod tests {
     #[test]
     fn the_device_struct_matches() {
         let text = include_str!("../../cuda/layout/fused.cuh");
-        let body = text
-            .split("struct afdep_fused_layout {")
-            .nth(1)
-            .and_then(|r| r.split("};").next())
-            .expect("struct afdep_fused_layout in layout/fused.cuh");
-        let mut at = 0usize;
-        let mut fields = Vec::new();
-        for line in body.lines().map(str::trim).filter(|l| !l.is_empty()) {
-            let (ty, name) = line
-                .trim_end_matches(';')
-                .split_once(' ')
-                .unwrap_or_else(|| panic!("field line {line:?}"));
-            let size = match ty {
-                "u64" => 8,
-                "u32" => 4,
-                _ => panic!("field type {ty}"),
-            };
-            assert_eq!(at % size, 0, "{name} unaligned");
-            fields.push((name.to_string(), at));
-            at += size;
-        }
-        let asserted = text
-            .lines()
-            .find_map(|l| l.strip_prefix("static_assert(sizeof(afdep_fused_layout) == "))
-            .and_then(|r| r.split(',').next())
-            .expect("the size assert");
-        assert_eq!(asserted.parse::<usize>().unwrap(), size_of::<FusedLayout>());
+        let (fields, at) = super::super::device_struct::fields(text, "afdep_fused_layout");
+        let asserted = super::super::device_struct::asserted_size(text, "afdep_fused_layout");
+        assert_eq!(asserted, size_of::<FusedLayout>());
         assert_eq!(at, size_of::<FusedLayout>(), "no padding");
-        macro_rules! offsets {
-            ($($f:ident),*) => {
-                vec![$((stringify!($f).to_string(), offset_of!(FusedLayout, $f))),*]
-            };
-        }
         #[rustfmt::skip]
-        let rust: Vec<(String, usize)> = offsets!(
+        let rust: Vec<(String, usize)> = super::super::device_struct::rust_offsets!(FusedLayout;
             slab_off, row_bytes, meta_off, ret_off, ret_row_bytes, count_flags, offset_flags,
             counts, offsets, plan, row_flags, expanded, exp_q, exp_scales, exp_rows, status, bytes,
             cap, hidden, top_k, payload, partials, reserved

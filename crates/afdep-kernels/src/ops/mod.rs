@@ -4,6 +4,8 @@
 //! ([`KernelError::Shape`]), launches on the context's stream, and returns without waiting:
 //! results are read with the stream's copies, which order after the launches.
 
+#[cfg(test)]
+mod device_struct;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod fp8;
