@@ -1,6 +1,6 @@
 //! Test support: the fields of a C struct in a kernel header, with the offsets they have when
 //! laid out without padding, for the tests that hold a `#[repr(C)]` Rust mirror to its header
-//! (`FusedLayout`, `GemmProblem`).
+//! (`FusedLayout`, `GemmProblem`, `RefDims`).
 
 /// The fields of `struct NAME { ... };` in `text`, in order, with their offsets: one field or a
 /// comma list per declaration (`u32 m, n, k;`), `u64` or `u32`, `//` comments ignored. Every
@@ -37,8 +37,8 @@ pub(crate) fn fields(text: &str, name: &str) -> (Vec<(String, usize)>, usize) {
     (out, at)
 }
 
-/// The size a header asserts for `name`: `static_assert(sizeof(NAME) == N, ...)`.
-pub(crate) fn asserted_size(text: &str, name: &str) -> usize {
+/// The size a header asserts for `name` (`static_assert(sizeof(NAME) == N, ...)`), if it does.
+pub(crate) fn asserted_size(text: &str, name: &str) -> Option<usize> {
     text.lines()
         .find_map(|l| {
             l.trim()
@@ -46,7 +46,21 @@ pub(crate) fn asserted_size(text: &str, name: &str) -> usize {
         })
         .and_then(|r| r.split(',').next())
         .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("the size assert of {name}"))
+}
+
+/// Asserts that the header's `struct NAME` in `text` has the fields `rust` (name, offset, in
+/// order; [`rust_offsets`]) and `size` bytes, with no padding, and that the header's size
+/// assert, if any, says `size`.
+pub(crate) fn assert_mirrors(text: &str, name: &str, rust: Vec<(String, usize)>, size: usize) {
+    let (device, at) = fields(text, name);
+    assert_eq!(
+        at, size,
+        "{name}: the device fields span {at} bytes, the Rust struct {size}"
+    );
+    if let Some(n) = asserted_size(text, name) {
+        assert_eq!(n, size, "{name}: the header asserts {n} bytes");
+    }
+    assert_eq!(device, rust, "{name}: fields and offsets");
 }
 
 /// `Vec<(field name, offset)>` of the named fields of a Rust struct `T`, to compare with
@@ -72,7 +86,7 @@ mod tests {
             .collect();
         assert_eq!(f, want);
         assert_eq!(at, 20);
-        assert_eq!(asserted_size(text, "s"), 20);
+        assert_eq!(asserted_size(text, "s"), Some(20));
     }
 
     #[test]

@@ -208,18 +208,15 @@ mod tests {
     /// so the same offsets (it has no padding: the header asserts its size, and so does this).
     #[test]
     fn the_device_struct_matches() {
-        let text = include_str!("../../cuda/layout/fused.cuh");
-        let (fields, at) = super::super::device_struct::fields(text, "afdep_fused_layout");
-        let asserted = super::super::device_struct::asserted_size(text, "afdep_fused_layout");
-        assert_eq!(asserted, size_of::<FusedLayout>());
-        assert_eq!(at, size_of::<FusedLayout>(), "no padding");
+        use super::super::device_struct::{assert_mirrors, rust_offsets};
         #[rustfmt::skip]
-        let rust: Vec<(String, usize)> = super::super::device_struct::rust_offsets!(FusedLayout;
+        let rust = rust_offsets!(FusedLayout;
             slab_off, row_bytes, meta_off, ret_off, ret_row_bytes, count_flags, offset_flags,
             counts, offsets, plan, row_flags, expanded, exp_q, exp_scales, exp_rows, status, bytes,
             cap, hidden, top_k, payload, partials, reserved
         );
-        assert_eq!(fields, rust);
+        let text = include_str!("../../cuda/layout/fused.cuh");
+        assert_mirrors(text, "afdep_fused_layout", rust, size_of::<FusedLayout>());
     }
 
     /// The layout of two configs, pinned (the numbers of the engine's layout before it moved

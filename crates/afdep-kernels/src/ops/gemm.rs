@@ -1263,21 +1263,20 @@ mod tests {
     /// header and the const assert check only the size: two fields swapped would pass them).
     #[test]
     fn the_device_problem_matches() {
-        use std::mem::size_of;
-        let text = include_str!("../../cuda/layout/gemm_problem.cuh");
-        let (fields, at) = super::super::device_struct::fields(text, "GemmProblem");
-        assert_eq!(
-            super::super::device_struct::asserted_size(text, "GemmProblem"),
-            size_of::<GemmProblem>()
-        );
-        assert_eq!(at, size_of::<GemmProblem>(), "no padding");
+        use super::super::device_struct::{assert_mirrors, rust_offsets};
         #[rustfmt::skip]
-        let rust: Vec<(String, usize)> = super::super::device_struct::rust_offsets!(GemmProblem;
+        let rust = rust_offsets!(GemmProblem;
             a, b, b2, offsets, a_idx, b_idx, c, c2, c3, c4, aux, r_idx, weights, gsum, lda, ldb,
             b_gs, ldc, ld2, fault, m, n, k, groups, a_div, b_div, b_split, splits, r_div, tma,
             wait_ms, inject_tx
         );
-        assert_eq!(fields, rust);
+        let text = include_str!("../../cuda/layout/gemm_problem.cuh");
+        assert_mirrors(
+            text,
+            "GemmProblem",
+            rust,
+            std::mem::size_of::<GemmProblem>(),
+        );
     }
 
     /// The default of `#define NAME value` in `cuda/gemm.cu`.

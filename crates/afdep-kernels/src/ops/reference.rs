@@ -1032,3 +1032,18 @@ pub fn err_stats(
         .map_err(launch_err(KernelId::RefErrStats))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `RefDims` has `AfdepRefDims`'s fields (reference.cu) in the same order at the same
+    /// offsets, and no more bytes.
+    #[test]
+    fn the_device_dims_match() {
+        use super::super::device_struct::{assert_mirrors, rust_offsets};
+        let rust = rust_offsets!(RefDims; tokens, hidden, width, experts, top_k, shared);
+        let text = include_str!("../../cuda/reference.cu");
+        assert_mirrors(text, "AfdepRefDims", rust, std::mem::size_of::<RefDims>());
+    }
+}
