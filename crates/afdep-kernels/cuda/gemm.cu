@@ -455,20 +455,23 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
         const float h0 = __fmul_rn(__fmul_rn(v0, sigmoidf_(v0)), u0);
         const float h1 = __fmul_rn(__fmul_rn(v1, sigmoidf_(v1)), u1);
         *(u32*)((u16*)p.c + row * p.ldc + col) = pack_bf16(h0, h1);
-        // a, b for the backward: separate buffers, or one [a | b] row (c3 = c2 + width, ld2 =
-        // 2 width) that the backward turns into [da | db] in place
-        const u64 o2 = row * (p.ld2 ? p.ld2 : p.ldc) + col;
-        if (p.c2) *(u32*)((u16*)p.c2 + o2) = pack_bf16(v0, v1);
-        if (p.c3) *(u32*)((u16*)p.c3 + o2) = pack_bf16(u0, u1);
+        // the train step keeps a, b for the backward: row [a | b] of c2 (n columns each, row
+        // stride ld2), the layout of the backward's [da | db]
+        if (p.c2) {
+            u16* ab = (u16*)p.c2 + row * p.ld2;
+            *(u32*)(ab + col) = pack_bf16(v0, v1);
+            *(u32*)(ab + p.n + col) = pack_bf16(u0, u1);
+        }
     } else if (EPI == AFDEP_EPI_DSWIGLU) {
         // v = G = dy·W2^T (unweighted). With a, b stored by the forward: h = silu(a) b,
         // g += G·h (the router's <dy, y>), dh = w G, da = dh b silu'(a), db = dh silu(a).
-        // In place (c2 = c, c3 = c + ldc, ld2 = 2 ldc): this thread reads a, b at the two
-        // addresses it then writes da, db to, and no other thread touches them.
+        // a, b: row [a | b] of c2 (row stride ld2). In place (c2 = c, ld2 = 2 ldc, ldc = n):
+        // this thread reads a, b at the two addresses it then writes da, db to, and no other
+        // thread touches them.
         const u64 o = row * p.ldc + col;
-        const u64 o2 = row * (p.ld2 ? p.ld2 : p.ldc) + col;
-        const float2 a = unpack_bf16(*(const u32*)((const u16*)p.c2 + o2));
-        const float2 b = unpack_bf16(*(const u32*)((const u16*)p.c3 + o2));
+        const u16* ab = (const u16*)p.c2 + row * p.ld2;
+        const float2 a = unpack_bf16(*(const u32*)(ab + col));
+        const float2 b = unpack_bf16(*(const u32*)(ab + p.n + col));
         float da[2], db[2], hw[2];
         const float av[2] = {a.x, a.y}, bv[2] = {b.x, b.y}, gv[2] = {v0, v1};
 #pragma unroll

@@ -799,7 +799,7 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
                     let want: Vec<u16> = abv.iter().map(|v| v.to_bits()).collect();
                     assert!(kept == want, "{what}: the separate [a | b] changed");
                 }
-                // the epilogue's arithmetic is the same in every case: identical bits
+                // the same engine, the same arithmetic: the two forms give identical bits
                 let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
                 match &first {
                     None => first = Some(got),

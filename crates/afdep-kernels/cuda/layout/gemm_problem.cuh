@@ -39,7 +39,7 @@ struct GemmProblem {
     u64 ldb;      // element stride between B rows
     u64 b_gs;     // element stride between groups of B
     u64 ldc;      // element stride between output rows
-    u64 ld2;      // element stride between the rows of c2 / c3 (SWIGLU, DSWIGLU); 0: ldc
+    u64 ld2;      // SWIGLU, DSWIGLU: element stride between the [a | b] rows of c2
     u64 fault;    // u32[4] fault word (bounded waits that ran out), or 0
     u32 m, n, k;  // ROWS: m = rows without offsets; KSUM: per-group M x N, k = rows without offsets
     u32 groups;

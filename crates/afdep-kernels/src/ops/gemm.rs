@@ -703,7 +703,6 @@ pub fn up_swiglu(
     if let Some(ab) = ab_out {
         need("[a | b]", ab, cap * 2 * width)?;
         p.c2 = ptrs.w(ab);
-        p.c3 = p.c2 + 2 * width as u64;
         p.ld2 = 2 * width as u64;
     }
     p.c = ptrs.w(h);
@@ -923,8 +922,6 @@ pub fn dh_dswiglu(
     if matches!(io.ab, SavedAb::InPlace) {
         p.c2 = p.c;
     }
-    // b's half of each [a | b] row (bytes)
-    p.c3 = p.c2 + 2 * width as u64;
     let (pa, pb, gathered) = (p.a, p.b, p.a_idx != 0);
     let ks = RowsKernels {
         classic: KernelId::GemmDhDswiglu,
