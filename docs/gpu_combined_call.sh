@@ -11,5 +11,8 @@ rest=$(( TOTAL - ($(date +%s) - T0) ))
 echo "== perf with $rest s"
 OUT=$OUT/p PARTS="${PARTS:-trace load}" LIMIT=$(( rest - 45 )) bash docs/gpu_perf_call.sh > /dev/null 2>&1
 cat $OUT/p/steps.txt; cat $OUT/p/load-table.md 2>/dev/null | head -40
+for f in $OUT/p/ab52-*.jsonl; do [ -f "$f" ] && python3 -c "import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); print(sys.argv[1].split('/')[-1], r.get('arm'), r.get('tokens'), r.get('round_us'), r.get('status'), r.get('kernel_digest'))" "$f"; done
 rest=$(( TOTAL - ($(date +%s) - T0) ))
 [ $rest -gt 40 ] && timeout $(( rest - 10 )) /tmp/b4/bin/bench_layer --shape 4096,14336,8,2,0 --tokens 16384 --dispatch sorted --iters 3 > $OUT/p/bench.jsonl 2>&1; cat $OUT/p/bench.jsonl

@@ -17,7 +17,7 @@ export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
-# quiet GPU, "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
+# quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
@@ -58,6 +58,20 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         timeout "$(( $(left) > 90 ? 60 : 20 ))" /tmp/b4/tests/gpu_nvlink_on_stream --test-threads=1 \
           > $W/onstream-$i.log 2>&1; echo "onstream run $i rc=$?" >> $W/steps.txt
       done;;
+    ab52)
+      # issue 20's comparison: this build's graph round against 52a7948's (bundle/afdep52.gz, a
+      # stripped release `afdep` of that commit) on the same setting, alternating binaries:
+      # 3A:1F, the auto arm, identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups
+      [ -x /tmp/afdep52 ] || { gzip -dc "$ROOT/bundle/afdep52.gz" > /tmp/afdep52 && chmod +x /tmp/afdep52; }
+      for rep in 1 2 3; do for which in new old; do
+        bin=/tmp/b4/bin/afdep; [ $which = old ] && bin=/tmp/afdep52
+        timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
+          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
+          --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
+          > $W/ab52-$which-$rep.txt 2>&1
+        echo "ab52 $which rep $rep rc=$?" >> $W/steps.txt
+      done; done
+      cp $W/ab52-*.jsonl "$OUT/" 2>/dev/null;;
     fused)
       # the fused engine's binaries alone (engines in every arm, graphs and device rounds, the
       # pipeline), for a change of the fused kernels or layout checked in the quiet call
