@@ -4,8 +4,8 @@
 // Mode AFDEP_CF_SOURCE (the source arm): waits (bounded) for every FFN rank's offset flag, then
 // stores each row straight to its final expanded row(s) in the FFN rank's expanded area (one
 // per (token, local expert): block start + slot position), and the compact view's metadata
-// (the payload-first format, expanded_row[k] the final row) into its slab row there; the engine
-// then raises the dispatch flags (afdep_fused_signal).
+// (the payload-first format, expanded_row[k] the final row) into its slab row there; then the
+// grid's last block raises the dispatch flags (sig_off; what afdep_fused_signal did after it).
 // Mode AFDEP_CF_STREAM (the streaming variant): with `gate` set, the same wait first; then each
 // row (payload and metadata, expanded_row[k] the slot's block position) goes into this source's
 // slab, and its row flag is raised to the round (release, system scope) as soon as the row is
@@ -33,6 +33,8 @@ static_assert(K <= 32, "one lane per slot");
 
 #define AFDEP_CF_SOURCE 0u
 #define AFDEP_CF_STREAM 1u
+// sig_off of a dispatch that raises no dispatch flags (the streaming arm: its rows have flags)
+#define AFDEP_CF_NO_SIGNAL 0xffffffffffffffffull
 
 // ctl: the control block (round, token count; nothing when skipped: layout/fused.cuh).
 // x: tokens × hidden bf16; idx, w: tokens × K routes (validated); slot_pos, tok_row: from
@@ -51,16 +53,19 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     const u32* __restrict__ ffn_rank, u32 nf, u32 epr, const u64* __restrict__ peers,
     const u8* ws, u64 offs_off, u64 oflag_off, u64 slab_off, u32 cap, u64 row_bytes,
     u64 meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off,
-    u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) {
+    u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err, u64 sig_off) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u64 tokens = afdep_ctl_tokens(ctl);
     const bool wait = mode == AFDEP_CF_SOURCE || gate != 0u;
+    __shared__ u32 ok;
+    __shared__ AfdepSignal sig;
+    if (sig_off != AFDEP_CF_NO_SIGNAL) afdep_signal_keep(&sig, ctl, peers, ffn_rank, nf, sig_off, me);
+    if (threadIdx.x == 0) ok = 1;
+    __syncthreads();
     AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_OFFSET_WAIT)
     if (wait) {
-        __shared__ u32 ok;
         if (threadIdx.x == 0) {
-            ok = 1;
             for (u32 f = 0; f < nf && ok; f++) {
                 const u32* flag = (const u32*)(ws + oflag_off + 4ull * ffn_rank[f]);
                 if (!afdep_wait_ge(flag, round, timeout_ns)) {
@@ -70,11 +75,11 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
             }
         }
         __syncthreads();
-        if (!ok) return;
     }
     const u32 lane = afdep_lane();
     const u64 warps = (u64)gridDim.x * AFDEP_WARPS;
-    const u64 pairs = tokens * nf;
+    // a block whose wait ran out stores nothing (but still takes its ticket below)
+    const u64 pairs = ok ? tokens * nf : 0;
     const u32 payload = 2u * hidden;
     for (u64 p = (u64)blockIdx.x * AFDEP_WARPS + threadIdx.x / 32; p < pairs; p += warps) {
         const u32 row = tok_row[p];
@@ -150,29 +155,36 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
             }
         }
     }
+    // the dispatch flags (sig_off != AFDEP_CF_NO_SIGNAL): the grid's last block raises this
+    // source's flag at sig_off in every FFN rank's workspace once every block's rows are stored
+    // (as the separate signal kernel did: also after a wait that ran out, whose fault the
+    // round's verdict reports)
+    if (sig_off != AFDEP_CF_NO_SIGNAL) afdep_signal_tail(&sig);
 }
 
 // The entries take the workspace layout by value (afdep_fused_layout, layout/fused.cuh); the
-// rows function reads its fields, which stay in the parameter space (no copy).
+// rows function reads its fields, which stay in the parameter space (no copy). At most one block
+// per SM is asked for (`__launch_bounds__(AFDEP_BLOCK, 1)`): the grid is the transport's SM
+// budget, and without the bound ptxas held some variants to 32 registers and spilled.
 #define AFDEP_CF_DISPATCH_PARAMS                                                                  \
     const u16 *__restrict__ x, const i32 *__restrict__ idx, const float *__restrict__ w,         \
         const u32 *ctl, const u32 *__restrict__ slot_pos, const u32 *__restrict__ tok_row,       \
         const u32 *__restrict__ ffn_rank, u32 nf, u32 epr, const u64 *__restrict__ peers,        \
         const u8 *ws, const afdep_fused_layout L, u32 me, u32 mode, u32 gate, u64 timeout_ns,    \
-        u32 *err
+        u32 *err, u64 sig_off
 #define AFDEP_CF_DISPATCH_ARGS                                                                    \
     x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, L.offsets, L.offset_flags,  \
         L.slab_off, L.cap, L.row_bytes, L.meta_off, L.expanded, L.exp_q, L.exp_scales,           \
-        L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err
+        L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err, sig_off
 
 // bf16 rows (exp_q_off and exp_sc_off unused).
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_cf_dispatch(AFDEP_CF_DISPATCH_PARAMS) {
     afdep_cf_dispatch_rows<AFDEP_PAYLOAD_BF16>(AFDEP_CF_DISPATCH_ARGS);
 }
 
 // fp8 rows: hidden a multiple of 128, x and the destinations 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
+extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_cf_dispatch_fp8(AFDEP_CF_DISPATCH_PARAMS) {
     afdep_cf_dispatch_rows<AFDEP_PAYLOAD_FP8>(AFDEP_CF_DISPATCH_ARGS);
 }

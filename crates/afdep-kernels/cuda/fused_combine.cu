@@ -8,7 +8,7 @@
 // token it received, from the compact view's metadata in its slabs (each row names the token,
 // its slots' local experts, weights and expanded rows), and stores the f32 partial into row
 // (f, t) of the return area in the token's source's workspace through the peer table (then
-// afdep_fused_signal raises this FFN rank's combine flag there). One f32 row per (token, FFN
+// the grid's last block raises this FFN rank's combine flag there). One f32 row per (token, FFN
 // rank) travels back instead of one bf16 row per slot: at top-8 with every expert on one FFN
 // rank, a quarter of the bytes.
 // Source side, afdep_fused_combine: waits (bounded) for every FFN rank's flag of this round,
@@ -191,24 +191,39 @@ static __device__ __forceinline__ void afdep_combine_reduce_rows(
 // output shows it). The partial of token t of source s goes to peers[src_rank[s]] + ret_off +
 // (f cap + t) ret_row_bytes: hidden f32, or hidden bf16 with bf16 partials. One warp per compact
 // row, grid-stride; 8 channels per lane, 16-byte loads and stores when hidden is a multiple of 8.
+// me: this FFN rank; sig_off (AFDEP_NO_COMBINE_SIGNAL: none): the grid's last block then raises
+// flag `me` at sig_off in every source's workspace (the combine flags; what afdep_fused_signal
+// did as a kernel of its own after this one).
 #define AFDEP_COMBINE_REDUCE_PARAMS                                                               \
     const u8 *ws, const u32 *ctl, const u64 *__restrict__ peers,                                 \
         const u32 *__restrict__ src_rank, u32 ns, const u64 *__restrict__ so,                   \
         const u64 *__restrict__ bs, u32 rel, const afdep_fused_layout L,                         \
-        const u16 *__restrict__ y, u64 y_rows, u32 f
+        const u16 *__restrict__ y, u64 y_rows, u32 f, u32 me, u64 sig_off
 #define AFDEP_COMBINE_REDUCE_ARGS ws, peers, src_rank, ns, so, bs, rel, L, y, y_rows, f
+#define AFDEP_NO_COMBINE_SIGNAL 0xffffffffffffffffull
+
+// The rows, then (with a signal) the combine flags, raised by the grid's last block.
+template <bool BF16P>
+static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE_REDUCE_PARAMS) {
+    if (afdep_ctl_skip(ctl)) return;
+    const bool signal = sig_off != AFDEP_NO_COMBINE_SIGNAL;
+    __shared__ AfdepSignal sig;
+    if (signal) afdep_signal_keep(&sig, ctl, peers, src_rank, ns, sig_off, me);
+    afdep_combine_reduce_rows<BF16P>(AFDEP_COMBINE_REDUCE_ARGS);
+    if (signal) afdep_signal_tail(&sig);
+}
 
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce(AFDEP_COMBINE_REDUCE_PARAMS) {
-    if (afdep_ctl_skip(ctl)) return;
-    afdep_combine_reduce_rows<false>(AFDEP_COMBINE_REDUCE_ARGS);
+    afdep_combine_reduce_kernel<false>(ws, ctl, peers, src_rank, ns, so, bs, rel, L, y, y_rows,
+                                       f, me, sig_off);
 }
 
 // The same with bf16 partials: each partial rounded to hidden bf16 (L.ret_row_bytes = 2 hidden).
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce_bf16(AFDEP_COMBINE_REDUCE_PARAMS) {
-    if (afdep_ctl_skip(ctl)) return;
-    afdep_combine_reduce_rows<true>(AFDEP_COMBINE_REDUCE_ARGS);
+    afdep_combine_reduce_kernel<true>(ws, ctl, peers, src_rank, ns, so, bs, rel, L, y, y_rows,
+                                      f, me, sig_off);
 }
 
 // The source half's loop over its tokens (afdep_fused_combine below), the partials read as

@@ -3,8 +3,8 @@
 // Source side: afdep_cf_counts computes, from this source's routes on the device, every slot's
 // position in its (expert, source) block, every (token, FFN rank)'s row in this source's slab
 // there (the compact view's row), the rows per owned expert and the distinct tokens per FFN
-// rank (afdep_core::layout::SourceCounts and block_positions); afdep_cf_publish_counts stores
-// each FFN rank's share into that rank's counts area and raises this source's count flag.
+// rank (afdep_core::layout::SourceCounts and block_positions), and its last block stores each
+// FFN rank's share into that rank's counts area and raises this source's count flag.
 // FFN side: afdep_cf_plan waits (bounded) for every source's count flag, computes the plan
 // (FfnPlan: expert offsets, block starts, slab offsets; 64-bit prefix sums) into its own
 // workspace and publishes each source's block starts into the source's offsets area, then
@@ -27,10 +27,15 @@
 // Warp nf * epr + f does the same for FFN rank f (experts [f epr, (f+1) epr)): tok_row[t*nf+f] =
 // the number of earlier tokens with a slot there, or AFDEP_NO_ROW; counts[nf epr + f] = its
 // distinct tokens.
+// Then the publication (what afdep_cf_publish_counts did as a kernel of its own): the grid's
+// last block (afdep_last_block) stores, for every FFN rank f < nf, counts[f epr .. (f+1) epr)
+// and counts[nf epr + f] into row `me` of the counts area of workspace peers[ffn_rank[f]], and
+// then raises this source's count flag `me` there to the round (release, system scope).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_counts(const i32* __restrict__ idx, const u32* ctl, u32 nf, u32 epr,
-                    u32* __restrict__ slot_pos, u32* __restrict__ tok_row,
-                    u64* __restrict__ counts) {
+                    u32* __restrict__ slot_pos, u32* __restrict__ tok_row, u64* counts,
+                    const u64* __restrict__ peers, const u32* __restrict__ ffn_rank,
+                    const afdep_fused_layout L, u32 me) {
     if (afdep_ctl_skip(ctl)) return;
     const u64 tokens = afdep_ctl_tokens(ctl);
     const u32 lane = afdep_lane();
@@ -76,30 +81,20 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         }
         if (lane == 0) counts[w] = run;
     }
-}
-
-// Block f < nf: stores counts[f epr .. (f+1) epr) and counts[nf epr + f] into row `me` of the
-// counts area of workspace peers[ffn_rank[f]], then (thread 0, after a system fence) raises
-// flag `me` at cflag_off there to the round of the control block ctl (release, system scope).
-extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
-    afdep_cf_publish_counts(const u64* __restrict__ counts, const u64* __restrict__ peers,
-                            const u32* __restrict__ ffn_rank, u32 nf, u32 epr,
-                            const afdep_fused_layout L, u32 me, const u32* ctl) {
-    const u64 counts_off = L.counts, cflag_off = L.count_flags;
-    if (afdep_ctl_skip(ctl)) return;
+    if (!afdep_last_block(ctl)) return;
+    // the last block: every block's counts are fenced before its ticket; read them from L2
     const u32 round = afdep_ctl_round(ctl);
-    const u32 f = blockIdx.x;
-    if (f >= nf) return;
-    u8* base = (u8*)peers[ffn_rank[f]];
-    u64* dst = (u64*)(base + counts_off) + (u64)me * (epr + 1);
     AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_COUNTS, threadIdx.x == 0, 30000);
-    for (u32 l = threadIdx.x; l <= epr; l += AFDEP_BLOCK)
-        dst[l] = l < epr ? counts[(u64)f * epr + l] : counts[(u64)nf * epr + f];
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        afdep_st_release_sys((u32*)(base + cflag_off + 4ull * me), round);
+    const u64 row = (u64)epr + 1;
+    for (u64 i = threadIdx.x; i < (u64)nf * row; i += AFDEP_BLOCK) {
+        const u32 f = (u32)(i / row);
+        const u64 l = i % row;
+        u64* dst = (u64*)((u8*)peers[ffn_rank[f]] + L.counts) + (u64)me * row;
+        dst[l] = __ldcg(l < epr ? counts + (u64)f * epr + l : counts + owned + f);
     }
+    __syncthreads();
+    afdep_raise_flags(peers, ffn_rank, nf, L.count_flags, me, round);
 }
 
 // One block. ws: this FFN rank's (`me`) workspace; src_rank[s] for s < ns: the sources' ranks.

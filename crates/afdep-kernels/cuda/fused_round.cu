@@ -11,7 +11,8 @@
 // requested one, or for AFDEP_ARM_AUTO the rule over the largest source's token count) go into
 // the control block and its arm gates, and every later kernel of the round skips when its
 // control block (or gate) is not go. afdep_round_bump is the host-planned round's counterpart
-// (routes validated on the host): round + 1, verdict go, the token count.
+// (routes validated on the host): round + 1, verdict go, the token count (and the ticket
+// zeroed, as afdep_round_begin does).
 // afdep_round_stamp: a timestamp of a traced round's phase boundary.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
 // the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
@@ -143,11 +144,13 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
         u32* g = gates + (u64)m * AFDEP_CTL_WORDS;
         g[AFDEP_CTL_ROUND] = round;
         g[AFDEP_CTL_TOKENS] = ctl[AFDEP_CTL_TOKENS];
+        g[AFDEP_CTL_TICKET] = 0u;
         g[AFDEP_CTL_VERDICT] = verdict != AFDEP_CTL_GO ? verdict
                                : ((m >> arm) & 1u)     ? AFDEP_CTL_GO
                                                        : AFDEP_CTL_ARM_OFF;
     }
     ctl[AFDEP_CTL_ARM] = arm;
+    ctl[AFDEP_CTL_TICKET] = 0u;
     ctl[AFDEP_CTL_VERDICT] = verdict;
     ctl[AFDEP_CTL_ROUND] = round;
 }
@@ -157,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 extern "C" __global__ void afdep_round_bump(u32* ctl, u32 tokens) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     ctl[AFDEP_CTL_ROUND] += 1;
+    ctl[AFDEP_CTL_TICKET] = 0u;
     ctl[AFDEP_CTL_VERDICT] = AFDEP_CTL_GO;
     ctl[AFDEP_CTL_TOKENS] = tokens;
 }

@@ -319,10 +319,9 @@ kernel_registry! {
     /// `fused_counts.cu`: count-first counts on the device, their publication, the FFN rank's
     /// plan and offsets, a bounded flag wait (specialised by top-k).
     FusedCounts = "fused_counts.cu", experts: false, top_k: true {
-        /// Count-first: a source's counts, block positions and compact rows from its routes.
+        /// Count-first: a source's counts, block positions and compact rows from its routes,
+        /// then (its last block) the counts stored into each FFN rank's workspace and its flag.
         CfCounts = "afdep_cf_counts",
-        /// Count-first: a source's counts stored into each FFN rank's workspace, then its flag.
-        CfPublishCounts = "afdep_cf_publish_counts",
         /// Count-first: an FFN rank's plan (prefix sums) and each source's published offsets.
         CfPlan = "afdep_cf_plan",
         /// Count-first: a bounded wait for a set of flags.

@@ -842,7 +842,8 @@ impl FusedEngine {
             // `nums` (`ns + 1` slab offsets, then the block starts), whose counts keep rows below
             // the capacity, and `y` holds its `rows` expanded rows; both live in `back` until after
             // the stream is synchronised below; every workspace holds the return areas at
-            // `geo.ret_off`.
+            // `geo.ret_off` and `MAX_WORLD` flags at `COMBINE_FLAGS` (raised by the kernel's
+            // last block; `src_ranks` holds the attention ranks).
             unsafe {
                 fk::combine_reduce(
                     &self.gpu,
@@ -851,20 +852,7 @@ impl FusedEngine {
                     &self.src_ranks,
                     f,
                     knobs.transport_sms,
-                )
-            }?;
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control
-            // block `self.ws + CONTROL` are live; `src_ranks` holds the attention ranks, every
-            // workspace `MAX_WORLD` flags at `COMBINE_FLAGS`.
-            unsafe {
-                fk::signal(
-                    &self.gpu,
-                    self.peers,
-                    &self.src_ranks,
-                    ns,
-                    COMBINE_FLAGS,
-                    rank,
-                    self.ws + CONTROL,
+                    true,
                 )
             }?;
         }

@@ -26,8 +26,8 @@
 // Every 7th streaming row flag released 10 us after its row's stores completed (and were
 // fenced): afdep_cf_dispatch, streaming mode. The record's P2.
 #define AFDEP_FAULT_LATE_ROW_FLAGS 0x2u
-// A source's counts 30 us late (thread 0 of each FFN rank's block, before its count store; the
-// count flag follows): afdep_cf_publish_counts. The record's P3.
+// A source's counts 30 us late (thread 0 of the last block of afdep_cf_counts, before it stores
+// them into the FFN ranks' counts areas; the count flags follow). The record's P3.
 #define AFDEP_FAULT_LATE_COUNTS 0x4u
 // An FFN rank's offset flags released 20 us after its offsets were stored and fenced:
 // afdep_cf_plan. The record's P4.
@@ -35,8 +35,9 @@
 // An FFN rank's prefix sums computed 20 us late (after its counts wait, before the plan):
 // afdep_cf_plan. The record's P4b.
 #define AFDEP_FAULT_LATE_PREFIX 0x10u
-// Every flag signal released 10 us after its fence: afdep_fused_signal (dispatch flags of
-// payload-first and the source arm, combine flags).
+// Every flag signal released 10 us after its fence: afdep_fused_signal (the host-planned
+// payload-first dispatch flags) and the last blocks of afdep_cf_dispatch (dispatch flags of the
+// device plan's payload-first and source arms) and afdep_fused_combine_reduce (combine flags).
 #define AFDEP_FAULT_LATE_SIGNAL 0x20u
 // Every 5th compact row's partial sum stored into its source's return area 20 us late (the
 // combine flag follows): afdep_fused_combine_reduce.

@@ -171,6 +171,9 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 //   ctl[9]  request   the dispatch arm this rank asks for (written by the host before the round,
 //                     like tokens): AFDEP_ARM_* or AFDEP_ARM_AUTO (the token-bucket rule)
 //   ctl[10] arm       the arm the round takes (afdep_round_begin: the same on every rank)
+//   ctl[11] ticket    the blocks of the running kernel that are done (afdep_last_block): zero
+//                     between kernels (reset by the last block, and by afdep_round_begin /
+//                     afdep_round_bump in the control block and every arm gate)
 // With verdict AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms; every rank skips the
 // round), ctl[2..5) hold {the lowest rank whose request differs from rank 0's, rank 0's
 // request, that rank's request} instead of a route word.
@@ -180,6 +183,7 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 #define AFDEP_CTL_TOKENS 8
 #define AFDEP_CTL_ARM_REQUEST 9
 #define AFDEP_CTL_ARM 10
+#define AFDEP_CTL_TICKET 11
 #define AFDEP_CTL_WORDS 16
 #define AFDEP_CTL_GO 0u
 #define AFDEP_CTL_REJECTED 1u
@@ -221,4 +225,77 @@ static __device__ __forceinline__ bool afdep_ctl_skip(const u32* ctl) {
 // This source's token count of the round.
 static __device__ __forceinline__ u64 afdep_ctl_tokens(const u32* ctl) {
     return *(const volatile u32*)(ctl + AFDEP_CTL_TOKENS);
+}
+
+// Whether this block is the last of its grid to get here (every thread of the block gets the
+// same answer; every block of the grid must call it once, after its last store of the phase).
+// Each block fences its stores at system scope and takes a ticket from the control block `ctl`
+// (the one the kernel was launched with: the control block or an arm gate; AFDEP_CTL_TICKET),
+// so the last block sees every block's stores and may raise the flag that publishes them (the
+// work of a separate signal kernel, one launch less). The last block resets the ticket.
+static __device__ __forceinline__ bool afdep_last_block(const u32* ctl) {
+    __shared__ u32 last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        u32* ticket = (u32*)ctl + AFDEP_CTL_TICKET;
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1u : 0u;
+        if (last) {
+            *(volatile u32*)ticket = 0u;
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last != 0u;
+}
+
+// Raises flag `me` at flag_off of workspace peers[ranks[i]] to `round` for every i < n (thread
+// 0 of the calling block, after a system fence: release, system scope). The tail of a kernel
+// whose last block (afdep_last_block) publishes the grid's stores; a fault point that delays
+// the flags goes before it.
+static __device__ __forceinline__ void afdep_raise_flags(const u64* __restrict__ peers,
+                                                         const u32* __restrict__ ranks, u32 n,
+                                                         u64 flag_off, u32 me, u32 round) {
+    if (threadIdx.x != 0) return;
+    __threadfence_system();
+#pragma unroll 1
+    for (u32 i = 0; i < n; i++)
+        afdep_st_release_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), round);
+}
+
+// The signal of a kernel's last block: flag `me` at flag_off in the workspaces of ranks[0..n)
+// raised to the round of ctl. Kept in shared memory by thread 0 at the kernel's start
+// (afdep_signal_keep) and read back there by the tail (afdep_signal_tail): the row loop between
+// them keeps its registers (holding these across it made some loops spill).
+struct AfdepSignal {
+    const u32* ctl;
+    const u64* peers;
+    const u32* ranks;
+    u64 flag_off;
+    u32 n;
+    u32 me;
+};
+
+// Thread 0 keeps the signal of the kernel in `sig` (shared).
+static __device__ __forceinline__ void afdep_signal_keep(AfdepSignal* sig, const u32* ctl,
+                                                         const u64* peers, const u32* ranks,
+                                                         u32 n, u64 flag_off, u32 me) {
+    if (threadIdx.x == 0) *sig = AfdepSignal{ctl, peers, ranks, flag_off, n, me};
+}
+
+// The signal tail of a kernel (every block calls it once, after its last store of the phase):
+// the grid's last block raises the signal kept in `sig` (afdep_signal_keep), after the fault
+// point AFDEP_FAULT_LATE_SIGNAL. afdep_last_block's ticket, taken and acted on by thread 0 alone
+// (nothing to broadcast to the block).
+static __device__ __forceinline__ void afdep_signal_tail(const AfdepSignal* sig) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const volatile AfdepSignal* v = sig;
+    const u32* ctl = v->ctl;
+    __threadfence_system();
+    u32* ticket = (u32*)ctl + AFDEP_CTL_TICKET;
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    *(volatile u32*)ticket = 0u;
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
+    afdep_raise_flags(v->peers, v->ranks, v->n, v->flag_off, v->me, afdep_ctl_round(ctl));
 }

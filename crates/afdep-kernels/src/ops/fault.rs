@@ -40,8 +40,8 @@ pub mod point {
     pub const LATE_ROWS: u32 = 0x1;
     /// Every 7th streaming row flag released 10 µs after its row's stores: `afdep_cf_dispatch`.
     pub const LATE_ROW_FLAGS: u32 = 0x2;
-    /// Thread 0 of each FFN rank's share of a source's counts stores 30 µs late (the count flag
-    /// follows): `afdep_cf_publish_counts`.
+    /// A source's counts stored into the FFN ranks' workspaces 30 µs late (the count flags
+    /// follow): the last block of `afdep_cf_counts`.
     pub const LATE_COUNTS: u32 = 0x4;
     /// An FFN rank's offset flags released 20 µs after its offsets: `afdep_cf_plan`.
     pub const LATE_OFFSET_FLAGS: u32 = 0x8;

@@ -152,8 +152,7 @@ pub(super) fn fused_function(
 ) -> Result<cudarc::driver::CudaFunction, KernelError> {
     let at_one = matches!(
         id,
-        KernelId::CfPublishCounts
-            | KernelId::CfPlan
+        KernelId::CfPlan
             | KernelId::CfWait
             | KernelId::RoundBump
             | KernelId::RoundExperts
@@ -543,8 +542,10 @@ pub struct CompactView {
 /// token's slots on this FFN rank (index `ffn`) over the expert outputs `view.y`, slots
 /// ascending, each product and sum rounded, stored at `ret_off + (ffn cap + t) ret_row_bytes`
 /// of workspace `r.peers[src_ranks[s]]`: as `hidden` f32, or, with the layout's bf16 partials
-/// ([`afdep_core::CombinePartials::Bf16`]), rounded to `hidden` bf16 (nearest even). Nothing
-/// when the control block `r.ctl`'s verdict is not go.
+/// ([`afdep_core::CombinePartials::Bf16`]), rounded to `hidden` bf16 (nearest even). With
+/// `signal`, the grid's last block then raises this rank's (`r.me`) combine flag
+/// ([`COMBINE_FLAGS`](super::fused_layout::COMBINE_FLAGS)) in every source's workspace to the
+/// round. Nothing when the control block `r.ctl`'s verdict is not go.
 ///
 /// # Safety
 ///
@@ -555,7 +556,8 @@ pub struct CompactView {
 /// `view.layout.cap`; the metadata of those rows names expanded rows below `view.y_rows`;
 /// `view.y` is the device address of `y_rows × hidden` live bf16; every `src_ranks` entry (at
 /// least `view.sources`) is below the world, and every workspace holds `ffns × cap` return rows
-/// of `view.layout.ret_row_bytes` at `view.layout.ret_off` with `ffn` below `ffns`.
+/// of `view.layout.ret_row_bytes` at `view.layout.ret_off` with `ffn` below `ffns` (and
+/// `MAX_WORLD` flags at `COMBINE_FLAGS`, `r.me` below it).
 pub unsafe fn combine_reduce(
     ctx: &GpuContext,
     r: &RankAddrs,
@@ -563,8 +565,11 @@ pub unsafe fn combine_reduce(
     src_ranks: &CudaSlice<u32>,
     ffn: usize,
     blocks: u32,
+    signal: bool,
 ) -> Result<(), KernelError> {
-    if view.max_rows == 0 || view.sources == 0 {
+    // no rows and no flag to raise: nothing to launch (a flag to raise needs the launch even
+    // for an empty round)
+    if view.sources == 0 || (view.max_rows == 0 && !signal) {
         return Ok(());
     }
     need("src ranks", src_ranks, view.sources)?;
@@ -577,6 +582,12 @@ pub unsafe fn combine_reduce(
     let ns = as_u32("sources", view.sources)?;
     let k = view.layout.top_k;
     let ffn = as_u32("ffn index", ffn)?;
+    let me = as_u32("rank", r.me)?;
+    let sig_off = if signal {
+        super::fused_layout::COMBINE_FLAGS
+    } else {
+        u64::MAX
+    };
     let y_rows = view.y_rows as u64;
     let (rel, bs) = match view.block_starts {
         Some(a) => (1u32, a),
@@ -600,18 +611,22 @@ pub unsafe fn combine_reduce(
         .arg(&view.layout)
         .arg(&view.y)
         .arg(&y_rows)
-        .arg(&ffn);
+        .arg(&ffn)
+        .arg(&me)
+        .arg(&sig_off);
     // SAFETY: afdep_fused_combine_reduce(_bf16)(const u8* ws, const u32* ctl, const u64* peers,
     // const u32* src_rank, u32 ns, const u64* so, const u64* bs, u32 rel, afdep_fused_layout L (by
     // value, asserted equal in layout/fused.cuh; its slab_off, cap, row_bytes, meta_off,
-    // ret_off, ret_row_bytes, hidden), const u16* y, u64 y_rows, u32 f) with K
-    // compiled in: reads the live control block, the caller's plan numbers (so: sources + 1,
+    // ret_off, ret_row_bytes, hidden), const u16* y, u64 y_rows, u32 f, u32 me, u64 sig_off)
+    // with K compiled in (sig_off: COMBINE_FLAGS or u64::MAX, AFDEP_NO_COMBINE_SIGNAL): reads the live control block, the caller's plan numbers (so: sources + 1,
     // bs: epr × sources when rel), the metadata of the slab rows they count (the caller's plan
     // keeps them within each source's cap rows of this rank's workspace), y rows below y_rows
     // (the caller's y holds y_rows × hidden: a live buffer or its workspace's expanded area),
     // and writes return row (f, t < cap) (ret_row_bytes: hidden f32, or hidden bf16 for the
     // _bf16 entry, which the layout's bf16 partials pick) of workspaces of the live peer table,
-    // which hold ffns × cap such rows (the caller's geometry).
+    // which hold ffns × cap such rows (the caller's geometry); with a signal, the last block
+    // writes flag me (< MAX_WORLD) at COMBINE_FLAGS of each source's workspace; the ticket word
+    // is the control block's own.
     unsafe { b.launch(combine_blocks_for(view.max_rows, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }

@@ -40,9 +40,8 @@ pub mod fault {
 }
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 9] = [
+pub const KERNELS: [KernelId; 8] = [
     KernelId::CfCounts,
-    KernelId::CfPublishCounts,
     KernelId::CfPlan,
     KernelId::CfWait,
     KernelId::CfDispatch,
@@ -53,6 +52,9 @@ pub const KERNELS: [KernelId; 9] = [
 ];
 
 use super::fused::blocks_for as grid;
+
+/// `sig_off` of a dispatch that raises no dispatch flags (`AFDEP_CF_NO_SIGNAL`).
+const NO_SIGNAL: u64 = u64::MAX;
 
 /// The rows, routes and device scratch of one source's round.
 #[derive(Debug)]
@@ -74,103 +76,67 @@ pub struct CfSource<'a> {
     pub counts: &'a CudaSlice<u64>,
 }
 
-/// The counts kernel (`afdep_cf_counts`): fills `src.slot_pos`, `src.tok_row` and
-/// `src.counts` from `src.idx` (every expert id -1 or below `ffns × epr`) for the token count of
-/// the control block at `ctl` (nothing when the round is skipped). At most `blocks` blocks.
-///
-/// # Safety
-///
-/// `ctl` is a live control block ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)) whose token count is at most `src.tokens`.
-pub unsafe fn counts(
-    ctx: &GpuContext,
-    src: &CfSource<'_>,
-    ctl: u64,
-    top_k: usize,
-    ffns: usize,
-    epr: usize,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    let n = src.tokens * top_k;
-    need("idx", src.idx, n)?;
-    need("slot positions", src.slot_pos, n.max(1))?;
-    need("token rows", src.tok_row, (src.tokens * ffns).max(1))?;
-    need("counts", src.counts, ffns * epr + ffns)?;
-    let k = as_u32("top_k", top_k)?;
-    let nf = as_u32("ffns", ffns)?;
-    let e = as_u32("experts per rank", epr)?;
-    as_u32("owned experts", ffns * epr)?;
-    let f = fused_function(ctx, KernelId::CfCounts, k)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(src.idx)
-        .arg(&ctl)
-        .arg(&nf)
-        .arg(&e)
-        .arg(src.slot_pos)
-        .arg(src.tok_row)
-        .arg(src.counts);
-    // SAFETY: afdep_cf_counts(const i32* idx, const u32* ctl, u32 nf, u32 epr, u32* slot_pos,
-    // u32* tok_row, u64* counts) with K compiled in: reads the caller's live control block,
-    // whose token count the caller keeps at most src.tokens; warp w < nf epr + nf reads idx
-    // (tokens × K, checked) and writes slot_pos entries of its expert's slots (tokens × K,
-    // checked), tok_row[t nf + f] (tokens × nf, checked) and counts[w] (nf epr + nf, checked).
-    unsafe { b.launch(grid((ffns * epr + ffns) as u64, blocks)) }
-        .map_err(launch_err(KernelId::CfCounts))?;
-    Ok(())
-}
-
-/// Publishes this source's (`r.me`) counts (`afdep_cf_publish_counts`): FFN rank
-/// `ffn_ranks[f]` gets its local experts' counts and this source's distinct tokens for it in row
-/// `r.me` of its counts area (through the peer table `r.peers`), then this source's count flag
-/// there is raised to the round of the control block at `r.ctl` (nothing when the round is
-/// skipped).
+/// The counts kernel of source `r.me` (`afdep_cf_counts`): fills `src.slot_pos`, `src.tok_row`
+/// and `src.counts` from `src.idx` (every expert id -1 or below `ffns.count × epr`) for the
+/// token count of the control block at `r.ctl` (nothing when the round is skipped), then
+/// publishes them: the grid's last block stores each FFN rank's share (its local experts'
+/// counts and this source's distinct tokens for it) into row `r.me` of that rank's counts area
+/// (through the peer table `r.peers`) and raises this source's count flag there to the round.
+/// At most `blocks` blocks.
 ///
 /// # Safety
 ///
 /// `r.peers` is a live peer table and `r.ctl` a live control block ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); the first `ffns` entries of `ffn_ranks`
-/// and `r.me` are below the world, and every workspace holds the count-first areas of `areas` (a
-/// counts row and a flag for every rank).
-pub unsafe fn publish_counts(
+/// contract](crate::ops::fused#safety-of-the-launchers)) whose token count is at most
+/// `src.tokens`; the first `ffns.count` entries of `ffns.ranks` and `r.me` are below the world,
+/// and every workspace holds the count-first areas of `areas` (a counts row and a flag for every
+/// rank).
+pub unsafe fn counts(
     ctx: &GpuContext,
+    src: &CfSource<'_>,
+    ffns: &FfnRanks<'_>,
     r: &RankAddrs,
-    counts: &CudaSlice<u64>,
-    ffn_ranks: &CudaSlice<u32>,
-    ffns: usize,
-    epr: usize,
+    top_k: usize,
     areas: &FusedLayout,
+    blocks: u32,
 ) -> Result<(), KernelError> {
-    if ffns == 0 {
-        return Ok(());
-    }
-    need("counts", counts, ffns * epr + ffns)?;
-    need("ffn ranks", ffn_ranks, ffns)?;
-    let nf = as_u32("ffns", ffns)?;
+    let (nf_us, epr) = (ffns.count, ffns.experts_per_rank);
+    let n = src.tokens * top_k;
+    need("idx", src.idx, n)?;
+    need("slot positions", src.slot_pos, n.max(1))?;
+    need("token rows", src.tok_row, (src.tokens * nf_us).max(1))?;
+    need("counts", src.counts, nf_us * epr + nf_us)?;
+    need("ffn ranks", ffns.ranks, nf_us)?;
+    let k = as_u32("top_k", top_k)?;
+    let nf = as_u32("ffns", nf_us)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let f = fused_function(ctx, KernelId::CfPublishCounts, 1)?;
+    as_u32("owned experts", nf_us * epr)?;
+    let f = fused_function(ctx, KernelId::CfCounts, k)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(counts)
-        .arg(&r.peers)
-        .arg(ffn_ranks)
+    b.arg(src.idx)
+        .arg(&r.ctl)
         .arg(&nf)
         .arg(&e)
+        .arg(src.slot_pos)
+        .arg(src.tok_row)
+        .arg(src.counts)
+        .arg(&r.peers)
+        .arg(ffns.ranks)
         .arg(areas)
-        .arg(&me)
-        .arg(&r.ctl);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (nf, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: afdep_cf_publish_counts(const u64* counts, const u64* peers, const u32* ffn_rank,
-    // u32 nf, u32 epr, afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me,
-    // const u32* ctl): reads the
-    // caller's live control block; block f < nf reads
-    // counts (nf epr + nf, checked) and ffn_rank[f] (nf, checked), and writes epr + 1 u64 at
-    // row me of the counts area and one u32 flag of workspace peers[ffn_rank[f]]; the caller
-    // guarantees a live peer table, ranks below world and areas that hold world rows.
-    unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::CfPublishCounts))?;
+        .arg(&me);
+    // SAFETY: afdep_cf_counts(const i32* idx, const u32* ctl, u32 nf, u32 epr, u32* slot_pos,
+    // u32* tok_row, u64* counts, const u64* peers, const u32* ffn_rank, afdep_fused_layout L (by
+    // value, asserted equal to FusedLayout), u32 me) with K compiled in: reads the caller's live
+    // control block (its token count at most src.tokens; the ticket word is the kernel's own)
+    // and idx (tokens × K, checked); warp w < nf epr + nf writes slot_pos entries of its
+    // expert's slots (tokens × K, checked), tok_row[t nf + f] (tokens × nf, checked) and
+    // counts[w] (nf epr + nf, checked); the last block reads counts and ffn_rank (nf, checked)
+    // and writes epr + 1 u64 at row me of the counts area and one u32 flag of workspace
+    // peers[ffn_rank[f]] for every f < nf; the caller guarantees a live peer table, ranks below
+    // world and areas that hold world rows.
+    unsafe { b.launch(grid((nf_us * epr + nf_us) as u64, blocks)) }
+        .map_err(launch_err(KernelId::CfCounts))?;
     Ok(())
 }
 
@@ -269,13 +235,16 @@ pub unsafe fn wait(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CfMode {
     /// The source arm: waits for the offsets, then stores rows to their final expanded rows
-    /// and the compact view's metadata into the slabs.
+    /// and the compact view's metadata into the slabs, then raises the dispatch flags.
     Source,
-    /// The streaming variant: rows (payload and metadata with block positions) into the
-    /// slabs, each followed by its row flag; `gate` makes it wait for the offsets first.
+    /// Rows (payload and metadata with block positions) into the slabs, each followed by its
+    /// row flag (the streaming epilogue's cue).
     Stream {
         /// Wait for every FFN rank's offsets before the first store (the payload gate).
         gate: bool,
+        /// Then raise the dispatch flags (the payload-first arm of a device round, whose
+        /// epilogue waits for them instead of the row flags).
+        signal: bool,
     },
 }
 
@@ -293,17 +262,19 @@ pub struct FfnRanks<'a> {
 /// The count-first row stores of source `r.me` (`afdep_cf_dispatch`, the workspace layout
 /// passed by value): rows of `src.x` (`tokens × hidden`) by `src` (after [`counts`]), to the FFN
 /// ranks `ffns` through `r.peers`; `r.ws` is this rank's workspace (offsets and offset flags).
-/// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `r.err`. At most `blocks`
-/// blocks.
+/// A timeout of the offsets wait records [`fault::OFFSETS_WAIT`] in `r.err`. In the source
+/// arm, and in a streaming mode with `signal`, the grid's last block then raises this source's
+/// dispatch flag ([`DISPATCH_FLAGS`](super::fused_layout::DISPATCH_FLAGS)) in every FFN rank's
+/// workspace to the round. At most `blocks` blocks.
 ///
 /// # Safety
 ///
 /// `r.ws` is a live workspace, `r.peers` a live peer table, `r.ctl` a live control block (its
 /// token count at most `src.tokens`) and `r.err` a live error word ([the launchers'
 /// contract](crate::ops::fused#safety-of-the-launchers)); every workspace has the layout `layout`
-/// (its slabs and count-first areas; fp8: 16-byte aligned); the first `ffns.count` entries of
-/// `ffns.ranks` and `r.me` are below the world; `src` holds what [`counts`] wrote for this round
-/// (slab rows below `layout.cap`).
+/// (its slabs and count-first areas; fp8: 16-byte aligned) and `MAX_WORLD` flags at
+/// `DISPATCH_FLAGS`; the first `ffns.count` entries of `ffns.ranks` and `r.me` are below the
+/// world; `src` holds what [`counts`] wrote for this round (slab rows below `layout.cap`).
 pub unsafe fn dispatch(
     ctx: &GpuContext,
     src: &CfSource<'_>,
@@ -330,9 +301,14 @@ pub unsafe fn dispatch(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let (m, gate) = match mode {
-        CfMode::Source => (0u32, 0u32),
-        CfMode::Stream { gate } => (1, u32::from(gate)),
+    let (m, gate, signal) = match mode {
+        CfMode::Source => (0u32, 0u32, true),
+        CfMode::Stream { gate, signal } => (1, u32::from(gate), signal),
+    };
+    let sig_off = if signal {
+        super::fused_layout::DISPATCH_FLAGS
+    } else {
+        NO_SIGNAL
     };
     let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfDispatch,
@@ -356,13 +332,14 @@ pub unsafe fn dispatch(
         .arg(&m)
         .arg(&gate)
         .arg(&r.timeout_ns)
-        .arg(&r.err);
+        .arg(&r.err)
+        .arg(&sig_off);
     // SAFETY: afdep_cf_dispatch{,_fp8}(const u16* x, const i32* idx, const float* w, const u32*
     // ctl (the caller's live control block, its token count at most src.tokens), const
     // u32* slot_pos, const u32* tok_row, const u32* ffn_rank, u32 nf, u32 epr, const u64* peers,
     // const u8* ws, afdep_fused_layout L (by value: FusedLayout, #[repr(C)], asserted equal in
-    // layout/fused.cuh), u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err) with K compiled
-    // in: reads
+    // layout/fused.cuh), u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err, u64 sig_off)
+    // with K compiled in: reads
     // the route tables (tokens × K and tokens × nf, checked), x rows (tokens × hidden, checked;
     // fp8: hidden a multiple of 128, checked, so the 16-byte reads stay in the row of a
     // cudaMalloc'd buffer), this rank's offsets and flags; writes, in workspace
@@ -370,7 +347,9 @@ pub unsafe fn dispatch(
     // this payload and the metadata, checked), expanded rows (fp8: their codes and scales)
     // below exp_rows (the kernel skips others) and row flags; the caller guarantees a live peer
     // table, ranks below world and areas that fit every workspace (fp8: 16-byte aligned);
-    // err is a live u32[4].
+    // err is a live u32[4]; with sig_off = DISPATCH_FLAGS the last block writes one u32 flag
+    // (index me < MAX_WORLD) there in each FFN rank's workspace; the ticket word is the
+    // control block's own.
     unsafe { b.launch(grid((src.tokens * ffns) as u64, blocks)) }.map_err(launch_err(id))?;
     Ok(())
 }

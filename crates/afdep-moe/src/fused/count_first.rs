@@ -10,14 +10,14 @@
 //! one queued behind it):
 //!
 //! 1. source: `afdep_cf_counts` (block positions, compact rows, counts from the routes on the
-//!    device) and `afdep_cf_publish_counts` (each FFN rank's share into its counts area, then
-//!    the count flag);
+//!    device; then its last block stores each FFN rank's share into that rank's counts area and
+//!    raises the count flag);
 //! 2. FFN rank: poison of the expanded area (and, for the source arm, of the slab rows it will
 //!    receive), then `afdep_cf_plan`: waits for every source's count flag, writes the plan, and
 //!    stores each source's block starts into the source's offsets area, then its offset flag;
 //! 3. source: `afdep_cf_dispatch`. Source arm: waits for every FFN rank's offset flag, stores
 //!    each row to its expanded rows and the compact view's metadata into its slab row, then
-//!    `afdep_fused_signal` raises the dispatch flags. Streaming: with the payload gate on, waits
+//!    the kernel's last block raises the dispatch flags. Streaming: with the payload gate on, waits
 //!    for the offsets first; then each row (payload and metadata) into the slab, then its row
 //!    flag (the round number);
 //! 4. FFN rank: streaming, `afdep_cf_stream_epilogue` expands each row as its flag arrives;
@@ -204,7 +204,6 @@ impl FusedEngine {
         let a = self.geo;
         let slab: SlabGeometry = self.geo.slab();
         let addrs = self.rank_addrs(timeout_ns);
-        let ctl = addrs.ctl;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let need = fk::slab_row_bytes_for(cfg.payload, h, k) as u64;
@@ -269,18 +268,14 @@ impl FusedEngine {
             experts_per_rank: epr,
         };
 
-        // 1. source: counts on the device, published
+        // 1. source: counts on the device, published (the kernel's last block)
         if let Some(src) = &cf_src {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's live
-            // control block; the host validated the routes and bumped the round to
-            // `inp.routes.tokens` tokens, which `src`'s buffers hold.
-            unsafe { cf::counts(&self.gpu, src, ctl, k, nf, epr, knobs.transport_sms) }?;
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
-            // table, `ctl` the control block; `ffn_ranks` holds the `nf` FFN ranks and `rank` is
-            // below the world; every workspace holds the count-first areas `a` of `geometry`.
-            unsafe {
-                cf::publish_counts(&self.gpu, &addrs, src.counts, &self.ffn_ranks, nf, epr, &a)
-            }?;
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs.ctl` is this
+            // workspace's live control block (the host validated the routes and bumped the round
+            // to `inp.routes.tokens` tokens, which `src`'s buffers hold), `addrs.peers` the live
+            // peer table; `ffns` holds the `nf` FFN ranks and `rank` is below the world; every
+            // workspace holds the count-first areas `a` of `geometry`.
+            unsafe { cf::counts(&self.gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
         }
 
         // 2. FFN rank: plan, offsets
@@ -298,30 +293,16 @@ impl FusedEngine {
                 DispatchArm::CountFirstSource => CfMode::Source,
                 _ => CfMode::Stream {
                     gate: knobs.payload_gate,
+                    signal: false,
                 },
             };
             // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` (this workspace, the
             // peer table, its control block and error word) are live; every workspace holds the
             // slabs `slab` and the areas `a` (fp8 areas 16-byte aligned: `geometry` aligns every
             // area to 256); `ffns` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
-            // above on this stream.
+            // above on this stream; every workspace holds `MAX_WORLD` flags at `DISPATCH_FLAGS`
+            // (the source arm's, raised by the kernel's last block).
             unsafe { cf::dispatch(&self.gpu, src, &ffns, &addrs, &a, mode, knobs.transport_sms) }?;
-            if arm == DispatchArm::CountFirstSource {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `ctl` are
-                // live; `ffn_ranks` holds the `nf` FFN ranks, every workspace `MAX_WORLD` u32 flags
-                // at `DISPATCH_FLAGS`.
-                unsafe {
-                    fk::signal(
-                        &self.gpu,
-                        self.peers,
-                        &self.ffn_ranks,
-                        nf,
-                        DISPATCH_FLAGS,
-                        rank,
-                        ctl,
-                    )
-                }?;
-            }
         }
 
         // 4. FFN rank: the streaming epilogue, or the wait for the source arm's rows (fp8: then

@@ -138,7 +138,7 @@ use afdep_transport::Transport;
 use std::time::Instant;
 
 use super::trace::{self, Tracer};
-use super::{COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
+use super::{CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput, RoundTrace, TracePhase};
 
@@ -1340,13 +1340,16 @@ impl FusedEngine {
             _ => None,
         };
         if let Some(src) = &cf_src {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is the live control
-            // block, whose token count `afdep_round_begin` keeps at most the capacity `src` holds.
-            unsafe { cf::counts(gpu, src, ctl, k, nf, epr, knobs.transport_sms) }?;
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `peers` and `ctl` are live;
-            // `ffn_ranks` holds the `nf` FFN ranks; every workspace holds the count-first areas
-            // `a`.
-            unsafe { cf::publish_counts(gpu, &addrs, src.counts, &self.ffn_ranks, nf, epr, &a) }?;
+            let ffns = FfnRanks {
+                ranks: &self.ffn_ranks,
+                count: nf,
+                experts_per_rank: epr,
+            };
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs.ctl` is the live
+            // control block, whose token count `afdep_round_begin` keeps at most the capacity
+            // `src` holds, `addrs.peers` the live peer table; `ffns` holds the `nf` FFN ranks;
+            // every workspace holds the count-first areas `a`.
+            unsafe { cf::counts(gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
             trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
         }
         // 3. FFN (count-first): plan and offsets before the rows
@@ -1535,7 +1538,8 @@ impl Launch<'_> {
         arm_gate(self.r.ctl, self.gates, self.round_arms, arms)
     }
 
-    /// Source: the rows (one launch per arm the round may take), then the dispatch flags.
+    /// Source: the rows (one launch per arm the round may take; the payload-first and source
+    /// arms' kernels then raise the dispatch flags).
     fn dispatch_rows(&self, src: &CfSource<'_>) -> Result<(), ExchangeError> {
         use DispatchArm as A;
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
@@ -1550,36 +1554,26 @@ impl Launch<'_> {
             let Some(c) = self.gate(arm_bit(row_arm)) else {
                 continue;
             };
+            // the source and payload-first arms' dispatch flags: raised by the kernel's last
+            // block (the streaming arm's rows carry flags of their own)
             let mode = match row_arm {
                 A::CountFirstSource => CfMode::Source,
                 A::CountFirst => CfMode::Stream {
                     gate: knobs.payload_gate,
+                    signal: false,
                 },
-                A::PayloadFirst => CfMode::Stream { gate: false },
+                A::PayloadFirst => CfMode::Stream {
+                    gate: false,
+                    signal: true,
+                },
             };
             let r = self.r.gated(c);
             // SAFETY: the engine's launch invariant (`FusedEngine`): `r`'s workspace, peer table
             // and error word are live, `c` is the control block or one of the live arm gates of
             // `d.gates` (`arm_gate`); every workspace holds the slabs and the areas `a` (256-byte
-            // aligned); `ffns` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
-            // earlier on this stream.
+            // aligned) and `MAX_WORLD` flags at `DISPATCH_FLAGS`; `ffns` holds the `nf` FFN
+            // ranks; `src` holds what `cf::counts` wrote earlier on this stream.
             unsafe { cf::dispatch(gpu, src, &ffns, &r, &self.a, mode, knobs.transport_sms) }?;
-        }
-        if let Some(c) = self.gate(PF | SRC) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is live, `c` is
-            // the control block or one of the live arm gates of `d.gates` (`arm_gate`); `ffn_ranks`
-            // holds the `nf` FFN ranks, every workspace `MAX_WORLD` flags at `DISPATCH_FLAGS`.
-            unsafe {
-                fk::signal(
-                    gpu,
-                    self.r.peers,
-                    self.ffn_ranks,
-                    nf,
-                    DISPATCH_FLAGS,
-                    self.r.me,
-                    c,
-                )
-            }?;
         }
         Ok(())
     }
@@ -1651,7 +1645,8 @@ impl Launch<'_> {
     }
 
     /// FFN rank `f`: the snapshot of the compact view, the experts, the combine's partial sums
-    /// (one launch per kind of compact view, each gated to its arms) and the combine flags.
+    /// (one launch per kind of compact view, each gated to its arms) and the combine flags (the
+    /// last block of the one that runs).
     fn ffn_combine(&self, f: usize, fb: &mut FfnBufs) -> Result<(), ExchangeError> {
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
@@ -1726,23 +1721,11 @@ impl Launch<'_> {
             // keep rows below the capacity; `y` is `fb.y` or the expanded area, both `a.exp_rows`
             // rows; every workspace holds the return areas at `a.ret_off`, `src_ranks` the `ns`
             // attention ranks.
+            // the combine flags: raised by the kernel's last block (every workspace holds
+            // `MAX_WORLD` flags at `COMBINE_FLAGS`)
             let blocks = knobs.transport_sms;
-            unsafe { fk::combine_reduce(gpu, &r, &view, self.src_ranks, f, blocks) }?;
+            unsafe { fk::combine_reduce(gpu, &r, &view, self.src_ranks, f, blocks, true) }?;
         }
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and `self.ctl` are
-        // live; `src_ranks` holds the `ns` attention ranks, every workspace `MAX_WORLD` flags at
-        // `COMBINE_FLAGS`.
-        unsafe {
-            fk::signal(
-                gpu,
-                self.r.peers,
-                self.src_ranks,
-                ns,
-                COMBINE_FLAGS,
-                self.r.me,
-                self.r.ctl,
-            )
-        }?;
         Ok(())
     }
 
