@@ -17,7 +17,8 @@ export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
-# quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
+# quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
+# oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
@@ -60,11 +61,18 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       done;;
     ab52)
       # issue 20's comparison: this build's graph round against 52a7948's (bundle/afdep52.gz, a
-      # stripped release `afdep` of that commit) on the same setting, alternating binaries:
-      # 3A:1F, the auto arm, identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups
+      # stripped release `afdep` of that commit) and, where the bundle has one, a candidate
+      # build's (bundle/afdepfold.gz), on the same setting, alternating binaries: 3A:1F, the
+      # auto arm (AB_ARM), identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups,
+      # AB_REPS repeats (2)
       [ -x /tmp/afdep52 ] || { gzip -dc "$ROOT/bundle/afdep52.gz" > /tmp/afdep52 && chmod +x /tmp/afdep52; }
-      for rep in 1 2 3; do for which in new old; do
-        bin=/tmp/b4/bin/afdep; [ $which = old ] && bin=/tmp/afdep52
+      whiches="new old"
+      if [ -f "$ROOT/bundle/afdepfold.gz" ]; then
+        [ -x /tmp/afdepfold ] || { gzip -dc "$ROOT/bundle/afdepfold.gz" > /tmp/afdepfold && chmod +x /tmp/afdepfold; }
+        whiches="new old fold"
+      fi
+      for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
+        case $which in new) bin=/tmp/b4/bin/afdep;; old) bin=/tmp/afdep52;; fold) bin=/tmp/afdepfold;; esac
         timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
@@ -72,6 +80,27 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         echo "ab52 $which rep $rep rc=$?" >> $W/steps.txt
       done; done
       cp $W/ab52-*.jsonl "$OUT/" 2>/dev/null;;
+    fold)
+      # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
+      # in every arm, graph replays, eager device rounds and host-planned rounds, 3A:1F with
+      # SwiGLU experts, then 2A:2F graph auto and an fp8 graph row; each run at most 25 s
+      [ -x /tmp/afdepfold ] || { gzip -dc "$ROOT/bundle/afdepfold.gz" > /tmp/afdepfold && chmod +x /tmp/afdepfold; }
+      runs=()
+      for mode in --graph --device-rounds host; do for arm in auto count-first-source payload-first count-first; do
+        runs+=("3A:1F|$mode|$arm|bf16")
+      done; done
+      runs+=("2A:2F|--graph|auto|bf16" "2A:2F|host|count-first-source|bf16" "3A:1F|--graph|auto|fp8")
+      for r in "${runs[@]}"; do
+        IFS='|' read -r topo mode arm pay <<< "$r"
+        [ "$(left)" -gt 30 ] || { echo "fold $r: not run (time)" >> $W/steps.txt; continue; }
+        m=$mode; [ "$m" = host ] && m=""
+        # shellcheck disable=SC2086 # an optional flag
+        timeout 25 /tmp/afdepfold exchange --backend cuda --transport nvlink --device 0 \
+          --topology $topo $m --arm $arm --payload $pay --tokens 1,300,2048 --rounds 3 --warmup 1 \
+          --json-out $W/fold.jsonl > $W/fold-$(echo "$r" | tr -c 'A-Za-z0-9\n' _).txt 2>&1
+        echo "fold $r rc=$?" >> $W/steps.txt
+      done
+      cp $W/fold.jsonl "$OUT/" 2>/dev/null;;
     fused)
       # the fused engine's binaries alone (engines in every arm, graphs and device rounds, the
       # pipeline), for a change of the fused kernels or layout checked in the quiet call
