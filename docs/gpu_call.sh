@@ -7,7 +7,9 @@
 # Everything goes into $OUT/all.tgz (the device tool returns only a few files), small
 # summaries beside it.
 #
-# Prepare here: `cargo xtask gpu-test --bundle /tmp/b4 && tar czf bundle/bundle.tgz -C /tmp b4`
+# Prepare here: `cargo xtask gpu-test --bundle /tmp/b4 && tar cf - -C /tmp b4 | xz -T2 -6 > bundle/bundle.txz`
+# (xz: a third of the gzip size, so the bundle, the Python wheel and extra binaries fit the
+# 64 MiB carry; bundle/bundle.tgz from `tar czf` still works)
 # and `VENV=... bash crates/afdep-py/gpu/bundle.sh`; then, with carry ["bundle"]:
 #   LIMIT=SECONDS bash docs/gpu_call.sh
 # (LIMIT: the call's own time bound; every lane stops before it.)
@@ -16,7 +18,8 @@ START=$(date +%s); LIMIT=${LIMIT:-290}
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 cap() { local l=$(( $(left) - 12 )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
 ROOT=$PWD; W=/tmp/w; mkdir -p $W "$OUT"
-cd /tmp && tar xzf "$ROOT/bundle/bundle.tgz" && cd /tmp/b4 || exit 3
+B=$(ls "$ROOT"/bundle/bundle.txz "$ROOT"/bundle/bundle.tgz 2>/dev/null | head -1)
+cd /tmp && tar xf "$B" && cd /tmp/b4 || exit 3
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv > $W/gpu.txt 2>&1

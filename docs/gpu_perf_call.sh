@@ -5,13 +5,13 @@
 # record shape's suite rows with the torch peers (peers/run_suite.sh) in the time left.
 # Everything goes into $OUT/all.tgz, the summaries beside it.
 #
-# Prepare as for docs/gpu_call.sh (bundle/bundle.tgz); then, with carry ["bundle"]:
+# Prepare as for docs/gpu_call.sh (bundle/bundle.txz or .tgz); then, with carry ["bundle"]:
 #   LIMIT=SECONDS bash docs/gpu_perf_call.sh
 set -u
 START=$(date +%s); LIMIT=${LIMIT:-540}
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 ROOT=$PWD; W=/tmp/perf; mkdir -p $W "$OUT"
-[ -d /tmp/b4 ] || { cd /tmp && tar xzf "$ROOT/bundle/bundle.tgz"; }
+[ -d /tmp/b4 ] || { cd /tmp && tar xf "$(ls "$ROOT"/bundle/bundle.txz "$ROOT"/bundle/bundle.tgz 2>/dev/null | head -1)"; }
 cd "$ROOT" || exit 3
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
