@@ -544,7 +544,7 @@ pub struct CompactView {
 /// of workspace `r.peers[src_ranks[s]]`: as `hidden` f32, or, with the layout's bf16 partials
 /// ([`afdep_core::CombinePartials::Bf16`]), rounded to `hidden` bf16 (nearest even). With
 /// `signal`, the grid's last block then raises this rank's (`r.me`) combine flag
-/// ([`COMBINE_FLAGS`](super::fused_layout::COMBINE_FLAGS)) in every source's workspace to the
+/// ([`COMBINE_FLAGS`]) in every source's workspace to the
 /// round. Nothing when the control block `r.ctl`'s verdict is not go.
 ///
 /// # Safety
