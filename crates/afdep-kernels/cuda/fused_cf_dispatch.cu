@@ -159,7 +159,10 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     // source's flag at sig_off in every FFN rank's workspace once every block's rows are stored
     // (as the separate signal kernel did: also after a wait that ran out, whose fault the
     // round's verdict reports)
-    if (sig_off != AFDEP_CF_NO_SIGNAL) afdep_signal_tail(&sig);
+    if (sig_off != AFDEP_CF_NO_SIGNAL && afdep_signal_last(&sig)) {
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
+        afdep_signal_raise(&sig);
+    }
 }
 
 // The entries take the workspace layout by value (afdep_fused_layout, layout/fused.cuh); the

@@ -210,7 +210,10 @@ static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE
     __shared__ AfdepSignal sig;
     if (signal) afdep_signal_keep(&sig, ctl, peers, src_rank, ns, sig_off, me);
     afdep_combine_reduce_rows<BF16P>(AFDEP_COMBINE_REDUCE_ARGS);
-    if (signal) afdep_signal_tail(&sig);
+    if (signal && afdep_signal_last(&sig)) {
+        AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
+        afdep_signal_raise(&sig);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)

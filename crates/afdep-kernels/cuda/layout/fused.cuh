@@ -265,7 +265,8 @@ static __device__ __forceinline__ void afdep_raise_flags(const u64* __restrict__
 
 // The signal of a kernel's last block: flag `me` at flag_off in the workspaces of ranks[0..n)
 // raised to the round of ctl. Kept in shared memory by thread 0 at the kernel's start
-// (afdep_signal_keep) and read back there by the tail (afdep_signal_tail): the row loop between
+// (afdep_signal_keep) and read back there by the tail (afdep_signal_last, afdep_signal_raise):
+// the row loop between
 // them keeps its registers (holding these across it made some loops spill).
 struct AfdepSignal {
     const u32* ctl;
@@ -284,18 +285,22 @@ static __device__ __forceinline__ void afdep_signal_keep(AfdepSignal* sig, const
 }
 
 // The signal tail of a kernel (every block calls it once, after its last store of the phase):
-// the grid's last block raises the signal kept in `sig` (afdep_signal_keep), after the fault
-// point AFDEP_FAULT_LATE_SIGNAL. afdep_last_block's ticket, taken and acted on by thread 0 alone
-// (nothing to broadcast to the block).
-static __device__ __forceinline__ void afdep_signal_tail(const AfdepSignal* sig) {
+// true in thread 0 of the grid's last block, which then raises the signal kept in `sig`
+// (afdep_signal_raise; the kernel's file puts the fault point AFDEP_FAULT_LATE_SIGNAL between
+// the two). afdep_last_block's ticket, taken and acted on by thread 0 alone (nothing to
+// broadcast to the block).
+static __device__ __forceinline__ bool afdep_signal_last(const AfdepSignal* sig) {
     __syncthreads();
-    if (threadIdx.x != 0) return;
-    const volatile AfdepSignal* v = sig;
-    const u32* ctl = v->ctl;
+    if (threadIdx.x != 0) return false;
+    u32* ticket = (u32*)((const volatile AfdepSignal*)sig)->ctl + AFDEP_CTL_TICKET;
     __threadfence_system();
-    u32* ticket = (u32*)ctl + AFDEP_CTL_TICKET;
-    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return false;
     *(volatile u32*)ticket = 0u;
-    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
-    afdep_raise_flags(v->peers, v->ranks, v->n, v->flag_off, v->me, afdep_ctl_round(ctl));
+    return true;
+}
+
+// Raises the signal kept in `sig` (thread 0 of the last block, after afdep_signal_last).
+static __device__ __forceinline__ void afdep_signal_raise(const AfdepSignal* sig) {
+    const volatile AfdepSignal* v = sig;
+    afdep_raise_flags(v->peers, v->ranks, v->n, v->flag_off, v->me, afdep_ctl_round(v->ctl));
 }

@@ -47,8 +47,10 @@ pub mod point {
     pub const LATE_OFFSET_FLAGS: u32 = 0x8;
     /// An FFN rank's prefix sums computed 20 µs late (after its counts wait): `afdep_cf_plan`.
     pub const LATE_PREFIX: u32 = 0x10;
-    /// Every flag signal released 10 µs after its fence: `afdep_fused_signal` (dispatch flags of
-    /// payload-first and the source arm, combine flags).
+    /// Every flag signal released 10 µs after its fence: `afdep_fused_signal` (the host-planned
+    /// payload-first dispatch flags) and the last blocks of `afdep_cf_dispatch` (the device
+    /// plan's payload-first and source-arm dispatch flags) and `afdep_fused_combine_reduce`
+    /// (combine flags).
     pub const LATE_SIGNAL: u32 = 0x20;
     /// Every 5th compact row's partial sum stored into its source's return area 20 µs late (the
     /// combine flag follows): `afdep_fused_combine_reduce`.
@@ -90,11 +92,11 @@ pub fn points_in(file: SourceFile) -> u32 {
     match file {
         SourceFile::FusedDispatch => LATE_ROWS | LATE_SIGNAL,
         SourceFile::FusedEpilogue => SKIP_DISPATCH_WAIT,
-        SourceFile::FusedCombine => LATE_RETURN_ROWS | SKIP_COMBINE_WAIT,
+        SourceFile::FusedCombine => LATE_RETURN_ROWS | LATE_SIGNAL | SKIP_COMBINE_WAIT,
         SourceFile::FusedCounts => {
             LATE_COUNTS | LATE_OFFSET_FLAGS | LATE_PREFIX | SKIP_DISPATCH_WAIT
         }
-        SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | SKIP_OFFSET_WAIT,
+        SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | LATE_SIGNAL | SKIP_OFFSET_WAIT,
         SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT,
         SourceFile::FusedRound => LATE_STATUS,
         SourceFile::Router
