@@ -233,18 +233,21 @@ static __device__ __forceinline__ u64 afdep_ctl_tokens(const u32* ctl) {
 // (the one the kernel was launched with: the control block or an arm gate; AFDEP_CTL_TICKET),
 // so the last block sees every block's stores and may raise the flag that publishes them (the
 // work of a separate signal kernel, one launch less). The last block resets the ticket.
+// The ticket itself (one thread of the block, after the block's stores): a system fence, then
+// a ticket from ctl's AFDEP_CTL_TICKET; true for the grid's last block, which resets it (the
+// next kernel on the stream sees the reset: kernel boundaries order it).
+static __device__ __forceinline__ bool afdep_take_ticket(const u32* ctl) {
+    __threadfence_system();
+    u32* ticket = (u32*)ctl + AFDEP_CTL_TICKET;
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return false;
+    *(volatile u32*)ticket = 0u;
+    return true;
+}
+
 static __device__ __forceinline__ bool afdep_last_block(const u32* ctl) {
     __shared__ u32 last;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        u32* ticket = (u32*)ctl + AFDEP_CTL_TICKET;
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1u : 0u;
-        if (last) {
-            *(volatile u32*)ticket = 0u;
-            __threadfence();
-        }
-    }
+    if (threadIdx.x == 0) last = afdep_take_ticket(ctl) ? 1u : 0u;
     __syncthreads();
     return last != 0u;
 }
@@ -266,8 +269,8 @@ static __device__ __forceinline__ void afdep_raise_flags(const u64* __restrict__
 // The signal of a kernel's last block: flag `me` at flag_off in the workspaces of ranks[0..n)
 // raised to the round of ctl. Kept in shared memory by thread 0 at the kernel's start
 // (afdep_signal_keep) and read back there by the tail (afdep_signal_last, afdep_signal_raise):
-// the row loop between
-// them keeps its registers (holding these across it made some loops spill).
+// the row loop between them keeps its registers (holding these across it made some loops
+// spill).
 struct AfdepSignal {
     const u32* ctl;
     const u64* peers;
@@ -292,11 +295,7 @@ static __device__ __forceinline__ void afdep_signal_keep(AfdepSignal* sig, const
 static __device__ __forceinline__ bool afdep_signal_last(const AfdepSignal* sig) {
     __syncthreads();
     if (threadIdx.x != 0) return false;
-    u32* ticket = (u32*)((const volatile AfdepSignal*)sig)->ctl + AFDEP_CTL_TICKET;
-    __threadfence_system();
-    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return false;
-    *(volatile u32*)ticket = 0u;
-    return true;
+    return afdep_take_ticket(((const volatile AfdepSignal*)sig)->ctl);
 }
 
 // Raises the signal kept in `sig` (thread 0 of the last block, after afdep_signal_last).
