@@ -62,23 +62,38 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
     ab52)
       # issue 20's comparison: this build's graph round against 52a7948's (bundle/afdep52.gz, a
       # stripped release `afdep` of that commit) and, where the bundle has one, a candidate
-      # build's (bundle/afdepfold.gz), on the same setting, alternating binaries: 3A:1F, the
+      # build's (bundle/afdepfold.gz, bundle/cand-NAME.gz), on the same setting, alternating binaries: 3A:1F, the
       # auto arm (AB_ARM), identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups,
       # AB_REPS repeats (2)
       [ -x /tmp/afdep52 ] || { gzip -dc "$ROOT/bundle/afdep52.gz" > /tmp/afdep52 && chmod +x /tmp/afdep52; }
+      # candidates: bundle/afdepfold.gz (as "fold") and every bundle/cand-NAME.gz (as NAME)
       whiches="new old"
-      if [ -f "$ROOT/bundle/afdepfold.gz" ]; then
-        [ -x /tmp/afdepfold ] || { gzip -dc "$ROOT/bundle/afdepfold.gz" > /tmp/afdepfold && chmod +x /tmp/afdepfold; }
-        whiches="new old fold"
-      fi
+      declare -A cbin=([new]=/tmp/b4/bin/afdep [old]=/tmp/afdep52)
+      for c in "$ROOT"/bundle/afdepfold.gz "$ROOT"/bundle/cand-*.gz; do
+        [ -f "$c" ] || continue
+        n=$(basename "$c" .gz); n=${n#cand-}; [ "$n" = afdepfold ] && n=fold
+        [ -x /tmp/afdep-$n ] || { gzip -dc "$c" > /tmp/afdep-$n && chmod +x /tmp/afdep-$n; }
+        cbin[$n]=/tmp/afdep-$n; whiches="$whiches $n"
+      done
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
-        case $which in new) bin=/tmp/b4/bin/afdep;; old) bin=/tmp/afdep52;; fold) bin=/tmp/afdepfold;; esac
+        bin=${cbin[$which]}
         timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
           > $W/ab52-$which-$rep.txt 2>&1
         echo "ab52 $which rep $rep rc=$?" >> $W/steps.txt
       done; done
+      # the same setting traced (1 token, 20 replays) with this build and the candidates (the
+      # 52a7948 build has no --trace): where the round's time goes, ranks' start skew included
+      for which in $whiches; do
+        [ "$which" = old ] && continue
+        timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
+          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
+          --tokens 1 --rounds 20 --warmup 5 --trace $W/ab52-trace-$which.json \
+          > $W/ab52-trace-$which.txt 2>&1
+        echo "ab52 trace $which rc=$?" >> $W/steps.txt
+      done
+      cp $W/ab52-trace-*.json "$OUT/" 2>/dev/null
       cp $W/ab52-*.jsonl "$OUT/" 2>/dev/null;;
     fold)
       # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
