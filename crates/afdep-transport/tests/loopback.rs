@@ -450,7 +450,14 @@ fn spinning_waits_complete_promptly_and_keep_every_failure_mode() {
     let e = t.barrier().unwrap_err();
     leaver.join().unwrap();
     assert!(
-        matches!(e, TransportError::PeerGone { peer: 1, rank: 0, .. }),
+        matches!(
+            e,
+            TransportError::PeerGone {
+                peer: 1,
+                rank: 0,
+                ..
+            }
+        ),
         "{e}"
     );
     assert_within(t0, Duration::from_secs(2));
