@@ -406,3 +406,71 @@ fn buffers_are_bounds_checked() {
     let mut out = [0u8; 5];
     assert!(b.read(0, &mut out).is_err());
 }
+
+/// The spin before a rank sleeps: a spin far longer than any wait here, so that every wait of
+/// these operations is a spinning one. Collectives still complete with the right bytes, a letter
+/// that arrives mid-spin ends the wait at once (not when the spin runs out), a rank that leaves
+/// mid-spin is reported at once, and a timeout shorter than the spin still bounds the wait.
+#[test]
+fn spinning_waits_complete_promptly_and_keep_every_failure_mode() {
+    let spin = Duration::from_secs(5);
+    for world in 1..=4 {
+        let out = on_ranks(Loopback::group_spinning(world, LONG, spin), |_, mut t| {
+            for round in 0..20 {
+                a2a_round(&mut t, round)?;
+                gather_round(&mut t, round, round % 7)?;
+            }
+            t.barrier()
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            res.unwrap_or_else(|e| panic!("world {world}, rank {r}: {e}"));
+        }
+    }
+
+    // a late letter ends the spin when it arrives
+    let t0 = Instant::now();
+    let out = on_ranks(Loopback::group_spinning(2, LONG, spin), |r, mut t| {
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        t.barrier()
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    assert_within(t0, Duration::from_secs(2));
+
+    // a rank that leaves mid-spin is reported at once
+    let mut group = Loopback::group_spinning(2, LONG, spin);
+    let gone = group.pop().unwrap();
+    let mut t = group.pop().unwrap();
+    let t0 = Instant::now();
+    let leaver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(gone);
+    });
+    let e = t.barrier().unwrap_err();
+    leaver.join().unwrap();
+    assert!(
+        matches!(
+            e,
+            TransportError::PeerGone {
+                peer: 1,
+                rank: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_within(t0, Duration::from_secs(2));
+
+    // a timeout shorter than the spin bounds the wait
+    let mut group = Loopback::group_spinning(2, Duration::from_millis(100), spin);
+    let _idle = group.pop().unwrap();
+    let mut t = group.pop().unwrap();
+    let t0 = Instant::now();
+    let e = t.barrier().unwrap_err();
+    assert!(
+        matches!(e, TransportError::Timeout { peer: Some(1), .. }),
+        "{e}"
+    );
+    assert_within(t0, Duration::from_secs(2));
+}
