@@ -11,6 +11,12 @@
 // slab, and its row flag is raised to the round (release, system scope) as soon as the row is
 // stored, for the streaming epilogue. Specialised by AFDEP_TOP_K.
 //
+// Mode AFDEP_CF_AUTO (an Auto device round's one launch for every arm; ctl must be the control
+// block itself, not an arm gate): the mode follows the arm the round takes (ctl[AFDEP_CTL_ARM],
+// set by afdep_round_begin): the source arm as AFDEP_CF_SOURCE, count-first as AFDEP_CF_STREAM
+// with `gate` and no dispatch flags, payload-first as AFDEP_CF_STREAM without the wait and with
+// the dispatch flags at sig_off.
+//
 // The payload kind is a template constant (as in fused_dispatch.cu): afdep_cf_dispatch stores
 // bf16 rows, afdep_cf_dispatch_fp8 quantises each row once while it stores it
 // (common/fp8.cuh, bit for bit afdep_core::fp8): streaming, codes and scales into the slab row
@@ -33,6 +39,7 @@ static_assert(K <= 32, "one lane per slot");
 
 #define AFDEP_CF_SOURCE 0u
 #define AFDEP_CF_STREAM 1u
+#define AFDEP_CF_AUTO 2u
 // sig_off of a dispatch that raises no dispatch flags (the streaming arm: its rows have flags)
 #define AFDEP_CF_NO_SIGNAL 0xffffffffffffffffull
 
@@ -55,6 +62,12 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     u64 meta_off, u64 exp_off, u64 exp_q_off, u64 exp_sc_off, u64 exp_rows, u64 rflag_off,
     u32 hidden, u32 me, u32 mode, u32 gate, u64 timeout_ns, u32* err, u64 sig_off) {
     if (afdep_ctl_skip(ctl)) return;
+    if (mode == AFDEP_CF_AUTO) {
+        const u32 arm = afdep_ctl_arm(ctl);
+        mode = arm == AFDEP_ARM_SOURCE ? AFDEP_CF_SOURCE : AFDEP_CF_STREAM;
+        if (arm != AFDEP_ARM_COUNT_FIRST) gate = 0u;
+        if (arm == AFDEP_ARM_COUNT_FIRST) sig_off = AFDEP_CF_NO_SIGNAL;
+    }
     const u32 round = afdep_ctl_round(ctl);
     const u64 tokens = afdep_ctl_tokens(ctl);
     const bool wait = mode == AFDEP_CF_SOURCE || gate != 0u;

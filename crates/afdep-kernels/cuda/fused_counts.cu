@@ -104,10 +104,19 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // for l < epr) go to row `me` of the offsets area of workspace peers[src_rank[s]], whose offset
 // flag `me` is then raised to `round` (release, system scope). The round comes from the control
 // block ctl (layout/fused.cuh); nothing runs when the round is skipped.
+// pre: AFDEP_PLAN_PRE_NONE, or a wait before the count flags' (what afdep_cf_wait did as a
+// kernel of its own before this one in a payload-first round): for every source's flag at
+// pre_off (the dispatch flags), a timeout recorded as pre_code, skipped when the error word
+// already holds a fault; always (AFDEP_PLAN_PRE_ALWAYS) or when the round takes the
+// payload-first arm (AFDEP_PLAN_PRE_PAYLOAD_FIRST: an Auto round's one launch; ctl then the
+// control block itself). Its outcome does not stop the plan (as with the separate wait).
+#define AFDEP_PLAN_PRE_NONE 0u
+#define AFDEP_PLAN_PRE_ALWAYS 1u
+#define AFDEP_PLAN_PRE_PAYLOAD_FIRST 2u
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_plan(u8* ws, const u64* __restrict__ peers, const u32* __restrict__ src_rank,
                   u32 ns, u32 epr, const afdep_fused_layout L, u32 me, const u32* ctl,
-                  u64 timeout_ns, u32* err) {
+                  u64 timeout_ns, u32* err, u32 pre, u64 pre_off, u32 pre_code) {
     const u64 counts_off = L.counts, cflag_off = L.count_flags, plan_off = L.plan;
     const u64 offs_off = L.offsets, oflag_off = L.offset_flags;
     __shared__ u32 ok;
@@ -116,14 +125,17 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     const u32 round = afdep_ctl_round(ctl);
     const u32 tid = threadIdx.x;
     if (tid == 0) {
-        ok = 1;
-        for (u32 s = 0; s < ns && ok; s++) {
-            const u32* flag = (const u32*)(ws + cflag_off + 4ull * src_rank[s]);
-            if (!afdep_wait_ge(flag, round, timeout_ns)) {
-                afdep_fused_fault(err, AFDEP_FUSED_FAULT_COUNTS_WAIT, src_rank[s], round);
-                ok = 0;
-            }
+        const bool pre_wait = pre == AFDEP_PLAN_PRE_ALWAYS ||
+                              (pre == AFDEP_PLAN_PRE_PAYLOAD_FIRST &&
+                               afdep_ctl_arm(ctl) == AFDEP_ARM_PAYLOAD_FIRST);
+        if (pre_wait && !afdep_fused_faulted(err)) {
+            AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
+            afdep_wait_flags(ws, pre_off, src_rank, ns, round, timeout_ns, err, pre_code);
         }
+        ok = afdep_wait_flags(ws, cflag_off, src_rank, ns, round, timeout_ns, err,
+                              AFDEP_FUSED_FAULT_COUNTS_WAIT)
+                 ? 1u
+                 : 0u;
     }
     __syncthreads();
     if (!ok) return;
@@ -197,11 +209,5 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     const u32 round = afdep_ctl_round(ctl);
     if (afdep_fused_faulted(err)) return;  // an earlier wait of this round already ran out
     AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-    for (u32 i = 0; i < n; i++) {
-        const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);
-        if (!afdep_wait_ge(flag, round, timeout_ns)) {
-            afdep_fused_fault(err, code, ranks[i], round);
-            return;
-        }
-    }
+    afdep_wait_flags(ws, flag_off, ranks, n, round, timeout_ns, err, code);
 }

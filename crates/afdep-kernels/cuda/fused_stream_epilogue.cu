@@ -32,14 +32,25 @@ static_assert(K <= 32, "one lane per slot (the fp8 epilogue's expanded rows)");
 // control block (the round; nothing when skipped). A row flag wait runs at most timeout_ns,
 // then records AFDEP_FUSED_FAULT_ROW_WAIT naming the source; every warp leaves at its next row
 // once the error word holds a fault.
+// by_arm (an Auto device round's one launch for every arm; ctl the control block itself):
+// when the round takes the source arm, which has no rows to expand here, thread 0 of block 0
+// instead waits for every source's flag at src_flag_off (the dispatch flags; what afdep_cf_wait
+// did as a kernel of its own), a timeout recorded as src_code, and the grid leaves.
 template <int PAYLOAD>
 static __device__ __forceinline__ void afdep_cf_stream_rows(
     u8* ws, const u32* __restrict__ src_rank, u32 ns, u32 epr, u64 plan_off, u64 rflag_off,
     u64 slab_off, u32 cap, u64 row_bytes, u64 meta_off, u64 exp_off, u64 exp_q_off,
     u64 exp_sc_off, u64 exp_rows, u32 hidden, u32 warps_per_unit, u32 min_rows, const u32* ctl,
-    u64 timeout_ns, u32* err) {
+    u64 timeout_ns, u32* err, u32 by_arm, u64 src_flag_off, u32 src_code) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
+    if (by_arm != 0u && afdep_ctl_arm(ctl) == AFDEP_ARM_SOURCE) {
+        if (blockIdx.x == 0 && threadIdx.x == 0 && !afdep_fused_faulted(err)) {
+            AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
+            afdep_wait_flags(ws, src_flag_off, src_rank, ns, round, timeout_ns, err, src_code);
+        }
+        return;
+    }
     const u64 n = (u64)epr * ns;
     const u64* bs = (const u64*)(ws + plan_off) + n;
     const u64* so = bs + n + epr + 1;
@@ -139,11 +150,12 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
 // rows function reads its fields, which stay in the parameter space (no copy).
 #define AFDEP_CF_STREAM_PARAMS                                                                    \
     u8 *ws, const u32 *__restrict__ src_rank, u32 ns, u32 epr, const afdep_fused_layout L,       \
-        u32 warps_per_unit, u32 min_rows, const u32 *ctl, u64 timeout_ns, u32 *err
+        u32 warps_per_unit, u32 min_rows, const u32 *ctl, u64 timeout_ns, u32 *err, u32 by_arm, \
+        u64 src_flag_off, u32 src_code
 #define AFDEP_CF_STREAM_ARGS                                                                      \
     ws, src_rank, ns, epr, L.plan, L.row_flags, L.slab_off, L.cap, L.row_bytes, L.meta_off,      \
         L.expanded, L.exp_q, L.exp_scales, L.exp_rows, L.hidden, warps_per_unit, min_rows, ctl,  \
-        timeout_ns, err
+        timeout_ns, err, by_arm, src_flag_off, src_code
 
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)

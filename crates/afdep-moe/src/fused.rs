@@ -831,8 +831,11 @@ impl FusedEngine {
                 layout: geo,
                 sources: ns,
                 slab_offsets: base,
-                block_starts: (arm == DispatchArm::CountFirst)
-                    .then_some(base + 8 * (ns as u64 + 1)),
+                block_starts: if arm == DispatchArm::CountFirst {
+                    fk::BlockStarts::Relative(base + 8 * (ns as u64 + 1))
+                } else {
+                    fk::BlockStarts::Final
+                },
                 max_rows: *compact,
                 y: device_address(&self.gpu, y),
                 y_rows: *rows,

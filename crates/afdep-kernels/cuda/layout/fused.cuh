@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common/fault.cuh"
+#include "common/ptx.cuh"
 #include "common/types.cuh"
 
 // u32 words of the metadata of a row for top-k K: 2 + K + K + 2K.
@@ -153,6 +154,23 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
     return *(const volatile u32*)err != 0u;
 }
 
+// One thread: waits (bounded: at most timeout_ns each) for flag ranks[i] at flag_off of
+// workspace ws to reach `round`, for every i < n in order; a wait that runs out records `code`
+// naming that rank and returns false.
+static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_off,
+                                                        const u32* __restrict__ ranks, u32 n,
+                                                        u32 round, u64 timeout_ns, u32* err,
+                                                        u32 code) {
+    for (u32 i = 0; i < n; i++) {
+        const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);
+        if (!afdep_wait_ge(flag, round, timeout_ns)) {
+            afdep_fused_fault(err, code, ranks[i], round);
+            return false;
+        }
+    }
+    return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The round control block (fused_round.cu; host side afdep_kernels::ops::fused_round and
 // afdep_moe::fused): u32[16] in every rank's own workspace. Every fused kernel that waits for or
@@ -221,6 +239,11 @@ static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {
 // asked for different arms; in an arm gate also: the round takes an arm outside the gate's).
 static __device__ __forceinline__ bool afdep_ctl_skip(const u32* ctl) {
     return *(const volatile u32*)(ctl + AFDEP_CTL_VERDICT) != AFDEP_CTL_GO;
+}
+// The arm the round takes (afdep_round_begin; only in the control block, not in an arm gate):
+// what a kernel launched for every arm at once (an Auto round's one launch per phase) branches on.
+static __device__ __forceinline__ u32 afdep_ctl_arm(const u32* ctl) {
+    return *(const volatile u32*)(ctl + AFDEP_CTL_ARM);
 }
 // This source's token count of the round.
 static __device__ __forceinline__ u64 afdep_ctl_tokens(const u32* ctl) {

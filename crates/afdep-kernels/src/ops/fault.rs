@@ -66,7 +66,8 @@ pub mod point {
     /// The combine skips its wait for the combine flags: `afdep_fused_combine`.
     pub const SKIP_COMBINE_WAIT: u32 = 0x400;
     /// An FFN rank skips its wait for the dispatch flags: `afdep_fused_copy_epilogue(_fp8)`,
-    /// `afdep_cf_wait`.
+    /// `afdep_cf_wait`, `afdep_cf_plan` (the payload-first wait before the plan),
+    /// `afdep_cf_stream_epilogue(_fp8)` (an Auto round's source-arm wait).
     pub const SKIP_DISPATCH_WAIT: u32 = 0x800;
 
     /// Every point with its name in `common/fault.cuh` (without the `AFDEP_FAULT_` prefix).
@@ -97,7 +98,7 @@ pub fn points_in(file: SourceFile) -> u32 {
             LATE_COUNTS | LATE_OFFSET_FLAGS | LATE_PREFIX | SKIP_DISPATCH_WAIT
         }
         SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | LATE_SIGNAL | SKIP_OFFSET_WAIT,
-        SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT,
+        SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT | SKIP_DISPATCH_WAIT,
         SourceFile::FusedRound => LATE_STATUS,
         SourceFile::Router
         | SourceFile::Validate

@@ -284,7 +284,17 @@ impl FusedEngine {
             // and `err` (this workspace's control block and error word) are live; every workspace
             // holds the areas `a` for `ns` sources and `epr` experts; `src_ranks` holds the `ns`
             // attention ranks.
-            unsafe { cf::plan(&self.gpu, &addrs, &self.src_ranks, ns, epr, &a) }?;
+            unsafe {
+                cf::plan(
+                    &self.gpu,
+                    &addrs,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    &a,
+                    cf::PlanWait::None,
+                )
+            }?;
         }
 
         // 3. source: the rows
@@ -337,11 +347,14 @@ impl FusedEngine {
                     cf::stream_epilogue(
                         &self.gpu,
                         &addrs,
-                        &self.src_ranks,
-                        ns,
-                        epr,
+                        &cf::SourceRanks {
+                            ranks: &self.src_ranks,
+                            count: ns,
+                            experts_per_rank: epr,
+                        },
                         &a,
                         &super::work_units(&knobs),
+                        None,
                     )
                 }?;
             }

@@ -1352,13 +1352,27 @@ impl FusedEngine {
             unsafe { cf::counts(gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
             trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
         }
-        // 3. FFN (count-first): plan and offsets before the rows
-        if let (Some(_), Some(c)) = (ffn_index, gate(CF | SRC)) {
+        // 3. FFN (count-first): plan and offsets before the rows. An Auto round on a rank that
+        // is not also a source: one plan launch for every arm, which in a payload-first round
+        // first waits for the rows' dispatch flags (a rank that is also a source raises its own
+        // dispatch flags only at step 4, so there the payload-first plan stays after it)
+        let one_launch = arm == RoundArm::Auto && src_index.is_none();
+        let plan_here = if one_launch {
+            let wait = cf::PlanWait::DispatchIfPayloadFirst {
+                code: fk::fault::DISPATCH_WAIT,
+            };
+            ffn_index.map(|_| (ctl, wait))
+        } else {
+            ffn_index
+                .and(gate(CF | SRC))
+                .map(|c| (c, cf::PlanWait::None))
+        };
+        if let Some((c, wait)) = plan_here {
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
             // live, `c` is the control block or one of the live arm gates of `d.gates`
-            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
-            // attention ranks.
-            unsafe { cf::plan(gpu, &addrs.gated(c), &self.src_ranks, ns, epr, &a) }?;
+            // (`arm_gate`; the control block itself for `DispatchIfPayloadFirst`); every
+            // workspace holds the areas `a`; `src_ranks` holds the `ns` attention ranks.
+            unsafe { cf::plan(gpu, &addrs.gated(c), &self.src_ranks, ns, epr, &a, wait) }?;
             trace::mark(&mut d.trace, gpu, TracePhase::Plan)?;
         }
         let l = Launch {
@@ -1370,6 +1384,8 @@ impl FusedEngine {
             ffn_ranks: &self.ffn_ranks,
             round_arms,
             gates,
+            one_launch: arm == RoundArm::Auto,
+            planned: one_launch,
         };
         // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
         if let Some(src) = &cf_src {
@@ -1530,6 +1546,13 @@ struct Launch<'a> {
     ffn_ranks: &'a CudaSlice<u32>,
     round_arms: u32,
     gates: u64,
+    /// An Auto round: one launch per phase for every arm where the kernels branch on the arm
+    /// the round takes (the source's rows, the FFN rank's partial sums), instead of one launch
+    /// per arm behind its gate.
+    one_launch: bool,
+    /// The FFN rank's plan ran for every arm at step 3 (an Auto round on an FFN-only rank):
+    /// the epilogue is one launch too.
+    planned: bool,
 }
 
 impl Launch<'_> {
@@ -1550,6 +1573,15 @@ impl Launch<'_> {
             count: nf,
             experts_per_rank: p.experts_per_rank,
         };
+        if self.one_launch {
+            let mode = CfMode::Auto {
+                gate: knobs.payload_gate,
+            };
+            // SAFETY: as below, with the control block itself (`self.r.ctl`), whose arm word
+            // `afdep_round_begin` wrote earlier on this stream.
+            unsafe { cf::dispatch(gpu, src, &ffns, &self.r, &self.a, mode, knobs.transport_sms) }?;
+            return Ok(());
+        }
         for row_arm in DispatchArm::ALL {
             let Some(c) = self.gate(arm_bit(row_arm)) else {
                 continue;
@@ -1606,13 +1638,43 @@ impl Launch<'_> {
         let p = cfg.placement();
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
         let (a, addrs) = (&self.a, self.r);
+        if self.planned {
+            // an Auto round whose plan ran at step 3 for every arm: one epilogue launch (the
+            // source arm's wait for the dispatch flags, or the rows), then the source arm's fp8
+            // dequantisation behind its gate
+            // SAFETY: as below, with the control block itself (`addrs.ctl`), whose arm word
+            // `afdep_round_begin` wrote earlier on this stream; every workspace holds
+            // `MAX_WORLD` flags at `DISPATCH_FLAGS`.
+            unsafe {
+                cf::stream_epilogue(
+                    gpu,
+                    &addrs,
+                    &cf::SourceRanks {
+                        ranks: self.src_ranks,
+                        count: ns,
+                        experts_per_rank: epr,
+                    },
+                    a,
+                    &super::work_units(&knobs),
+                    Some(cf::fault::SOURCE_WAIT),
+                )
+            }?;
+            if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
+                // SAFETY: as the source arm's dequantisation below.
+                unsafe { cf::dequant(gpu, &addrs.gated(c), ns, epr, a, knobs.epilogue_sm_cap) }?;
+            }
+            return Ok(());
+        }
         if let Some(c) = self.gate(PF) {
-            self.wait_sources(c, fk::fault::DISPATCH_WAIT)?;
+            // the wait for the dispatch flags is the plan's first step
+            let wait = cf::PlanWait::Dispatch {
+                code: fk::fault::DISPATCH_WAIT,
+            };
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
             // live, `c` is the control block or one of the live arm gates of `d.gates`
-            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
-            // attention ranks.
-            unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a) }?;
+            // (`arm_gate`); every workspace holds the areas `a` and `MAX_WORLD` flags at
+            // `DISPATCH_FLAGS`; `src_ranks` holds the `ns` attention ranks.
+            unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a, wait) }?;
         }
         if let Some(c) = self.gate(SRC) {
             self.wait_sources(c, cf::fault::SOURCE_WAIT)?;
@@ -1633,11 +1695,14 @@ impl Launch<'_> {
                 cf::stream_epilogue(
                     gpu,
                     &addrs.gated(c),
-                    self.src_ranks,
-                    ns,
-                    epr,
+                    &cf::SourceRanks {
+                        ranks: self.src_ranks,
+                        count: ns,
+                        experts_per_rank: epr,
+                    },
                     a,
                     &super::work_units(&knobs),
+                    None,
                 )
             }?;
         }
@@ -1701,8 +1766,18 @@ impl Launch<'_> {
         // rows): one launch per kind, each gated to its arms
         let plan = ws + a.plan;
         let eps = (epr * ns) as u64;
-        for (arms, block_starts) in [(PF | CF, Some(plan + 8 * eps)), (SRC, None)] {
-            let Some(c) = self.gate(arms) else {
+        let relative = fk::BlockStarts::Relative(plan + 8 * eps);
+        let launches: Vec<(Option<u64>, fk::BlockStarts)> = if self.one_launch {
+            // one launch for every arm, the rows' meaning read from the control block itself
+            vec![(Some(self.r.ctl), fk::BlockStarts::ByArm(plan + 8 * eps))]
+        } else {
+            vec![
+                (self.gate(PF | CF), relative),
+                (self.gate(SRC), fk::BlockStarts::Final),
+            ]
+        };
+        for (c, block_starts) in launches {
+            let Some(c) = c else {
                 continue;
             };
             let view = fk::CompactView {
