@@ -244,6 +244,8 @@ pub struct FusedEngine {
     device: Option<device_round::DeviceRound>,
     /// Poison outputs before every device round.
     poison: bool,
+    /// Device rounds launch one front kernel per rank ([`FusedEngine::set_fronts`]).
+    fronts: bool,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -361,6 +363,7 @@ impl FusedEngine {
             events: None,
             device: None,
             poison: true,
+            fronts: device_round::fronts_from_env(),
         })
     }
 

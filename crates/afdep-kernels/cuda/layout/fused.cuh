@@ -192,6 +192,8 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
 //   ctl[11] ticket    the blocks of the running kernel that are done (afdep_last_block): zero
 //                     between kernels (reset by the last block, and by afdep_round_begin /
 //                     afdep_round_bump in the control block and every arm gate)
+//   ctl[12..15)       a front's in-grid handoffs (fused_front.cu): begun, ready and the exit
+//                     ticket; zero between kernels (reset by the front's last block)
 // With verdict AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms; every rank skips the
 // round), ctl[2..5) hold {the lowest rank whose request differs from rank 0's, rank 0's
 // request, that rank's request} instead of a route word.
@@ -202,6 +204,9 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
 #define AFDEP_CTL_ARM_REQUEST 9
 #define AFDEP_CTL_ARM 10
 #define AFDEP_CTL_TICKET 11
+#define AFDEP_CTL_FRONT_BEGUN 12
+#define AFDEP_CTL_FRONT_READY 13
+#define AFDEP_CTL_FRONT_EXIT 14
 #define AFDEP_CTL_WORDS 16
 #define AFDEP_CTL_GO 0u
 #define AFDEP_CTL_REJECTED 1u
@@ -230,6 +235,8 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
 #define AFDEP_STATUS_REQUEST 7
 // A status wait ran out (peer = the rank whose status never came).
 #define AFDEP_FUSED_FAULT_STATUS_WAIT 32u
+// A block of a front (fused_front.cu) waited for its own grid too long (peer = this rank).
+#define AFDEP_FUSED_FAULT_FRONT_WAIT 33u
 
 // The round number of the round in flight.
 static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {

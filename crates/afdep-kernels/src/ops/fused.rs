@@ -112,6 +112,7 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
         .into_iter()
         .chain(super::fused_cf::KERNELS)
         .chain(super::fused_round::KERNELS)
+        .chain(super::fused_front::KERNELS)
     {
         let f = fused_function(ctx, id, k)?;
         ctx.cuda()
@@ -752,6 +753,7 @@ pub(super) mod tests {
             .into_iter()
             .chain(super::super::fused_cf::KERNELS)
             .chain(super::super::fused_round::KERNELS)
+            .chain(super::super::fused_front::KERNELS)
             .collect();
         let fused = [
             S::FusedDispatch,
@@ -761,6 +763,7 @@ pub(super) mod tests {
             S::FusedCfDispatch,
             S::FusedStreamEpilogue,
             S::FusedRound,
+            S::FusedFront,
         ];
         for id in KernelId::ALL {
             if fused.contains(&id.source()) {

@@ -187,12 +187,7 @@ pub unsafe fn plan(
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    // afdep_cf_plan's AFDEP_PLAN_PRE_*
-    let (pre_mode, pre_code) = match pre {
-        PlanWait::None => (0u32, 0u32),
-        PlanWait::Dispatch { code } => (1, code),
-        PlanWait::DispatchIfPayloadFirst { code } => (2, code),
-    };
+    let (pre_mode, pre_code) = plan_wait_args(pre);
     let pre_off = super::fused_layout::DISPATCH_FLAGS;
     let f = fused_function(ctx, KernelId::CfPlan, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
@@ -289,6 +284,33 @@ pub enum CfMode {
     },
 }
 
+/// The kernel arguments `(mode, gate, sig_off)` of the row stores in `mode`
+/// (`fused_cf_dispatch.cu`'s `AFDEP_CF_*`, the dispatch flags or `AFDEP_CF_NO_SIGNAL`).
+pub(super) fn dispatch_mode(mode: CfMode) -> (u32, u32, u64) {
+    let (m, gate, signal) = match mode {
+        CfMode::Source => (0u32, 0u32, true),
+        CfMode::Stream { gate, signal } => (1, u32::from(gate), signal),
+        // the kernel drops the flags for the count-first arm
+        CfMode::Auto { gate } => (2, u32::from(gate), true),
+    };
+    let sig_off = if signal {
+        super::fused_layout::DISPATCH_FLAGS
+    } else {
+        NO_SIGNAL
+    };
+    (m, gate, sig_off)
+}
+
+/// The kernel arguments `(pre, pre_code)` of the plan's wait `pre` (`fused_counts.cu`'s
+/// `AFDEP_PLAN_PRE_*`).
+pub(super) fn plan_wait_args(pre: PlanWait) -> (u32, u32) {
+    match pre {
+        PlanWait::None => (0, 0),
+        PlanWait::Dispatch { code } => (1, code),
+        PlanWait::DispatchIfPayloadFirst { code } => (2, code),
+    }
+}
+
 /// The sources an FFN rank receives from: their ranks (at least `count`, in source order) and
 /// the FFN rank's local experts.
 #[derive(Debug, Clone, Copy)]
@@ -354,17 +376,7 @@ pub unsafe fn dispatch(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let (m, gate, signal) = match mode {
-        CfMode::Source => (0u32, 0u32, true),
-        CfMode::Stream { gate, signal } => (1, u32::from(gate), signal),
-        // the kernel drops the flags for the count-first arm
-        CfMode::Auto { gate } => (2, u32::from(gate), true),
-    };
-    let sig_off = if signal {
-        super::fused_layout::DISPATCH_FLAGS
-    } else {
-        NO_SIGNAL
-    };
+    let (m, gate, sig_off) = dispatch_mode(mode);
     let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfDispatch,
         PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
@@ -546,7 +558,11 @@ pub unsafe fn dequant(
 }
 
 /// Slab rows that hold the payload of `areas` and the metadata of top-k `top_k`.
-fn check_rows(slab: &SlabGeometry, areas: &FusedLayout, top_k: usize) -> Result<(), KernelError> {
+pub(super) fn check_rows(
+    slab: &SlabGeometry,
+    areas: &FusedLayout,
+    top_k: usize,
+) -> Result<(), KernelError> {
     let hidden = slab.hidden as usize;
     let payload = super::fused::slab_payload_bytes(areas.payload_kind(), hidden) as u64;
     if areas.meta_off < payload
@@ -606,8 +622,22 @@ mod tests {
 
     #[test]
     fn the_mode_constants_match_the_kernel() {
-        let text = include_str!("../../cuda/fused_cf_dispatch.cu");
+        let text = include_str!("../../cuda/phase/cf_dispatch.cuh");
         assert!(text.contains("#define AFDEP_CF_SOURCE 0u"));
         assert!(text.contains("#define AFDEP_CF_STREAM 1u"));
+        assert!(text.contains("#define AFDEP_CF_AUTO 2u"));
+        assert_eq!(dispatch_mode(CfMode::Auto { gate: true }).0, 2);
+        let plan = include_str!("../../cuda/phase/counts.cuh");
+        for (name, pre) in [
+            ("AFDEP_PLAN_PRE_NONE", PlanWait::None),
+            ("AFDEP_PLAN_PRE_ALWAYS", PlanWait::Dispatch { code: 1 }),
+            (
+                "AFDEP_PLAN_PRE_PAYLOAD_FIRST",
+                PlanWait::DispatchIfPayloadFirst { code: 1 },
+            ),
+        ] {
+            let want = format!("#define {name} {}u", plan_wait_args(pre).0);
+            assert!(plan.contains(&want), "{want}");
+        }
     }
 }
