@@ -76,9 +76,17 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         [ -x /tmp/afdep-$n ] || { gzip -dc "$c" > /tmp/afdep-$n && chmod +x /tmp/afdep-$n; }
         cbin[$n]=/tmp/afdep-$n; whiches="$whiches $n"
       done
+      # AB_VARIANTS="NAME=CAND:VAR=VALUE ...": candidate CAND's binary run as NAME with VAR=VALUE
+      declare -A cenv=()
+      for v in ${AB_VARIANTS:-}; do
+        n=${v%%=*}; rest=${v#*=}; c=${rest%%:*}
+        [ -n "${cbin[$c]:-}" ] || continue
+        cbin[$n]=${cbin[$c]}; cenv[$n]=${rest#*:}; whiches="$whiches $n"
+      done
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
         bin=${cbin[$which]}
-        timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
+        # shellcheck disable=SC2086 # VAR=VALUE or nothing
+        env ${cenv[$which]:-} timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
           > $W/ab52-$which-$rep.txt 2>&1
@@ -88,7 +96,8 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # 52a7948 build has no --trace): where the round's time goes, ranks' start skew included
       for which in $whiches; do
         [ "$which" = old ] && continue
-        timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
+        # shellcheck disable=SC2086
+        env ${cenv[$which]:-} timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1 --rounds 20 --warmup 5 --trace $W/ab52-trace-$which.json \
           > $W/ab52-trace-$which.txt 2>&1
