@@ -16,7 +16,7 @@
 // words, so the next launch on the stream starts from zeros.
 //
 // The in-grid waits are bounded: a block that waits longer than the phases before could take
-// (every wait inside them is bounded by timeout_ns, at most 2 world + 2 of them) records
+// (every wait inside them is bounded by timeout_ns, fewer than 3 world of them) records
 // AFDEP_FUSED_FAULT_FRONT_WAIT and does no data phase; the round's verdict reports it. They
 // need every block of the grid resident at some point, not at once: a block that is not yet
 // resident only delays the waiters.
@@ -72,9 +72,12 @@ static __device__ __forceinline__ void afdep_front_exit(u32* ctl) {
     *(volatile u32*)(ctl + AFDEP_CTL_FRONT_EXIT) = 0u;
 }
 
-// How long a front's block waits for its grid: longer than every bounded wait before it.
+// How long a front's block waits for its grid: longer than every bounded wait before it (the
+// start's world status waits, the plan's and the counts' at most 2 (world - 1) flag waits, each
+// at most timeout_ns).
 static __device__ __forceinline__ u64 afdep_front_bound(u64 timeout_ns, u32 world) {
-    return timeout_ns * (2ull * world + 4ull);
+    const u64 n = 3ull * world + 4ull;
+    return timeout_ns > ~0ull / n ? ~0ull : timeout_ns * n;  // saturating
 }
 
 // The begin parameters shared by both fronts (afdep_round_begin's, phase/begin.cuh).
