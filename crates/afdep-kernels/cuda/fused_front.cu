@@ -17,9 +17,12 @@
 //
 // The in-grid waits are bounded: a block that waits longer than the phases before could take
 // (every wait inside them is bounded by timeout_ns, fewer than 3 world of them) records
-// AFDEP_FUSED_FAULT_FRONT_WAIT and does no data phase; the round's verdict reports it. They
-// need every block of the grid resident at some point, not at once: a block that is not yet
-// resident only delays the waiters.
+// AFDEP_FUSED_FAULT_FRONT_WAIT and does no data phase; the round's verdict reports it (its
+// round word may name the round before, when block 0 had not started the round yet). The
+// source front's READY needs every block's counts ticket while the blocks that took theirs
+// wait, so its grid must be resident at once, as a cooperative launch's (at most the transport
+// SM budget of small blocks: several fit on one SM); should it not be, the waiters' bound runs
+// out into that fault, never a hang. The FFN front's waiters need only block 0.
 
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"

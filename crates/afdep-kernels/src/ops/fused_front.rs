@@ -79,6 +79,8 @@ fn start_args(s: &FrontStart<'_>) -> Result<(u32, u32), KernelError> {
 /// error word and peer table of `s.world` ranks are live, every workspace has the layout
 /// `s.layout`, the first `ffns.count` entries of `ffns.ranks` and `s.r.me` are below the world,
 /// and `src` holds `src.tokens` (at least the control block's token count) rows and routes.
+/// The kernel reads the routes of `source` (not `src.idx` / `src.weight`, which should be the
+/// same buffers) in every phase; its sizes are checked for both uses.
 pub unsafe fn source_front(
     ctx: &GpuContext,
     s: FrontStart<'_>,
@@ -101,8 +103,9 @@ pub unsafe fn source_front(
     let hidden = layout.hidden as usize;
     let cap = layout.cap as usize;
     let n = src.tokens * top_k;
-    need("routes", source.idx, cap * top_k)?;
-    need("weights", source.weight, cap * top_k)?;
+    // the start validates `source`'s tables and the counts and rows read them too
+    need("routes", source.idx, (cap * top_k).max(n))?;
+    need("weights", source.weight, (cap * top_k).max(n))?;
     if let Some(st) = source.payload {
         need(
             "payload check state",
