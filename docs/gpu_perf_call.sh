@@ -19,7 +19,8 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
 # oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
-# shape; "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
+# shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
+# "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
@@ -75,9 +76,17 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         [ -x /tmp/afdep-$n ] || { gzip -dc "$c" > /tmp/afdep-$n && chmod +x /tmp/afdep-$n; }
         cbin[$n]=/tmp/afdep-$n; whiches="$whiches $n"
       done
+      # AB_VARIANTS="NAME=CAND:VAR=VALUE ...": candidate CAND's binary run as NAME with VAR=VALUE
+      declare -A cenv=()
+      for v in ${AB_VARIANTS:-}; do
+        n=${v%%=*}; rest=${v#*=}; c=${rest%%:*}
+        [ -n "${cbin[$c]:-}" ] || continue
+        cbin[$n]=${cbin[$c]}; cenv[$n]=${rest#*:}; whiches="$whiches $n"
+      done
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
         bin=${cbin[$which]}
-        timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
+        # shellcheck disable=SC2086 # VAR=VALUE or nothing
+        env ${cenv[$which]:-} timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
           > $W/ab52-$which-$rep.txt 2>&1
@@ -87,7 +96,8 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # 52a7948 build has no --trace): where the round's time goes, ranks' start skew included
       for which in $whiches; do
         [ "$which" = old ] && continue
-        timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
+        # shellcheck disable=SC2086
+        env ${cenv[$which]:-} timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
           --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
           --tokens 1 --rounds 20 --warmup 5 --trace $W/ab52-trace-$which.json \
           > $W/ab52-trace-$which.txt 2>&1
@@ -99,12 +109,16 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
       # in every arm, graph replays, eager device rounds and host-planned rounds, 3A:1F with
       # SwiGLU experts, then 2A:2F graph auto and an fp8 graph row; each run at most 25 s
-      [ -x /tmp/afdepfold ] || { gzip -dc "$ROOT/bundle/afdepfold.gz" > /tmp/afdepfold && chmod +x /tmp/afdepfold; }
+      # FOLD_CAND=NAME checks bundle/cand-NAME.gz instead
+      fz="$ROOT/bundle/afdepfold.gz"; [ -n "${FOLD_CAND:-}" ] && fz="$ROOT/bundle/cand-$FOLD_CAND.gz"
+      [ -x /tmp/afdepfold ] || { gzip -dc "$fz" > /tmp/afdepfold && chmod +x /tmp/afdepfold; }
       runs=()
       for mode in --graph --device-rounds host; do for arm in auto count-first-source payload-first count-first; do
         runs+=("3A:1F|$mode|$arm|bf16")
       done; done
-      runs+=("2A:2F|--graph|auto|bf16" "2A:2F|host|count-first-source|bf16" "3A:1F|--graph|auto|fp8")
+      runs+=("2A:2F|--graph|auto|bf16" "2A:2F|host|count-first-source|bf16" "3A:1F|--graph|auto|fp8"
+        "3A:1F|--device-rounds|auto|fp8" "EP4|--graph|auto|bf16" "EP4|--device-rounds|auto|bf16"
+        "1A:3F|--graph|auto|bf16")
       for r in "${runs[@]}"; do
         IFS='|' read -r topo mode arm pay <<< "$r"
         [ "$(left)" -gt 30 ] || { echo "fold $r: not run (time)" >> $W/steps.txt; continue; }
@@ -116,6 +130,16 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         echo "fold $r rc=$?" >> $W/steps.txt
       done
       cp $W/fold.jsonl "$OUT/" 2>/dev/null;;
+    candtests)
+      # a candidate build's fused-engine test binaries (bundle/cand-NAME-tests.txz, NAME from
+      # FOLD_CAND: a tar of ct/ with stripped binaries), each alone, at most 90 s
+      [ -d /tmp/ct ] || ( cd /tmp && tar xf "$ROOT/bundle/cand-${FOLD_CAND:-fold}-tests.txz" )
+      for t in /tmp/ct/gpu_*; do
+        [ "$(left)" -gt 40 ] || { echo "candtests $(basename $t): not run (time)" >> $W/steps.txt; continue; }
+        timeout "$(( $(left) > 130 ? 90 : 30 ))" $t --test-threads=1 > $W/cand-$(basename $t).log 2>&1
+        echo "candtests $(basename $t) rc=$? $(grep -h '^test result' $W/cand-$(basename $t).log)" >> $W/steps.txt
+      done
+      cp $W/cand-*.log "$OUT/" 2>/dev/null;;
     fused)
       # the fused engine's binaries alone (engines in every arm, graphs and device rounds, the
       # pipeline), for a change of the fused kernels or layout checked in the quiet call

@@ -203,9 +203,14 @@ static __device__ __forceinline__ void afdep_combine_reduce_rows(
 #define AFDEP_NO_COMBINE_SIGNAL 0xffffffffffffffffull
 
 // The rows, then (with a signal) the combine flags, raised by the grid's last block.
+// rel AFDEP_REL_BY_ARM (an Auto device round's one launch for every arm; ctl the control block
+// itself): the metadata's rows are final in the source arm, block positions in the others.
+#define AFDEP_REL_BY_ARM 2u
+
 template <bool BF16P>
 static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE_REDUCE_PARAMS) {
     if (afdep_ctl_skip(ctl)) return;
+    if (rel == AFDEP_REL_BY_ARM) rel = afdep_ctl_arm(ctl) == AFDEP_ARM_SOURCE ? 0u : 1u;
     const bool signal = sig_off != AFDEP_NO_COMBINE_SIGNAL;
     __shared__ AfdepSignal sig;
     if (signal) afdep_signal_keep(&sig, ctl, peers, src_rank, ns, sig_off, me);

@@ -32,6 +32,16 @@ pub const HEADERS: &[(&str, &str)] = &[
         "layout/route_error.cuh",
         include_str!("../cuda/layout/route_error.cuh"),
     ),
+    ("phase/begin.cuh", include_str!("../cuda/phase/begin.cuh")),
+    (
+        "phase/cf_dispatch.cuh",
+        include_str!("../cuda/phase/cf_dispatch.cuh"),
+    ),
+    ("phase/counts.cuh", include_str!("../cuda/phase/counts.cuh")),
+    (
+        "phase/stream_epilogue.cuh",
+        include_str!("../cuda/phase/stream_epilogue.cuh"),
+    ),
 ];
 
 /// Threads per block of every kernel (`AFDEP_BLOCK` on the device).
@@ -345,6 +355,18 @@ kernel_registry! {
         CfStreamEpilogueFp8 = "afdep_cf_stream_epilogue_fp8",
         /// `afdep_cf_dequant`: the source arm's fp8 expanded rows dequantised on the FFN rank.
         CfDequant = "afdep_cf_dequant",
+    }
+    /// `fused_front.cu`: a device round's fronts, the launches from the round's start to its
+    /// rows in one kernel per role (specialised by top-k).
+    FusedFront = "fused_front.cu", experts: false, top_k: true {
+        /// Device round, a source: the start, the counts and the rows in one grid.
+        SourceFront = "afdep_source_front",
+        /// `afdep_source_front_fp8`: [`KernelId::SourceFront`] with fp8 payloads.
+        SourceFrontFp8 = "afdep_source_front_fp8",
+        /// Device round, an FFN rank: the start, the plan and the epilogue in one grid.
+        FfnFront = "afdep_ffn_front",
+        /// `afdep_ffn_front_fp8`: [`KernelId::FfnFront`] with fp8 payloads.
+        FfnFrontFp8 = "afdep_ffn_front_fp8",
     }
     /// `fused_round.cu`: the device round: round control, device route validation with the
     /// verdict shared among ranks, the fp8 payload check, the device expert (specialised by
@@ -754,11 +776,11 @@ mod tests {
         );
         let v = runtime_variants();
         // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue, device round, NCCL round
-        // (top-k), fp8
+        // combine, count-first counts, dispatch, streaming epilogue, device round, fronts,
+        // NCCL round (top-k), fp8
         assert_eq!(
             v.len(),
-            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
         );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }

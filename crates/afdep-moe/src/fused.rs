@@ -244,6 +244,8 @@ pub struct FusedEngine {
     device: Option<device_round::DeviceRound>,
     /// Poison outputs before every device round.
     poison: bool,
+    /// Device rounds launch one front kernel per rank ([`FusedEngine::set_fronts`]).
+    fronts: bool,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -361,6 +363,7 @@ impl FusedEngine {
             events: None,
             device: None,
             poison: true,
+            fronts: device_round::fronts_from_env(),
         })
     }
 
@@ -831,8 +834,11 @@ impl FusedEngine {
                 layout: geo,
                 sources: ns,
                 slab_offsets: base,
-                block_starts: (arm == DispatchArm::CountFirst)
-                    .then_some(base + 8 * (ns as u64 + 1)),
+                block_starts: if arm == DispatchArm::CountFirst {
+                    fk::BlockStarts::Relative(base + 8 * (ns as u64 + 1))
+                } else {
+                    fk::BlockStarts::Final
+                },
                 max_rows: *compact,
                 y: device_address(&self.gpu, y),
                 y_rows: *rows,

@@ -53,7 +53,9 @@
 // The combine skips its wait for the FFN ranks' combine flags: afdep_fused_combine.
 #define AFDEP_FAULT_SKIP_COMBINE_WAIT 0x400u
 // An FFN rank skips its wait for the sources' dispatch flags: afdep_fused_copy_epilogue(_fp8),
-// afdep_cf_wait (the source arm's and device rounds' dispatch flag wait).
+// afdep_cf_wait (the source arm's and device rounds' dispatch flag wait), afdep_cf_plan (the
+// payload-first wait before its plan), afdep_cf_stream_epilogue(_fp8) (an Auto round's source
+// arm wait).
 #define AFDEP_FAULT_SKIP_DISPATCH_WAIT 0x800u
 
 #ifdef AFDEP_FAULT

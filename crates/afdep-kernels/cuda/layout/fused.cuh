@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common/fault.cuh"
+#include "common/ptx.cuh"
 #include "common/types.cuh"
 
 // u32 words of the metadata of a row for top-k K: 2 + K + K + 2K.
@@ -153,6 +154,23 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
     return *(const volatile u32*)err != 0u;
 }
 
+// One thread: waits (bounded: at most timeout_ns each) for flag ranks[i] at flag_off of
+// workspace ws to reach `round`, for every i < n in order; a wait that runs out records `code`
+// naming that rank and returns false.
+static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_off,
+                                                        const u32* __restrict__ ranks, u32 n,
+                                                        u32 round, u64 timeout_ns, u32* err,
+                                                        u32 code) {
+    for (u32 i = 0; i < n; i++) {
+        const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);
+        if (!afdep_wait_ge(flag, round, timeout_ns)) {
+            afdep_fused_fault(err, code, ranks[i], round);
+            return false;
+        }
+    }
+    return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The round control block (fused_round.cu; host side afdep_kernels::ops::fused_round and
 // afdep_moe::fused): u32[16] in every rank's own workspace. Every fused kernel that waits for or
@@ -174,6 +192,8 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 //   ctl[11] ticket    the blocks of the running kernel that are done (afdep_last_block): zero
 //                     between kernels (reset by the last block, and by afdep_round_begin /
 //                     afdep_round_bump in the control block and every arm gate)
+//   ctl[12..15)       a front's in-grid handoffs (fused_front.cu): begun, ready and the exit
+//                     ticket; zero between kernels (reset by the front's last block)
 // With verdict AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms; every rank skips the
 // round), ctl[2..5) hold {the lowest rank whose request differs from rank 0's, rank 0's
 // request, that rank's request} instead of a route word.
@@ -184,6 +204,9 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 #define AFDEP_CTL_ARM_REQUEST 9
 #define AFDEP_CTL_ARM 10
 #define AFDEP_CTL_TICKET 11
+#define AFDEP_CTL_FRONT_BEGUN 12
+#define AFDEP_CTL_FRONT_READY 13
+#define AFDEP_CTL_FRONT_EXIT 14
 #define AFDEP_CTL_WORDS 16
 #define AFDEP_CTL_GO 0u
 #define AFDEP_CTL_REJECTED 1u
@@ -212,6 +235,8 @@ static __device__ __forceinline__ bool afdep_fused_faulted(const u32* err) {
 #define AFDEP_STATUS_REQUEST 7
 // A status wait ran out (peer = the rank whose status never came).
 #define AFDEP_FUSED_FAULT_STATUS_WAIT 32u
+// A block of a front (fused_front.cu) waited for its own grid too long (peer = this rank).
+#define AFDEP_FUSED_FAULT_FRONT_WAIT 33u
 
 // The round number of the round in flight.
 static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {
@@ -221,6 +246,11 @@ static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {
 // asked for different arms; in an arm gate also: the round takes an arm outside the gate's).
 static __device__ __forceinline__ bool afdep_ctl_skip(const u32* ctl) {
     return *(const volatile u32*)(ctl + AFDEP_CTL_VERDICT) != AFDEP_CTL_GO;
+}
+// The arm the round takes (afdep_round_begin; only in the control block, not in an arm gate):
+// what a kernel launched for every arm at once (an Auto round's one launch per phase) branches on.
+static __device__ __forceinline__ u32 afdep_ctl_arm(const u32* ctl) {
+    return *(const volatile u32*)(ctl + AFDEP_CTL_ARM);
 }
 // This source's token count of the round.
 static __device__ __forceinline__ u64 afdep_ctl_tokens(const u32* ctl) {

@@ -66,7 +66,8 @@ pub mod point {
     /// The combine skips its wait for the combine flags: `afdep_fused_combine`.
     pub const SKIP_COMBINE_WAIT: u32 = 0x400;
     /// An FFN rank skips its wait for the dispatch flags: `afdep_fused_copy_epilogue(_fp8)`,
-    /// `afdep_cf_wait`.
+    /// `afdep_cf_wait`, `afdep_cf_plan` (the payload-first wait before the plan),
+    /// `afdep_cf_stream_epilogue(_fp8)` (an Auto round's source-arm wait).
     pub const SKIP_DISPATCH_WAIT: u32 = 0x800;
 
     /// Every point with its name in `common/fault.cuh` (without the `AFDEP_FAULT_` prefix).
@@ -97,8 +98,22 @@ pub fn points_in(file: SourceFile) -> u32 {
             LATE_COUNTS | LATE_OFFSET_FLAGS | LATE_PREFIX | SKIP_DISPATCH_WAIT
         }
         SourceFile::FusedCfDispatch => LATE_ROWS | LATE_ROW_FLAGS | LATE_SIGNAL | SKIP_OFFSET_WAIT,
-        SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT,
+        SourceFile::FusedStreamEpilogue => SKIP_ROW_WAIT | SKIP_DISPATCH_WAIT,
         SourceFile::FusedRound => LATE_STATUS,
+        // the phases of fused_round.cu, fused_counts.cu, fused_cf_dispatch.cu and
+        // fused_stream_epilogue.cu (phase/*.cuh)
+        SourceFile::FusedFront => {
+            LATE_STATUS
+                | LATE_COUNTS
+                | LATE_OFFSET_FLAGS
+                | LATE_PREFIX
+                | SKIP_DISPATCH_WAIT
+                | LATE_ROWS
+                | LATE_ROW_FLAGS
+                | LATE_SIGNAL
+                | SKIP_OFFSET_WAIT
+                | SKIP_ROW_WAIT
+        }
         SourceFile::Router
         | SourceFile::Validate
         | SourceFile::Layout
@@ -298,12 +313,34 @@ mod tests {
         );
     }
 
+    /// A source's text with the `phase/` headers it includes appended: the phases' bodies,
+    /// shared by the kernels of several files, hold their fault points.
+    fn with_phase_headers(text: &str) -> String {
+        let mut all = text.to_string();
+        for line in text.lines() {
+            let Some(name) = line
+                .strip_prefix("#include \"")
+                .and_then(|r| r.strip_suffix('"'))
+                .filter(|n| n.starts_with("phase/"))
+            else {
+                continue;
+            };
+            let (_, header) = crate::sources::HEADERS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .expect("an embedded header");
+            all.push('\n');
+            all.push_str(header);
+        }
+        all
+    }
+
     /// [`points_in`] names exactly the files in which each point is used (a `DELAY` or `SKIP`
     /// macro naming it), so a fault rebuilds every module that holds one of its points.
     #[test]
     fn the_table_of_files_matches_the_sources() {
         for file in SourceFile::ALL {
-            let text = file.text();
+            let text = with_phase_headers(file.text());
             let mut used = 0u32;
             for (name, bit) in point::ALL {
                 let delay = format!("AFDEP_FAULT_DELAY(AFDEP_FAULT_{name},");
@@ -352,7 +389,8 @@ mod tests {
     fn every_skip_point_skips_only_a_wait() {
         let mut seen = 0;
         for file in SourceFile::ALL {
-            let lines: Vec<&str> = file.text().lines().collect();
+            let text = with_phase_headers(file.text());
+            let lines: Vec<&str> = text.lines().collect();
             for (i, l) in lines.iter().enumerate() {
                 if !l.trim_start().starts_with("AFDEP_FAULT_SKIP(") {
                     continue;

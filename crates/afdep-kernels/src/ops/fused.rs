@@ -112,6 +112,7 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
         .into_iter()
         .chain(super::fused_cf::KERNELS)
         .chain(super::fused_round::KERNELS)
+        .chain(super::fused_front::KERNELS)
     {
         let f = fused_function(ctx, id, k)?;
         ctx.cuda()
@@ -523,11 +524,9 @@ pub struct CompactView {
     /// Device address of the compact view's row offsets per source, `u64[sources + 1]`
     /// ([`afdep_core::layout::FfnPlan::slab_offsets`]).
     pub slab_offsets: u64,
-    /// `Some(device address)` of the plan's block starts (`u64[experts_per_rank × sources]`,
-    /// [`afdep_core::layout::FfnPlan::block_starts`]) when the metadata's expanded rows are the
-    /// slots' positions in their (expert, source) blocks (the streaming arm, device rounds);
-    /// `None` when they are the expanded rows themselves.
-    pub block_starts: Option<u64>,
+    /// What the metadata's expanded rows are: the rows themselves, or positions in their
+    /// (expert, source) blocks of the plan's block starts.
+    pub block_starts: BlockStarts,
     /// Most compact rows of the round (the grid's size; the round's number is on the device).
     pub max_rows: u64,
     /// Device address of the expert outputs, `y_rows × hidden` bf16 in expanded order (a buffer
@@ -535,6 +534,22 @@ pub struct CompactView {
     pub y: u64,
     /// Rows of the expert outputs.
     pub y_rows: usize,
+}
+
+/// What a compact view's metadata names as a slot's expanded row ([`CompactView`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStarts {
+    /// The expanded row itself (the source arm; host-planned payload-first rounds).
+    Final,
+    /// The slot's position in its (expert, source) block, whose start is in the plan's block
+    /// starts at this device address (`u64[experts_per_rank × sources]`,
+    /// [`afdep_core::layout::FfnPlan::block_starts`]): the streaming and payload-first arms of
+    /// device rounds.
+    Relative(u64),
+    /// As the round's arm says (an Auto round's one launch for every arm; the control block of
+    /// the launch must be the control block itself, not an arm gate): [`BlockStarts::Final`]
+    /// in the source arm, [`BlockStarts::Relative`] with these block starts in the others.
+    ByArm(u64),
 }
 
 /// The FFN half of the combine (`afdep_fused_combine_reduce`, the workspace layout passed by
@@ -589,9 +604,12 @@ pub unsafe fn combine_reduce(
         u64::MAX
     };
     let y_rows = view.y_rows as u64;
+    // afdep_fused_combine_reduce's rel: 0 final rows, 1 block positions, 2 (AFDEP_REL_BY_ARM)
+    // by the round's arm
     let (rel, bs) = match view.block_starts {
-        Some(a) => (1u32, a),
-        None => (0u32, view.slab_offsets),
+        BlockStarts::Final => (0u32, view.slab_offsets),
+        BlockStarts::Relative(a) => (1, a),
+        BlockStarts::ByArm(a) => (2, a),
     };
     // one entry per kind of partials
     let id = match view.layout.partials_kind() {
@@ -735,6 +753,7 @@ pub(super) mod tests {
             .into_iter()
             .chain(super::super::fused_cf::KERNELS)
             .chain(super::super::fused_round::KERNELS)
+            .chain(super::super::fused_front::KERNELS)
             .collect();
         let fused = [
             S::FusedDispatch,
@@ -744,6 +763,7 @@ pub(super) mod tests {
             S::FusedCfDispatch,
             S::FusedStreamEpilogue,
             S::FusedRound,
+            S::FusedFront,
         ];
         for id in KernelId::ALL {
             if fused.contains(&id.source()) {

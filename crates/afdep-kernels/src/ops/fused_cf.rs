@@ -140,7 +140,28 @@ pub unsafe fn counts(
     Ok(())
 }
 
-/// The FFN rank's (`r.me`) plan (`afdep_cf_plan`): waits for every source's count flag (at
+/// A wait [`plan`] does before the count flags' (what a separate [`wait`] launch did before it
+/// in a payload-first round).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanWait {
+    /// None.
+    None,
+    /// For every source's dispatch flag ([`DISPATCH_FLAGS`](super::fused_layout::DISPATCH_FLAGS)),
+    /// a timeout recorded as `code`: the payload-first arm.
+    Dispatch {
+        /// The fault code of a wait that runs out.
+        code: u32,
+    },
+    /// The same, only when the round takes the payload-first arm (an Auto round's one launch
+    /// for every arm; `r.ctl` must be the control block itself, not an arm gate).
+    DispatchIfPayloadFirst {
+        /// The fault code of a wait that runs out.
+        code: u32,
+    },
+}
+
+/// The FFN rank's (`r.me`) plan (`afdep_cf_plan`): first the wait `pre` asks for (skipped when
+/// `r.err` already holds a fault; its outcome does not stop the plan), then waits for every source's count flag (at
 /// least the round of the control block at `r.ctl`, at most `r.timeout_ns` each; a timeout
 /// records [`fault::COUNTS_WAIT`] in `r.err`; nothing when the round is skipped), writes the plan
 /// into its workspace `r.ws` and publishes each source's block starts and offset flag through
@@ -160,11 +181,14 @@ pub unsafe fn plan(
     sources: usize,
     epr: usize,
     areas: &FusedLayout,
+    pre: PlanWait,
 ) -> Result<(), KernelError> {
     need("source ranks", src_ranks, sources)?;
     let ns = as_u32("sources", sources)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
+    let (pre_mode, pre_code) = plan_wait_args(pre);
+    let pre_off = super::fused_layout::DISPATCH_FLAGS;
     let f = fused_function(ctx, KernelId::CfPlan, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&r.ws)
@@ -176,11 +200,15 @@ pub unsafe fn plan(
         .arg(&me)
         .arg(&r.ctl)
         .arg(&r.timeout_ns)
-        .arg(&r.err);
+        .arg(&r.err)
+        .arg(&pre_mode)
+        .arg(&pre_off)
+        .arg(&pre_code);
     // SAFETY: afdep_cf_plan(u8* ws, const u64* peers, const u32* src_rank, u32 ns, u32 epr,
     // afdep_fused_layout L (by value, asserted equal to FusedLayout), u32 me, const u32* ctl (the
     // caller's live control block),
-    // u64 timeout_ns, u32* err), one block: reads the flags and counts rows of src_rank[s] (ns
+    // u64 timeout_ns, u32* err, u32 pre, u64 pre_off, u32 pre_code), one block: reads the
+    // dispatch flags (pre_off, MAX_WORLD flags in every workspace) and the count flags and counts rows of src_rank[s] (ns
     // entries, checked) in this rank's live workspace, writes its plan (2 epr ns + epr + ns + 2
     // u64, which the caller's geometry provides), row me of each source's offsets area (epr u64)
     // and one flag there; the caller guarantees a live peer table and ranks below world; err
@@ -246,6 +274,53 @@ pub enum CfMode {
         /// epilogue waits for them instead of the row flags).
         signal: bool,
     },
+    /// An Auto round's one launch for every arm: the mode of the arm the round takes (read from
+    /// the control block `r.ctl`, which must be the control block itself, not an arm gate):
+    /// [`CfMode::Source`], count-first as `Stream { gate, signal: false }`, payload-first as
+    /// `Stream { gate: false, signal: true }`.
+    Auto {
+        /// The count-first arm's payload gate.
+        gate: bool,
+    },
+}
+
+/// The kernel arguments `(mode, gate, sig_off)` of the row stores in `mode`
+/// (`fused_cf_dispatch.cu`'s `AFDEP_CF_*`, the dispatch flags or `AFDEP_CF_NO_SIGNAL`).
+pub(super) fn dispatch_mode(mode: CfMode) -> (u32, u32, u64) {
+    let (m, gate, signal) = match mode {
+        CfMode::Source => (0u32, 0u32, true),
+        CfMode::Stream { gate, signal } => (1, u32::from(gate), signal),
+        // the kernel drops the flags for the count-first arm
+        CfMode::Auto { gate } => (2, u32::from(gate), true),
+    };
+    let sig_off = if signal {
+        super::fused_layout::DISPATCH_FLAGS
+    } else {
+        NO_SIGNAL
+    };
+    (m, gate, sig_off)
+}
+
+/// The kernel arguments `(pre, pre_code)` of the plan's wait `pre` (`fused_counts.cu`'s
+/// `AFDEP_PLAN_PRE_*`).
+pub(super) fn plan_wait_args(pre: PlanWait) -> (u32, u32) {
+    match pre {
+        PlanWait::None => (0, 0),
+        PlanWait::Dispatch { code } => (1, code),
+        PlanWait::DispatchIfPayloadFirst { code } => (2, code),
+    }
+}
+
+/// The sources an FFN rank receives from: their ranks (at least `count`, in source order) and
+/// the FFN rank's local experts.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceRanks<'a> {
+    /// The attention ranks, in source order.
+    pub ranks: &'a CudaSlice<u32>,
+    /// Sources.
+    pub count: usize,
+    /// Local experts of the FFN rank.
+    pub experts_per_rank: usize,
 }
 
 /// The FFN ranks a source sends to: their ranks (at least `count`) and experts per rank.
@@ -301,15 +376,7 @@ pub unsafe fn dispatch(
     let nf = as_u32("ffns", ffns)?;
     let e = as_u32("experts per rank", epr)?;
     let me = as_u32("rank", r.me)?;
-    let (m, gate, signal) = match mode {
-        CfMode::Source => (0u32, 0u32, true),
-        CfMode::Stream { gate, signal } => (1, u32::from(gate), signal),
-    };
-    let sig_off = if signal {
-        super::fused_layout::DISPATCH_FLAGS
-    } else {
-        NO_SIGNAL
-    };
+    let (m, gate, sig_off) = dispatch_mode(mode);
     let id = match areas.payload_kind() {
         PayloadKind::Bf16 => KernelId::CfDispatch,
         PayloadKind::Fp8E4m3 => KernelId::CfDispatchFp8,
@@ -358,26 +425,35 @@ pub unsafe fn dispatch(
 /// after its [`plan`] on the same stream): expands each compact row into the expanded area as
 /// soon as its row flag holds the round of the control block at `r.ctl` (a timeout records
 /// [`fault::ROW_WAIT`] in `r.err`; nothing when the round is skipped), split into `units`.
+/// With `source_wait` `Some(code)` (an Auto round's one launch for every arm; `r.ctl` must be
+/// the control block itself), a round that takes the source arm (no rows to expand) instead
+/// waits for every source's dispatch flag, a timeout recorded as `code` (what a separate
+/// [`wait`] did).
 ///
 /// # Safety
 ///
 /// `r.ws` is a live workspace, `r.ctl` a live control block and `r.err` a live error word
 /// ([the launchers' contract](crate::ops::fused#safety-of-the-launchers)); the workspace has the
 /// layout `layout` (its slabs and count-first areas; fp8: 16-byte aligned), and its plan was
-/// written by this rank's [`plan`] earlier on the same stream; the first `sources` entries of
-/// `src_ranks` are below the world.
+/// written by this rank's [`plan`] earlier on the same stream; the first `srcs.count` entries of
+/// `srcs.ranks` are below the world.
 pub unsafe fn stream_epilogue(
     ctx: &GpuContext,
     r: &RankAddrs,
-    src_ranks: &CudaSlice<u32>,
-    sources: usize,
-    epr: usize,
+    srcs: &SourceRanks<'_>,
     layout: &FusedLayout,
     units: &WorkUnits,
+    source_wait: Option<u32>,
 ) -> Result<(), KernelError> {
+    let (src_ranks, sources, epr) = (srcs.ranks, srcs.count, srcs.experts_per_rank);
     if sources == 0 {
         return Ok(());
     }
+    let (by_arm, src_code) = match source_wait {
+        Some(code) => (1u32, code),
+        None => (0u32, 0u32),
+    };
+    let src_flag_off = super::fused_layout::DISPATCH_FLAGS;
     let top_k = layout.top_k as usize;
     let (slab, areas) = (&layout.slab(), layout);
     need("source ranks", src_ranks, sources)?;
@@ -400,7 +476,10 @@ pub unsafe fn stream_epilogue(
         .arg(&units.min_rows)
         .arg(&r.ctl)
         .arg(&r.timeout_ns)
-        .arg(&r.err);
+        .arg(&r.err)
+        .arg(&by_arm)
+        .arg(&src_flag_off)
+        .arg(&src_code);
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (units.blocks.max(1), 1, 1),
         block_dim: (BLOCK, 1, 1),
@@ -408,7 +487,9 @@ pub unsafe fn stream_epilogue(
     };
     // SAFETY: afdep_cf_stream_epilogue{,_fp8}(u8* ws, const u32* src_rank, u32 ns, u32 epr,
     // afdep_fused_layout L (by value: FusedLayout, asserted equal in layout/fused.cuh), u32
-    // warps_per_unit, u32 min_rows, const u32* ctl (the caller's live control block), u64 timeout_ns, u32* err)
+    // warps_per_unit, u32 min_rows, const u32* ctl (the caller's live control block), u64
+    // timeout_ns, u32* err, u32 by_arm, u64 src_flag_off, u32 src_code: with by_arm, in a
+    // source-arm round only the dispatch flags of src_rank[s] are read, MAX_WORLD in every workspace)
     // with K compiled in: reads the plan this rank's afdep_cf_plan wrote (stream order), the
     // row flags and slab rows of src_rank[s] (ns entries, checked; rows below the plan's slab
     // counts, < cap; row_bytes holds this payload and the metadata, checked) in this rank's
@@ -477,7 +558,11 @@ pub unsafe fn dequant(
 }
 
 /// Slab rows that hold the payload of `areas` and the metadata of top-k `top_k`.
-fn check_rows(slab: &SlabGeometry, areas: &FusedLayout, top_k: usize) -> Result<(), KernelError> {
+pub(super) fn check_rows(
+    slab: &SlabGeometry,
+    areas: &FusedLayout,
+    top_k: usize,
+) -> Result<(), KernelError> {
     let hidden = slab.hidden as usize;
     let payload = super::fused::slab_payload_bytes(areas.payload_kind(), hidden) as u64;
     if areas.meta_off < payload
@@ -537,8 +622,22 @@ mod tests {
 
     #[test]
     fn the_mode_constants_match_the_kernel() {
-        let text = include_str!("../../cuda/fused_cf_dispatch.cu");
+        let text = include_str!("../../cuda/phase/cf_dispatch.cuh");
         assert!(text.contains("#define AFDEP_CF_SOURCE 0u"));
         assert!(text.contains("#define AFDEP_CF_STREAM 1u"));
+        assert!(text.contains("#define AFDEP_CF_AUTO 2u"));
+        assert_eq!(dispatch_mode(CfMode::Auto { gate: true }).0, 2);
+        let plan = include_str!("../../cuda/phase/counts.cuh");
+        for (name, pre) in [
+            ("AFDEP_PLAN_PRE_NONE", PlanWait::None),
+            ("AFDEP_PLAN_PRE_ALWAYS", PlanWait::Dispatch { code: 1 }),
+            (
+                "AFDEP_PLAN_PRE_PAYLOAD_FIRST",
+                PlanWait::DispatchIfPayloadFirst { code: 1 },
+            ),
+        ] {
+            let want = format!("#define {name} {}u", plan_wait_args(pre).0);
+            assert!(plan.contains(&want), "{want}");
+        }
     }
 }

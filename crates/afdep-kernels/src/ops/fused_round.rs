@@ -466,7 +466,10 @@ mod tests {
         let text = include_str!("../../cuda/fused_round.cu");
         let def = |name: &str| -> usize { define_in(text, name).parse().unwrap() };
         assert_eq!(
-            define_in(text, "AFDEP_NO_SOURCE"),
+            define_in(
+                include_str!("../../cuda/phase/begin.cuh"),
+                "AFDEP_NO_SOURCE"
+            ),
             format!("{NO_SOURCE:#x}u")
         );
         assert_eq!(def("AFDEP_PAYLOAD_STATE_WORDS"), PAYLOAD_STATE_WORDS);

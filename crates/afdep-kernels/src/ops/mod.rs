@@ -11,6 +11,7 @@ pub mod fault;
 pub mod fp8;
 pub mod fused;
 pub mod fused_cf;
+pub mod fused_front;
 pub mod fused_layout;
 pub mod fused_round;
 pub mod gemm;

@@ -117,6 +117,7 @@ pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
         cf::fault::ROW_WAIT => Some("count-first streaming rows"),
         cf::fault::SOURCE_WAIT => Some("count-first source-arm dispatch"),
         afdep_kernels::ops::fused_round::FAULT_STATUS_WAIT => Some("device round status"),
+        afdep_kernels::ops::fused_front::FAULT_FRONT_WAIT => Some("device round front (in-grid)"),
         _ => None,
     }
 }
@@ -284,7 +285,17 @@ impl FusedEngine {
             // and `err` (this workspace's control block and error word) are live; every workspace
             // holds the areas `a` for `ns` sources and `epr` experts; `src_ranks` holds the `ns`
             // attention ranks.
-            unsafe { cf::plan(&self.gpu, &addrs, &self.src_ranks, ns, epr, &a) }?;
+            unsafe {
+                cf::plan(
+                    &self.gpu,
+                    &addrs,
+                    &self.src_ranks,
+                    ns,
+                    epr,
+                    &a,
+                    cf::PlanWait::None,
+                )
+            }?;
         }
 
         // 3. source: the rows
@@ -337,11 +348,14 @@ impl FusedEngine {
                     cf::stream_epilogue(
                         &self.gpu,
                         &addrs,
-                        &self.src_ranks,
-                        ns,
-                        epr,
+                        &cf::SourceRanks {
+                            ranks: &self.src_ranks,
+                            count: ns,
+                            experts_per_rank: epr,
+                        },
                         &a,
                         &super::work_units(&knobs),
+                        None,
                     )
                 }?;
             }

@@ -127,6 +127,7 @@ use afdep_core::{PayloadKind, RouteError, bf16};
 use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
 use afdep_kernels::ops::fused::{self as fk, RankAddrs};
 use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource, FfnRanks};
+use afdep_kernels::ops::fused_front::{self as ff, FrontStart};
 use afdep_kernels::ops::fused_layout::FusedLayout;
 use afdep_kernels::ops::fused_round::{
     self as fr, ARM_GATES, CTL_ARM, CTL_ROUTE, CTL_TOKENS, CTL_VERDICT, CTL_WORDS, DeviceRules,
@@ -624,6 +625,16 @@ impl FusedEngine {
     /// span, [`FusedEngine::set_round_timing`]).
     pub fn set_poison(&mut self, on: bool) {
         self.poison = on;
+    }
+
+    /// Whether device rounds launch one front kernel per rank (default on, or as the
+    /// environment variable `AFDEP_FUSED_FRONTS` says: `0`/`off` turns them off): a source's
+    /// start, counts and rows in one grid, an FFN rank's start, plan and epilogue in another
+    /// (`fused_front.cu`), instead of a launch per phase. Only for ranks that are a source or an
+    /// FFN rank but not both, and not in traced rounds (whose stamps sit between the phases'
+    /// launches). The results are the same bit for bit; graphs keep what they captured.
+    pub fn set_fronts(&mut self, on: bool) {
+        self.fronts = on;
     }
 
     /// Turns timing of device rounds on or off. With timing on, every device round (eager, or a
@@ -1261,6 +1272,7 @@ impl FusedEngine {
         let addrs = self.rank_addrs(timeout_ns);
         let ctl = addrs.ctl;
         let a = self.geo;
+        let fronts = self.fronts;
         let src_index = topo.attention_index(rank);
         let ffn_index = topo.ffn_index(rank);
         let d = self.device.as_mut().expect("checked by the caller");
@@ -1299,33 +1311,10 @@ impl FusedEngine {
                 trace::mark(&mut d.trace, gpu, TracePhase::PayloadCheck)?;
             }
         }
-        // 1. round, validation, verdict (every rank)
-        let source = match (src_index, d.src.as_ref()) {
-            (Some(s), Some(b)) => Some(RoundSource {
-                index: s,
-                idx: &b.idx,
-                weight: &b.w,
-                payload: b.payload.as_ref(),
-            }),
-            _ => None,
-        };
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` names this live
-        // workspace, its control block (`CONTROL`) and error word, and the live peer table of
-        // `world` ranks whose workspaces all have the layout `a` (the status area at `a.status`).
-        unsafe {
-            fr::begin(
-                gpu,
-                &addrs,
-                world,
-                source.as_ref(),
-                &rules,
-                &a,
-                &mut d.gates,
-            )
-        }?;
-        trace::mark(&mut d.trace, gpu, TracePhase::Begin)?;
-
-        // 2. source: counts on the device, published
+        // 1.-5. the round's start, counts, plan, rows and epilogue: one front kernel per rank
+        // (a rank that is a source or an FFN rank, not both; untraced), else a launch per phase
+        let traced = d.trace.as_ref().is_some_and(|t| t.on);
+        let use_fronts = fronts && !traced && (src_index.is_none() || ffn_index.is_none());
         let scratch = self.cf_scratch.as_ref();
         let cf_src = match (d.src.as_ref(), scratch) {
             (Some(b), Some(sc)) => Some(CfSource {
@@ -1339,28 +1328,6 @@ impl FusedEngine {
             }),
             _ => None,
         };
-        if let Some(src) = &cf_src {
-            let ffns = FfnRanks {
-                ranks: &self.ffn_ranks,
-                count: nf,
-                experts_per_rank: epr,
-            };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs.ctl` is the live
-            // control block, whose token count `afdep_round_begin` keeps at most the capacity
-            // `src` holds, `addrs.peers` the live peer table; `ffns` holds the `nf` FFN ranks;
-            // every workspace holds the count-first areas `a`.
-            unsafe { cf::counts(gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
-            trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
-        }
-        // 3. FFN (count-first): plan and offsets before the rows
-        if let (Some(_), Some(c)) = (ffn_index, gate(CF | SRC)) {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
-            // live, `c` is the control block or one of the live arm gates of `d.gates`
-            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
-            // attention ranks.
-            unsafe { cf::plan(gpu, &addrs.gated(c), &self.src_ranks, ns, epr, &a) }?;
-            trace::mark(&mut d.trace, gpu, TracePhase::Plan)?;
-        }
         let l = Launch {
             gpu,
             cfg,
@@ -1370,16 +1337,107 @@ impl FusedEngine {
             ffn_ranks: &self.ffn_ranks,
             round_arms,
             gates,
+            one_launch: arm == RoundArm::Auto,
+            planned: arm == RoundArm::Auto && src_index.is_none(),
         };
-        // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
-        if let Some(src) = &cf_src {
-            l.dispatch_rows(src)?;
-            trace::mark(&mut d.trace, gpu, TracePhase::Rows)?;
-        }
-        // 5. FFN: the epilogue
-        if ffn_index.is_some() {
-            l.epilogue()?;
-            trace::mark(&mut d.trace, gpu, TracePhase::Epilogue)?;
+        if use_fronts {
+            let source = match (src_index, d.src.as_ref()) {
+                (Some(s), Some(b)) => Some(RoundSource {
+                    index: s,
+                    idx: &b.idx,
+                    weight: &b.w,
+                    payload: b.payload.as_ref(),
+                }),
+                _ => None,
+            };
+            let start = FrontStart {
+                r: &addrs,
+                world,
+                rules: &rules,
+                gates: &mut d.gates,
+                layout: &a,
+            };
+            l.front(
+                start,
+                arm,
+                source.as_ref(),
+                cf_src.as_ref(),
+                ffn_index.is_some(),
+            )?;
+        } else {
+            // 1. round, validation, verdict (every rank)
+            let source = match (src_index, d.src.as_ref()) {
+                (Some(s), Some(b)) => Some(RoundSource {
+                    index: s,
+                    idx: &b.idx,
+                    weight: &b.w,
+                    payload: b.payload.as_ref(),
+                }),
+                _ => None,
+            };
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` names this live
+            // workspace, its control block (`CONTROL`) and error word, and the live peer table of
+            // `world` ranks whose workspaces all have the layout `a` (the status area at `a.status`).
+            unsafe {
+                fr::begin(
+                    gpu,
+                    &addrs,
+                    world,
+                    source.as_ref(),
+                    &rules,
+                    &a,
+                    &mut d.gates,
+                )
+            }?;
+            trace::mark(&mut d.trace, gpu, TracePhase::Begin)?;
+
+            // 2. source: counts on the device, published
+            if let Some(src) = &cf_src {
+                let ffns = FfnRanks {
+                    ranks: &self.ffn_ranks,
+                    count: nf,
+                    experts_per_rank: epr,
+                };
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs.ctl` is the live
+                // control block, whose token count `afdep_round_begin` keeps at most the capacity
+                // `src` holds, `addrs.peers` the live peer table; `ffns` holds the `nf` FFN ranks;
+                // every workspace holds the count-first areas `a`.
+                unsafe { cf::counts(gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
+                trace::mark(&mut d.trace, gpu, TracePhase::Counts)?;
+            }
+            // 3. FFN (count-first): plan and offsets before the rows. An Auto round on a rank that
+            // is not also a source: one plan launch for every arm, which in a payload-first round
+            // first waits for the rows' dispatch flags (a rank that is also a source raises its own
+            // dispatch flags only at step 4, so there the payload-first plan stays after it)
+            let one_launch = arm == RoundArm::Auto && src_index.is_none();
+            let plan_here = if one_launch {
+                let wait = cf::PlanWait::DispatchIfPayloadFirst {
+                    code: fk::fault::DISPATCH_WAIT,
+                };
+                ffn_index.map(|_| (ctl, wait))
+            } else {
+                ffn_index
+                    .and(gate(CF | SRC))
+                    .map(|c| (c, cf::PlanWait::None))
+            };
+            if let Some((c, wait)) = plan_here {
+                // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
+                // live, `c` is the control block or one of the live arm gates of `d.gates`
+                // (`arm_gate`; the control block itself for `DispatchIfPayloadFirst`); every
+                // workspace holds the areas `a`; `src_ranks` holds the `ns` attention ranks.
+                unsafe { cf::plan(gpu, &addrs.gated(c), &self.src_ranks, ns, epr, &a, wait) }?;
+                trace::mark(&mut d.trace, gpu, TracePhase::Plan)?;
+            }
+            // 4. source: the rows (one launch per arm the round may take), then the dispatch flags
+            if let Some(src) = &cf_src {
+                l.dispatch_rows(src)?;
+                trace::mark(&mut d.trace, gpu, TracePhase::Rows)?;
+            }
+            // 5. FFN: the epilogue
+            if ffn_index.is_some() {
+                l.epilogue()?;
+                trace::mark(&mut d.trace, gpu, TracePhase::Epilogue)?;
+            }
         }
         // 6. FFN: snapshot, experts, the combine's partial sums, combine flags
         if let (Some(f), Some(fb)) = (ffn_index, d.ffn.as_mut()) {
@@ -1471,6 +1529,22 @@ impl FusedEngine {
     }
 }
 
+/// The default of [`FusedEngine::set_fronts`]: on unless `AFDEP_FUSED_FRONTS` is `0` or `off`
+/// (read once; said in the log when off).
+pub(super) fn fronts_from_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let off = matches!(
+            std::env::var("AFDEP_FUSED_FRONTS").as_deref(),
+            Ok("0") | Ok("off")
+        );
+        if off {
+            tracing::info!("AFDEP_FUSED_FRONTS: device rounds launch a kernel per phase");
+        }
+        !off
+    })
+}
+
 /// The arm a device round took, from its control block `ctl` after the round (every rank the
 /// same, also in a rejected round); a code that names no arm without a recorded fault is an
 /// [`ExchangeError::Input`].
@@ -1530,6 +1604,13 @@ struct Launch<'a> {
     ffn_ranks: &'a CudaSlice<u32>,
     round_arms: u32,
     gates: u64,
+    /// An Auto round: one launch per phase for every arm where the kernels branch on the arm
+    /// the round takes (the source's rows, the FFN rank's partial sums), instead of one launch
+    /// per arm behind its gate.
+    one_launch: bool,
+    /// The FFN rank's plan ran for every arm at step 3 (an Auto round on an FFN-only rank):
+    /// the epilogue is one launch too.
+    planned: bool,
 }
 
 impl Launch<'_> {
@@ -1550,6 +1631,15 @@ impl Launch<'_> {
             count: nf,
             experts_per_rank: p.experts_per_rank,
         };
+        if self.one_launch {
+            let mode = CfMode::Auto {
+                gate: knobs.payload_gate,
+            };
+            // SAFETY: as below, with the control block itself (`self.r.ctl`), whose arm word
+            // `afdep_round_begin` wrote earlier on this stream.
+            unsafe { cf::dispatch(gpu, src, &ffns, &self.r, &self.a, mode, knobs.transport_sms) }?;
+            return Ok(());
+        }
         for row_arm in DispatchArm::ALL {
             let Some(c) = self.gate(arm_bit(row_arm)) else {
                 continue;
@@ -1574,6 +1664,101 @@ impl Launch<'_> {
             // aligned) and `MAX_WORLD` flags at `DISPATCH_FLAGS`; `ffns` holds the `nf` FFN
             // ranks; `src` holds what `cf::counts` wrote earlier on this stream.
             unsafe { cf::dispatch(gpu, src, &ffns, &r, &self.a, mode, knobs.transport_sms) }?;
+        }
+        Ok(())
+    }
+
+    /// The round's start to its rows as one front kernel ([`FusedEngine::set_fronts`]): a
+    /// source's (`source` and `src`: begin, counts, rows in the mode of `arm`) or an FFN
+    /// rank's (`ffn`: begin, plan with the payload-first wait, epilogue; then the source arm's
+    /// fp8 dequantisation behind its gate).
+    fn front(
+        &self,
+        start: FrontStart<'_>,
+        arm: RoundArm,
+        source: Option<&RoundSource<'_>>,
+        src: Option<&CfSource<'_>>,
+        ffn: bool,
+    ) -> Result<(), ExchangeError> {
+        use DispatchArm as A;
+        let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
+        let p = cfg.placement();
+        let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
+        if let (Some(source), Some(src)) = (source, src) {
+            let ffns = FfnRanks {
+                ranks: self.ffn_ranks,
+                count: p.ffn_ranks,
+                experts_per_rank: epr,
+            };
+            let gate = knobs.payload_gate;
+            let mode = match arm {
+                RoundArm::Auto => CfMode::Auto { gate },
+                RoundArm::Fixed(A::CountFirstSource) => CfMode::Source,
+                RoundArm::Fixed(A::CountFirst) => CfMode::Stream {
+                    gate,
+                    signal: false,
+                },
+                RoundArm::Fixed(A::PayloadFirst) => CfMode::Stream {
+                    gate: false,
+                    signal: true,
+                },
+            };
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `start.r` names this live
+            // workspace (layout `a`), its control block itself and error word, and the live peer
+            // table of the world, whose workspaces all have the layout `a`; `source` and `src`
+            // are this source's capacity-sized buffers (the control block's token count at
+            // most the capacity); `ffns` holds the FFN ranks.
+            unsafe { ff::source_front(gpu, start, source, src, &ffns, mode, knobs.transport_sms) }?;
+        } else if ffn {
+            let srcs = cf::SourceRanks {
+                ranks: self.src_ranks,
+                count: ns,
+                experts_per_rank: epr,
+            };
+            let dispatch_wait = fk::fault::DISPATCH_WAIT;
+            let (pre, source_wait) = match arm {
+                RoundArm::Auto => (
+                    cf::PlanWait::DispatchIfPayloadFirst {
+                        code: dispatch_wait,
+                    },
+                    Some(cf::fault::SOURCE_WAIT),
+                ),
+                RoundArm::Fixed(A::PayloadFirst) => (
+                    cf::PlanWait::Dispatch {
+                        code: dispatch_wait,
+                    },
+                    None,
+                ),
+                RoundArm::Fixed(A::CountFirst) => (cf::PlanWait::None, None),
+                RoundArm::Fixed(A::CountFirstSource) => {
+                    (cf::PlanWait::None, Some(cf::fault::SOURCE_WAIT))
+                }
+            };
+            // SAFETY: as above for this FFN rank; every workspace holds `MAX_WORLD` flags at
+            // `DISPATCH_FLAGS`; `srcs` holds the attention ranks.
+            unsafe {
+                ff::ffn_front(
+                    gpu,
+                    start,
+                    &srcs,
+                    pre,
+                    &super::work_units(&knobs),
+                    source_wait,
+                )
+            }?;
+            if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
+                // SAFETY: as the source arm's dequantisation of `Launch::epilogue`.
+                unsafe {
+                    cf::dequant(
+                        gpu,
+                        &self.r.gated(c),
+                        ns,
+                        epr,
+                        &self.a,
+                        knobs.epilogue_sm_cap,
+                    )
+                }?;
+            }
         }
         Ok(())
     }
@@ -1606,13 +1791,43 @@ impl Launch<'_> {
         let p = cfg.placement();
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
         let (a, addrs) = (&self.a, self.r);
+        if self.planned {
+            // an Auto round whose plan ran at step 3 for every arm: one epilogue launch (the
+            // source arm's wait for the dispatch flags, or the rows), then the source arm's fp8
+            // dequantisation behind its gate
+            // SAFETY: as below, with the control block itself (`addrs.ctl`), whose arm word
+            // `afdep_round_begin` wrote earlier on this stream; every workspace holds
+            // `MAX_WORLD` flags at `DISPATCH_FLAGS`.
+            unsafe {
+                cf::stream_epilogue(
+                    gpu,
+                    &addrs,
+                    &cf::SourceRanks {
+                        ranks: self.src_ranks,
+                        count: ns,
+                        experts_per_rank: epr,
+                    },
+                    a,
+                    &super::work_units(&knobs),
+                    Some(cf::fault::SOURCE_WAIT),
+                )
+            }?;
+            if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
+                // SAFETY: as the source arm's dequantisation below.
+                unsafe { cf::dequant(gpu, &addrs.gated(c), ns, epr, a, knobs.epilogue_sm_cap) }?;
+            }
+            return Ok(());
+        }
         if let Some(c) = self.gate(PF) {
-            self.wait_sources(c, fk::fault::DISPATCH_WAIT)?;
+            // the wait for the dispatch flags is the plan's first step
+            let wait = cf::PlanWait::Dispatch {
+                code: fk::fault::DISPATCH_WAIT,
+            };
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws`, `peers` and `err` are
             // live, `c` is the control block or one of the live arm gates of `d.gates`
-            // (`arm_gate`); every workspace holds the areas `a`; `src_ranks` holds the `ns`
-            // attention ranks.
-            unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a) }?;
+            // (`arm_gate`); every workspace holds the areas `a` and `MAX_WORLD` flags at
+            // `DISPATCH_FLAGS`; `src_ranks` holds the `ns` attention ranks.
+            unsafe { cf::plan(gpu, &addrs.gated(c), self.src_ranks, ns, epr, a, wait) }?;
         }
         if let Some(c) = self.gate(SRC) {
             self.wait_sources(c, cf::fault::SOURCE_WAIT)?;
@@ -1633,11 +1848,14 @@ impl Launch<'_> {
                 cf::stream_epilogue(
                     gpu,
                     &addrs.gated(c),
-                    self.src_ranks,
-                    ns,
-                    epr,
+                    &cf::SourceRanks {
+                        ranks: self.src_ranks,
+                        count: ns,
+                        experts_per_rank: epr,
+                    },
                     a,
                     &super::work_units(&knobs),
+                    None,
                 )
             }?;
         }
@@ -1701,8 +1919,18 @@ impl Launch<'_> {
         // rows): one launch per kind, each gated to its arms
         let plan = ws + a.plan;
         let eps = (epr * ns) as u64;
-        for (arms, block_starts) in [(PF | CF, Some(plan + 8 * eps)), (SRC, None)] {
-            let Some(c) = self.gate(arms) else {
+        let relative = fk::BlockStarts::Relative(plan + 8 * eps);
+        let launches: Vec<(Option<u64>, fk::BlockStarts)> = if self.one_launch {
+            // one launch for every arm, the rows' meaning read from the control block itself
+            vec![(Some(self.r.ctl), fk::BlockStarts::ByArm(plan + 8 * eps))]
+        } else {
+            vec![
+                (self.gate(PF | CF), relative),
+                (self.gate(SRC), fk::BlockStarts::Final),
+            ]
+        };
+        for (c, block_starts) in launches {
+            let Some(c) = c else {
                 continue;
             };
             let view = fk::CompactView {
