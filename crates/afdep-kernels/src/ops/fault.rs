@@ -382,14 +382,20 @@ mod tests {
         out
     }
 
-    /// Every skip point prefixes a bounded wait (`afdep_wait_ge`) and nothing else that stores:
-    /// the statement it skips holds the wait, and its only stores are the wait's own
-    /// bookkeeping (the block's `ok` flag and the fault record of a wait that ran out).
+    /// Every skip point prefixes a bounded wait (`afdep_wait_ge`, or `afdep_wait_flags`, its
+    /// loop over a set of flags) and nothing else that stores: the statement it skips holds the
+    /// wait, and its only stores are the wait's own bookkeeping (the block's `ok` flag and the
+    /// fault record of a wait that ran out). Each source and each `phase/` header once.
     #[test]
     fn every_skip_point_skips_only_a_wait() {
         let mut seen = 0;
-        for file in SourceFile::ALL {
-            let text = with_phase_headers(file.text());
+        let texts = SourceFile::ALL.iter().map(|f| (f.name(), f.text())).chain(
+            crate::sources::HEADERS
+                .iter()
+                .filter(|(n, _)| n.starts_with("phase/"))
+                .copied(),
+        );
+        for (name, text) in texts {
             let lines: Vec<&str> = text.lines().collect();
             for (i, l) in lines.iter().enumerate() {
                 if !l.trim_start().starts_with("AFDEP_FAULT_SKIP(") {
@@ -398,9 +404,8 @@ mod tests {
                 seen += 1;
                 let st = statement_after(&lines, i);
                 assert!(
-                    st.contains("afdep_wait_ge("),
-                    "{}:{}: the statement after the skip point holds no wait:\n{st}",
-                    file.name(),
+                    st.contains("afdep_wait_ge(") || st.contains("afdep_wait_flags("),
+                    "{name}:{}: the statement after the skip point holds no wait:\n{st}",
                     i + 1
                 );
                 for s in st.lines() {
@@ -414,16 +419,17 @@ mod tests {
                     let stores = t.contains(" = ") && !local;
                     assert!(
                         !stores || t.starts_with("ok = "),
-                        "{}:{}: the skipped statement stores more than its wait's flag: {t}",
-                        file.name(),
+                        "{name}:{}: the skipped statement stores more than its wait's flag: {t}",
                         i + 1
                     );
                 }
             }
         }
-        // one per skip point and wait: cf_dispatch, the stream epilogue, the copy epilogues'
-        // shared wait (afdep_fused_wait_sources), cf_wait, the combine
-        assert_eq!(seen, 5);
+        // one per skip point and wait: the rows' offsets wait (phase/cf_dispatch.cuh), the
+        // stream epilogue's row wait and its source-arm wait (phase/stream_epilogue.cuh), the
+        // plan's payload-first wait (phase/counts.cuh), the copy epilogues' shared wait
+        // (afdep_fused_wait_sources), cf_wait, the combine
+        assert_eq!(seen, 7);
     }
 
     #[test]
@@ -449,7 +455,11 @@ mod tests {
         );
         assert_eq!(
             Fault::SkipOffsetWait.files().collect::<Vec<_>>(),
-            [SourceFile::FusedCounts, SourceFile::FusedCfDispatch]
+            [
+                SourceFile::FusedCounts,
+                SourceFile::FusedCfDispatch,
+                SourceFile::FusedFront
+            ]
         );
     }
 
