@@ -47,11 +47,6 @@
         const u32 *__restrict__ ffn_rank, u32 nf, u32 epr, const u64 *__restrict__ peers,        \
         const u8 *ws, const afdep_fused_layout L, u32 me, u32 mode, u32 gate, u64 timeout_ns,    \
         u32 *err, u64 sig_off
-#define AFDEP_CF_DISPATCH_ARGS                                                                    \
-    x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, L.offsets, L.offset_flags,  \
-        L.slab_off, L.cap, L.row_bytes, L.meta_off, L.expanded, L.exp_q, L.exp_scales,           \
-        L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err, sig_off
-
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_cf_dispatch(AFDEP_CF_DISPATCH_PARAMS) {

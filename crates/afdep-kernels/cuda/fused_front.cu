@@ -110,11 +110,7 @@ static __device__ __forceinline__ void afdep_source_front_grid(
             afdep_front_raise(ctl, AFDEP_CTL_FRONT_READY);
         }
         if (afdep_front_wait(ctl, AFDEP_CTL_FRONT_READY, bound, err, me)) {
-            afdep_cf_dispatch_rows<PAYLOAD>(
-                x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, L.offsets,
-                L.offset_flags, L.slab_off, L.cap, L.row_bytes, L.meta_off, L.expanded, L.exp_q,
-                L.exp_scales, L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err,
-                sig_off);
+            afdep_cf_dispatch_rows<PAYLOAD>(AFDEP_CF_DISPATCH_ARGS);
         }
     }
     afdep_front_exit(ctl);
@@ -159,10 +155,7 @@ static __device__ __forceinline__ void afdep_ffn_front_grid(
     }
     const u64 bound = afdep_front_bound(timeout_ns, world);
     if (afdep_front_wait(ctl, AFDEP_CTL_FRONT_BEGUN, bound, err, me)) {
-        afdep_cf_stream_rows<PAYLOAD>(
-            ws, src_rank, ns, epr, L.plan, L.row_flags, L.slab_off, L.cap, L.row_bytes,
-            L.meta_off, L.expanded, L.exp_q, L.exp_scales, L.exp_rows, L.hidden, warps_per_unit,
-            min_rows, ctl, timeout_ns, err, by_arm, src_flag_off, src_code);
+        afdep_cf_stream_rows<PAYLOAD>(AFDEP_CF_STREAM_ARGS);
     }
     afdep_front_exit(ctl);
 }

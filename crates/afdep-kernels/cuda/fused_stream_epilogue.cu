@@ -32,11 +32,6 @@
     u8 *ws, const u32 *__restrict__ src_rank, u32 ns, u32 epr, const afdep_fused_layout L,       \
         u32 warps_per_unit, u32 min_rows, const u32 *ctl, u64 timeout_ns, u32 *err, u32 by_arm, \
         u64 src_flag_off, u32 src_code
-#define AFDEP_CF_STREAM_ARGS                                                                      \
-    ws, src_rank, ns, epr, L.plan, L.row_flags, L.slab_off, L.cap, L.row_bytes, L.meta_off,      \
-        L.expanded, L.exp_q, L.exp_scales, L.exp_rows, L.hidden, warps_per_unit, min_rows, ctl,  \
-        timeout_ns, err, by_arm, src_flag_off, src_code
-
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_stream_epilogue(AFDEP_CF_STREAM_PARAMS) {

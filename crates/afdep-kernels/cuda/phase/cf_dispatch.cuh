@@ -146,3 +146,9 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     }
 }
 
+// The arguments of afdep_cf_dispatch_rows from a caller whose names are its parameters' and
+// whose layout is `L` (afdep_fused_layout).
+#define AFDEP_CF_DISPATCH_ARGS                                                                    \
+    x, idx, w, ctl, slot_pos, tok_row, ffn_rank, nf, epr, peers, ws, L.offsets, L.offset_flags,  \
+        L.slab_off, L.cap, L.row_bytes, L.meta_off, L.expanded, L.exp_q, L.exp_scales,           \
+        L.exp_rows, L.row_flags, L.hidden, me, mode, gate, timeout_ns, err, sig_off

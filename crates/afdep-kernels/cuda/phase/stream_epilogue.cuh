@@ -124,3 +124,9 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
     }
 }
 
+// The arguments of afdep_cf_stream_rows from a caller whose names are its parameters' and
+// whose layout is `L` (afdep_fused_layout).
+#define AFDEP_CF_STREAM_ARGS                                                                      \
+    ws, src_rank, ns, epr, L.plan, L.row_flags, L.slab_off, L.cap, L.row_bytes, L.meta_off,      \
+        L.expanded, L.exp_q, L.exp_scales, L.exp_rows, L.hidden, warps_per_unit, min_rows, ctl,  \
+        timeout_ns, err, by_arm, src_flag_off, src_code

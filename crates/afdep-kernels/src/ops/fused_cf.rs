@@ -480,11 +480,7 @@ pub unsafe fn stream_epilogue(
         .arg(&by_arm)
         .arg(&src_flag_off)
         .arg(&src_code);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (units.blocks.max(1), 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = units.launch_config();
     // SAFETY: afdep_cf_stream_epilogue{,_fp8}(u8* ws, const u32* src_rank, u32 ns, u32 epr,
     // afdep_fused_layout L (by value: FusedLayout, asserted equal in layout/fused.cuh), u32
     // warps_per_unit, u32 min_rows, const u32* ctl (the caller's live control block), u64
@@ -510,6 +506,18 @@ pub struct WorkUnits {
     pub min_rows: u32,
     /// Most blocks (the SM budget).
     pub blocks: u32,
+}
+
+impl WorkUnits {
+    /// The grid of an epilogue over these units: `blocks` (at least one) blocks of
+    /// [`BLOCK`] threads, no dynamic shared memory.
+    pub fn launch_config(&self) -> cudarc::driver::LaunchConfig {
+        cudarc::driver::LaunchConfig {
+            grid_dim: (self.blocks.max(1), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
 }
 
 /// The source arm's fp8 dequantisation (`afdep_cf_dequant`) on this FFN rank (workspace

@@ -22,7 +22,7 @@ use super::fused_round::{ARM_GATES, CTL_WORDS, DeviceRules, RoundSource};
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
-use crate::sources::{BLOCK, KernelId};
+use crate::sources::KernelId;
 use afdep_core::PayloadKind;
 
 /// A front's block waited for its own grid longer than the phases before could take
@@ -53,8 +53,42 @@ pub struct FrontStart<'a> {
     pub layout: &'a FusedLayout,
 }
 
-/// Checks the start's sizes; returns `(world, me)` as `u32`.
-fn start_args(s: &FrontStart<'_>) -> Result<(u32, u32), KernelError> {
+/// Pushes the parameters both fronts start with (`AFDEP_FRONT_BEGIN_PARAMS` of
+/// `fused_front.cu`: the workspace, control block and peer table, `[world, me]`, the layout, the
+/// route rules, the timeout and error word, the bucket and the arm gates).
+fn push_start<'a>(
+    b: &mut cudarc::driver::LaunchArgs<'a>,
+    r: &'a RankAddrs,
+    wm: &'a [u32; 2],
+    layout: &'a FusedLayout,
+    rules: &'a DeviceRules,
+    gates: &'a mut CudaSlice<u32>,
+) {
+    b.arg(&r.ws)
+        .arg(&r.ctl)
+        .arg(&r.peers)
+        .arg(&wm[0])
+        .arg(&wm[1])
+        .arg(layout)
+        .arg(&rules.experts)
+        .arg(&rules.owned)
+        .arg(&r.timeout_ns)
+        .arg(&r.err)
+        .arg(&rules.bucket)
+        .arg(gates);
+}
+
+/// A [`FrontStart`] checked: its parts, with `[world, me]` as `u32`.
+struct Started<'a> {
+    r: &'a RankAddrs,
+    rules: &'a DeviceRules,
+    gates: &'a mut CudaSlice<u32>,
+    layout: &'a FusedLayout,
+    wm: [u32; 2],
+}
+
+/// Checks the start's sizes (the gates, a world of at most 64).
+fn start(s: FrontStart<'_>) -> Result<Started<'_>, KernelError> {
     need("arm gates", s.gates, ARM_GATES * CTL_WORDS)?;
     if s.world > 64 {
         return Err(KernelError::Shape(format!(
@@ -62,7 +96,14 @@ fn start_args(s: &FrontStart<'_>) -> Result<(u32, u32), KernelError> {
             s.world
         )));
     }
-    Ok((as_u32("world", s.world)?, as_u32("rank", s.r.me)?))
+    let wm = [as_u32("world", s.world)?, as_u32("rank", s.r.me)?];
+    Ok(Started {
+        r: s.r,
+        rules: s.rules,
+        gates: s.gates,
+        layout: s.layout,
+        wm,
+    })
 }
 
 /// A source's front (`afdep_source_front`): the round's start with this source's routes
@@ -90,14 +131,13 @@ pub unsafe fn source_front(
     mode: CfMode,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    let (world, me) = start_args(&s)?;
-    let FrontStart {
+    let Started {
         r,
         rules,
         gates,
         layout,
-        ..
-    } = s;
+        wm,
+    } = start(s)?;
     let top_k = layout.top_k as usize;
     let (nf_us, epr) = (ffns.count, ffns.experts_per_rank);
     let hidden = layout.hidden as usize;
@@ -133,19 +173,8 @@ pub unsafe fn source_front(
     let f = fused_function(ctx, id, as_u32("top_k", top_k)?)?;
     let null = 0u64;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&r.ws)
-        .arg(&r.ctl)
-        .arg(&r.peers)
-        .arg(&world)
-        .arg(&me)
-        .arg(layout)
-        .arg(&rules.experts)
-        .arg(&rules.owned)
-        .arg(&r.timeout_ns)
-        .arg(&r.err)
-        .arg(&rules.bucket)
-        .arg(gates)
-        .arg(&src_index)
+    push_start(&mut b, r, &wm, layout, rules, gates);
+    b.arg(&src_index)
         .arg(src.x)
         .arg(source.idx)
         .arg(source.weight);
@@ -200,14 +229,13 @@ pub unsafe fn ffn_front(
     units: &WorkUnits,
     source_wait: Option<u32>,
 ) -> Result<(), KernelError> {
-    let (world, me) = start_args(&s)?;
-    let FrontStart {
+    let Started {
         r,
         rules,
         gates,
         layout,
-        ..
-    } = s;
+        wm,
+    } = start(s)?;
     let top_k = layout.top_k as usize;
     need("source ranks", srcs.ranks, srcs.count)?;
     super::fused_cf::check_rows(&layout.slab(), layout, top_k)?;
@@ -225,19 +253,8 @@ pub unsafe fn ffn_front(
     };
     let f = fused_function(ctx, id, as_u32("top_k", top_k)?)?;
     let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&r.ws)
-        .arg(&r.ctl)
-        .arg(&r.peers)
-        .arg(&world)
-        .arg(&me)
-        .arg(layout)
-        .arg(&rules.experts)
-        .arg(&rules.owned)
-        .arg(&r.timeout_ns)
-        .arg(&r.err)
-        .arg(&rules.bucket)
-        .arg(gates)
-        .arg(srcs.ranks)
+    push_start(&mut b, r, &wm, layout, rules, gates);
+    b.arg(srcs.ranks)
         .arg(&ns)
         .arg(&e)
         .arg(&pre_mode)
@@ -248,11 +265,7 @@ pub unsafe fn ffn_front(
         .arg(&by_arm)
         .arg(&flags)
         .arg(&src_code);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (units.blocks.max(1), 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = units.launch_config();
     // SAFETY: afdep_ffn_front{,_fp8}(u8* ws, u32* ctl, const u64* peers, u32 world, u32 me,
     // afdep_fused_layout L (by value, asserted equal to FusedLayout), u64 experts, u64 owned,
     // u64 timeout_ns, u32* err, u64 bucket, u32* gates, const u32* src_rank, u32 ns, u32 epr,

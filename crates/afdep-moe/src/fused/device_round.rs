@@ -1340,16 +1340,16 @@ impl FusedEngine {
             one_launch: arm == RoundArm::Auto,
             planned: arm == RoundArm::Auto && src_index.is_none(),
         };
+        let source = match (src_index, d.src.as_ref()) {
+            (Some(s), Some(b)) => Some(RoundSource {
+                index: s,
+                idx: &b.idx,
+                weight: &b.w,
+                payload: b.payload.as_ref(),
+            }),
+            _ => None,
+        };
         if use_fronts {
-            let source = match (src_index, d.src.as_ref()) {
-                (Some(s), Some(b)) => Some(RoundSource {
-                    index: s,
-                    idx: &b.idx,
-                    weight: &b.w,
-                    payload: b.payload.as_ref(),
-                }),
-                _ => None,
-            };
             let start = FrontStart {
                 r: &addrs,
                 world,
@@ -1366,15 +1366,6 @@ impl FusedEngine {
             )?;
         } else {
             // 1. round, validation, verdict (every rank)
-            let source = match (src_index, d.src.as_ref()) {
-                (Some(s), Some(b)) => Some(RoundSource {
-                    index: s,
-                    idx: &b.idx,
-                    weight: &b.w,
-                    payload: b.payload.as_ref(),
-                }),
-                _ => None,
-            };
             // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` names this live
             // workspace, its control block (`CONTROL`) and error word, and the live peer table of
             // `world` ranks whose workspaces all have the layout `a` (the status area at `a.status`).
