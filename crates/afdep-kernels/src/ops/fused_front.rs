@@ -56,26 +56,19 @@ pub struct FrontStart<'a> {
 /// Pushes the parameters both fronts start with (`AFDEP_FRONT_BEGIN_PARAMS` of
 /// `fused_front.cu`: the workspace, control block and peer table, `[world, me]`, the layout, the
 /// route rules, the timeout and error word, the bucket and the arm gates).
-fn push_start<'a>(
-    b: &mut cudarc::driver::LaunchArgs<'a>,
-    r: &'a RankAddrs,
-    wm: &'a [u32; 2],
-    layout: &'a FusedLayout,
-    rules: &'a DeviceRules,
-    gates: &'a mut CudaSlice<u32>,
-) {
-    b.arg(&r.ws)
-        .arg(&r.ctl)
-        .arg(&r.peers)
-        .arg(&wm[0])
-        .arg(&wm[1])
-        .arg(layout)
-        .arg(&rules.experts)
-        .arg(&rules.owned)
-        .arg(&r.timeout_ns)
-        .arg(&r.err)
-        .arg(&rules.bucket)
-        .arg(gates);
+fn push_start<'a>(b: &mut cudarc::driver::LaunchArgs<'a>, st: &'a Started<'a>) {
+    b.arg(&st.r.ws)
+        .arg(&st.r.ctl)
+        .arg(&st.r.peers)
+        .arg(&st.wm[0])
+        .arg(&st.wm[1])
+        .arg(st.layout)
+        .arg(&st.rules.experts)
+        .arg(&st.rules.owned)
+        .arg(&st.r.timeout_ns)
+        .arg(&st.r.err)
+        .arg(&st.rules.bucket)
+        .arg(&*st.gates);
 }
 
 /// A [`FrontStart`] checked: its parts, with `[world, me]` as `u32`.
@@ -131,14 +124,8 @@ pub unsafe fn source_front(
     mode: CfMode,
     blocks: u32,
 ) -> Result<(), KernelError> {
-    let Started {
-        r,
-        rules,
-        gates,
-        layout,
-        wm,
-    } = start(s)?;
-    let top_k = layout.top_k as usize;
+    let st = start(s)?;
+    let (layout, top_k) = (st.layout, st.layout.top_k as usize);
     let (nf_us, epr) = (ffns.count, ffns.experts_per_rank);
     let hidden = layout.hidden as usize;
     let cap = layout.cap as usize;
@@ -173,7 +160,7 @@ pub unsafe fn source_front(
     let f = fused_function(ctx, id, as_u32("top_k", top_k)?)?;
     let null = 0u64;
     let mut b = ctx.stream().launch_builder(&f);
-    push_start(&mut b, r, &wm, layout, rules, gates);
+    push_start(&mut b, &st);
     b.arg(&src_index)
         .arg(src.x)
         .arg(source.idx)
@@ -229,14 +216,8 @@ pub unsafe fn ffn_front(
     units: &WorkUnits,
     source_wait: Option<u32>,
 ) -> Result<(), KernelError> {
-    let Started {
-        r,
-        rules,
-        gates,
-        layout,
-        wm,
-    } = start(s)?;
-    let top_k = layout.top_k as usize;
+    let st = start(s)?;
+    let (layout, top_k) = (st.layout, st.layout.top_k as usize);
     need("source ranks", srcs.ranks, srcs.count)?;
     super::fused_cf::check_rows(&layout.slab(), layout, top_k)?;
     let ns = as_u32("sources", srcs.count)?;
@@ -253,7 +234,7 @@ pub unsafe fn ffn_front(
     };
     let f = fused_function(ctx, id, as_u32("top_k", top_k)?)?;
     let mut b = ctx.stream().launch_builder(&f);
-    push_start(&mut b, r, &wm, layout, rules, gates);
+    push_start(&mut b, &st);
     b.arg(srcs.ranks)
         .arg(&ns)
         .arg(&e)

@@ -136,28 +136,24 @@ impl RouteValidator {
         let word = ctx.function(KernelId::ValidateWord, 0, k)?;
         let cfg = grid(t.div_ceil(u64::from(BLOCK)).clamp(1, MAX_SCAN_BLOCKS))?;
         let stream = ctx.stream();
+        // both kernels start with (idx, w, state, tokens, experts, owned, capacity)
+        let scalars = [t, e, o, c];
         let mut b = stream.launch_builder(&scan);
-        b.arg(idx)
-            .arg(weights)
-            .arg(&mut self.state)
-            .arg(&t)
-            .arg(&e)
-            .arg(&o)
-            .arg(&c);
+        b.arg(idx).arg(weights).arg(&mut self.state);
+        for v in &scalars {
+            b.arg(v);
+        }
         // SAFETY: afdep_validate_scan(const i32* idx, const float* w, u32* state, u64 tokens,
         // u64 experts, u64 owned, u64 capacity) with K = top_k compiled in. idx and weights
         // hold tokens × K elements (checked above); state holds STATE_WORDS u32, allocated
         // with 256-byte alignment, so its 64-bit key at word 6 is aligned.
         unsafe { b.launch(cfg) }.map_err(launch_err(KernelId::ValidateRoutes))?;
         let mut b = stream.launch_builder(&word);
-        b.arg(idx)
-            .arg(weights)
-            .arg(&mut self.state)
-            .arg(&t)
-            .arg(&e)
-            .arg(&o)
-            .arg(&c)
-            .arg(&rank32);
+        b.arg(idx).arg(weights).arg(&mut self.state);
+        for v in &scalars {
+            b.arg(v);
+        }
+        b.arg(&rank32);
         let null: u64 = 0;
         match logits {
             Some(l) => b.arg(l),
