@@ -10,8 +10,8 @@
 //! sleeping thread costs tens of µs and wakes the ranks one after another, so without the spin
 //! the ranks leave a barrier tens of µs apart (the skew a benchmark of GPU rounds started after
 //! a barrier would measure as round time). The spin is on only when the machine has a core for
-//! every rank of the group and one more ([`Loopback::group`]); with fewer cores a spinning rank would take
-//! the core the rank it waits for needs.
+//! every rank of the group and one more ([`Loopback::group`]; `AFDEP_LOOPBACK_SPIN` sets it in
+//! µs); with fewer cores a spinning rank would take the core the rank it waits for needs.
 //!
 //! # Operation numbers
 //!
@@ -78,6 +78,22 @@ pub struct Loopback {
 
 /// How long a waiting rank spins before it sleeps ([module docs](self#waiting)).
 pub const SPIN: Duration = Duration::from_micros(200);
+
+/// `AFDEP_LOOPBACK_SPIN` (µs), read once; a value that is not a number is warned about and
+/// ignored.
+fn spin_from_env() -> Option<Duration> {
+    static SPIN_ENV: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *SPIN_ENV.get_or_init(|| {
+        let v = std::env::var("AFDEP_LOOPBACK_SPIN").ok()?;
+        match v.trim().parse::<u64>() {
+            Ok(us) => Some(Duration::from_micros(us)),
+            Err(_) => {
+                tracing::warn!(value = %v, "AFDEP_LOOPBACK_SPIN is not a number of µs: ignored");
+                None
+            }
+        }
+    })
+}
 
 struct Hub {
     world: usize,
@@ -156,13 +172,16 @@ impl Loopback {
     ///
     /// Waiting ranks spin for [`SPIN`] before they sleep when the machine has more cores than
     /// `world_size` ([module docs](self#waiting)).
+    ///
+    /// The environment variable `AFDEP_LOOPBACK_SPIN` overrides the spin: a number of µs (`0`:
+    /// sleep at once), whatever the cores.
     pub fn group(world_size: usize, timeout: Duration) -> Vec<Loopback> {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let spin = if cores > world_size {
+        let spin = spin_from_env().unwrap_or(if cores > world_size {
             SPIN
         } else {
             Duration::ZERO
-        };
+        });
         Loopback::group_spinning(world_size, timeout, spin)
     }
 
