@@ -1520,6 +1520,25 @@ impl FusedEngine {
     }
 }
 
+/// The mode of a source's row stores in a round of `arm` (`payload_gate`: the count-first
+/// arm's wait for the offsets): the source and payload-first arms' dispatch flags are raised
+/// by the kernel's last block, the streaming arm's rows carry flags of their own; an Auto round
+/// branches on the device.
+fn rows_mode(arm: RoundArm, payload_gate: bool) -> CfMode {
+    match arm {
+        RoundArm::Auto => CfMode::Auto { gate: payload_gate },
+        RoundArm::Fixed(DispatchArm::CountFirstSource) => CfMode::Source,
+        RoundArm::Fixed(DispatchArm::CountFirst) => CfMode::Stream {
+            gate: payload_gate,
+            signal: false,
+        },
+        RoundArm::Fixed(DispatchArm::PayloadFirst) => CfMode::Stream {
+            gate: false,
+            signal: true,
+        },
+    }
+}
+
 /// The default of [`FusedEngine::set_fronts`]: on unless `AFDEP_FUSED_FRONTS` is `0` or `off`
 /// (read once; said in the log when off).
 pub(super) fn fronts_from_env() -> bool {
@@ -1613,7 +1632,6 @@ impl Launch<'_> {
     /// Source: the rows (one launch per arm the round may take; the payload-first and source
     /// arms' kernels then raise the dispatch flags).
     fn dispatch_rows(&self, src: &CfSource<'_>) -> Result<(), ExchangeError> {
-        use DispatchArm as A;
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
         let nf = p.ffn_ranks;
@@ -1623,9 +1641,7 @@ impl Launch<'_> {
             experts_per_rank: p.experts_per_rank,
         };
         if self.one_launch {
-            let mode = CfMode::Auto {
-                gate: knobs.payload_gate,
-            };
+            let mode = rows_mode(RoundArm::Auto, knobs.payload_gate);
             // SAFETY: as below, with the control block itself (`self.r.ctl`), whose arm word
             // `afdep_round_begin` wrote earlier on this stream.
             unsafe { cf::dispatch(gpu, src, &ffns, &self.r, &self.a, mode, knobs.transport_sms) }?;
@@ -1635,19 +1651,7 @@ impl Launch<'_> {
             let Some(c) = self.gate(arm_bit(row_arm)) else {
                 continue;
             };
-            // the source and payload-first arms' dispatch flags: raised by the kernel's last
-            // block (the streaming arm's rows carry flags of their own)
-            let mode = match row_arm {
-                A::CountFirstSource => CfMode::Source,
-                A::CountFirst => CfMode::Stream {
-                    gate: knobs.payload_gate,
-                    signal: false,
-                },
-                A::PayloadFirst => CfMode::Stream {
-                    gate: false,
-                    signal: true,
-                },
-            };
+            let mode = rows_mode(RoundArm::Fixed(row_arm), knobs.payload_gate);
             let r = self.r.gated(c);
             // SAFETY: the engine's launch invariant (`FusedEngine`): `r`'s workspace, peer table
             // and error word are live, `c` is the control block or one of the live arm gates of
@@ -1681,19 +1685,7 @@ impl Launch<'_> {
                 count: p.ffn_ranks,
                 experts_per_rank: epr,
             };
-            let gate = knobs.payload_gate;
-            let mode = match arm {
-                RoundArm::Auto => CfMode::Auto { gate },
-                RoundArm::Fixed(A::CountFirstSource) => CfMode::Source,
-                RoundArm::Fixed(A::CountFirst) => CfMode::Stream {
-                    gate,
-                    signal: false,
-                },
-                RoundArm::Fixed(A::PayloadFirst) => CfMode::Stream {
-                    gate: false,
-                    signal: true,
-                },
-            };
+            let mode = rows_mode(arm, knobs.payload_gate);
             // SAFETY: the engine's launch invariant (`FusedEngine`): `start.r` names this live
             // workspace (layout `a`), its control block itself and error word, and the live peer
             // table of the world, whose workspaces all have the layout `a`; `source` and `src`
@@ -1737,19 +1729,34 @@ impl Launch<'_> {
                     source_wait,
                 )
             }?;
-            if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
-                // SAFETY: as the source arm's dequantisation of `Launch::epilogue`.
-                unsafe {
-                    cf::dequant(
-                        gpu,
-                        &self.r.gated(c),
-                        ns,
-                        epr,
-                        &self.a,
-                        knobs.epilogue_sm_cap,
-                    )
-                }?;
-            }
+            self.source_arm_dequant()?;
+        }
+        Ok(())
+    }
+
+    /// FFN, fp8 payloads: the source arm's dequantisation behind its gate (after the wait for
+    /// the dispatch flags, earlier on this stream); nothing for bf16 or a round without it.
+    fn source_arm_dequant(&self) -> Result<(), ExchangeError> {
+        let (cfg, knobs) = (self.cfg, self.cfg.knobs);
+        if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
+            let (ns, epr) = (
+                cfg.topology.attention_count(),
+                cfg.placement().experts_per_rank,
+            );
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` is live, `c` is the
+            // control block or one of the live arm gates of `d.gates` (`arm_gate`); the
+            // workspace holds the fp8 areas `a`, whose plan this rank's `cf::plan` wrote earlier
+            // on this stream.
+            unsafe {
+                cf::dequant(
+                    self.gpu,
+                    &self.r.gated(c),
+                    ns,
+                    epr,
+                    &self.a,
+                    knobs.epilogue_sm_cap,
+                )
+            }?;
         }
         Ok(())
     }
@@ -1803,10 +1810,7 @@ impl Launch<'_> {
                     Some(cf::fault::SOURCE_WAIT),
                 )
             }?;
-            if let (Some(c), PayloadKind::Fp8E4m3) = (self.gate(SRC), cfg.payload) {
-                // SAFETY: as the source arm's dequantisation below.
-                unsafe { cf::dequant(gpu, &addrs.gated(c), ns, epr, a, knobs.epilogue_sm_cap) }?;
-            }
+            self.source_arm_dequant()?;
             return Ok(());
         }
         if let Some(c) = self.gate(PF) {
@@ -1822,13 +1826,7 @@ impl Launch<'_> {
         }
         if let Some(c) = self.gate(SRC) {
             self.wait_sources(c, cf::fault::SOURCE_WAIT)?;
-            if cfg.payload == PayloadKind::Fp8E4m3 {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` is live, `c` is the
-                // control block or one of the live arm gates of `d.gates` (`arm_gate`); the
-                // workspace holds the fp8 areas `a`, whose plan this rank's `cf::plan` wrote
-                // earlier on this stream.
-                unsafe { cf::dequant(gpu, &addrs.gated(c), ns, epr, a, knobs.epilogue_sm_cap) }?;
-            }
+            self.source_arm_dequant()?;
         }
         if let Some(c) = self.gate(PF | CF) {
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` and `err` are live, `c`
