@@ -432,22 +432,50 @@ static __device__ __forceinline__ void red_add_f32x2(float* dst, float v0, float
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
 }
 
+// What an epilogue reads from global memory at (row, col) before it writes: the raw bits of
+// two values (ACC_BF16, ADD_F32: the f32 pair of aux; DSWIGLU: the bf16 pairs of a and b). A
+// tile's reads are issued in batches ahead of its writes (epi_tile), so that a thread waits
+// for memory once per batch, not once per column pair.
+struct EpiIn {
+    u32 x, y;
+};
+template <int EPI>
+static __device__ constexpr bool epi_reads() {
+    return EPI == AFDEP_EPI_ACC_BF16 || EPI == AFDEP_EPI_ADD_F32 || EPI == AFDEP_EPI_DSWIGLU;
+}
+template <int EPI>
+static __device__ __forceinline__ EpiIn epi_load(const GemmProblem& p, u64 row, u32 col) {
+    EpiIn in{0u, 0u};
+    if (EPI == AFDEP_EPI_ACC_BF16 || EPI == AFDEP_EPI_ADD_F32) {
+        const uint2 a = *(const uint2*)((const float*)p.aux + row * p.ldc + col);
+        in.x = a.x;
+        in.y = a.y;
+    } else if (EPI == AFDEP_EPI_DSWIGLU) {
+        // a, b: row [a | b] of c2 (row stride ld2), n columns each.
+        const u16* ab = (const u16*)p.c2 + row * p.ld2;
+        in.x = *(const u32*)(ab + col);
+        in.y = *(const u32*)(ab + p.n + col);
+    }
+    return in;
+}
+
 template <int EPI>
 static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u32 col, float v0,
                                                 float v1, float u0, float u1, float w, u64 srow,
-                                                float& gpart) {
+                                                float& gpart, EpiIn in) {
     if (EPI == AFDEP_EPI_STORE) {
         u32* c = (u32*)((u16*)p.c + row * p.ldc + col);
         *c = pack_bf16(__fmul_rn(w, v0), __fmul_rn(w, v1));
     } else if (EPI == AFDEP_EPI_ACC_BF16) {
-        const float2 a = *(const float2*)((const float*)p.aux + row * p.ldc + col);
-        *(u32*)((u16*)p.c + row * p.ldc + col) = pack_bf16(__fadd_rn(a.x, v0), __fadd_rn(a.y, v1));
+        // in: aux's f32 pair at (row, col).
+        *(u32*)((u16*)p.c + row * p.ldc + col) = pack_bf16(
+            __fadd_rn(__uint_as_float(in.x), v0), __fadd_rn(__uint_as_float(in.y), v1));
     } else if (EPI == AFDEP_EPI_ADD_F32) {
-        float2* a = (float2*)((float*)p.aux + row * p.ldc + col);
-        float2 o = *a;
-        o.x = __fadd_rn(o.x, v0);
-        o.y = __fadd_rn(o.y, v1);
-        *a = o;
+        // in: aux's f32 pair at (row, col), written back with the pair added.
+        float2 o;
+        o.x = __fadd_rn(__uint_as_float(in.x), v0);
+        o.y = __fadd_rn(__uint_as_float(in.y), v1);
+        *(float2*)((float*)p.aux + row * p.ldc + col) = o;
     } else if (EPI == AFDEP_EPI_SCATTER) {
         red_add_f32x2((float*)p.aux + srow + col, __fmul_rn(w, v0), __fmul_rn(w, v1));
     } else if (EPI == AFDEP_EPI_SWIGLU) {
@@ -465,13 +493,11 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
     } else if (EPI == AFDEP_EPI_DSWIGLU) {
         // v = G = dy·W2^T (unweighted). With a, b stored by the forward: h = silu(a) b,
         // g += G·h (the router's <dy, y>), dh = w G, da = dh b silu'(a), db = dh silu(a).
-        // a, b: row [a | b] of c2 (row stride ld2). In place (c2 = c, ld2 = 2 ldc, ldc = n):
-        // this thread reads a, b at the two addresses it then writes da, db to, and no other
-        // thread touches them.
+        // in: a, b (epi_load). In place (c2 = c, ld2 = 2 ldc, ldc = n): this thread read a, b
+        // at the two addresses it now writes da, db to, and no other thread touches them.
         const u64 o = row * p.ldc + col;
-        const u16* ab = (const u16*)p.c2 + row * p.ld2;
-        const float2 a = unpack_bf16(*(const u32*)(ab + col));
-        const float2 b = unpack_bf16(*(const u32*)(ab + p.n + col));
+        const float2 a = unpack_bf16(in.x);
+        const float2 b = unpack_bf16(in.y);
         float da[2], db[2], hw[2];
         const float av[2] = {a.x, a.y}, bv[2] = {b.x, b.y}, gv[2] = {v0, v1};
 #pragma unroll
@@ -490,6 +516,76 @@ static __device__ __forceinline__ void epi_rows(const GemmProblem& p, u64 row, u
         *(u32*)(dab + col) = pack_bf16(da[0], da[1]);
         *(u32*)(dab + p.ldc + col) = pack_bf16(db[0], db[1]);
         if (p.c4) *(u32*)((u16*)p.c4 + o) = pack_bf16(hw[0], hw[1]);
+    }
+}
+
+// The epilogue of one thread's part of an output tile, straight from its accumulators: rows
+// row[0] and row[1] (~0 for a row past the group: nothing is read or written), NJ column pairs
+// per row at n0 + 8 j + 2 tq (columns at or past n are skipped). Accumulator element
+// 4 j + 2 hr + e is (row[hr], column pair j, e); with DUAL_N the second half's pair of j is at
+// 4 (j + NJ) + 2 hr + e. Per row the router weight and scatter row are read once; where the
+// epilogue reads memory (epi_reads), the reads of EPI_BATCH pairs of both rows are issued
+// before any of their writes. The order of the arithmetic is the plain loop's (gpart
+// ascending in j per row), so results do not depend on the batching. DSWIGLU with gsum: one
+// atomic per row and tile after a quad reduction. EPI_BATCH: as large as the kernel's registers
+// allow without a spill (cargo xtask kernels checks).
+template <int EPI, bool DUAL_N, int EPI_BATCH, int NACC>
+static __device__ __forceinline__ void epi_tile(const GemmProblem& p, const float (&acc)[NACC],
+                                                const u64 (&row)[2], u32 n0, u32 tq) {
+    constexpr int NJ = NACC / (DUAL_N ? 8 : 4);
+    static_assert(NJ % EPI_BATCH == 0, "whole batches of column pairs");
+    float w[2] = {1.0f, 1.0f}, gpart[2] = {0.0f, 0.0f};
+    u64 srow[2] = {0, 0};
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        if (row[hr] != ~0ull && p.r_idx) {
+            const u32 slot = ((const u32*)p.r_idx)[row[hr]];
+            if (p.weights) w[hr] = ((const float*)p.weights)[slot];
+            if (EPI == AFDEP_EPI_SCATTER) srow[hr] = (u64)(slot / p.r_div) * p.ldc;
+        }
+    }
+#pragma unroll
+    for (int j0 = 0; j0 < NJ; j0 += EPI_BATCH) {
+        EpiIn in[2][EPI_BATCH];
+        if (epi_reads<EPI>()) {
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++)
+#pragma unroll
+                for (int jj = 0; jj < EPI_BATCH; jj++) {
+                    const u32 col = n0 + (j0 + jj) * 8 + 2 * tq;
+                    if (row[hr] != ~0ull && col < p.n)
+                        in[hr][jj] = epi_load<EPI>(p, row[hr], col);
+                }
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            if (row[hr] == ~0ull) continue;
+#pragma unroll
+            for (int jj = 0; jj < EPI_BATCH; jj++) {
+                const int j = j0 + jj;
+                const u32 col = n0 + j * 8 + 2 * tq;
+                if (col >= p.n) continue;
+                const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+                float u0 = 0.0f, u1 = 0.0f;
+                if (DUAL_N) {
+                    u0 = acc[4 * (j + NJ) + 2 * hr];
+                    u1 = acc[4 * (j + NJ) + 2 * hr + 1];
+                }
+                epi_rows<EPI>(p, row[hr], col, v0, v1, u0, u1, w[hr], srow[hr], gpart[hr],
+                              epi_reads<EPI>() ? in[hr][jj] : EpiIn{0u, 0u});
+            }
+        }
+    }
+    if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            // The quad holds the row's columns of this tile: reduce, one atomic per row.
+            float g = gpart[hr];
+            g = __fadd_rn(g, __shfl_xor_sync(0xffffffffu, g, 1));
+            g = __fadd_rn(g, __shfl_xor_sync(0xffffffffu, g, 2));
+            if (row[hr] != ~0ull && tq == 0)
+                atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row[hr]], g);
+        }
     }
 }
 
@@ -652,40 +748,10 @@ static __device__ __forceinline__ void gemm_rows(const GemmProblem& p, const Tma
         });
 
         // Epilogue straight from the accumulators.
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            const u32 r = wg * 64 + warp * 16 + gq + hr * 8;
-            const u64 row = row_glob[r];
-            float gpart = 0.0f;
-            if (row != ~0ull) {
-                float w = 1.0f;
-                u64 srow = 0;
-                if (p.r_idx) {
-                    const u32 slot = ((const u32*)p.r_idx)[row];
-                    if (p.weights) w = ((const float*)p.weights)[slot];
-                    if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
-                }
-#pragma unroll
-                for (int j = 0; j < (DUAL_N ? 8 : 16); j++) {
-                    const u32 col = n0 + j * 8 + 2 * tq;
-                    if (col >= p.n) continue;
-                    const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
-                    float u0 = 0.0f, u1 = 0.0f;
-                    if (DUAL_N) {
-                        u0 = acc[4 * (j + 8) + 2 * hr];
-                        u1 = acc[4 * (j + 8) + 2 * hr + 1];
-                    }
-                    epi_rows<EPI>(p, row, col, v0, v1, u0, u1, w, srow, gpart);
-                }
-            }
-            if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
-                // The quad holds the row's columns of this tile: reduce, one atomic per row.
-                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
-                gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
-                if (row != ~0ull && tq == 0)
-                    atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
-            }
-        }
+        const u32 er = wg * 64 + warp * 16 + gq;
+        const u64 erows[2] = {row_glob[er], row_glob[er + 8]};
+        // 4 pairs per batch: the kernel is compiled for 128 registers (two blocks per SM).
+        epi_tile<EPI, DUAL_N, 4>(p, acc, erows, n0, tq);
     }
 }
 
@@ -1110,40 +1176,11 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
 
             // Epilogue straight from the accumulators (element 4 j + 2 h + e: row 16 warp + gq +
             // 8 h, column 8 j + 2 tq + e of the warpgroup's 64 x 256).
-#pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                const u32 r = wc * 64 + warp * 16 + gq + hr * 8;
-                const bool live = (u64)r < w.rows;
-                const u64 row = w.row0 + r;
-                float gpart = 0.0f;
-                if (live) {
-                    float wt = 1.0f;
-                    u64 srow = 0;
-                    if (p.r_idx) {
-                        const u32 slot = ((const u32*)p.r_idx)[row];
-                        if (p.weights) wt = ((const float*)p.weights)[slot];
-                        if (EPI == AFDEP_EPI_SCATTER) srow = (u64)(slot / p.r_div) * p.ldc;
-                    }
-#pragma unroll
-                    for (int j = 0; j < (DUAL_N ? 16 : 32); j++) {
-                        const u32 col = w.n0 + j * 8 + 2 * tq;
-                        if (col >= p.n) continue;
-                        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
-                        float u0 = 0.0f, u1 = 0.0f;
-                        if (DUAL_N) {
-                            u0 = acc[4 * (j + 16) + 2 * hr];
-                            u1 = acc[4 * (j + 16) + 2 * hr + 1];
-                        }
-                        epi_rows<EPI>(p, row, col, v0, v1, u0, u1, wt, srow, gpart);
-                    }
-                }
-                if (EPI == AFDEP_EPI_DSWIGLU && p.gsum) {
-                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 1));
-                    gpart = __fadd_rn(gpart, __shfl_xor_sync(0xffffffffu, gpart, 2));
-                    if (live && tq == 0)
-                        atomicAdd((float*)p.gsum + ((const u32*)p.r_idx)[row], gpart);
-                }
-            }
+            const u32 er = wc * 64 + warp * 16 + gq;
+            const u64 erows[2] = {(u64)er < w.rows ? w.row0 + er : ~0ull,
+                                  (u64)(er + 8) < w.rows ? w.row0 + er + 8 : ~0ull};
+            // 8 pairs per batch (4 for ACC_BF16, whose 8 spilled).
+            epi_tile<EPI, DUAL_N, EPI == AFDEP_EPI_ACC_BF16 ? 4 : 8>(p, acc, erows, w.n0, tq);
         }
     }  // consumers
 }
