@@ -20,7 +20,7 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
 # oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
-# "onstream", gpu_nvlink_on_stream alone twice; "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
+# "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
@@ -105,6 +105,36 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       done
       cp $W/ab52-trace-*.json "$OUT/" 2>/dev/null
       cp $W/ab52-*.jsonl "$OUT/" 2>/dev/null;;
+    epiab)
+      # issue 17: this build's `afdep moe` against the previous build's (bundle/afdep-pre.gz, a
+      # stripped release `afdep`), alternating binaries, per EPI_CELLS entry SHAPE:TOKENS:DISPATCH
+      # (default the four model cells of 2026-12-06 (b) and the record at 131K), EPI_ITERS timed
+      # runs (5), EPI_REPS repeats (1); every row checked against the GPU reference (`status`)
+      [ -x /tmp/afdep-pre ] || { gzip -dc "$ROOT/bundle/afdep-pre.gz" > /tmp/afdep-pre && chmod +x /tmp/afdep-pre; }
+      : > $W/epiab.jsonl
+      for rep in $(seq 1 "${EPI_REPS:-1}"); do
+        for cell in ${EPI_CELLS:-mixtral-8x7b:16384:sorted gpt-oss-120b:4096:sorted record:131072:gather qwen3-30b-a3b:4096:sorted olmoe-1b-7b:32768:sorted}; do
+          IFS=: read -r shape tok disp <<< "$cell"
+          for which in pre new; do
+            bin=/tmp/afdep-pre; [ "$which" = new ] && bin=/tmp/b4/bin/afdep
+            [ "$(left)" -gt 40 ] || break 3
+            rm -f $W/epi-one.jsonl
+            timeout "$(( $(left) > 150 ? 120 : $(left) - 20 ))" $bin moe --backend cuda --shape "$shape" \
+              --tokens "$tok" --dispatch "$disp" --iters "${EPI_ITERS:-5}" --json-out $W/epi-one.jsonl \
+              > $W/epi-$shape-$which.log 2>&1
+            echo "epiab $shape $tok $disp $which rep $rep rc=$?" >> $W/steps.txt
+            [ -f $W/epi-one.jsonl ] && sed "s/^{/{\"build\":\"$which\",\"rep\":$rep,/" $W/epi-one.jsonl >> $W/epiab.jsonl
+          done
+        done
+      done
+      python3 - $W/epiab.jsonl >> $W/steps.txt <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    print("epiab", r.get("shape"), r.get("tokens"), r.get("dispatch"), r["build"], r.get("rep"),
+          "fwd", r.get("fwd_ms"), "train", r.get("train_ms"), r.get("status"), r.get("kernel_digest"))
+PY
+      cp $W/epiab.jsonl "$OUT/" 2>/dev/null;;
     fold)
       # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
       # in every arm, graph replays, eager device rounds and host-planned rounds, 3A:1F with
