@@ -132,7 +132,8 @@ import json, sys
 for l in open(sys.argv[1]):
     r = json.loads(l)
     print("epiab", r.get("shape"), r.get("tokens"), r.get("dispatch"), r["build"], r.get("rep"),
-          "fwd", r.get("fwd_ms"), "train", r.get("train_ms"), r.get("status"), r.get("kernel_digest"))
+          "fwd", r.get("fwd_ms"), "train", r.get("train_ms"), "peak_gib", r.get("peak_gib"),
+          r.get("status"), r.get("digest"), r.get("device"))
 PY
       cp $W/epiab.jsonl "$OUT/" 2>/dev/null;;
     fold)
