@@ -109,17 +109,22 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # issue 17: this build's `afdep moe` against the previous build's (bundle/afdep-pre.gz, a
       # stripped release `afdep`), alternating binaries, per EPI_CELLS entry SHAPE:TOKENS:DISPATCH
       # (default the four model cells of 2026-12-06 (b) and the record at 131K), EPI_ITERS timed
-      # runs (5), EPI_REPS repeats (1); every row checked against the GPU reference (`status`)
+      # runs (5), EPI_REPS repeats (1), EPI_WHICH the builds and variants (below); every row checked
+      # against the GPU reference (`status`)
       [ -x /tmp/afdep-pre ] || { gzip -dc "$ROOT/bundle/afdep-pre.gz" > /tmp/afdep-pre && chmod +x /tmp/afdep-pre; }
       : > $W/epiab.jsonl
       for rep in $(seq 1 "${EPI_REPS:-1}"); do
         for cell in ${EPI_CELLS:-mixtral-8x7b:16384:sorted gpt-oss-120b:4096:sorted record:131072:gather qwen3-30b-a3b:4096:sorted olmoe-1b-7b:32768:sorted}; do
           IFS=: read -r shape tok disp <<< "$cell"
-          for which in pre new; do
-            bin=/tmp/afdep-pre; [ "$which" = new ] && bin=/tmp/b4/bin/afdep
+          # EPI_WHICH: the builds in order: pre, new, or NAME=BUILD:VAR=VALUE (BUILD pre or new
+          # run with one environment variable set, e.g. pairs=new:AFDEP_GEMM_PAIRS=on)
+          for spec in ${EPI_WHICH:-pre new}; do
+            which=${spec%%=*}; build=$which; envs=
+            if [ "$which" != "$spec" ]; then rest=${spec#*=}; build=${rest%%:*}; envs=${rest#*:}; fi
+            bin=/tmp/afdep-pre; [ "$build" = new ] && bin=/tmp/b4/bin/afdep
             [ "$(left)" -gt 40 ] || break 3
             rm -f $W/epi-one.jsonl
-            timeout "$(( $(left) > 150 ? 120 : $(left) - 20 ))" $bin moe --backend cuda --shape "$shape" \
+            timeout "$(( $(left) > 150 ? 120 : $(left) - 20 ))" env $envs $bin moe --backend cuda --shape "$shape" \
               --tokens "$tok" --dispatch "$disp" --iters "${EPI_ITERS:-5}" --json-out $W/epi-one.jsonl \
               > $W/epi-$shape-$which.log 2>&1
             echo "epiab $shape $tok $disp $which rep $rep rc=$?" >> $W/steps.txt

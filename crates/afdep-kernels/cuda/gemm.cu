@@ -895,7 +895,15 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // - Every mbarrier wait is bounded (mbar_wait_bounded): a consumer whose `full` wait runs out
 //   records the fault and stops waiting and arriving; the producer then runs out on `empty`,
 //   records nothing new (the first fault wins) and stops issuing. No trap, no hang.
-// The host (ops::gemm::Engine) chooses this engine or gemm_rows per problem.
+// - Pairs (CL = 2, the afdep_gemm_ws2_* entries, `__cluster_dims__(2, 1, 1)`): the two blocks
+//   of a cluster compute m-tiles 2u and 2u + 1 of one group at the same columns, so they need
+//   the same B stages: each producer loads half of every B stage (K-major: 128 of the 256
+//   n-rows; N-major: every other 64-column block) by TMA multicast into both blocks, and a
+//   stage is refilled only when the consumer warps of both blocks have released it (each
+//   arrives on both blocks' `empty` barriers). Per stage a block then reads 16 KiB of A and
+//   16 KiB of B from L2 instead of 16 + 32. Both blocks walk the same schedule of pairs.
+// The host (ops::gemm::Engine, ops::gemm::Pairing) chooses this engine or gemm_rows per
+// problem, and pairs or single blocks.
 
 #define WS_THREADS 384
 #define WS_BM 128
@@ -923,6 +931,48 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 
 static __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// ---- Thread-block clusters (the ws engine's CL = 2 form) ----
+// This block's rank in its cluster, the cluster's index in the grid and the number of clusters.
+static __device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+static __device__ __forceinline__ u32 cluster_index() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+static __device__ __forceinline__ u32 cluster_count() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+// Every thread of every block of the cluster: the writes before it (shared memory, barrier
+// initialisations) are visible to every thread of the cluster after it.
+static __device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrives on the barrier at the same shared-memory offset as `bar` in cluster block `cta`
+// (this block's own included), releasing this thread's earlier reads at cluster scope.
+static __device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 cta) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
+                 : "memory");
+}
+// One box of a 3-D tensor map into the same shared-memory offset `dst` of every block in
+// `mask`, each completing on its own barrier at offset `bar`.
+static __device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const TmaMap* map, i32 c0,
+                                                             i32 c1, i32 c2, u32 bar, u16 mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
+        : "memory");
 }
 // Barrier 1 among the producer warpgroup's 128 threads.
 static __device__ __forceinline__ void producer_sync() {
@@ -968,14 +1018,18 @@ static __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 des
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(TRANS_A), "n"(TRANS_B));
 }
 
-// The ws tile t of the schedule: group g, first row row0, rows (<= WS_BM), first column n0.
+// The ws tile t of the schedule: group g, first row row0, rows (<= WS_BM; 0 for the second
+// block of a cluster pair past the group's last m-tile), first column n0. With CL = 2 the
+// schedule's unit is a pair of m-tiles of one group at the same columns: block `crank` of
+// the cluster takes m-tile 2u + crank of pair u.
 struct WsTile {
     u32 g;
     u64 row0, rows;
     u32 n0;
 };
+template <int CL>
 static __device__ __forceinline__ WsTile ws_tile(const GemmProblem& p, const u32* prefix, u32 t,
-                                                 u32 ntiles_n, u32 cols) {
+                                                 u32 ntiles_n, u32 cols, u32 crank) {
     u32 lo = 0, hi = p.groups;  // invariant: prefix[lo] <= t < prefix[hi]
     while (hi - lo > 1) {
         const u32 mid = (lo + hi) / 2;
@@ -984,14 +1038,16 @@ static __device__ __forceinline__ WsTile ws_tile(const GemmProblem& p, const u32
     WsTile w;
     w.g = lo;
     const u64 gb = group_begin(p, lo), ge = group_end(p, lo, p.m);
-    const u32 mtiles = (u32)((ge - gb + WS_BM - 1) / WS_BM);
+    const u32 units = (u32)((ge - gb + (u64)CL * WS_BM - 1) / ((u64)CL * WS_BM));
     const u32 local = t - prefix[lo];
-    // Panels of WS_PANEL m-tiles (the last one may be shorter), m fastest inside a panel.
-    const u32 panel = local / (WS_PANEL * ntiles_n), inside = local % (WS_PANEL * ntiles_n);
-    const u32 pm = mtiles - panel * WS_PANEL < WS_PANEL ? mtiles - panel * WS_PANEL : WS_PANEL;
-    const u32 mt = panel * WS_PANEL + inside % pm, nt = inside / pm;
-    w.row0 = gb + (u64)mt * WS_BM;
-    w.rows = ge - w.row0 < WS_BM ? ge - w.row0 : WS_BM;
+    // Panels of WS_PANEL m-tiles (WS_PANEL / CL units; the last one may be shorter), m
+    // fastest inside a panel.
+    const u32 pu = WS_PANEL / CL;
+    const u32 panel = local / (pu * ntiles_n), inside = local % (pu * ntiles_n);
+    const u32 pm = units - panel * pu < pu ? units - panel * pu : pu;
+    const u32 mu = panel * pu + inside % pm, nt = inside / pm;
+    w.row0 = gb + ((u64)mu * CL + crank) * WS_BM;
+    w.rows = w.row0 >= ge ? 0 : (ge - w.row0 < WS_BM ? ge - w.row0 : WS_BM);
     w.n0 = nt * cols;
     return w;
 }
@@ -1000,7 +1056,9 @@ static __device__ __forceinline__ WsTile ws_tile(const GemmProblem& p, const u32
 // bytes (a 64-column block that starts at or past n is not loaded: its columns are not
 // stored). K-major: one box of 64 k x 256 n (b, or b2 from b_split on, a multiple of 64).
 // N-major: four boxes of 64 n x 64 k: b at n0 + 64 j, or with DUAL_N b at n0, n0 + 64 and b2
-// at the same columns.
+// at the same columns. The bytes are what lands in each block of a cluster: with CL = 2 each
+// block issues half of the boxes (K-major: the box of 64 k x 128 n at n0 + 128 crank; N-major:
+// the 64-column blocks j with j % 2 == crank) to both blocks of the pair.
 template <bool B_KMAJ, bool DUAL_N>
 static __device__ __forceinline__ u32 ws_b_bytes(const GemmProblem& p, u32 n0) {
     if (B_KMAJ) return WS_B_BYTES;
@@ -1009,30 +1067,41 @@ static __device__ __forceinline__ u32 ws_b_bytes(const GemmProblem& p, u32 n0) {
     for (u32 j = 0; j < (DUAL_N ? 2u : 4u); j++) blocks += n0 + 64 * j < p.n ? 1u : 0u;
     return (DUAL_N ? 2u : 1u) * blocks * WS_NBLOCK_BYTES;
 }
-template <bool B_KMAJ, bool DUAL_N>
+// One B box: into this block (CL = 1) or into both blocks of the pair (CL = 2).
+template <int CL>
+static __device__ __forceinline__ void ws_box(u32 dst, const TmaMap* map, i32 c0, i32 c1, i32 c2,
+                                              u32 bar) {
+    if (CL == 1) tma_load_3d(dst, map, c0, c1, c2, bar);
+    else tma_load_3d_multicast(dst, map, c0, c1, c2, bar, (u16)0x3);
+}
+template <bool B_KMAJ, bool DUAL_N, int CL>
 static __device__ __forceinline__ void ws_load_b(const GemmProblem& p, const TmaMap* tb,
                                                  const TmaMap* tb2, u32 g, u32 sb, u32 n0,
-                                                 u32 k0, u32 bar) {
+                                                 u32 k0, u32 bar, u32 crank) {
     if (B_KMAJ) {
         const bool second = p.b2 && k0 >= p.b_split;
-        tma_load_3d(sb, second ? tb2 : tb, (i32)(second ? k0 - p.b_split : k0), (i32)n0, (i32)g,
-                    bar);
+        const u32 half = CL == 1 ? 0u : crank * (WS_BN / 2);
+        ws_box<CL>(sb + half * 128, second ? tb2 : tb, (i32)(second ? k0 - p.b_split : k0),
+                   (i32)(n0 + half), (i32)g, bar);
     } else {
 #pragma unroll
         for (u32 j = 0; j < (DUAL_N ? 2u : 4u); j++) {
             const u32 nn = n0 + 64 * j;
-            if (nn >= p.n) continue;
-            tma_load_3d(sb + j * WS_NBLOCK_BYTES, tb, (i32)nn, (i32)k0, (i32)g, bar);
+            if (nn >= p.n || (CL == 2 && j % 2 != crank)) continue;
+            ws_box<CL>(sb + j * WS_NBLOCK_BYTES, tb, (i32)nn, (i32)k0, (i32)g, bar);
             if (DUAL_N)
-                tma_load_3d(sb + (j + 2) * WS_NBLOCK_BYTES, tb2, (i32)nn, (i32)k0, (i32)g, bar);
+                ws_box<CL>(sb + (j + 2) * WS_NBLOCK_BYTES, tb2, (i32)nn, (i32)k0, (i32)g, bar);
         }
     }
 }
 
-template <bool B_KMAJ, bool DUAL_N, int EPI>
+// CL: blocks per cluster (1, or 2: a pair along M sharing its B stages by multicast; see the
+// engine's note above and ws_tile / ws_load_b).
+template <bool B_KMAJ, bool DUAL_N, int EPI, int CL>
 static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const TmaMap* ta,
                                                     const TmaMap* tb, const TmaMap* tb2) {
     static_assert(!DUAL_N || !B_KMAJ, "dual-N B is N-major");
+    static_assert(CL == 1 || CL == 2, "clusters of one or two blocks");
     extern __shared__ __align__(1024) u8 smem_dyn[];
     __shared__ u32 tile_prefix[AFDEP_GEMM_MAX_GROUPS + 1];
     __shared__ u64 row_off[WS_BM];
@@ -1043,9 +1112,10 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
     if (threadIdx.x == 0) {
         for (u32 s = 0; s < WS_STAGES; s++) {
             // full: the TMA issuer's expect_tx arrival, plus one per producer thread where A
-            // is loaded by cp.async; empty: one arrival per consumer warp.
+            // is loaded by cp.async; empty: one arrival per consumer warp of every block of
+            // the cluster (a stage's B lands in all of them).
             mbar_init(full0 + 8 * s, tma_a ? 1u : 129u);
-            mbar_init(empty0 + 8 * s, 8u);
+            mbar_init(empty0 + 8 * s, 8u * CL);
         }
         mbar_init_fence();
     }
@@ -1056,12 +1126,17 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         for (u32 g = 0; g < p.groups; g++) {
             tile_prefix[g] = acc;
             const u64 rows = group_end(p, g, p.m) - group_begin(p, g);
-            acc += (u32)((rows + WS_BM - 1) / WS_BM) * ntiles_n;
+            acc += (u32)((rows + (u64)CL * WS_BM - 1) / ((u64)CL * WS_BM)) * ntiles_n;
         }
         tile_prefix[p.groups] = acc;
     }
-    __syncthreads();
+    // With CL = 2 the peer's TMA and consumers use this block's barriers: they must be
+    // initialised before any block of the cluster goes on.
+    if (CL == 1) __syncthreads(); else cluster_sync();
     const u32 total = tile_prefix[p.groups];
+    const u32 crank = CL == 1 ? 0u : cluster_rank();
+    const u32 first = CL == 1 ? blockIdx.x : cluster_index();
+    const u32 step = CL == 1 ? gridDim.x : cluster_count();
     const u32 ktiles = (p.k + WS_BK - 1) / WS_BK;
     const u32 role = threadIdx.x / 128;
     bool dead = false;
@@ -1076,8 +1151,8 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         u32 issued = 0;  // cp.async stages this thread issued
         // A thread whose wait ran out (dead) keeps walking the schedule without waiting or
         // issuing, so that every producer thread reaches every producer_sync.
-        for (u32 t = blockIdx.x; loads && t < total; t += gridDim.x) {
-            const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
+        for (u32 t = first; loads && t < total; t += step) {
+            const WsTile w = ws_tile<CL>(p, tile_prefix, t, ntiles_n, cols, crank);
             if (!tma_a) {
                 producer_sync();  // every producer thread has issued the previous tile
                 const u32 r = pt;
@@ -1100,7 +1175,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                 if (pt == 0 && !dead) {
                     mbar_arrive_expect_tx(full, tx);
                     if (tma_a) tma_load_2d(sa, ta, (i32)k0, (i32)w.row0, full);
-                    ws_load_b<B_KMAJ, DUAL_N>(p, tb, tb2, w.g, sb, w.n0, k0, full);
+                    ws_load_b<B_KMAJ, DUAL_N, CL>(p, tb, tb2, w.g, sb, w.n0, k0, full, crank);
                 }
                 if (!tma_a && !dead) {
                     // 128 rows x 8 chunks of 16 bytes: thread pt loads chunk pt % 8 of rows
@@ -1143,8 +1218,23 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         const u32 wc = role - 1;  // rows 64 wc .. of the tile
         const u32 warp = (threadIdx.x / 32) % 4, lane = afdep_lane();
         const u32 gq = lane / 4, tq = lane % 4;
-        for (u32 t = blockIdx.x; t < total; t += gridDim.x) {
-            const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);
+        // A stage is free once every consumer warp of the cluster is done with it: with
+        // CL = 2 a warp arrives on the `empty` barrier of both blocks (the producer of either
+        // refills the stage in both).
+        const auto release = [&](u32 bar) {
+            if (CL == 1) {
+                mbar_arrive(bar);
+            } else {
+                mbar_arrive_in(bar, 0);
+                mbar_arrive_in(bar, 1);
+            }
+        };
+        for (u32 t = first; t < total; t += step) {
+            const WsTile w = ws_tile<CL>(p, tile_prefix, t, ntiles_n, cols, crank);
+            // The second block of a pair past its group's last m-tile has no rows: it keeps
+            // the stage protocol (its producer loads its half of B for the first block) but
+            // computes nothing.
+            const bool mma = CL == 1 || w.rows > 0;
             float acc[128];
 #pragma unroll
             for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -1152,19 +1242,22 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             for (u32 kt = 0; kt < ktiles; kt++) {
                 const u32 full = full0 + 8 * stage;
                 mbar_wait_bounded(p, full, phase, kt, dead);
-                    const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
+                const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
                 wgmma_fence();
+                if (mma) {
 #pragma unroll
-                for (int ks = 0; ks < WS_BK / 16; ks++) {
-                    const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
-                    const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
-                                          : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
-                    wgmma_m64n256k16<0, B_KMAJ ? 0 : 1>(acc, da, db);
+                    for (int ks = 0; ks < WS_BK / 16; ks++) {
+                        const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
+                        const u64 db = B_KMAJ
+                                           ? smem_desc(sb + ks * 32, 16, 1024, 1)
+                                           : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                        wgmma_m64n256k16<0, B_KMAJ ? 0 : 1>(acc, da, db);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
                 // kt - 1's wgmmas have retired: its stage may be refilled.
-                if (kt > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+                if (kt > 0 && lane == 0 && !dead) release(empty0 + 8 * prev);
                 prev = stage;
                 if (++stage == WS_STAGES) {
                     stage = 0;
@@ -1172,7 +1265,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                 }
             }
             wgmma_wait<0>();
-            if (ktiles > 0 && lane == 0 && !dead) mbar_arrive(empty0 + 8 * prev);
+            if (ktiles > 0 && lane == 0 && !dead) release(empty0 + 8 * prev);
 
             // Epilogue straight from the accumulators (element 4 j + 2 h + e: row 16 warp + gq +
             // 8 h, column 8 j + 2 tq + e of the warpgroup's 64 x 256).
@@ -1183,14 +1276,20 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             epi_tile<EPI, DUAL_N, EPI == AFDEP_EPI_ACC_BF16 ? 4 : 8>(p, acc, erows, w.n0, tq);
         }
     }  // consumers
+    // No block of a pair leaves while its peer may still write into its shared memory or
+    // arrive on its barriers (every wait above is bounded, so every thread gets here).
+    if (CL == 2) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------------------------
-// The nine ROWS problems the layer uses, each with an entry on both engines:
-// ROWS_ENTRY(classic entry, warp-specialised entry, B K-major, dual N, epilogue). ROWS kernels
-// take the tensor maps of A, B and b2 by value (__grid_constant__: TMA reads them in parameter
-// space); a map whose AFDEP_GEMM_TMA_* bit is clear is not read.
-#define ROWS_ENTRY(name, ws_name, BKMAJ, DUAL, EPI)                                          \
+// The nine ROWS problems the layer uses, each with an entry on both engines and one for the ws
+// engine in pairs of blocks (clusters of 2 along M, `__cluster_dims__`: a plain launch makes
+// the pairs): ROWS_ENTRY(classic entry, warp-specialised entry, paired entry, B K-major,
+// dual N, epilogue). ROWS kernels take the tensor maps of A, B and b2 by value
+// (__grid_constant__: TMA reads them in parameter space); a map whose AFDEP_GEMM_TMA_* bit is
+// clear is not read. The paired entries' K-major B maps have boxes of 128 n (each block loads
+// half of the 256 columns).
+#define ROWS_ENTRY(name, ws_name, ws2_name, BKMAJ, DUAL, EPI)                                \
     extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, AFDEP_GEMM_MIN_BLOCKS)           \
         name(GemmProblem p, const __grid_constant__ TmaMap ta,                               \
              const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {        \
@@ -1199,27 +1298,41 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                              \
         ws_name(GemmProblem p, const __grid_constant__ TmaMap ta,                            \
                 const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {     \
-        gemm_rows_ws<BKMAJ, DUAL, EPI>(p, &ta, &tb, &tb2);                                   \
+        gemm_rows_ws<BKMAJ, DUAL, EPI, 1>(p, &ta, &tb, &tb2);                                \
+    }                                                                                        \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(WS_THREADS, 1)    \
+        ws2_name(GemmProblem p, const __grid_constant__ TmaMap ta,                           \
+                 const __grid_constant__ TmaMap tb, const __grid_constant__ TmaMap tb2) {    \
+        gemm_rows_ws<BKMAJ, DUAL, EPI, 2>(p, &ta, &tb, &tb2);                                \
     }
 
 // Forward up-projection: x·[W1 | W3] (B N-major), SwiGLU epilogue.
-ROWS_ENTRY(afdep_gemm_up_swiglu, afdep_gemm_ws_up_swiglu, false, true, AFDEP_EPI_SWIGLU)
+ROWS_ENTRY(afdep_gemm_up_swiglu, afdep_gemm_ws_up_swiglu, afdep_gemm_ws2_up_swiglu,
+           false, true, AFDEP_EPI_SWIGLU)
 // Forward down-projection h·W2 (B N-major) into expert-sorted rows (optionally weighted).
-ROWS_ENTRY(afdep_gemm_down_store, afdep_gemm_ws_down_store, false, false, AFDEP_EPI_STORE)
+ROWS_ENTRY(afdep_gemm_down_store, afdep_gemm_ws_down_store, afdep_gemm_ws2_down_store,
+           false, false, AFDEP_EPI_STORE)
 // Forward down-projection scattered into token order with the router weight (atomic f32).
-ROWS_ENTRY(afdep_gemm_down_scatter, afdep_gemm_ws_down_scatter, false, false, AFDEP_EPI_SCATTER)
+ROWS_ENTRY(afdep_gemm_down_scatter, afdep_gemm_ws_down_scatter, afdep_gemm_ws2_down_scatter,
+           false, false, AFDEP_EPI_SCATTER)
 // Shared-expert down-projection added to the routed sum, cast to bf16 once.
-ROWS_ENTRY(afdep_gemm_down_acc, afdep_gemm_ws_down_acc, false, false, AFDEP_EPI_ACC_BF16)
+ROWS_ENTRY(afdep_gemm_down_acc, afdep_gemm_ws_down_acc, afdep_gemm_ws2_down_acc,
+           false, false, AFDEP_EPI_ACC_BF16)
 // Backward: G = dy·W2^T (B K-major) with the SwiGLU backward in the epilogue.
-ROWS_ENTRY(afdep_gemm_dh_dswiglu, afdep_gemm_ws_dh_dswiglu, true, false, AFDEP_EPI_DSWIGLU)
+ROWS_ENTRY(afdep_gemm_dh_dswiglu, afdep_gemm_ws_dh_dswiglu, afdep_gemm_ws2_dh_dswiglu,
+           true, false, AFDEP_EPI_DSWIGLU)
 // Backward data gradient [da | db]·[W1 | W3]^T (B K-major, split along K) into rows.
-ROWS_ENTRY(afdep_gemm_dx_store, afdep_gemm_ws_dx_store, true, false, AFDEP_EPI_STORE)
+ROWS_ENTRY(afdep_gemm_dx_store, afdep_gemm_ws_dx_store, afdep_gemm_ws2_dx_store,
+           true, false, AFDEP_EPI_STORE)
 // ... scattered into token order (atomic f32).
-ROWS_ENTRY(afdep_gemm_dx_scatter, afdep_gemm_ws_dx_scatter, true, false, AFDEP_EPI_SCATTER)
+ROWS_ENTRY(afdep_gemm_dx_scatter, afdep_gemm_ws_dx_scatter, afdep_gemm_ws2_dx_scatter,
+           true, false, AFDEP_EPI_SCATTER)
 // ... added in place to an f32 accumulator (the shared expert's dx).
-ROWS_ENTRY(afdep_gemm_dx_add, afdep_gemm_ws_dx_add, true, false, AFDEP_EPI_ADD_F32)
+ROWS_ENTRY(afdep_gemm_dx_add, afdep_gemm_ws_dx_add, afdep_gemm_ws2_dx_add,
+           true, false, AFDEP_EPI_ADD_F32)
 // ... added to an f32 accumulator and cast to bf16 (the router's dx = dlogits·Wr^T).
-ROWS_ENTRY(afdep_gemm_dx_acc, afdep_gemm_ws_dx_acc, true, false, AFDEP_EPI_ACC_BF16)
+ROWS_ENTRY(afdep_gemm_dx_acc, afdep_gemm_ws_dx_acc, afdep_gemm_ws2_dx_acc,
+           true, false, AFDEP_EPI_ACC_BF16)
 
 // =============================================================================================
 // The warp-specialised KSUM engine (weight gradients; docs/perf/moe.md, 2026-12-05 (c)). Off

@@ -403,6 +403,51 @@ impl GpuContext {
         Ok(n)
     }
 
+    /// The blocks of a persistent grid of `kernel` compiled with 2-block clusters
+    /// (`__cluster_dims__(2, 1, 1)`): twice the clusters that can be resident at once with
+    /// `block` threads and `smem` bytes of dynamic shared memory per block (0 when not one
+    /// pair fits). Cached per (kernel, smem) like [`GpuContext::persistent_blocks`].
+    pub fn persistent_pair_blocks(
+        &self,
+        kernel: KernelId,
+        block: u32,
+        smem: u32,
+    ) -> Result<u32, KernelError> {
+        let key = (kernel, smem);
+        if let Some(&n) = self
+            .persistent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(n);
+        }
+        let f = self.function(kernel, 0, 0)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(KernelError::driver(format!("setting {kernel}'s shared memory size")))?;
+        // The cluster size comes from the kernel's compile-time attribute (none in the config).
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (2 * self.sm_count.max(1), 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let clusters = f
+            .occupancy_max_active_clusters(cfg, self.stream())
+            .map_err(KernelError::driver(format!(
+                "reading {kernel}'s cluster occupancy"
+            )))?;
+        let n = 2 * clusters;
+        tracing::debug!(%kernel, clusters, blocks = n, "persistent grid of block pairs");
+        self.persistent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, n);
+        Ok(n)
+    }
+
     /// Loads the given modules now (e.g. before timing), instead of at first use.
     pub fn preload(&self, specs: &[ModuleSpec]) -> Result<(), KernelError> {
         for s in specs {

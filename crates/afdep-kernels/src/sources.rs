@@ -219,6 +219,24 @@ kernel_registry! {
         GemmWsDxAdd = "afdep_gemm_ws_dx_add",
         /// Warp-specialised grouped GEMM (`gemm.cu`'s ws engine): data gradient added to an accumulator, cast to bf16.
         GemmWsDxAcc = "afdep_gemm_ws_dx_acc",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): forward up-projection with SwiGLU.
+        GemmWs2UpSwiglu = "afdep_gemm_ws2_up_swiglu",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): down-projection into rows.
+        GemmWs2DownStore = "afdep_gemm_ws2_down_store",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): down-projection scattered into token order.
+        GemmWs2DownScatter = "afdep_gemm_ws2_down_scatter",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): down-projection added to an accumulator, cast to bf16.
+        GemmWs2DownAcc = "afdep_gemm_ws2_down_acc",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): dy·W2ᵀ with the SwiGLU backward.
+        GemmWs2DhDswiglu = "afdep_gemm_ws2_dh_dswiglu",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): data gradient into rows.
+        GemmWs2DxStore = "afdep_gemm_ws2_dx_store",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): data gradient scattered into token order.
+        GemmWs2DxScatter = "afdep_gemm_ws2_dx_scatter",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): data gradient added in place (f32).
+        GemmWs2DxAdd = "afdep_gemm_ws2_dx_add",
+        /// The ws engine in pairs of blocks (2-block clusters along M, B multicast): data gradient added to an accumulator, cast to bf16.
+        GemmWs2DxAcc = "afdep_gemm_ws2_dx_acc",
         /// Grouped GEMM: weight gradients (bf16, or f32 partials per chunk).
         GemmWgrad = "afdep_gemm_wgrad",
         /// Warp-specialised grouped GEMM (`gemm.cu`'s ws KSUM engine): weight gradients.

@@ -13,7 +13,9 @@
 mod common;
 
 use afdep_kernels::KernelError;
-use afdep_kernels::ops::gemm::{self, Engine, Gather, Groups, KOperand, RowWeights, RowsOut};
+use afdep_kernels::ops::gemm::{
+    self, Engine, Gather, Groups, KOperand, Pairing, RowWeights, RowsOut,
+};
 use afdep_kernels::ops::{download, poison, zeros};
 use common::{gpu, rng};
 use cudarc::driver::CudaSlice;
@@ -576,8 +578,38 @@ fn joined(
 /// poisoned.
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
+    ws_odd_sizes(Pairing::Off);
+}
+
+/// The same problems on the ws engine in pairs of blocks (2-block clusters along M sharing B by
+/// multicast): groups of 1, 3, 17 and 6 m-tiles, so the second block of many pairs has no rows;
+/// N tails where the second block's half of a K-major B box lies wholly past N (zero-filled)
+/// and where only one block of a pair loads an N-major 64-column block.
+#[test]
+fn ws_pairs_odd_sizes_match_a_host_gemm() {
+    ws_odd_sizes(Pairing::On);
+}
+
+/// Puts the default pairing back on drop.
+struct ForcedPairing;
+
+impl ForcedPairing {
+    fn new(p: Pairing) -> Self {
+        gemm::force_pairing(Some(p));
+        ForcedPairing
+    }
+}
+
+impl Drop for ForcedPairing {
+    fn drop(&mut self) {
+        gemm::force_pairing(None);
+    }
+}
+
+fn ws_odd_sizes(pairing: Pairing) {
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
+    let _pairs = ForcedPairing::new(pairing);
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];
     let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
@@ -837,6 +869,83 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
         let (dd, w1d, w3d) = (up(&ctx, &dab), up(&ctx, &w1), up(&ctx, &w3));
         let got = dx_stored(&ctx, groups, (&dd, &w1d, &w3d), (width, hidden), rows);
         check(&format!("ws dx width {width}"), &got, &want, &mag);
+    }
+}
+
+/// Pairs of blocks change which block computes a tile and where B comes from, not the
+/// arithmetic: the up-projection (contiguous and gathered A) and the stored data gradient give
+/// the same bits with pairs as without, at a shape with real pairs (groups of 2 to 11 m-tiles,
+/// odd and even, one empty) and N tails.
+#[test]
+fn ws_pairs_give_the_bits_of_single_blocks() {
+    let Some(ctx) = gpu() else { return };
+    let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
+    let mut r = rng(211);
+    let sizes = [1300usize, 0, 256, 257, 900, 129, 1408];
+    let (od, _, g, rows) = groups_of(&ctx, &sizes);
+    let groups = experts(&od, g, rows);
+    let (hidden, width) = (584usize, 448usize);
+    let x = rand_bf16(&mut r, rows * hidden);
+    let w1 = rand_bf16(&mut r, g * hidden * width);
+    let w3 = rand_bf16(&mut r, g * hidden * width);
+    let dab = rand_bf16(&mut r, rows * 2 * width);
+    let idx = permutation(&mut r, rows);
+    let (xd, w1d, w3d, dd, idxd) = (
+        up(&ctx, &x),
+        up(&ctx, &w1),
+        up(&ctx, &w3),
+        up(&ctx, &dab),
+        up(&ctx, &idx),
+    );
+    let run = |pairing: Pairing| {
+        let _p = ForcedPairing::new(pairing);
+        let mut out: Vec<Vec<f32>> = Vec::new();
+        for gather in [
+            None,
+            Some(Gather {
+                index: &idxd,
+                div: 1,
+            }),
+        ] {
+            out.extend(up_swiglu_abh(
+                &ctx,
+                groups,
+                (&xd, gather),
+                (&w1d, &w3d),
+                (hidden, width),
+                rows,
+            ));
+        }
+        out.push(dx_stored(
+            &ctx,
+            groups,
+            (&dd, &w1d, &w3d),
+            (width, hidden),
+            rows,
+        ));
+        out
+    };
+    let (single, paired) = (run(Pairing::Off), run(Pairing::On));
+    let names = [
+        "a",
+        "b",
+        "h",
+        "gathered a",
+        "gathered b",
+        "gathered h",
+        "dx",
+    ];
+    for ((s, p), name) in single.iter().zip(&paired).zip(names) {
+        assert!(
+            s.iter().all(|v| v.is_finite()),
+            "{name}: single blocks left NaN"
+        );
+        let same = s
+            .iter()
+            .zip(p)
+            .filter(|(a, b)| a.to_bits() == b.to_bits())
+            .count();
+        assert_eq!(same, s.len(), "{name}: pairs differ from single blocks");
     }
 }
 

@@ -149,6 +149,72 @@ pub fn force_engine(engine: Option<Engine>) {
     FORCE.with(|f| f.set(engine));
 }
 
+/// Whether the ws rows engine runs in pairs of blocks: 2-block clusters along M, each pair
+/// computing two m-tiles of one group at the same columns and sharing their B stages (each
+/// block loads half of every B stage by TMA multicast into both), which halves the B bytes
+/// every block reads from L2 per stage (48 → 32 KiB of A and B). The price: where a group's
+/// m-tiles are odd in number, the second block of its last pair computes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pairing {
+    /// One block per tile.
+    Off,
+    /// Every ws rows problem in pairs.
+    On,
+    /// Pairs where the average group has at least [`PAIR_MIN_ROWS`] rows (so at most one
+    /// tile in 16 is an idle half of a pair).
+    Auto,
+}
+
+/// The pairing unless `AFDEP_GEMM_PAIRS` or [`force_pairing`] asks for another: off until the
+/// pairs have been measured against single blocks on a GPU (docs/perf/moe.md, 2026-12-07 (b)).
+pub const DEFAULT_PAIRING: Pairing = Pairing::Off;
+
+/// Average rows per group from which [`Pairing::Auto`] pairs: 8 m-tiles.
+pub const PAIR_MIN_ROWS: usize = 8 * WS_TILE_M;
+
+thread_local! {
+    static FORCE_PAIRING: Cell<Option<Pairing>> = const { Cell::new(None) };
+}
+
+/// Makes the ws rows GEMMs launched from this thread use `pairing` (`None`: the rule of
+/// [`pairing_for`] again). For tests and same-build comparisons.
+pub fn force_pairing(pairing: Option<Pairing>) {
+    FORCE_PAIRING.with(|f| f.set(pairing));
+}
+
+/// The pairing of the ws rows engine: [`force_pairing`]'s choice on this thread, else the
+/// process environment `AFDEP_GEMM_PAIRS` (read once: `off`, `on` or `auto`; unset:
+/// [`DEFAULT_PAIRING`]; anything else is warned about and means the default).
+pub fn pairing_for() -> Pairing {
+    static ENV: OnceLock<Option<Pairing>> = OnceLock::new();
+    if let Some(p) = FORCE_PAIRING.with(Cell::get) {
+        return p;
+    }
+    let from_env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_PAIRS").as_deref() {
+        Ok("off") => Some(Pairing::Off),
+        Ok("on") => Some(Pairing::On),
+        Ok("auto") => Some(Pairing::Auto),
+        Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_GEMM_PAIRS is neither off, on nor auto: the default pairing is used"
+            );
+            None
+        }
+    });
+    from_env.unwrap_or(DEFAULT_PAIRING)
+}
+
+/// Whether a ws rows problem of `rows` (its capacity) in `groups` groups runs in pairs.
+fn pairs_for(pairing: Pairing, rows: u64, groups: u64) -> bool {
+    match pairing {
+        Pairing::Off => false,
+        Pairing::On => true,
+        Pairing::Auto => rows >= PAIR_MIN_ROWS as u64 * groups.max(1),
+    }
+}
+
 /// The engine the weight gradients ([`wgrad`]) run on unless `AFDEP_GEMM_WGRAD` or
 /// [`force_wgrad_engine`] asks for the other: [`Engine::Ws`], the warp-specialised KSUM
 /// kernel (`gemm_ksum_ws`: 128 × 256 tiles, TMA for the contiguous operands, cp.async for the
@@ -430,6 +496,14 @@ impl Boxes {
             },
         }
     }
+
+    /// The ws engine in pairs: each block of a pair loads half of a K-major B tile's columns.
+    fn paired() -> Boxes {
+        Boxes {
+            k: WS_TILE_K,
+            kmaj_n: WS_TILE_N / 2,
+        }
+    }
 }
 
 /// The map of a K-major A operand with contiguous rows: `rows × k` bf16, `lda` elements
@@ -507,6 +581,8 @@ fn map_b_kmajor(
 struct RowsKernels {
     classic: KernelId,
     ws: KernelId,
+    /// The ws kernel in 2-block clusters ([`Pairing`]).
+    ws2: KernelId,
     /// Output columns (the up-projection: its width, each tile covering half of its columns
     /// from W1 and half from W3).
     n: usize,
@@ -525,22 +601,55 @@ fn launch_rows_auto(
     maps: impl Fn(Boxes) -> Result<RowMaps, KernelError>,
 ) -> Result<(), KernelError> {
     if engine_for() == Engine::Ws {
-        let m = maps(Boxes::of(Engine::Ws))?;
+        let cols = if ks.dual { WS_TILE_N / 2 } else { WS_TILE_N };
+        let ntiles_n = ks.n.div_ceil(cols) as u64;
+        let groups = u64::from(p.groups);
+        // row_tiles = ceil(capacity / 128) + groups (set_groups)
+        let rows = row_tiles.saturating_sub(groups) * WS_TILE_M as u64;
+        let pair_blocks = if pairs_for(pairing_for(), rows, groups) {
+            ctx.persistent_pair_blocks(ks.ws2, WS_BLOCK, WS_SMEM_BYTES as u32)?
+        } else {
+            0
+        };
+        let (boxes, kernel, grid) = if pair_blocks >= 2 {
+            // a pair's unit is two m-tiles of one group: at most ceil(tiles of a group / 2)
+            let units = (row_tiles + groups).div_ceil(2) * ntiles_n;
+            (
+                Boxes::paired(),
+                ks.ws2,
+                Grid::Pairs(units.min(u64::from(pair_blocks / 2))),
+            )
+        } else {
+            (
+                Boxes::of(Engine::Ws),
+                ks.ws,
+                Grid::Blocks(row_tiles * ntiles_n),
+            )
+        };
+        let m = maps(boxes)?;
         // The ws engine loads B by TMA only (b and b2 both mapped where b2 exists; a K split
         // between them at a multiple of its K per stage).
         let b_ok = m.b.is_some()
             && (p.b2 == 0 || m.b2.is_some())
             && (ks.dual || p.b2 == 0 || p.b_split as usize % WS_TILE_K == 0);
         if b_ok {
-            let cols = if ks.dual { WS_TILE_N / 2 } else { WS_TILE_N };
-            let tiles = row_tiles * ks.n.div_ceil(cols) as u64;
-            return launch_rows(ctx, ks.ws, Engine::Ws, p, m, tiles);
+            return launch_rows(ctx, kernel, Engine::Ws, p, m, grid);
         }
     }
     let cols = if ks.dual { TILE_N / 2 } else { TILE_N };
     let tiles = row_tiles * ks.n.div_ceil(cols) as u64;
     let m = maps(Boxes::of(Engine::Classic))?;
-    launch_rows(ctx, ks.classic, Engine::Classic, p, m, tiles)
+    launch_rows(ctx, ks.classic, Engine::Classic, p, m, Grid::Blocks(tiles))
+}
+
+/// The grid of a persistent GEMM launch.
+#[derive(Debug, Clone, Copy)]
+enum Grid {
+    /// At most this many blocks (as many as are resident at once).
+    Blocks(u64),
+    /// Exactly this many 2-block clusters (a kernel compiled with `__cluster_dims__(2, 1, 1)`;
+    /// the caller has bounded it by the resident pairs).
+    Pairs(u64),
 }
 
 /// Launches a rows `kernel` with its tensor maps: the operands with a map load by TMA (a pair
@@ -551,7 +660,7 @@ fn launch_rows(
     engine: Engine,
     p: &mut GemmProblem,
     maps: RowMaps,
-    tiles: u64,
+    grid: Grid,
 ) -> Result<(), KernelError> {
     let a = maps.a;
     let (b, b2) = match (maps.b, maps.b2, p.b2 != 0) {
@@ -565,18 +674,18 @@ fn launch_rows(
         b.unwrap_or_default(),
         b2.unwrap_or_default(),
     );
-    launch(ctx, kernel, engine, p, tiles, &[&ta, &tb, &tb2])
+    launch(ctx, kernel, engine, p, grid, &[&ta, &tb, &tb2])
 }
 
-/// Launches `kernel` on a persistent grid of at most `tiles` blocks; the kernel's tensor maps
-/// follow the problem (rows kernels: A, B, b2; the ws weight gradient: A, B; the classic
-/// weight gradient: none).
+/// Launches `kernel` on a persistent grid (`Grid::Blocks(tiles)`: at most `tiles` blocks); the
+/// kernel's tensor maps follow the problem (rows kernels: A, B, b2; the ws weight gradient:
+/// A, B; the classic weight gradient: none).
 fn launch(
     ctx: &GpuContext,
     kernel: KernelId,
     engine: Engine,
     p: &mut GemmProblem,
-    tiles: u64,
+    grid: Grid,
     maps: &[&TmaMap],
 ) -> Result<(), KernelError> {
     p.fault = ctx.fault_word()?;
@@ -592,8 +701,12 @@ fn launch(
         Engine::Ws => (WS_BLOCK, WS_SMEM_BYTES as u32),
     };
     let f = ctx.function(kernel, 0, 0)?;
-    let resident = ctx.persistent_blocks(kernel, block, smem)?;
-    let blocks = tiles.clamp(1, u64::from(resident));
+    let blocks = match grid {
+        Grid::Blocks(tiles) => {
+            tiles.clamp(1, u64::from(ctx.persistent_blocks(kernel, block, smem)?))
+        }
+        Grid::Pairs(pairs) => 2 * pairs.max(1),
+    };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: (block, 1, 1),
@@ -710,6 +823,7 @@ pub fn up_swiglu(
     let ks = RowsKernels {
         classic: KernelId::GemmUpSwiglu,
         ws: KernelId::GemmWsUpSwiglu,
+        ws2: KernelId::GemmWs2UpSwiglu,
         n: width,
         dual: true,
     };
@@ -822,10 +936,22 @@ pub fn down(
         ..Default::default()
     };
     let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
-    let (classic, ws) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
-        0 => (KernelId::GemmDownStore, KernelId::GemmWsDownStore),
-        1 => (KernelId::GemmDownScatter, KernelId::GemmWsDownScatter),
-        3 => (KernelId::GemmDownAcc, KernelId::GemmWsDownAcc),
+    let (classic, ws, ws2) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => (
+            KernelId::GemmDownStore,
+            KernelId::GemmWsDownStore,
+            KernelId::GemmWs2DownStore,
+        ),
+        1 => (
+            KernelId::GemmDownScatter,
+            KernelId::GemmWsDownScatter,
+            KernelId::GemmWs2DownScatter,
+        ),
+        3 => (
+            KernelId::GemmDownAcc,
+            KernelId::GemmWsDownAcc,
+            KernelId::GemmWs2DownAcc,
+        ),
         _ => {
             return Err(KernelError::Unsupported(
                 "the down-projection has no in-place add".into(),
@@ -836,6 +962,7 @@ pub fn down(
     let ks = RowsKernels {
         classic,
         ws,
+        ws2,
         n: hidden,
         dual: false,
     };
@@ -926,6 +1053,7 @@ pub fn dh_dswiglu(
     let ks = RowsKernels {
         classic: KernelId::GemmDhDswiglu,
         ws: KernelId::GemmWsDhDswiglu,
+        ws2: KernelId::GemmWs2DhDswiglu,
         n: width,
         dual: false,
     };
@@ -987,17 +1115,34 @@ pub fn dx(
         p.k = mult("width", width, 8)?;
     }
     let tiles = set_groups(&mut p, &mut ptrs, &groups)?;
-    let (classic, ws) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
-        0 => (KernelId::GemmDxStore, KernelId::GemmWsDxStore),
-        1 => (KernelId::GemmDxScatter, KernelId::GemmWsDxScatter),
-        2 => (KernelId::GemmDxAdd, KernelId::GemmWsDxAdd),
-        _ => (KernelId::GemmDxAcc, KernelId::GemmWsDxAcc),
+    let (classic, ws, ws2) = match set_out(&mut p, &mut ptrs, out, cap, dense, hidden)? {
+        0 => (
+            KernelId::GemmDxStore,
+            KernelId::GemmWsDxStore,
+            KernelId::GemmWs2DxStore,
+        ),
+        1 => (
+            KernelId::GemmDxScatter,
+            KernelId::GemmWsDxScatter,
+            KernelId::GemmWs2DxScatter,
+        ),
+        2 => (
+            KernelId::GemmDxAdd,
+            KernelId::GemmWsDxAdd,
+            KernelId::GemmWs2DxAdd,
+        ),
+        _ => (
+            KernelId::GemmDxAcc,
+            KernelId::GemmWsDxAcc,
+            KernelId::GemmWs2DxAcc,
+        ),
     };
     let k_b = if w3.is_some() { width } else { p.k as usize };
     let (pa, pb, pb2, pk) = (p.a, p.b, p.b2, p.k as usize);
     let ks = RowsKernels {
         classic,
         ws,
+        ws2,
         n: hidden,
         dual: false,
     };
@@ -1161,7 +1306,14 @@ fn launch_ksum(
     match engine {
         Engine::Classic => {
             let tiles = g * (m.div_ceil(TILE_M) * n.div_ceil(TILE_N)) as u64 * splits;
-            launch(ctx, KernelId::GemmWgrad, Engine::Classic, p, tiles, &[])
+            launch(
+                ctx,
+                KernelId::GemmWgrad,
+                Engine::Classic,
+                p,
+                Grid::Blocks(tiles),
+                &[],
+            )
         }
         Engine::Ws => {
             let rows = groups.capacity();
@@ -1175,7 +1327,7 @@ fn launch_ksum(
                 KernelId::GemmWsWgrad,
                 Engine::Ws,
                 p,
-                tiles,
+                Grid::Blocks(tiles),
                 &[&ta, &tb],
             )
         }
