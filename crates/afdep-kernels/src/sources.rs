@@ -694,7 +694,7 @@ mod tests {
 
     /// The `extern "C"` entry names a source defines, directly or through an entry macro
     /// (`XYZ_ENTRY(name, ...)` at the start of a line; every `afdep_` argument of it is an
-    /// entry: `ROWS_ENTRY(classic, warp_specialised, ...)` defines two).
+    /// entry: `ROWS_ENTRY(classic, warp_specialised, paired, ...)` defines three).
     fn entries_defined(text: &str) -> Vec<String> {
         let ident = |s: &str| -> String {
             s.chars()
@@ -708,12 +708,14 @@ mod tests {
             let mut s = rest.trim_start();
             s = s.strip_prefix("__global__").unwrap_or(s).trim_start();
             s = s.strip_prefix("void").unwrap_or(s).trim_start();
-            if let Some(after) = s.strip_prefix("__launch_bounds__(") {
-                s = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+            for attr in ["__cluster_dims__(", "__launch_bounds__("] {
+                if let Some(after) = s.strip_prefix(attr) {
+                    s = after.split_once(')').map_or("", |(_, r)| r).trim_start();
+                }
             }
             let name = ident(s);
-            // `name` and `ws_name` are parameters of an entry macro's definition.
-            if name != "name" && name != "ws_name" && !name.is_empty() {
+            // `name`, `ws_name` and `ws2_name` are parameters of an entry macro's definition.
+            if !["name", "ws_name", "ws2_name", ""].contains(&name.as_str()) {
                 out.push(name);
             }
         }
