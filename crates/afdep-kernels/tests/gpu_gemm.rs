@@ -610,6 +610,7 @@ fn ws_odd_sizes(pairing: Pairing) {
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
     let _pairs = ForcedPairing::new(pairing);
+    let paired_before = gemm::paired_launches();
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];
     let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
@@ -870,6 +871,13 @@ fn ws_odd_sizes(pairing: Pairing) {
         let got = dx_stored(&ctx, groups, (&dd, &w1d, &w3d), (width, hidden), rows);
         check(&format!("ws dx width {width}"), &got, &want, &mag);
     }
+    // the pairs ran (not a silent fall-back to single blocks): up-projection 2, down 2,
+    // dh_dswiglu on ws 2, dx at width 320 1
+    let paired = gemm::paired_launches() - paired_before;
+    match pairing {
+        Pairing::On => assert!(paired >= 7, "{paired} launches ran in pairs, 7 expected"),
+        _ => assert_eq!(paired, 0, "{paired} launches ran in pairs, none expected"),
+    }
 }
 
 /// Pairs of blocks change which block computes a tile and where B comes from, not the
@@ -899,6 +907,7 @@ fn ws_pairs_give_the_bits_of_single_blocks() {
     );
     let run = |pairing: Pairing| {
         let _p = ForcedPairing::new(pairing);
+        let before = gemm::paired_launches();
         let mut out: Vec<Vec<f32>> = Vec::new();
         for gather in [
             None,
@@ -923,6 +932,12 @@ fn ws_pairs_give_the_bits_of_single_blocks() {
             (width, hidden),
             rows,
         ));
+        let paired = gemm::paired_launches() - before;
+        let want = if pairing == Pairing::On { 3 } else { 0 };
+        assert_eq!(
+            paired, want,
+            "{paired} of 3 launches ran in pairs with {pairing:?}"
+        );
         out
     };
     let (single, paired) = (run(Pairing::Off), run(Pairing::On));

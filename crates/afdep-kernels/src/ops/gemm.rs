@@ -206,6 +206,18 @@ pub fn pairing_for() -> Pairing {
     from_env.unwrap_or(DEFAULT_PAIRING)
 }
 
+thread_local! {
+    /// Launches from this thread that ran in pairs of blocks (a paired request that fell back
+    /// to single blocks, because not one pair fits, does not count).
+    static PAIRED_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many GEMM launches from this thread ran in pairs of blocks ([`Pairing`]); for tests
+/// and benchmarks that must know the pairs were used.
+pub fn paired_launches() -> u64 {
+    PAIRED_LAUNCHES.with(Cell::get)
+}
+
 /// Whether a ws rows problem of `rows` (its capacity) in `groups` groups runs in pairs.
 fn pairs_for(pairing: Pairing, rows: u64, groups: u64) -> bool {
     match pairing {
@@ -705,7 +717,10 @@ fn launch(
         Grid::Blocks(tiles) => {
             tiles.clamp(1, u64::from(ctx.persistent_blocks(kernel, block, smem)?))
         }
-        Grid::Pairs(pairs) => 2 * pairs.max(1),
+        Grid::Pairs(pairs) => {
+            PAIRED_LAUNCHES.with(|c| c.set(c.get() + 1));
+            2 * pairs.max(1)
+        }
     };
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
