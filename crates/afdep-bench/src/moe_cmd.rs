@@ -222,6 +222,9 @@ pub struct MoeRow {
     pub device: Option<String>,
     /// Timed runs per measurement.
     pub iters: usize,
+    /// The GEMM engines the layer chose (`afdep_kernels::ops::gemm::describe`: rows engine,
+    /// pairing, weight-gradient engine), as the environment asked.
+    pub gemm: String,
     /// Seed of the inputs (null for `--input`).
     pub seed: Option<u64>,
     /// What happened, where the status needs explaining.
@@ -263,6 +266,7 @@ impl MoeRow {
             digest: afdep_kernels::source_digest(),
             device: None,
             iters,
+            gemm: afdep_kernels::ops::gemm::describe(),
             seed: None,
             note: None,
         }

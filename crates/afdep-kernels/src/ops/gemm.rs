@@ -218,6 +218,25 @@ pub fn paired_launches() -> u64 {
     PAIRED_LAUNCHES.with(Cell::get)
 }
 
+/// The GEMM engines this thread's launches would choose, for benchmark rows: e.g.
+/// `rows ws, pairs off, wgrad ws`.
+pub fn describe() -> String {
+    let name = |e: Engine| match e {
+        Engine::Classic => "classic",
+        Engine::Ws => "ws",
+    };
+    let pairs = match pairing_for() {
+        Pairing::Off => "off",
+        Pairing::On => "on",
+        Pairing::Auto => "auto",
+    };
+    format!(
+        "rows {}, pairs {pairs}, wgrad {}",
+        name(engine_for()),
+        name(wgrad_engine_for())
+    )
+}
+
 /// Whether a ws rows problem of `rows` (its capacity) in `groups` groups runs in pairs.
 fn pairs_for(pairing: Pairing, rows: u64, groups: u64) -> bool {
     match pairing {
