@@ -20,7 +20,7 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
 # oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
-# "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone); each part gets at most
+# "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone; "bins", the matrix binaries named in BINS); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
@@ -183,6 +183,12 @@ PY
         timeout "$(( $(left) > 120 ? 90 : 20 ))" /tmp/b4/tests/$t --test-threads=1 > $W/fused-$t.log 2>&1
         echo "fused $t rc=$? $(grep -h '^test result' $W/fused-$t.log)" >> $W/steps.txt
       done;;
+    bins)
+      # BINS (comma-separated): these matrix binaries alone through the bundle's run.sh (the
+      # binaries a matrix call's lanes did not reach), each under a 150 s timeout
+      timeout "$(( $(left) - 20 ))" /tmp/b4/run.sh --only "${BINS:-gpu_nvlink_graph}" --skip-ignored \
+        --timeout 150 --logs $W/bins > $W/bins.txt 2>&1; echo "bins rc=$?" >> $W/steps.txt
+      grep -h "rc=" $W/bins/summary.txt >> $W/steps.txt 2>/dev/null;;
     soak)
       # the soak alone on a quiet GPU (its device-memory check reads the whole GPU's free memory)
       timeout "$(( $(left) - 20 ))" /tmp/b4/tests/gpu_soak --test-threads=1 --nocapture \

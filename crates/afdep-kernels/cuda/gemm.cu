@@ -956,13 +956,16 @@ static __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n"
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// Arrives on the barrier at the same shared-memory offset as `bar` in cluster block `cta`
-// (this block's own included), releasing this thread's earlier reads at cluster scope.
+// Arrives on the barrier at the same shared-memory offset as `bar` in cluster block `cta`.
+// The default .release.cta, as CUTLASS's ClusterBarrier::arrive(cta_id): the arrival only
+// says that this warp's wgmma reads of the stage (retired by wgmma.wait_group) are done before
+// the peer's TMA overwrites it; no generic-proxy data is published through it. An explicit
+// .release.cluster costs MEMBAR.ALL.CTA + MEMBAR.ALL.GPU per arrival (sm_90a SASS), in the
+// k-loop, and waits for the previous tile's epilogue stores.
 static __device__ __forceinline__ void mbar_arrive_in(u32 bar, u32 cta) {
     u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-                 : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 // One box of a 3-D tensor map into the same shared-memory offset `dst` of every block in
 // `mask`, each completing on its own barrier at offset `bar`.
@@ -1225,16 +1228,18 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             if (CL == 1) {
                 mbar_arrive(bar);
             } else {
-                mbar_arrive_in(bar, 0);
-                mbar_arrive_in(bar, 1);
+                mbar_arrive(bar);               // this block's barrier
+                mbar_arrive_in(bar, crank ^ 1u);  // the peer's
             }
         };
         for (u32 t = first; t < total; t += step) {
             const WsTile w = ws_tile<CL>(p, tile_prefix, t, ntiles_n, cols, crank);
             // The second block of a pair past its group's last m-tile has no rows: it keeps
-            // the stage protocol (its producer loads its half of B for the first block) but
-            // computes nothing.
-            const bool mma = CL == 1 || w.rows > 0;
+            // the stage protocol (its producer loads its half of B for the first block) and
+            // runs its wgmmas on whatever A holds (zero-filled or other rows); the epilogue
+            // stores none of it. A wgmma under a branch makes ptxas close the group inside the
+            // branch and commit an empty one after it, so wgmma_wait<1> waited for the batch
+            // just issued (no batch in flight across k-tiles).
             float acc[128];
 #pragma unroll
             for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -1244,15 +1249,12 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                 mbar_wait_bounded(p, full, phase, kt, dead);
                 const u32 sa = base + stage * WS_STAGE_BYTES, sb = sa + WS_A_BYTES;
                 wgmma_fence();
-                if (mma) {
 #pragma unroll
-                    for (int ks = 0; ks < WS_BK / 16; ks++) {
-                        const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
-                        const u64 db = B_KMAJ
-                                           ? smem_desc(sb + ks * 32, 16, 1024, 1)
-                                           : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
-                        wgmma_m64n256k16<0, B_KMAJ ? 0 : 1>(acc, da, db);
-                    }
+                for (int ks = 0; ks < WS_BK / 16; ks++) {
+                    const u64 da = smem_desc(sa + wc * 64 * 128 + ks * 32, 16, 1024, 1);
+                    const u64 db = B_KMAJ ? smem_desc(sb + ks * 32, 16, 1024, 1)
+                                          : smem_desc(sb + ks * 2048, WS_NBLOCK_BYTES, 1024, 1);
+                    wgmma_m64n256k16<0, B_KMAJ ? 0 : 1>(acc, da, db);
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
