@@ -23,6 +23,8 @@ pub struct GpuContext {
     modules: Mutex<HashMap<ModuleSpec, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(ModuleSpec, KernelId), CudaFunction>>,
     sm_count: u32,
+    /// The multiprocessors the GEMMs' persistent grids may fill ([`GpuContext::set_gemm_sms`]).
+    gemm_sms: std::sync::atomic::AtomicU32,
     /// Blocks of a persistent grid per (kernel, dynamic shared memory bytes), once measured.
     persistent: Mutex<HashMap<(KernelId, u32), u32>>,
     /// The fault word (`u32[4]`, see [`fault`]) and its device address, made at first use.
@@ -154,6 +156,7 @@ impl GpuContext {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             sm_count,
+            gemm_sms: std::sync::atomic::AtomicU32::new(gemm_sms_from_env(sm_count)),
             persistent: Mutex::new(HashMap::new()),
             fault: std::sync::OnceLock::new(),
             #[cfg(feature = "fault-injection")]
@@ -364,6 +367,32 @@ impl GpuContext {
         self.sm_count
     }
 
+    /// The multiprocessors the GEMMs' persistent grids fill: every one unless limited by
+    /// [`GpuContext::set_gemm_sms`] or the environment variable `AFDEP_GEMM_SMS` (read when the
+    /// context is made).
+    pub fn gemm_sms(&self) -> u32 {
+        self.gemm_sms.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Limits the GEMMs' persistent grids to the resident blocks of `sms` multiprocessors
+    /// (`None`: every one; values are clamped to 1..=[`GpuContext::sm_count`]), so that kernels
+    /// of other streams find free SMs while a GEMM runs: the exchange's kernels beside the
+    /// experts of a microbatch pipeline, or beside a caller's GEMM. A persistent grid holds its
+    /// SMs until its last tile is done, so without a limit a kernel launched after it waits
+    /// for the whole GEMM. The GEMMs' tiles are the same either way (fewer blocks take more
+    /// tiles each), so results do not change. Takes effect at the next launch.
+    pub fn set_gemm_sms(&self, sms: Option<u32>) {
+        let n = sms.map_or(self.sm_count, |n| n.clamp(1, self.sm_count));
+        self.gemm_sms.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `blocks`, a persistent grid over the whole device, cut to the GEMMs' share of the
+    /// multiprocessors ([`GpuContext::gemm_sms`]), keeping `multiple` (a cluster's blocks) as a
+    /// factor and at least `multiple` blocks.
+    pub fn gemm_grid(&self, blocks: u32, multiple: u32) -> u32 {
+        grid_share(blocks, self.gemm_sms(), self.sm_count, multiple)
+    }
+
     /// The grid of a persistent kernel: blocks resident at once on the whole device for
     /// `kernel` (not specialised by experts or top-k) with `block` threads and `smem` bytes of
     /// dynamic shared memory. The first call per (kernel, smem) raises the function's
@@ -469,9 +498,50 @@ pub(crate) fn launch_err(kernel: KernelId) -> impl FnOnce(DriverError) -> Kernel
     KernelError::driver(format!("launching {kernel}"))
 }
 
+/// The share of a persistent grid of `blocks` (resident on all `sm_count` SMs) that fits on
+/// `sms` of them: a multiple of `multiple`, at least `multiple`, at most `blocks` rounded up to
+/// `multiple`.
+fn grid_share(blocks: u32, sms: u32, sm_count: u32, multiple: u32) -> u32 {
+    let m = multiple.max(1);
+    let all = sm_count.max(1);
+    let scaled = (u64::from(blocks) * u64::from(sms.min(all)) / u64::from(all)) as u32;
+    (scaled / m * m).max(m).min(blocks.max(1).div_ceil(m) * m)
+}
+
+/// `AFDEP_GEMM_SMS`: the GEMMs' multiprocessor limit of a new context (every SM when unset;
+/// a value that is not a positive number is warned about and ignored).
+fn gemm_sms_from_env(sm_count: u32) -> u32 {
+    match std::env::var("AFDEP_GEMM_SMS") {
+        Err(_) => sm_count,
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(n) if n > 0 => n.min(sm_count),
+            _ => {
+                tracing::warn!(value = %v, "AFDEP_GEMM_SMS is not a positive number; ignored");
+                sm_count
+            }
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gemm_grid_keeps_its_share_of_the_sms() {
+        // every SM: the whole grid
+        assert_eq!(grid_share(264, 132, 132, 1), 264);
+        // 108 of 132 SMs at 2 blocks per SM: 216 blocks
+        assert_eq!(grid_share(264, 108, 132, 1), 216);
+        // pairs stay whole: 132 pairs' blocks on 107 SMs -> 214 (even)
+        assert_eq!(grid_share(264, 107, 132, 2), 214);
+        // one SM of many still gets a pair
+        assert_eq!(grid_share(132, 1, 132, 2), 2);
+        // more SMs than the device has: the whole grid
+        assert_eq!(grid_share(132, 500, 132, 1), 132);
+        // never zero
+        assert_eq!(grid_share(0, 10, 132, 1), 1);
+    }
 
     fn send_sync<T: Send + Sync>() {}
 

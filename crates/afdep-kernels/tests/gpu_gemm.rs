@@ -883,9 +883,10 @@ fn ws_odd_sizes(pairing: Pairing) {
 /// Pairs of blocks change which block computes a tile and where B comes from, not the
 /// arithmetic: the up-projection (contiguous and gathered A) and the stored data gradient give
 /// the same bits with pairs as without, at a shape with real pairs (groups of 2 to 11 m-tiles,
-/// odd and even, one empty) and N tails.
+/// odd and even, one empty) and N tails. So does a GEMM limited to a few SMs
+/// (`GpuContext::set_gemm_sms`), single blocks and pairs.
 #[test]
-fn ws_pairs_give_the_bits_of_single_blocks() {
+fn ws_pairs_and_sm_limits_give_the_bits_of_single_blocks() {
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
     let mut r = rng(211);
@@ -905,8 +906,9 @@ fn ws_pairs_give_the_bits_of_single_blocks() {
         up(&ctx, &dab),
         up(&ctx, &idx),
     );
-    let run = |pairing: Pairing| {
+    let run = |pairing: Pairing, sms: Option<u32>| {
         let _p = ForcedPairing::new(pairing);
+        ctx.set_gemm_sms(sms);
         let before = gemm::paired_launches();
         let mut out: Vec<Vec<f32>> = Vec::new();
         for gather in [
@@ -934,13 +936,21 @@ fn ws_pairs_give_the_bits_of_single_blocks() {
         ));
         let paired = gemm::paired_launches() - before;
         let want = if pairing == Pairing::On { 3 } else { 0 };
+        ctx.set_gemm_sms(None);
         assert_eq!(
             paired, want,
             "{paired} of 3 launches ran in pairs with {pairing:?}"
         );
         out
     };
-    let (single, paired) = (run(Pairing::Off), run(Pairing::On));
+    let single = run(Pairing::Off, None);
+    // Pairs, then both engines on a few SMs (the GEMM's share beside a pipeline's exchange):
+    // fewer blocks take more tiles each, the same bits.
+    let others = [
+        ("pairs", run(Pairing::On, None)),
+        ("single blocks on 7 SMs", run(Pairing::Off, Some(7))),
+        ("pairs on 7 SMs", run(Pairing::On, Some(7))),
+    ];
     let names = [
         "a",
         "b",
@@ -950,17 +960,19 @@ fn ws_pairs_give_the_bits_of_single_blocks() {
         "gathered h",
         "dx",
     ];
-    for ((s, p), name) in single.iter().zip(&paired).zip(names) {
-        assert!(
-            s.iter().all(|v| v.is_finite()),
-            "{name}: single blocks left NaN"
-        );
-        let same = s
-            .iter()
-            .zip(p)
-            .filter(|(a, b)| a.to_bits() == b.to_bits())
-            .count();
-        assert_eq!(same, s.len(), "{name}: pairs differ from single blocks");
+    for (what, other) in &others {
+        for ((s, p), name) in single.iter().zip(other).zip(names) {
+            assert!(
+                s.iter().all(|v| v.is_finite()),
+                "{name}: single blocks left NaN"
+            );
+            let same = s
+                .iter()
+                .zip(p)
+                .filter(|(a, b)| a.to_bits() == b.to_bits())
+                .count();
+            assert_eq!(same, s.len(), "{name}: {what} differ from single blocks");
+        }
     }
 }
 

@@ -638,7 +638,12 @@ fn launch_rows_auto(
         // row_tiles = ceil(capacity / 128) + groups (set_groups)
         let rows = row_tiles.saturating_sub(groups) * WS_TILE_M as u64;
         let pair_blocks = if pairs_for(pairing_for(), rows, groups) {
-            ctx.persistent_pair_blocks(ks.ws2, WS_BLOCK, WS_SMEM_BYTES as u32)?
+            let resident = ctx.persistent_pair_blocks(ks.ws2, WS_BLOCK, WS_SMEM_BYTES as u32)?;
+            if resident >= 2 {
+                ctx.gemm_grid(resident, 2)
+            } else {
+                0
+            }
         } else {
             0
         };
@@ -734,7 +739,8 @@ fn launch(
     let f = ctx.function(kernel, 0, 0)?;
     let blocks = match grid {
         Grid::Blocks(tiles) => {
-            tiles.clamp(1, u64::from(ctx.persistent_blocks(kernel, block, smem)?))
+            let resident = ctx.persistent_blocks(kernel, block, smem)?;
+            tiles.clamp(1, u64::from(ctx.gemm_grid(resident, 1)))
         }
         Grid::Pairs(pairs) => {
             PAIRED_LAUNCHES.with(|c| c.set(c.get() + 1));
