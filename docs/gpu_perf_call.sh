@@ -20,7 +20,8 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
 # oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
 # shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
-# "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone; "bins", the matrix binaries named in BINS); each part gets at most
+# "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone; "bins", the matrix binaries named in BINS; "gemmsms", the
+# overlap and pipeline tables with the GEMMs limited to GEMM_SMS SMs and without); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
 # with the torch peers). AB_SHAPES / AB_ONLY / AB_DISPATCH pass to gemm_wgrad_run.sh.
 cap200() { echo $(( $(left) > 230 ? 200 : $(left) - 30 )); }
@@ -182,6 +183,22 @@ PY
       for t in gpu_nvlink_engines gpu_nvlink_graph gpu_pipeline; do
         timeout "$(( $(left) > 120 ? 90 : 20 ))" /tmp/b4/tests/$t --test-threads=1 > $W/fused-$t.log 2>&1
         echo "fused $t rc=$? $(grep -h '^test result' $W/fused-$t.log)" >> $W/steps.txt
+      done;;
+    gemmsms)
+      # the GEMMs' SM share (AFDEP_GEMM_SMS=GEMM_SMS, default 108 = 132 SMs - 24 transport SMs)
+      # against the whole GPU, same bundle, same call: the overlap table and the pipeline table
+      # at 3A:1F (GEMMSMS_RATIOS), transport SMs 24; the tables into steps.txt
+      for lim in all ${GEMM_SMS:-108}; do
+        e=; [ "$lim" = all ] || e="AFDEP_GEMM_SMS=$lim"
+        # shellcheck disable=SC2086 # VAR=VALUE or nothing
+        env $e RATIOS="${GEMMSMS_RATIOS:-3A:1F}" SMS=24 timeout "$(( $(left) > 120 ? 90 : 20 ))" \
+          bash docs/perf/exchange_load_run.sh /tmp/b4 $W/load-$lim > $W/load-$lim.txt 2>&1
+        echo "gemmsms load $lim rc=$?" >> $W/steps.txt
+        # shellcheck disable=SC2086
+        env $e RATIOS="${GEMMSMS_RATIOS:-3A:1F}" timeout "$(( $(left) > 150 ? 120 : 20 ))" \
+          bash docs/perf/exchange_pipeline_run.sh /tmp/b4 $W/pipe-$lim > $W/pipe-$lim.txt 2>&1
+        echo "gemmsms pipeline $lim rc=$?" >> $W/steps.txt
+        cat $W/load-$lim/table.md $W/pipe-$lim/table.md >> $W/steps.txt 2>/dev/null
       done;;
     bins)
       # BINS (comma-separated): these matrix binaries alone through the bundle's run.sh (the
