@@ -627,12 +627,17 @@ impl FusedEngine {
         self.poison = on;
     }
 
-    /// Whether device rounds launch one front kernel per rank (default on, or as the
-    /// environment variable `AFDEP_FUSED_FRONTS` says: `0`/`off` turns them off): a source's
+    /// Whether device rounds launch one front kernel per rank (default off, or as the
+    /// environment variable `AFDEP_FUSED_FRONTS` says: `1`/`on` turns them on): a source's
     /// start, counts and rows in one grid, an FFN rank's start, plan and epilogue in another
     /// (`fused_front.cu`), instead of a launch per phase. Only for ranks that are a source or an
     /// FFN rank but not both, and not in traced rounds (whose stamps sit between the phases'
     /// launches). The results are the same bit for bit; graphs keep what they captured.
+    ///
+    /// Off by default since 2026-12-07 (docs/perf/exchange.md, "Outcome of steps 1 and 1b"):
+    /// on one H100 they gave no gain at 1 token and cost 3 % at 2,048, and a front holds its
+    /// whole grid while its first block waits for the other ranks, which the microbatch
+    /// pipeline's two slots on one GPU are suspected to trip over (a device timeout at 3A:1F).
     pub fn set_fronts(&mut self, on: bool) {
         self.fronts = on;
     }
@@ -1539,19 +1544,23 @@ fn rows_mode(arm: RoundArm, payload_gate: bool) -> CfMode {
     }
 }
 
-/// The default of [`FusedEngine::set_fronts`]: on unless `AFDEP_FUSED_FRONTS` is `0` or `off`
-/// (read once; said in the log when off).
+/// The default of [`FusedEngine::set_fronts`]: off unless `AFDEP_FUSED_FRONTS` is `1` or `on`
+/// (read once; said in the log when on, warned about when it is neither on nor off).
 pub(super) fn fronts_from_env() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let off = matches!(
-            std::env::var("AFDEP_FUSED_FRONTS").as_deref(),
-            Ok("0") | Ok("off")
-        );
-        if off {
-            tracing::info!("AFDEP_FUSED_FRONTS: device rounds launch a kernel per phase");
+    *ON.get_or_init(|| match std::env::var("AFDEP_FUSED_FRONTS").as_deref() {
+        Ok("1") | Ok("on") => {
+            tracing::info!("AFDEP_FUSED_FRONTS: device rounds launch one front kernel per rank");
+            true
         }
-        !off
+        Ok("0") | Ok("off") | Err(_) => false,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_FUSED_FRONTS is not 1/on or 0/off; fronts off"
+            );
+            false
+        }
     })
 }
 
