@@ -29,7 +29,7 @@ pub mod trace;
 
 pub(crate) use agree::agree;
 pub use arm::{DispatchArm, RoundArm};
-pub(crate) use counts::{count_phase, count_phase_with_tokens};
+pub(crate) use counts::count_phase;
 pub use engine::ExchangeEngine;
 pub(crate) use experts::apply_experts;
 pub use group::{RankOutcome, run_group};
