@@ -415,8 +415,10 @@ fn disagreeing_arms_skip_the_round_on_every_rank() {
     let c = cfg("1A:1F", 32, 4, 2);
     let good = sources(&c, &[6], None, 71);
     let inp = vec![good.clone(), good.clone()];
-    let timeout = Duration::from_millis(300);
-    let Some(g) = fused_group(2, &c, 128 << 20, timeout) else {
+    // the full bound: round 1 must complete (its source's combine waits on the device while the
+    // FFN rank's host experts run), and a round 0 that waited its bound out instead of skipping
+    // at once would fail the elapsed check below
+    let Some(g) = fused_group(2, &c, 128 << 20, TIMEOUT) else {
         return;
     };
     // round 0: rank 0 payload-first, rank 1 count-first; round 1: both count-first

@@ -2075,8 +2075,8 @@ impl Launch<'_> {
             // (`arm_gate`); `view`'s plan numbers are the plan's, in this workspace, whose counts
             // keep rows below the capacity; `y` is `fb.y` or the expanded area, both `a.exp_rows`
             // rows, or the host experts' outputs, which hold the `y_rows` rows of this round's
-            // device plan (every row its compact view names); every workspace holds the return areas at `a.ret_off`, `src_ranks` the `ns`
-            // attention ranks.
+            // device plan (every row its compact view names); every workspace holds the return
+            // areas at `a.ret_off`, `src_ranks` the `ns` attention ranks.
             // the combine flags: raised by the kernel's last block (every workspace holds
             // `MAX_WORLD` flags at `COMBINE_FLAGS`)
             let blocks = knobs.transport_sms;

@@ -78,16 +78,22 @@ impl FusedEngine {
     /// [`RoundOutput::times`] are host wall times of this rank:
     /// - `counts`: the round's host preparation: the input copied to the device, the token
     ///   count and arm request written, the outputs poisoned, the front half's launches (the
-    ///   status and counts phase itself runs on the device, inside `dispatch`);
+    ///   status and counts phase itself runs on the device, inside `dispatch`); with phase or
+    ///   round timing on also their barriers of every rank;
     /// - `dispatch`: the wait for this rank's front half (validation and status exchange,
     ///   counts, plan, rows, epilogue) and reading the verdict; on an FFN rank also reading back
     ///   what it received;
     /// - `experts`: an FFN rank's host experts and the upload of their outputs (zero elsewhere);
     /// - `combine`: the partial sums and the source's combine, launched and waited for, and the
-    ///   combined rows read back.
+    ///   combined rows read back; on a source this includes waiting (on the device, or with
+    ///   phase timing on at its barrier) for the FFN ranks' host experts.
     ///
     /// With phase timing on ([`FusedEngine::set_phase_timing`]) the device spans are the front
     /// half (`dispatch`) and the back half (`combine`), each after a barrier of every rank.
+    /// With round timing on ([`FusedEngine::set_round_timing`], possible once a first round or
+    /// [`FusedEngine::prepare_device`] made the device-round state), the span of
+    /// [`FusedEngine::last_round_time`] runs from the front half's first launch to the back
+    /// half's last one, so it includes the host step between them (read-back, experts, upload).
     pub fn round(
         &mut self,
         input: Option<&SourceInput>,
