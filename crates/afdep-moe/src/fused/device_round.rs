@@ -535,11 +535,6 @@ impl FusedEngine {
                 what: "device rounds are prepared already".into(),
             });
         }
-        // the buffers `round` made for its host experts go (their timer and tracer stay)
-        let (timer, trace) = match self.device.take() {
-            Some(d) => (d.timer, d.trace),
-            None => (None, None),
-        };
         let cfg = self.cfg.clone();
         let p = cfg.placement();
         let h = cfg.hidden;
@@ -608,6 +603,12 @@ impl FusedEngine {
         self.gpu.synchronize()?;
         // kernels loaded (the GEMM's at its warm-up) on every rank before any round
         self.transport.barrier()?;
+        // only now, with everything above done, the buffers `round` made for its host experts
+        // go (their timer and tracer stay): a failed preparation leaves the engine as it was
+        let (timer, trace) = match self.device.take() {
+            Some(d) => (d.timer, d.trace),
+            None => (None, None),
+        };
         self.device = Some(DeviceRound {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             host_only: false,
