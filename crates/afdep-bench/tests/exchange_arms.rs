@@ -284,7 +284,7 @@ fn graph_mode_needs_the_cuda_backend() {
 }
 
 /// `--load` is refused with the reason before anything runs (exit status 1, no panic): a bad
-/// spec, host-planned rounds, or `--graph` without the CUDA backend.
+/// spec, eager rounds with host experts, or `--graph` without the CUDA backend.
 #[test]
 fn load_needs_device_rounds_and_a_good_spec() {
     for (extra, why) in [

@@ -1,35 +1,42 @@
 //! The fused exchange engine (payload-first and count-first dispatch; bf16 and fp8 payloads in
-//! every arm, host-planned or in device rounds): GPU-initiated stores into the symmetric
-//! workspaces of an [`NvlinkIpc`] group, one kernel per phase, flags with release / acquire
-//! semantics and bounded device waits.
+//! every arm): GPU-initiated stores into the symmetric workspaces of an [`NvlinkIpc`] group,
+//! flags with release / acquire semantics and bounded device waits.
 //!
-//! One round, on every rank (each calls [`FusedEngine::round`], the same API as
-//! [`StagedEngine`](crate::StagedEngine)):
+//! Every round is a **device round** (`fused/device_round.rs`): route validation, the verdict,
+//! the arm, counts, plan, rows, epilogue and combine all run on the device, over capacity-sized
+//! buffers, with no host work between the kernels. The FFN ranks' experts run
 //!
-//! 1. **status + counts** (host, one control-plane all-gather; the staged engine's phase): a
-//!    rejected route fails every rank with [`ExchangeError::Route`] before anything moves, and
-//!    every rank computes every FFN rank's [`FfnPlan`]. The round then runs one
-//!    [`DispatchArm`], the same on every rank: payload-first (steps 2 and 3 below) or
-//!    count-first (device counts, prefix sums and offsets, then the streaming epilogue or the
-//!    source arm: [Count-first](self#count-first) below), chosen by `knobs.min_token_bucket`
-//!    ([`DispatchArm::select`]) unless [`FusedEngine::set_arm`] forces one.
-//! 2. **dispatch** (source, `afdep_fused_dispatch`): each token row bound for FFN rank f is
-//!    stored, with its metadata (token, local ids, weights, expanded rows), into this source's
-//!    slab in f's workspace through the peer table; then `afdep_fused_signal` raises this
-//!    source's dispatch flag in every FFN rank to the round number (release, system scope).
-//!    With fp8 payloads (`afdep_fused_dispatch_fp8`) each row is quantised while it is stored:
-//!    its e4m3 codes and one f32 scale per 128 channels ([`afdep_core::fp8`], bit for bit the
-//!    host encoder) take the payload's place in the slab row.
-//! 3. **copy epilogue** (FFN, `afdep_fused_copy_epilogue`): waits (bounded) for every source's
-//!    flag, then expands the slabs into the expanded layout (one row per (token, local expert),
-//!    grouped by local expert, [`FfnPlan`]'s offsets). The slabs are the compact collect view.
-//!    fp8 (`afdep_fused_copy_epilogue_fp8`): codes and scales are expanded, and the dequantised
-//!    bf16 rows (`bf16(f32(q) · scale)`) written beside them for the experts;
-//!    [`FfnReceived::fp8`] carries codes and scales of both views.
-//! 4. **experts** (FFN, host in a host-planned round: the expanded rows are read back, the
-//!    [`ExpertFn`] applied per local expert, the outputs uploaded; on the device in a device
-//!    round, below).
-//! 5. **combine**, split at the fixed order (docs/design.md, "Specification: AFD exchange"). FFN
+//! - on the device ([`DeviceExperts`]): [`FusedEngine::device_round`], [`FusedEngine::capture`]
+//!   and [`FusedEngine::replay`] (CUDA graphs), the on-stream rounds of the Python bindings,
+//!   the microbatch pipeline; or
+//! - on the host ([`ExpertFn`]): [`FusedEngine::round`], the same API as
+//!   [`StagedEngine`](crate::StagedEngine). The same launches, split once between the FFN
+//!   rank's epilogue and its partial sums: the host waits for its rank's expanded rows, reads
+//!   them back, applies the caller's experts and uploads their outputs, which the partial sums
+//!   read instead of the device experts' (`fused/device_round/host_experts.rs`).
+//!
+//! One round, on every rank:
+//!
+//! 1. **start** (`afdep_round_begin`, every rank): round + 1 in the control block; a source
+//!    validates its routes (and, with fp8 payloads, that its travelling rows are finite) on the
+//!    device; every rank publishes its verdict word, token count and arm request to every rank's
+//!    status area and reads them all (bounded). A rejection anywhere makes every rank skip the
+//!    round with the same [`ExchangeError::Route`] (the lowest rejecting rank's error), and the
+//!    engine goes on. The round's [`DispatchArm`] is derived there, the same on every rank:
+//!    [`FusedEngine::set_arm`]'s, or the rule of `knobs.min_token_bucket`
+//!    ([`DispatchArm::select`] on the largest source's token count).
+//! 2. **counts, plan, rows and epilogue** (the [Count-first](self#count-first) section below,
+//!    and payload-first: every row with its metadata into the per-source slabs first, the
+//!    source's dispatch flag after its last row, then on the FFN rank, after every source's
+//!    flag, the plan from the published counts and a copy epilogue into the expanded layout, one
+//!    row per (token, local expert), grouped by local expert, the device plan's offsets). The
+//!    slabs are the compact collect view. fp8: each row quantised on the device while it is
+//!    stored (e4m3 codes and one f32 scale per 128 channels, [`afdep_core::fp8`], bit for bit
+//!    the host encoder); the expanded area holds the dequantised bf16 rows
+//!    (`bf16(f32(q) · scale)`) the experts consume, beside the codes and scales;
+//!    [`FfnReceived::fp8`](afdep_core::oracle::exchange::FfnReceived::fp8) carries the codes and scales of both views.
+//! 3. **experts** (FFN rank): device experts, or the host's ([`FusedEngine::round`]).
+//! 4. **combine**, split at the fixed order (docs/design.md, "Specification: AFD exchange"). FFN
 //!    rank f (`afdep_fused_combine_reduce`): for every compact row of the round (source s, token t;
 //!    its slab metadata names the token's slots on f, their weights and expanded rows) the partial
 //!    `P_f[t] = Σ_{k ascending, expert on f} w_k · y_k` in f32 (each product and sum rounded),
@@ -45,8 +52,8 @@
 //!    bytes; the source widens them back and sums as before: bit-identical to the oracle with
 //!    bf16 partials, within [`afdep_core::oracle::exchange::bf16_partials_error_bound`] of the
 //!    f32 path (and the same bits as it where a token's slots sit on one FFN rank). The setting
-//!    is a run-time field of the workspace layout both combine kernels read, in every arm, in
-//!    host-planned and device rounds and in graphs.
+//!    is a run-time field of the workspace layout both combine kernels read, in every arm, with
+//!    host or device experts and in graphs.
 //!
 //! # Workspace (bytes from every rank's workspace base, the same on every rank)
 //!
@@ -70,8 +77,7 @@
 //!
 //! Every fused kernel that raises or waits for a flag reads the round number (and a source's
 //! token count) from the rank's control block ([`afdep_kernels::ops::fused_round`]) and does
-//! nothing when the round's verdict is not go; a host-planned round starts with
-//! `afdep_round_bump` (round + 1, its token count), a device round with `afdep_round_begin`.
+//! nothing when the round's verdict is not go; every round starts with `afdep_round_begin`.
 //!
 //! [`FusedEngine::workspace_bytes`] gives the size an
 //! [`NvlinkOptions`](afdep_transport::NvlinkOptions) must provide.
@@ -91,79 +97,63 @@
 //!
 //! Because ranks may share one GPU, nothing that can synchronise the context runs while a round
 //! is in flight: the fused kernels are loaded at set-up ([`FusedEngine::new`] ends with a
-//! barrier), per-round buffers come from cudarc's stream-ordered allocator, and callers should
-//! drop the engines only once every rank has finished its last round (freeing device memory may
-//! wait for the whole device; [`run_group`](crate::run_group) does so).
+//! barrier), per-round buffers (the host experts' outputs) come from cudarc's stream-ordered
+//! allocator, and callers should drop the engines only once every rank has finished its last
+//! round (freeing device memory may wait for the whole device; [`run_group`](crate::run_group)
+//! does so).
 //!
-//! Each phase's host preparation (send lists, the combine's plan numbers, their uploads, the
-//! poisoned output buffers) is done before the phase's first kernel, so that the phase's kernels
-//! run back to back on the rank's stream.
+//! In a round with host experts the sources' combine waits on the device while the FFN ranks'
+//! hosts run their experts: that wait, like every other, is bounded by the transport's timeout
+//! (`NvlinkOptions::timeout`), which must therefore exceed the host experts' time.
 //!
 //! # Phase timing
 //!
-//! [`FusedEngine::set_phase_timing`] adds CUDA events around each phase's kernels on the rank's
-//! stream and a control-plane barrier before each phase, so that a phase's device time holds
-//! only the exchange, not another rank's host work; [`FusedEngine::last_device_times`] gives
+//! [`FusedEngine::set_phase_timing`] adds CUDA events around the two halves of a
+//! [`FusedEngine::round`] on the rank's stream (the start to the epilogue, then the partial sums
+//! and the combine) and a control-plane barrier before each, so that a phase's device time holds
+//! only the exchange, not another rank's host experts; [`FusedEngine::last_device_times`] gives
 //! the spans of the last round ([`DevicePhaseTimes`] says exactly what they hold). `afdep
-//! exchange --backend cuda` reports them.
+//! exchange --backend cuda` reports them. Whole device rounds are timed by
+//! [`FusedEngine::set_round_timing`] instead.
 //!
 //! # Count-first
 //!
 //! Sources compute their per-expert counts on the device from their routes and store each FFN
 //! rank's share into its counts area, then raise a count flag; the FFN rank waits (bounded) for
-//! every source's counts, computes [`FfnPlan`]'s prefix sums (64-bit) into its plan area and
+//! every source's counts, computes [`FfnPlan`](afdep_core::layout::FfnPlan)'s prefix sums (64-bit) into its plan area and
 //! publishes each source's block starts into the source's offsets area with an offset flag.
 //! Source arm: the source waits (bounded) for its offsets and stores each row straight to its
 //! final expanded rows in the FFN rank's expanded area (plus the compact view's metadata in its
 //! slab rows), then raises its dispatch flag. Streaming: rows land in the slabs, each with a
 //! row flag holding the round number, and the FFN rank's streaming epilogue expands each row as
-//! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`] is then the plan its device
-//! computed. fp8 payloads are quantised on the device while they are stored (into the slab
+//! soon as its flag arrives. The FFN rank's [`FfnReceived::plan`](afdep_core::oracle::exchange::FfnReceived::plan) is the plan its device
+//! computed (in every arm). fp8 payloads are quantised on the device while they are stored (into the slab
 //! rows, or the source arm's final expanded rows' codes and scales, dequantised on the FFN rank
 //! after the dispatch flags); the FFN rank receives what a payload-first fp8 round delivers
-//! ([`FfnReceived::fp8`]). Stream order, fp8, the knobs and the arm rule (the same for every
+//! ([`FfnReceived::fp8`](afdep_core::oracle::exchange::FfnReceived::fp8)). Stream order, fp8, the knobs and the arm rule (the same for every
 //! payload) are documented in `fused/count_first.rs` and `docs/design.md`.
-//!
-//! The host status + counts phase still runs in a count-first round: it validates the routes
-//! (rejection on every rank before anything moves), carries the token counts of the arm rule,
-//! and its plans drive the combine and the poisoned extents of the expanded area; the dispatch
-//! itself uses only the device's counts and offsets.
 //!
 //! # Device rounds and CUDA graphs
 //!
-//! [`FusedEngine::device_round`], [`FusedEngine::capture`] and [`FusedEngine::replay`] run a whole
-//! round with no host work between its kernels: route validation on the device with the verdict
-//! shared among ranks through the workspace (a rejection, also of a non-finite fp8 row, is the same
-//! typed [`ExchangeError::Route`] on every rank, and the next round works), device counts and plan,
-//! device experts ([`DeviceExperts`]), the combine from the compact view and the routes, over
-//! capacity-sized buffers, eagerly or replayed from a CUDA graph, of one arm or of every arm with
-//! the arm chosen on the device each round ([`RoundArm::Auto`](crate::RoundArm::Auto)):
-//! `fused/device_round.rs`.
+//! `fused/device_round.rs`: the launches, the verdict, device experts ([`DeviceExperts`]),
+//! eager rounds and graphs, of one arm or of every arm with the arm chosen on the device each
+//! round ([`RoundArm::Auto`](crate::RoundArm::Auto)); `fused/device_round/host_experts.rs`:
+//! [`FusedEngine::round`].
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use afdep_core::fp8;
-use afdep_core::layout::{FfnPlan, SourceCounts, compact_slots, payload_first_slabs};
-use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
-use afdep_core::route::MASKED;
-use afdep_core::{ExchangeConfig, PayloadKind, bf16};
+use afdep_core::ExchangeConfig;
+use afdep_core::oracle::exchange::SourceInput;
 use afdep_kernels::cudarc::driver::sys::CUevent_flags;
 use afdep_kernels::cudarc::driver::{CudaEvent, CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{
-    self as fk, EpilogueSources, Expanded, Fp8Expanded, RankAddrs, SendList,
-};
+use afdep_kernels::ops::fused::{self as fk, RankAddrs};
 use afdep_kernels::ops::fused_cf::WorkUnits;
 use afdep_kernels::ops::fused_layout::FusedLayout;
-use afdep_kernels::ops::{poison, zeros};
 use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::{NvlinkIpc, Transport, TransportError};
-use tracing::debug;
 
 use crate::error::ExchangeError;
-use crate::round::{
-    DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, PhaseTimes, RoundOutput, agree,
-    apply_experts, count_phase_with_tokens,
-};
+use crate::round::{DevicePhaseTimes, DispatchArm, ExchangeEngine, ExpertFn, RoundOutput, agree};
 
 mod count_first;
 pub mod device_round;
@@ -182,21 +172,6 @@ pub const MAX_WORLD: usize = 64;
 /// [`FusedLayout::new`](afdep_kernels::ops::fused_layout::FusedLayout::new)).
 fn geometry(cfg: &ExchangeConfig) -> FusedLayout {
     FusedLayout::new(cfg)
-}
-
-/// Appends an fp8 slab row (codes, then scales: the fp8 slab row format) to the compact view:
-/// its codes and scales, and its rows dequantised on the host (the same bits as the device's,
-/// `afdep_core::fp8`).
-fn push_fp8_compact(row: &[u8], h: usize, compact_x: &mut Vec<bf16>, rx: &mut Fp8Received) {
-    let q = &row[..h];
-    let at = h.div_ceil(16) * 16;
-    let g = fp8::scales_per_row(h);
-    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
-    let mut deq = vec![bf16::ZERO; h];
-    fp8::dequantise_row(q, &sc, &mut deq);
-    compact_x.extend(deq);
-    rx.compact_q.extend_from_slice(q);
-    rx.compact_scales.extend(sc);
 }
 
 /// The fused engine of one rank; see the [module docs](self).
@@ -442,453 +417,6 @@ impl FusedEngine {
         Err(e)
     }
 
-    /// Runs one round. Attention ranks pass `Some(input)`; FFN-only ranks pass `None`.
-    /// `expert` is used on FFN ranks. Collective: every rank of the topology must call it.
-    pub fn round(
-        &mut self,
-        input: Option<&SourceInput>,
-        expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError> {
-        self.check_open()?;
-        let r = self.round_inner(input, expert);
-        if let Err(e) = &r {
-            // anything but a rejected round may leave stores or waits half done
-            if !matches!(e, ExchangeError::Route { .. }) && self.closed.is_none() {
-                self.closed = Some(e.to_string());
-            }
-        }
-        r
-    }
-
-    fn round_inner(
-        &mut self,
-        input: Option<&SourceInput>,
-        expert: &dyn ExpertFn,
-    ) -> Result<RoundOutput, ExchangeError> {
-        let rank = self.rank();
-        let cfg = self.cfg.clone();
-        let topo = cfg.topology;
-        let p = cfg.placement();
-        let nf = p.ffn_ranks;
-        let src_index = topo.attention_index(rank);
-        let ffn_index = topo.ffn_index(rank);
-        let timeout_ns = self.transport.timeout().as_nanos().min(u64::MAX as u128) as u64;
-        let mut times = PhaseTimes::default();
-        if let Some(ev) = &mut self.events {
-            ev.last = None;
-        }
-
-        // 1. status + counts
-        let t0 = Instant::now();
-        let (sources, tokens) = count_phase_with_tokens(&cfg, &mut self.transport, input)?;
-        let plans: Vec<FfnPlan> = (0..nf).map(|f| FfnPlan::build(f, &p, &sources)).collect();
-        self.round += 1;
-        let round = self.round;
-        let arm = self.arm_for(&tokens);
-        self.last_arm = arm;
-        // the device's round (every kernel reads it from the control block) follows the host's
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws + CONTROL` is this
-        // workspace's live control block.
-        unsafe {
-            afdep_kernels::ops::fused_round::bump(
-                &self.gpu,
-                self.ws + CONTROL,
-                input.map_or(0, |i| i.routes.tokens),
-            )
-        }?;
-        times.counts = t0.elapsed();
-        debug!(rank, round, %arm, "fused round");
-
-        // 2. dispatch. Count-first: the whole dispatch (count_first.rs). Payload-first: host
-        // preparation first (send lists, uploads, the poisoned expanded buffer), then the
-        // kernels of the phase.
-        let t1 = Instant::now();
-        let cf_received = match arm {
-            DispatchArm::PayloadFirst => None,
-            _ => self.count_first_dispatch(arm, input, &plans, timeout_ns)?,
-        };
-        let mut expand = None;
-        if arm == DispatchArm::PayloadFirst {
-            let send = match (src_index, input) {
-                (Some(s), Some(inp)) => Some(self.pf_send_list(s, inp, &plans)?),
-                _ => None,
-            };
-            expand = match ffn_index {
-                Some(f) => Some(self.pf_expand_buffers(f, &plans[f])?),
-                None => None,
-            };
-            self.phase_start(Phase::Dispatch)?;
-            if let Some(send) = &send {
-                self.pf_dispatch(send)?;
-            }
-            if let Some(ex) = &mut expand {
-                self.pf_copy_epilogue(ex, &plans[ex.f], round, timeout_ns)?;
-            }
-            self.phase_end(Phase::Dispatch)?;
-            if expand.is_some() {
-                self.check_fault()?;
-            } else {
-                self.gpu.synchronize()?;
-            }
-            drop(send);
-        }
-
-        // 3. the FFN rank's view of what arrived, and 4. experts (host in this version)
-        let mut received = None;
-        let mut y_rows: Vec<bf16> = Vec::new();
-        let rx = match (ffn_index, cf_received, expand) {
-            (Some(_), Some(rx), _) => Some(rx),
-            (Some(_), None, Some(ex)) => Some(self.pf_received(&ex, &plans[ex.f], &sources)?),
-            _ => None,
-        };
-        times.dispatch = t1.elapsed();
-        if let (Some(f), Some(rx)) = (ffn_index, rx) {
-            let t2 = Instant::now();
-            y_rows = apply_experts(&cfg, rank, f, &rx.plan, &rx.expanded, expert)?;
-            times.experts = t2.elapsed();
-            received = Some(rx);
-        }
-
-        // 5. combine: host preparation (the plan numbers, the routes, the poisoned output), then
-        // the partial sums (FFN ranks) and the sums of the partials (sources)
-        let t3 = Instant::now();
-        let combined = self.host_planned_combine(arm, input, &plans, &y_rows, timeout_ns)?;
-        times.combine = t3.elapsed();
-        if let Some(ev) = &mut self.events {
-            ev.last = Some(ev.read()?);
-        }
-        Ok(RoundOutput {
-            combined,
-            received,
-            times,
-        })
-    }
-
-    /// A source's payload-first send list: per row bound for an FFN rank its token, destination
-    /// rank, slab row and metadata (token, local ids, weights, expanded rows from the host
-    /// plans), uploaded with the rows (the stream is waited for: the host vectors go).
-    fn pf_send_list(
-        &self,
-        s: usize,
-        inp: &SourceInput,
-        plans: &[FfnPlan],
-    ) -> Result<PfSend, ExchangeError> {
-        let p = self.cfg.placement();
-        let topo = self.cfg.topology;
-        let k = self.cfg.top_k;
-        let mw = fk::meta_words(k);
-        let (mut token, mut dst_rank, mut slab_row, mut meta) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::<u32>::new());
-        for (f, slab) in payload_first_slabs(&inp.routes, &p).iter().enumerate() {
-            let (ids, ws) = compact_slots(&inp.routes, &p, f, slab);
-            let mut next = vec![0u64; p.experts_per_rank];
-            for (i, &t) in slab.iter().enumerate() {
-                token.push(t);
-                dst_rank.push(topo.ffn_rank(f) as u32);
-                slab_row.push(i as u32);
-                let start = meta.len();
-                meta.extend_from_slice(&[t, 0]);
-                meta.extend(ids[i * k..(i + 1) * k].iter().map(|&l| l as u32));
-                meta.extend(ws[i * k..(i + 1) * k].iter().map(|w| w.to_bits()));
-                for &l in &ids[i * k..(i + 1) * k] {
-                    let row = if l == MASKED {
-                        fk::NO_ROW
-                    } else {
-                        let l = l as usize;
-                        let r = plans[f].block_start(l, s) + next[l];
-                        next[l] += 1;
-                        r
-                    };
-                    meta.extend_from_slice(&[row as u32, (row >> 32) as u32]);
-                }
-                debug_assert_eq!(meta.len() - start, mw);
-            }
-        }
-        let rows = token.len();
-        let x = upload(&self.gpu, &inp.x)?;
-        let token_d = upload(&self.gpu, &token)?;
-        let dst_d = upload(&self.gpu, &dst_rank)?;
-        let row_d = upload(&self.gpu, &slab_row)?;
-        let meta_d = upload(&self.gpu, &meta)?;
-        // the host vectors above must live until the copies ran
-        self.gpu.synchronize()?;
-        Ok(PfSend {
-            tokens: inp.routes.tokens,
-            x,
-            token: token_d,
-            dst_rank: dst_d,
-            slab_row: row_d,
-            meta: meta_d,
-            rows,
-        })
-    }
-
-    /// FFN rank `f`'s payload-first expanded buffers, poisoned (fp8: also the codes and
-    /// scales), and its slab starts on the device.
-    fn pf_expand_buffers(&self, f: usize, plan: &FfnPlan) -> Result<PfExpand, ExchangeError> {
-        let h = self.cfg.hidden;
-        let total = plan.total_rows() as usize;
-        let mut expanded: CudaSlice<bf16> = zeros(&self.gpu, total * h)?;
-        poison(&self.gpu, &mut expanded)?;
-        let mut fp8_bufs = None;
-        if self.cfg.payload == PayloadKind::Fp8E4m3 {
-            let mut q: CudaSlice<u8> = zeros(&self.gpu, total * h)?;
-            let mut sc: CudaSlice<f32> = zeros(&self.gpu, total * fp8::scales_per_row(h))?;
-            poison(&self.gpu, &mut q)?;
-            poison(&self.gpu, &mut sc)?;
-            fp8_bufs = Some((q, sc));
-        }
-        let starts = upload(&self.gpu, &plan.slab_offsets)?;
-        self.gpu.synchronize()?;
-        Ok(PfExpand {
-            f,
-            total,
-            expanded,
-            starts,
-            fp8: fp8_bufs,
-        })
-    }
-
-    /// A source's payload-first dispatch kernels: rows into their slabs in every FFN rank's
-    /// workspace, then the dispatch flags.
-    fn pf_dispatch(&self, send: &PfSend) -> Result<(), ExchangeError> {
-        let list = SendList {
-            token: &send.token,
-            dst_rank: &send.dst_rank,
-            slab_row: &send.slab_row,
-            meta: &send.meta,
-            rows: send.rows,
-        };
-        // the dispatch stores without waiting: no wait bound
-        let addrs = self.rank_addrs(0);
-        let blocks = self.cfg.knobs.transport_sms;
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` is the live peer
-        // table; `send` comes from the host plan of this round (`dst_rank` FFN ranks below the
-        // world, slab rows below the capacity, tokens below `send.tokens`); every workspace holds
-        // the slabs of `geo`.
-        unsafe {
-            fk::dispatch(
-                &self.gpu,
-                &send.x,
-                send.tokens,
-                &list,
-                &addrs,
-                &self.geo,
-                blocks,
-            )
-        }?;
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control block
-        // `self.ws + CONTROL` are live; `ffn_ranks` holds the FFN ranks, every workspace
-        // `MAX_WORLD` flags at `DISPATCH_FLAGS`.
-        unsafe {
-            fk::signal(
-                &self.gpu,
-                self.peers,
-                &self.ffn_ranks,
-                self.cfg.placement().ffn_ranks,
-                DISPATCH_FLAGS,
-                self.rank(),
-                self.ws + CONTROL,
-            )
-        }?;
-        Ok(())
-    }
-
-    /// An FFN rank's payload-first copy epilogue: waits for every source's flag, then expands
-    /// the slabs (fp8: the codes and scales of the expanded layout beside the dequantised rows).
-    fn pf_copy_epilogue(
-        &self,
-        ex: &mut PfExpand,
-        plan: &FfnPlan,
-        round: u32,
-        timeout_ns: u64,
-    ) -> Result<(), ExchangeError> {
-        let src = EpilogueSources {
-            rank: &self.src_ranks,
-            slab_starts: &ex.starts,
-            sources: self.cfg.topology.attention_count(),
-            total: plan.total_tokens(),
-            expanded_rows: ex.total,
-        };
-        let addrs = self.rank_addrs(timeout_ns);
-        let blocks = self.cfg.knobs.epilogue_sm_cap;
-        let out = match self.cfg.payload {
-            PayloadKind::Bf16 => Expanded::Bf16(&mut ex.expanded),
-            PayloadKind::Fp8E4m3 => {
-                let (q, sc) = ex.fp8.as_mut().expect("prepared with the expanded buffer");
-                Expanded::Fp8(Fp8Expanded {
-                    q,
-                    scales: sc,
-                    dequant: &mut ex.expanded,
-                })
-            }
-        };
-        // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and its error word are
-        // live and hold the slabs of `geo` and the flags at `DISPATCH_FLAGS`; `src` is the host
-        // plan's: attention ranks, slab rows below the capacity.
-        unsafe { fk::copy_epilogue(&self.gpu, &addrs, &src, &self.geo, round, out, blocks) }?;
-        Ok(())
-    }
-
-    /// What a payload-first round delivered to FFN rank `ex.f`: the expanded rows read back and
-    /// the compact collect view, the slabs themselves (fp8: the codes and scales as stored, and
-    /// their dequantised rows).
-    fn pf_received(
-        &self,
-        ex: &PfExpand,
-        plan: &FfnPlan,
-        sources: &[SourceCounts],
-    ) -> Result<FfnReceived, ExchangeError> {
-        let (h, k) = (self.cfg.hidden, self.cfg.top_k);
-        let geo = self.geo;
-        let f = ex.f;
-        let expanded_h: Vec<bf16> = afdep_kernels::ops::download(&self.gpu, &ex.expanded)?;
-        let mut fp8_rx = match &ex.fp8 {
-            None => None,
-            Some((q, sc)) => Some(Fp8Received {
-                expanded_q: afdep_kernels::ops::download(&self.gpu, q)?,
-                expanded_scales: afdep_kernels::ops::download(&self.gpu, sc)?,
-                compact_q: Vec::new(),
-                compact_scales: Vec::new(),
-            }),
-        };
-        let (mut compact_tokens, mut compact_x, mut compact_ids, mut compact_weights) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let payload = fk::slab_payload_bytes(self.cfg.payload, h);
-        for (s, c) in sources.iter().enumerate() {
-            let n = c.ffn_tokens[f] as usize;
-            let src_rank = self.cfg.topology.attention_ranks().start + s;
-            let off = geo.slab().slab_off
-                + (src_rank as u64 * geo.slab().cap as u64) * geo.slab().row_bytes;
-            let bytes = self.read_ws(off, n * geo.slab().row_bytes as usize)?;
-            for row in bytes.chunks(geo.slab().row_bytes as usize) {
-                match fp8_rx.as_mut() {
-                    None => {
-                        compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]))
-                    }
-                    Some(rx) => push_fp8_compact(row, h, &mut compact_x, rx),
-                }
-                let m: Vec<u32> =
-                    bytemuck::pod_collect_to_vec(&row[payload..payload + 4 * fk::meta_words(k)]);
-                compact_tokens.push((s as u32, m[0]));
-                compact_ids.extend(m[2..2 + k].iter().map(|&v| v as i32));
-                compact_weights.extend(m[2 + k..2 + 2 * k].iter().map(|&v| f32::from_bits(v)));
-            }
-        }
-        Ok(FfnReceived {
-            plan: plan.clone(),
-            expanded: expanded_h,
-            compact_tokens,
-            compact_x,
-            compact_ids,
-            compact_weights,
-            fp8: fp8_rx,
-        })
-    }
-
-    /// The combine of a host-planned round: host preparation (an FFN rank's plan numbers and
-    /// expert outputs, a source's routes and poisoned output), then the partial sums (FFN ranks)
-    /// and the sums of the partials (sources). Returns a source's combined rows.
-    fn host_planned_combine(
-        &mut self,
-        arm: DispatchArm,
-        input: Option<&SourceInput>,
-        plans: &[FfnPlan],
-        y_rows: &[bf16],
-        timeout_ns: u64,
-    ) -> Result<Option<Vec<bf16>>, ExchangeError> {
-        let rank = self.rank();
-        let cfg = self.cfg.clone();
-        let topo = cfg.topology;
-        let p = cfg.placement();
-        let h = cfg.hidden;
-        let (nf, ns) = (p.ffn_ranks, topo.attention_count());
-        let (src_index, ffn_index) = (topo.attention_index(rank), topo.ffn_index(rank));
-        let (geo, knobs) = (self.geo, cfg.knobs);
-        let addrs = self.rank_addrs(timeout_ns);
-        let mut back = None;
-        if let Some(f) = ffn_index {
-            // the compact view's row offsets and (streaming: its rows are block positions) the
-            // block starts, from the host plan (the device's, where it made one, is the same)
-            let plan = &plans[f];
-            let mut numbers = plan.slab_offsets.clone();
-            numbers.extend_from_slice(&plan.block_starts);
-            let y = upload(&self.gpu, y_rows)?;
-            let nums = upload(&self.gpu, &numbers)?;
-            self.gpu.synchronize()?;
-            back = Some((y, nums, plan.total_rows() as usize, plan.slab_offsets[ns]));
-        }
-        let mut sums = None;
-        if let (Some(_), Some(inp)) = (src_index, input) {
-            let t = inp.routes.tokens;
-            let idx = upload(&self.gpu, &inp.routes.idx)?;
-            let mut out: CudaSlice<bf16> = zeros(&self.gpu, t * h)?;
-            poison(&self.gpu, &mut out)?;
-            self.gpu.synchronize()?;
-            sums = Some((t, idx, out));
-        }
-        self.phase_start(Phase::Combine)?;
-        if let (Some((y, nums, rows, compact)), Some(f)) = (&back, ffn_index) {
-            let base = device_address(&self.gpu, nums);
-            let view = fk::CompactView {
-                layout: geo,
-                sources: ns,
-                slab_offsets: base,
-                block_starts: if arm == DispatchArm::CountFirst {
-                    fk::BlockStarts::Relative(base + 8 * (ns as u64 + 1))
-                } else {
-                    fk::BlockStarts::Final
-                },
-                max_rows: *compact,
-                y: device_address(&self.gpu, y),
-                y_rows: *rows,
-            };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.peers` and the control
-            // block `self.ws + CONTROL` are live; `view`'s plan numbers are the host plan's in
-            // `nums` (`ns + 1` slab offsets, then the block starts), whose counts keep rows below
-            // the capacity, and `y` holds its `rows` expanded rows; both live in `back` until after
-            // the stream is synchronised below; every workspace holds the return areas at
-            // `geo.ret_off` and `MAX_WORLD` flags at `COMBINE_FLAGS` (raised by the kernel's
-            // last block; `src_ranks` holds the attention ranks).
-            unsafe {
-                fk::combine_reduce(
-                    &self.gpu,
-                    &addrs,
-                    &view,
-                    &self.src_ranks,
-                    f,
-                    knobs.transport_sms,
-                    true,
-                )
-            }?;
-        }
-        if let Some((t, idx, out)) = &mut sums {
-            let routes = fk::CombineRoutes {
-                idx,
-                ffn_ranks: &self.ffn_ranks,
-                ffns: nf,
-                experts_per_rank: p.experts_per_rank,
-                tokens: *t,
-            };
-            let blocks = knobs.transport_sms;
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, its control block
-            // (token count `t`, set by this round's `bump`) and its error word are live; the
-            // workspace holds `MAX_WORLD` flags at `COMBINE_FLAGS` and the return areas at
-            // `geo.ret_off`.
-            unsafe { fk::combine(&self.gpu, &addrs, &routes, &geo, out, blocks) }?;
-        }
-        self.phase_end(Phase::Combine)?;
-        let mut combined = None;
-        if let Some((_, _, out)) = sums {
-            self.check_fault()?;
-            combined = Some(afdep_kernels::ops::download(&self.gpu, &out)?);
-        } else {
-            self.gpu.synchronize()?;
-        }
-        drop(back);
-        Ok(combined)
-    }
-
     /// Turns phase timing on or off (see [`DevicePhaseTimes`]). Collective in effect: with
     /// timing on, every round adds two control-plane barriers, so every rank must set the
     /// same. Creates the events now, outside any round.
@@ -963,32 +491,6 @@ impl ExchangeEngine for FusedEngine {
     fn device_times(&self) -> Option<DevicePhaseTimes> {
         self.last_device_times()
     }
-}
-
-/// A source's payload-first send list on the device ([`FusedEngine::pf_send_list`]).
-struct PfSend {
-    /// The source's token count.
-    tokens: usize,
-    x: CudaSlice<bf16>,
-    token: CudaSlice<u32>,
-    dst_rank: CudaSlice<u32>,
-    slab_row: CudaSlice<u32>,
-    meta: CudaSlice<u32>,
-    /// Send rows.
-    rows: usize,
-}
-
-/// An FFN rank's payload-first expanded buffers ([`FusedEngine::pf_expand_buffers`]).
-struct PfExpand {
-    /// The FFN index.
-    f: usize,
-    /// Expanded rows.
-    total: usize,
-    expanded: CudaSlice<bf16>,
-    /// The slab starts (the plan's slab offsets).
-    starts: CudaSlice<u64>,
-    /// fp8: the expanded codes and scales.
-    fp8: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
 }
 
 /// The two timed phases of a round.

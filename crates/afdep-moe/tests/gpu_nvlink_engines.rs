@@ -2,7 +2,8 @@
 //! ratio on 2, 3 and 4 ranks (3A:1F, 2A:2F, 1A:3F, EP4, 2A:1F, 1A:2F, EP2, EP3) with uneven
 //! ranks, a zero-token rank, a hot expert and masked slots, bit-identical to the oracle; a
 //! rejected route fails every rank and the next round works. The same for the fused engine
-//! (payload-first kernels storing through the peer table), which must also equal the staged
+//! (`FusedEngine::round`: a device round whose experts run on the host; the arm the rule picks
+//! on the device, payload-first for these small rounds), which must also equal the staged
 //! engine bit for bit, also with phase timing on (device times after every round, none after a
 //! rejected one). bf16 combine partials in every arm: bit-identical to the oracle with bf16
 //! partials and within the bound of the exact one.
@@ -198,8 +199,8 @@ fn fused_rejects_a_too_small_workspace_on_every_rank() {
     }
 }
 
-/// bf16 combine partials in host-planned rounds of every arm (payload-first, count-first
-/// streaming, the source arm, switching from round to round on the same engines): every round
+/// bf16 combine partials in rounds with host experts (`FusedEngine::round`) of every arm
+/// (payload-first, count-first streaming, the source arm, switching from round to round on the same engines): every round
 /// bit-identical to the oracle with bf16 partials (combine and received views), within the
 /// bound of the exact (f32-partials) oracle, the same bits as it on one FFN rank and different
 /// on several. Uneven ranks, a zero-token rank, one token each, no token at all, a hot expert;

@@ -503,7 +503,7 @@ fn rejected_routes_fail_every_rank_in_graph_and_eager_rounds_and_the_next_round_
     for (i, (what, corrupt, class)) in cases.iter().enumerate() {
         let mut bad = fixed_sources(&c, &[5, 9, 7], 70 + i as u64);
         corrupt(&mut bad);
-        // the lowest rejecting rank's error, as the host-planned engines report it
+        // the lowest rejecting rank's error, as the staged engine reports it
         let err = bad
             .iter()
             .enumerate()

@@ -279,7 +279,8 @@ pub struct ExchangeArgs {
     /// kernels a `--graph` capture holds (routes validated, counts and plan made on the device),
     /// with the experts on the device as with `--graph`; rows have `mode` `device` and
     /// `round_us` from CUDA events around the round's launches. (Without it, eager rounds of the
-    /// fused engine are host-planned: status and counts on the host.)
+    /// fused engine are `FusedEngine::round`: the same device round with the experts on the
+    /// host, between the FFN rank's epilogue and its partial sums.)
     #[arg(long, conflicts_with = "graph")]
     pub device_rounds: bool,
     /// Write a timeline of every timed round to FILE as Chrome-trace / Perfetto JSON

@@ -267,7 +267,7 @@ impl ExchangeEngine for DeviceRank {
     }
 }
 
-/// This rank's fused engine of the run: host-planned eager rounds ([`fused_engine`]), or with
+/// This rank's fused engine of the run: eager rounds with host experts ([`fused_engine`]), or with
 /// `--graph` / `--device-rounds` device rounds ([`device_rank`]; device experts from
 /// `params`).
 pub(super) fn fused_rank(

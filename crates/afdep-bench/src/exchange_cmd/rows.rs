@@ -52,7 +52,7 @@ pub struct ExchangeRow {
     /// whole replay) or `host` (staged engine: wall time of the whole round, experts included,
     /// and of each phase, slowest rank).
     pub timing: String,
-    /// `eager` (host-planned rounds launched kernel by kernel), `device` (`--device-rounds`:
+    /// `eager` (`FusedEngine::round`: device rounds with host experts), `device` (`--device-rounds`:
     /// eager device rounds) or `graph` (`--graph`: replays of a captured device round); the
     /// last two have per-phase times only with `--trace` (`phases_us`).
     #[serde(default = "eager")]

@@ -5,15 +5,20 @@
 //! [`DispatchArm::CountFirstSource`]) or in per-source slabs with a per-row readiness flag that a
 //! **streaming epilogue** on the FFN rank waits for row by row ([`DispatchArm::CountFirst`]).
 //!
-//! One count-first dispatch, in stream order on every rank (a rank that is both source and FFN
-//! rank runs both columns, in this order, on its one stream, so none of its kernels waits for
-//! one queued behind it):
+//! This file holds what the device rounds' count-first arms share with the rest of the engine (the
+//! arm rule, a source's scratch, the names of the fault codes, the poisoning of the expanded
+//! area) and the read-back of what an FFN rank received; the launches themselves are the device
+//! round's (`fused/device_round.rs`, with the fronts in `fused_front.cu`).
+//!
+//! One count-first dispatch, in stream order on every rank after `afdep_round_begin` (a rank
+//! that is both source and FFN rank runs both columns, in this order, on its one stream, so none
+//! of its kernels waits for one queued behind it):
 //!
 //! 1. source: `afdep_cf_counts` (block positions, compact rows, counts from the routes on the
 //!    device; then its last block stores each FFN rank's share into that rank's counts area and
 //!    raises the count flag);
-//! 2. FFN rank: poison of the expanded area (and, for the source arm, of the slab rows it will
-//!    receive), then `afdep_cf_plan`: waits for every source's count flag, writes the plan, and
+//! 2. FFN rank (its expanded area, and in a round that may take the source arm the slab rows it
+//!    will receive, poisoned before the round): `afdep_cf_plan`: waits for every source's count flag, writes the plan, and
 //!    stores each source's block starts into the source's offsets area, then its offset flag;
 //! 3. source: `afdep_cf_dispatch`. Source arm: waits for every FFN rank's offset flag, stores
 //!    each row to its expanded rows and the compact view's metadata into its slab row, then
@@ -23,10 +28,12 @@
 //! 4. FFN rank: streaming, `afdep_cf_stream_epilogue` expands each row as its flag arrives;
 //!    source arm, `afdep_cf_wait` for every source's dispatch flag.
 //!
-//! The FFN rank then reads its plan back from the device (the [`FfnPlan`] of its
-//! [`FfnReceived`]: the device's numbers, which the tests compare with the host's), the
-//! expanded rows and the compact view (the slab rows; in the source arm the slabs hold only the
-//! metadata and each compact row's payload is read from its first expanded row).
+//! An FFN rank's [`FfnReceived`] (`FusedEngine::read_received`: in
+//! [`FusedEngine::round`] before its host experts run, from the slabs; in a device round with
+//! `keep_received`, from the snapshot) holds its device plan (the [`FfnPlan`]: the device's
+//! numbers, which the tests compare with the oracle's), the expanded rows and the compact view
+//! (the slab rows; in the source arm the slabs hold only the metadata and each compact row's
+//! payload is read from its first expanded row).
 //!
 //! # fp8 payloads
 //!
@@ -48,18 +55,17 @@
 //! dequantised, [`FfnReceived::fp8`] with the codes and scales of the expanded layout and of
 //! the compact view (streaming: the slab rows' codes and scales, dequantised on the host for
 //! `compact_x`; source arm: those of each token's first expanded row). A non-finite value in a
-//! travelling row is rejected by the host status + counts phase before anything moves
-//! ([`afdep_core::RouteError::NonFinitePayload`]). Combine is bf16 out, f32 sums, as for bf16.
+//! travelling row is rejected on the device before anything moves (`afdep_round_check_payload`,
+//! [`afdep_core::RouteError::NonFinitePayload`] on every rank). Combine is bf16 out, f32 sums, as for bf16.
 //!
 //! # Arm selection
 //!
 //! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
 //! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
-//! payload-first below it, for bf16 and fp8 payloads alike. The token counts come from the host
-//! status + counts phase, which every rank runs, so every rank picks the same arm.
+//! payload-first below it, for bf16 and fp8 payloads alike. The token counts travel in the
+//! device rounds' status records, which every rank reads, so every rank picks the same arm.
 //! [`FusedEngine::set_arm`] overrides the rule (every rank must then set the same arm, like the
-//! configuration; a rank that does not
-//! makes the round fail with a [`ExchangeError::DeviceTimeout`]).
+//! configuration; ranks that do not all skip the round with [`ExchangeError::ArmsDiffer`]).
 //!
 //! # Knobs
 //!
@@ -72,21 +78,17 @@
 //!   offsets arrived (the rows then never overtake the counts); off, rows stream as soon as
 //!   the counts are published. The source arm always waits (it needs the offsets).
 //! - `min_token_bucket`: the arm rule above.
-//!
-//! The host status + counts phase still runs before every count-first round: it validates the
-//! routes (a rejected route fails every rank before anything moves) and its plans serve the
-//! combine; the dispatch itself uses only the device's counts and offsets.
 
 use afdep_core::layout::FfnPlan;
-use afdep_core::oracle::exchange::{FfnReceived, Fp8Received, SourceInput};
+use afdep_core::oracle::exchange::{FfnReceived, Fp8Received};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16, fp8};
 use afdep_kernels::cudarc::driver::{CudaSlice, result as cures};
-use afdep_kernels::ops::fused::{self as fk, SlabGeometry};
-use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource, FfnRanks};
+use afdep_kernels::ops::fused as fk;
+use afdep_kernels::ops::fused_cf as cf;
 use afdep_kernels::ops::zeros;
 use afdep_kernels::{GpuContext, KernelError};
 
-use super::{DISPATCH_FLAGS, FusedEngine, upload};
+use super::FusedEngine;
 use crate::error::ExchangeError;
 use crate::round::DispatchArm;
 
@@ -133,6 +135,21 @@ fn le_u64(b: &[u8]) -> Vec<u64> {
     bytemuck::pod_collect_to_vec(b)
 }
 
+/// Appends an fp8 slab row (codes, then scales: the fp8 slab row format) to the compact view:
+/// its codes and scales, and its values dequantised on the host (the same bits as the
+/// device's, `afdep_core::fp8`).
+fn push_fp8_compact(row: &[u8], h: usize, compact_x: &mut Vec<bf16>, rx: &mut Fp8Received) {
+    let q = &row[..h];
+    let at = h.div_ceil(16) * 16;
+    let g = fp8::scales_per_row(h);
+    let sc: Vec<f32> = bytemuck::pod_collect_to_vec(&row[at..at + 4 * g]);
+    let mut deq = vec![bf16::ZERO; h];
+    fp8::dequantise_row(q, &sc, &mut deq);
+    compact_x.extend(deq);
+    rx.compact_q.extend_from_slice(q);
+    rx.compact_scales.extend(sc);
+}
+
 impl FusedEngine {
     /// Overrides the arm rule for the following rounds (`None`: [`DispatchArm::select`]).
     /// Every rank must set the same arm.
@@ -143,11 +160,6 @@ impl FusedEngine {
     /// The arm the last round ran (payload-first before the first round).
     pub fn last_arm(&self) -> DispatchArm {
         self.last_arm
-    }
-
-    /// The arm of a round whose sources have `tokens` tokens each.
-    pub(super) fn arm_for(&self, tokens: &[u64]) -> DispatchArm {
-        self.arm.unwrap_or_else(|| rule(&self.cfg, tokens))
     }
 
     pub(super) fn poison_ws(&self, offset: u64, bytes: u64) -> Result<(), ExchangeError> {
@@ -185,197 +197,8 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// The count-first dispatch of one round (the [module docs](self)); FFN ranks get what
-    /// they received. `host_plans`: the host's plans of the round (only the poisoned extent
-    /// comes from them).
-    pub(super) fn count_first_dispatch(
-        &mut self,
-        arm: DispatchArm,
-        input: Option<&SourceInput>,
-        host_plans: &[FfnPlan],
-        timeout_ns: u64,
-    ) -> Result<Option<FfnReceived>, ExchangeError> {
-        let rank = self.rank();
-        let cfg = self.cfg.clone();
-        let topo = cfg.topology;
-        let p = cfg.placement();
-        let (h, k) = (cfg.hidden, cfg.top_k);
-        let (nf, ns, epr) = (p.ffn_ranks, topo.attention_count(), p.experts_per_rank);
-        let knobs = cfg.knobs;
-        let a = self.geo;
-        let slab: SlabGeometry = self.geo.slab();
-        let addrs = self.rank_addrs(timeout_ns);
-        let src_index = topo.attention_index(rank);
-        let ffn_index = topo.ffn_index(rank);
-        let need = fk::slab_row_bytes_for(cfg.payload, h, k) as u64;
-        if slab.row_bytes < need {
-            return Err(ExchangeError::Input {
-                rank,
-                what: format!(
-                    "count-first needs {} slab rows of {need} bytes, the workspace has {}",
-                    cfg.payload, slab.row_bytes
-                ),
-            });
-        }
-
-        // host preparation first (uploads, the poisoned areas), then the phase's kernels back
-        // to back (what phase timing measures, as in payload-first)
-        let mut keep = None;
-        if let (Some(_), Some(inp)) = (src_index, input) {
-            let x = upload(&self.gpu, &inp.x)?;
-            let idx = upload(&self.gpu, &inp.routes.idx)?;
-            let w = upload(&self.gpu, &inp.routes.weights)?;
-            keep = Some((x, idx, w));
-        }
-        if let Some(f) = ffn_index {
-            let total = host_plans[f].total_rows().min(a.exp_rows);
-            self.poison_expanded(total)?;
-            if arm == DispatchArm::CountFirstSource {
-                for (s, r) in topo.attention_ranks().enumerate() {
-                    let n = (host_plans[f].slab_offsets[s + 1] - host_plans[f].slab_offsets[s])
-                        .min(u64::from(slab.cap));
-                    let off = slab.slab_off + r as u64 * u64::from(slab.cap) * slab.row_bytes;
-                    self.poison_ws(off, n * slab.row_bytes)?;
-                }
-            }
-        }
-        self.phase_start(super::Phase::Dispatch)?;
-
-        // the source's rows, routes and scratch of the round (counts and rows below)
-        let cf_src = match (&keep, input) {
-            (Some((x, idx, w)), Some(inp)) => {
-                let scratch = self
-                    .cf_scratch
-                    .as_ref()
-                    .ok_or_else(|| ExchangeError::Input {
-                        rank,
-                        what: "no count-first scratch on an attention rank".into(),
-                    })?;
-                Some(CfSource {
-                    tokens: inp.routes.tokens,
-                    x,
-                    idx,
-                    weight: w,
-                    slot_pos: &scratch.slot_pos,
-                    tok_row: &scratch.tok_row,
-                    counts: &scratch.counts,
-                })
-            }
-            _ => None,
-        };
-        let ffns = FfnRanks {
-            ranks: &self.ffn_ranks,
-            count: nf,
-            experts_per_rank: epr,
-        };
-
-        // 1. source: counts on the device, published (the kernel's last block)
-        if let Some(src) = &cf_src {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs.ctl` is this
-            // workspace's live control block (the host validated the routes and bumped the round
-            // to `inp.routes.tokens` tokens, which `src`'s buffers hold), `addrs.peers` the live
-            // peer table; `ffns` holds the `nf` FFN ranks and `rank` is below the world; every
-            // workspace holds the count-first areas `a` of `geometry`.
-            unsafe { cf::counts(&self.gpu, src, &ffns, &addrs, k, &a, knobs.transport_sms) }?;
-        }
-
-        // 2. FFN rank: plan, offsets
-        if ffn_index.is_some() {
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `self.peers`, `ctl`
-            // and `err` (this workspace's control block and error word) are live; every workspace
-            // holds the areas `a` for `ns` sources and `epr` experts; `src_ranks` holds the `ns`
-            // attention ranks.
-            unsafe {
-                cf::plan(
-                    &self.gpu,
-                    &addrs,
-                    &self.src_ranks,
-                    ns,
-                    epr,
-                    &a,
-                    cf::PlanWait::None,
-                )
-            }?;
-        }
-
-        // 3. source: the rows
-        if let Some(src) = &cf_src {
-            let mode = match arm {
-                DispatchArm::CountFirstSource => CfMode::Source,
-                _ => CfMode::Stream {
-                    gate: knobs.payload_gate,
-                    signal: false,
-                },
-            };
-            // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` (this workspace, the
-            // peer table, its control block and error word) are live; every workspace holds the
-            // slabs `slab` and the areas `a` (fp8 areas 16-byte aligned: `geometry` aligns every
-            // area to 256); `ffns` holds the `nf` FFN ranks; `src` holds what `cf::counts` wrote
-            // above on this stream; every workspace holds `MAX_WORLD` flags at `DISPATCH_FLAGS`
-            // (the source arm's, raised by the kernel's last block).
-            unsafe { cf::dispatch(&self.gpu, src, &ffns, &addrs, &a, mode, knobs.transport_sms) }?;
-        }
-
-        // 4. FFN rank: the streaming epilogue, or the wait for the source arm's rows (fp8: then
-        // their dequantisation)
-        if ffn_index.is_some() {
-            if arm == DispatchArm::CountFirstSource {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws`, `ctl` and `err`
-                // are live; `src_ranks` holds the `ns` attention ranks, the workspace `MAX_WORLD`
-                // flags at `DISPATCH_FLAGS`.
-                unsafe {
-                    cf::wait(
-                        &self.gpu,
-                        &addrs,
-                        &self.src_ranks,
-                        ns,
-                        DISPATCH_FLAGS,
-                        cf::fault::SOURCE_WAIT,
-                    )
-                }?;
-                if cfg.payload == PayloadKind::Fp8E4m3 {
-                    // SAFETY: the engine's launch invariant (`FusedEngine`): `self.ws` and `ctl`
-                    // are live; the workspace holds the fp8 areas `a`, and `cf::plan` above wrote
-                    // the plan on this stream.
-                    unsafe { cf::dequant(&self.gpu, &addrs, ns, epr, &a, knobs.epilogue_sm_cap) }?;
-                }
-            } else {
-                // SAFETY: the engine's launch invariant (`FusedEngine`): `addrs` (this workspace,
-                // its control block and error word) are live; the workspace holds the slabs `slab`
-                // and the areas `a`, `cf::plan` above wrote the plan on this stream; `src_ranks`
-                // holds the `ns` attention ranks.
-                unsafe {
-                    cf::stream_epilogue(
-                        &self.gpu,
-                        &addrs,
-                        &cf::SourceRanks {
-                            ranks: &self.src_ranks,
-                            count: ns,
-                            experts_per_rank: epr,
-                        },
-                        &a,
-                        &super::work_units(&knobs),
-                        None,
-                    )
-                }?;
-            }
-        }
-        self.phase_end(super::Phase::Dispatch)?;
-        self.check_fault()?;
-        drop(keep);
-        let Some(f) = ffn_index else {
-            return Ok(None);
-        };
-        let row_bytes = slab.row_bytes;
-        let read_slab = |r: usize, n: usize| {
-            let off = slab.slab_off + r as u64 * u64::from(slab.cap) * row_bytes;
-            self.read_ws(off, n * row_bytes as usize)
-        };
-        Ok(Some(self.read_received(f, arm, &read_slab)?))
-    }
-
-    /// What FFN rank `f` received in a round of the count-first layout (the plan its device
-    /// computed, the expanded area, the compact view), read back after the dispatch: the slab
+    /// What FFN rank `f` received in a device round of arm `arm` (the plan its device
+    /// computed, the expanded area, the compact view), read back after the epilogue: the slab
     /// rows of source rank r come from `read_slab(r, rows)` (the workspace, or a device round's
     /// snapshot). In the source arm the slab rows hold only the metadata, and each compact row's
     /// payload is read from its first expanded row.
@@ -482,7 +305,7 @@ impl FusedEngine {
                         }
                     }
                 } else if let Some(rx) = fp8_rx.as_mut() {
-                    super::push_fp8_compact(row, h, &mut compact_x, rx);
+                    push_fp8_compact(row, h, &mut compact_x, rx);
                 } else {
                     compact_x.extend(bytemuck::pod_collect_to_vec::<u8, bf16>(&row[..2 * h]));
                 }

@@ -1,6 +1,10 @@
 //! Device rounds of the fused engine: a whole dispatch + combine round with no host work between
 //! its kernels, eager ([`FusedEngine::device_round`]) or captured once in a CUDA graph and
-//! replayed ([`FusedEngine::capture`], [`FusedEngine::replay`]).
+//! replayed ([`FusedEngine::capture`], [`FusedEngine::replay`]). Every round of the engine is
+//! one: [`FusedEngine::round`] (the [`ExchangeEngine`](crate::ExchangeEngine) API, experts an
+//! [`ExpertFn`](crate::ExpertFn) on the host) runs the same launches in two halves,
+//! `launch_round` with `Part::Front` (steps 1 and 2 below) and `Part::Back` (3 and 4), with the
+//! host's experts between them instead of the device experts (`device_round/host_experts.rs`).
 //!
 //! A device round reads its inputs from fixed device buffers sized by the capacity (the
 //! worst case): the caller's rows, routes and token count are copied there before the round
@@ -16,7 +20,7 @@
 //!    request to every rank's status area and reads all of them (bounded). A rejection anywhere
 //!    makes every rank skip the data phases (every later kernel of the round returns at once),
 //!    and every rank returns [`ExchangeError::Route`] with the lowest rejecting rank's error:
-//!    the same error as the host-planned round's. The round number still advanced on every
+//!    the same error as the staged engine's. The round number still advanced on every
 //!    rank, so the next round works. From the same records every rank derives the same arm of
 //!    the round ([One graph for every arm](self#one-graph-for-every-arm)); ranks that asked for
 //!    different arms all skip the round with [`ExchangeError::ArmsDiffer`].
@@ -38,7 +42,8 @@
 //! With [`DeviceRoundOptions::keep_received`], the FFN rank also copies its slabs (the compact
 //! view) into a snapshot buffer before it raises its combine flag (after that flag a source may
 //! start the next round's stores into them), so that [`RoundOutput::received`] can be read
-//! back after the round, as in a host-planned round.
+//! back after the round, as [`FusedEngine::round`] reads it from the slabs themselves before
+//! its host experts run (no snapshot there).
 //!
 //! # Graphs
 //!
@@ -115,8 +120,7 @@
 //!
 //! # fp8 payloads
 //!
-//! Every arm carries fp8 rows as the host-planned count-first round does (`fused/count_first.rs`,
-//! "fp8 payloads"): each row quantised on the device while it is stored, codes and scales
+//! Every arm carries fp8 rows as documented in `fused/count_first.rs` ("fp8 payloads"): each row quantised on the device while it is stored, codes and scales
 //! expanded beside the dequantised bf16 rows, which are what the device experts consume (the
 //! oracle's fp8 exchange: experts on `bf16(f32(q) · scale)`); [`RoundOutput::received`] holds
 //! the codes and scales of both views. Combine is bf16 out, f32 sums.
@@ -143,6 +147,7 @@ use super::{CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
 use crate::round::{DispatchArm, PhaseTimes, RoundArm, RoundOutput, RoundTrace, TracePhase};
 
+mod host_experts;
 mod pipelined;
 
 /// The experts an FFN rank applies on the device in a device round.
@@ -414,6 +419,10 @@ pub(crate) struct SwigluBufs {
 #[derive(Debug)]
 pub(super) struct DeviceRound {
     id: u64,
+    /// Made by [`FusedEngine::round`] without [`FusedEngine::prepare_device`]: buffers for
+    /// rounds whose experts run on the host only (no device experts: the FFN rank's expert
+    /// output buffer is one element), which device rounds, graphs and staged rounds refuse.
+    host_only: bool,
     keep_received: bool,
     /// The arm gates (`fr::ARM_GATES` control blocks, written by `afdep_round_begin`).
     gates: CudaSlice<u32>,
@@ -520,7 +529,7 @@ impl FusedEngine {
     /// the end): every rank of the group calls it before its first device round.
     pub fn prepare_device(&mut self, opts: DeviceRoundOptions) -> Result<(), ExchangeError> {
         let rank = self.rank();
-        if self.device.is_some() {
+        if self.device.as_ref().is_some_and(|d| !d.host_only) {
             return Err(ExchangeError::Input {
                 rank,
                 what: "device rounds are prepared already".into(),
@@ -528,7 +537,7 @@ impl FusedEngine {
         }
         let cfg = self.cfg.clone();
         let p = cfg.placement();
-        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        let h = cfg.hidden;
         let ones = vec![1.0f32; cfg.experts];
         let scales: &[f32] = match &opts.experts {
             DeviceExperts::Scale(s) => s,
@@ -559,19 +568,7 @@ impl FusedEngine {
                 ),
             });
         }
-        let src = match cfg.topology.attention_index(rank) {
-            Some(_) => Some(SourceBufs {
-                x: zeros(&self.gpu, (cap * h).max(1))?,
-                idx: zeros(&self.gpu, (cap * k).max(1))?,
-                w: zeros(&self.gpu, (cap * k).max(1))?,
-                out: zeros(&self.gpu, (cap * h).max(1))?,
-                payload: match cfg.payload {
-                    PayloadKind::Bf16 => None,
-                    PayloadKind::Fp8E4m3 => Some(zeros(&self.gpu, fr::PAYLOAD_STATE_WORDS)?),
-                },
-            }),
-            None => None,
-        };
+        let src = self.source_bufs()?;
         let ffn = match cfg.topology.ffn_index(rank) {
             Some(f) => {
                 let local = &scales[p.experts_of(f)];
@@ -606,9 +603,74 @@ impl FusedEngine {
         self.gpu.synchronize()?;
         // kernels loaded (the GEMM's at its warm-up) on every rank before any round
         self.transport.barrier()?;
+        // only now, with everything above done, the buffers `round` made for its host experts
+        // go (their timer and tracer stay): a failed preparation leaves the engine as it was
+        let (timer, trace) = match self.device.take() {
+            Some(d) => (d.timer, d.trace),
+            None => (None, None),
+        };
         self.device = Some(DeviceRound {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            host_only: false,
             keep_received: opts.keep_received,
+            gates,
+            timer,
+            trace,
+            staging: None,
+            src,
+            ffn,
+            queued: None,
+        });
+        Ok(())
+    }
+
+    /// A source's capacity-sized input and output buffers (`None` on an FFN-only rank).
+    fn source_bufs(&self) -> Result<Option<SourceBufs>, ExchangeError> {
+        let cfg = &self.cfg;
+        let (h, k, cap) = (cfg.hidden, cfg.top_k, cfg.capacity);
+        if cfg.topology.attention_index(self.rank()).is_none() {
+            return Ok(None);
+        }
+        Ok(Some(SourceBufs {
+            x: zeros(&self.gpu, (cap * h).max(1))?,
+            idx: zeros(&self.gpu, (cap * k).max(1))?,
+            w: zeros(&self.gpu, (cap * k).max(1))?,
+            out: zeros(&self.gpu, (cap * h).max(1))?,
+            payload: match cfg.payload {
+                PayloadKind::Bf16 => None,
+                PayloadKind::Fp8E4m3 => Some(zeros(&self.gpu, fr::PAYLOAD_STATE_WORDS)?),
+            },
+        }))
+    }
+
+    /// The device-round state of [`FusedEngine::round`] on an engine without
+    /// [`FusedEngine::prepare_device`] ([`DeviceRound::host_only`]): a source's buffers, an FFN
+    /// rank's placeholder expert buffers (its experts run on the host, their outputs come
+    /// with each round), the arm gates. Not collective: every buffer comes from the stream's
+    /// allocator, no kernel is loaded (every fused kernel was at set-up), and the round that
+    /// follows meets its peers on the device.
+    fn prepare_host_rounds(&mut self) -> Result<(), ExchangeError> {
+        let rank = self.rank();
+        let src = self.source_bufs()?;
+        // the scales of the device experts, which never run on these buffers (they stay
+        // until the stream was waited for below)
+        let ones = vec![1.0f32; self.cfg.placement().experts_per_rank.max(1)];
+        let ffn = match self.cfg.topology.ffn_index(rank) {
+            Some(_) => Some(FfnBufs {
+                scale: upload(&self.gpu, &ones)?,
+                y: zeros(&self.gpu, 1)?,
+                identity: false,
+                snapshot: None,
+                swiglu: None,
+            }),
+            None => None,
+        };
+        let gates = zeros(&self.gpu, ARM_GATES * CTL_WORDS)?;
+        self.gpu.synchronize()?;
+        self.device = Some(DeviceRound {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            host_only: true,
+            keep_received: false,
             gates,
             timer: None,
             trace: None,
@@ -786,7 +848,7 @@ impl FusedEngine {
         let arm = arm.into();
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(arm, Feed::Host(input))?;
+            let local = eng.load_input(arm, Feed::Host(input), true)?;
             eng.clear_trace(None)?;
             eng.round_event(true)?;
             eng.launch_device_round(arm)?;
@@ -863,7 +925,7 @@ impl FusedEngine {
         self.check_graph(graph)?;
         self.guarded(|eng| {
             let t0 = Instant::now();
-            let local = eng.load_input(graph.arm, Feed::Host(input))?;
+            let local = eng.load_input(graph.arm, Feed::Host(input), true)?;
             bind(&eng.gpu)?;
             eng.clear_trace(Some(graph.trace_order.as_deref()))?;
             eng.round_event(true)?;
@@ -967,7 +1029,7 @@ impl FusedEngine {
         // SAFETY: both are live streams of the bound context (the caller's contract).
         unsafe { order_streams(stream, own)? };
         let queued = (|| -> Result<Option<ExchangeError>, ExchangeError> {
-            let local = self.load_input(arm, Feed::Device(input))?;
+            let local = self.load_input(arm, Feed::Device(input), true)?;
             self.clear_trace(graph.map(|g| g.trace_order.as_deref()))?;
             self.round_event(true)?;
             match graph {
@@ -1055,8 +1117,23 @@ impl FusedEngine {
         r
     }
 
+    /// `Input` unless device rounds are prepared ([`FusedEngine::prepare_device`]) and no round
+    /// queued without waiting is unfinished.
     pub(super) fn check_device(&self, _arm: RoundArm) -> Result<(), ExchangeError> {
+        self.check_ready(true)
+    }
+
+    /// `Input` unless this rank has device-round state (with `device_experts`: from
+    /// [`FusedEngine::prepare_device`], not only [`FusedEngine::round`]'s) and no round queued
+    /// without waiting is unfinished.
+    fn check_ready(&self, device_experts: bool) -> Result<(), ExchangeError> {
         match &self.device {
+            Some(d) if device_experts && d.host_only => Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "device rounds need FusedEngine::prepare_device first (FusedEngine::round \
+                       prepared buffers for host experts only)"
+                    .into(),
+            }),
             None => Err(ExchangeError::Input {
                 rank: self.rank(),
                 what: "device rounds need FusedEngine::prepare_device first".into(),
@@ -1076,13 +1153,15 @@ impl FusedEngine {
     /// rule) into the control block, and poisons the outputs. A source whose input does not fit
     /// its shape gets its error back after the round (`Some`), and its token count is set above
     /// the capacity, so that every rank rejects the round (over capacity) instead of waiting
-    /// for it.
+    /// for it. `device_experts`: the round's FFN ranks run device experts (every round but
+    /// [`FusedEngine::round`]'s), which needs [`FusedEngine::prepare_device`].
     fn load_input(
         &mut self,
         arm: RoundArm,
         input: Feed<'_>,
+        device_experts: bool,
     ) -> Result<Option<ExchangeError>, ExchangeError> {
-        self.check_device(arm)?;
+        self.check_ready(device_experts)?;
         let rank = self.rank();
         let (h, k, cap) = (self.cfg.hidden, self.cfg.top_k, self.cfg.capacity);
         let is_src = self.cfg.topology.attention_index(rank).is_some();
@@ -1265,6 +1344,18 @@ impl FusedEngine {
     /// control block when the round takes no other arm, else with the gate of its arms among
     /// the round's ([`arm_gate`]).
     pub(super) fn launch_device_round(&mut self, arm: RoundArm) -> Result<(), ExchangeError> {
+        self.launch_round(arm, Part::Whole)
+    }
+
+    /// The launches of `part` of one device round ([`FusedEngine::launch_device_round`]): the
+    /// whole round, or its two halves on either side of the host experts of
+    /// [`FusedEngine::round`] ([`Part`]).
+    pub(super) fn launch_round(&mut self, arm: RoundArm, part: Part) -> Result<(), ExchangeError> {
+        let (front, back, host_y) = match part {
+            Part::Whole => (true, true, None),
+            Part::Front => (true, false, None),
+            Part::Back(y) => (false, true, y),
+        };
         let rank = self.rank();
         let cfg = &self.cfg;
         let topo = cfg.topology;
@@ -1299,11 +1390,11 @@ impl FusedEngine {
         let gate = |arms: u32| arm_gate(ctl, gates, round_arms, arms);
 
         // with tracing on: a stamp before the first launch and after each phase
-        if let Some(t) = d.trace.as_mut().filter(|t| t.on) {
+        if let Some(t) = d.trace.as_mut().filter(|t| t.on && front) {
             t.start(gpu)?;
         }
         // 0. source, fp8: the payload check (its word is the verdict word of valid routes)
-        if let (Some(s), Some(b)) = (src_index, d.src.as_mut()) {
+        if let (true, Some(s), Some(b)) = (front, src_index, d.src.as_mut()) {
             if let Some(st) = b.payload.as_mut() {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `ctl` is this workspace's
                 // live control block.
@@ -1354,7 +1445,9 @@ impl FusedEngine {
             }),
             _ => None,
         };
-        if use_fronts {
+        if !front {
+            // the round's start to its rows and epilogue were launched before (`Part::Front`)
+        } else if use_fronts {
             let start = FrontStart {
                 r: &addrs,
                 world,
@@ -1436,12 +1529,12 @@ impl FusedEngine {
             }
         }
         // 6. FFN: snapshot, experts, the combine's partial sums, combine flags
-        if let (Some(f), Some(fb)) = (ffn_index, d.ffn.as_mut()) {
-            l.ffn_combine(f, fb)?;
+        if let (true, Some(f), Some(fb)) = (back, ffn_index, d.ffn.as_mut()) {
+            l.ffn_combine(f, fb, host_y)?;
             trace::mark(&mut d.trace, gpu, TracePhase::Experts)?;
         }
         // 7. source: the combine
-        if let Some(b) = d.src.as_mut() {
+        if let (true, Some(b)) = (back, d.src.as_mut()) {
             l.source_combine(b)?;
             trace::mark(&mut d.trace, gpu, TracePhase::Combine)?;
         }
@@ -1464,6 +1557,20 @@ impl FusedEngine {
         input: Option<&SourceInput>,
         local: Option<ExchangeError>,
         t0: Instant,
+    ) -> Result<RoundOutput, ExchangeError> {
+        self.finish_round(arm, input, local, t0, None)
+    }
+
+    /// [`FusedEngine::finish_device_round`]; an FFN rank's `received` when the host read it
+    /// during the round ([`FusedEngine::round`]), else the snapshot's (with
+    /// [`DeviceRoundOptions::keep_received`]).
+    fn finish_round(
+        &mut self,
+        arm: RoundArm,
+        input: Option<&SourceInput>,
+        local: Option<ExchangeError>,
+        t0: Instant,
+        host_received: Option<afdep_core::oracle::exchange::FfnReceived>,
     ) -> Result<RoundOutput, ExchangeError> {
         let rank = self.rank();
         self.round += 1;
@@ -1497,6 +1604,7 @@ impl FusedEngine {
             d.keep_received,
             d.ffn.as_ref(),
         ) {
+            _ if host_received.is_some() => host_received,
             (Some(f), true, Some(fb)) => {
                 let snap: Vec<u8> = match &fb.snapshot {
                     Some(s) => download(&self.gpu, s)?,
@@ -1608,6 +1716,30 @@ pub(super) fn verdict(rank: usize, ctl: &[u32]) -> Result<(), ExchangeError> {
             what: format!("device round verdict {v} without a recorded fault"),
         }),
     }
+}
+
+/// Which launches of a device round [`FusedEngine::launch_round`] queues.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Part {
+    /// The whole round, with the device experts ([`FusedEngine::launch_device_round`]).
+    Whole,
+    /// Steps 0 to 5 of the [module docs](self): the payload check, the start (validation,
+    /// verdict, arm), counts, plan, rows and epilogue (one front kernel per single-role rank,
+    /// [`FusedEngine::set_fronts`], or a launch per phase); on an FFN rank the expanded rows
+    /// are complete once they have run.
+    Front,
+    /// Steps 6 and 7: the FFN rank's expert outputs and partial sums, the source's combine.
+    /// `Some`: the expert outputs were computed on the host ([`HostY`]): no snapshot and no
+    /// expert kernel, the partial sums read them; `None`: the device experts.
+    Back(Option<HostY>),
+}
+
+/// Expert outputs computed on the host and uploaded for one round ([`FusedEngine::round`]):
+/// `rows` × hidden bf16 at device address `y`, in expanded order (the device plan's rows).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HostY {
+    pub(super) y: u64,
+    pub(super) rows: usize,
 }
 
 /// What the launches of one device round share ([`FusedEngine::launch_device_round`]): the
@@ -1862,14 +1994,21 @@ impl Launch<'_> {
 
     /// FFN rank `f`: the snapshot of the compact view, the experts, the combine's partial sums
     /// (one launch per kind of compact view, each gated to its arms) and the combine flags (the
-    /// last block of the one that runs).
-    fn ffn_combine(&self, f: usize, fb: &mut FfnBufs) -> Result<(), ExchangeError> {
+    /// last block of the one that runs). With `host_y` the experts ran on the host: no snapshot
+    /// (the host read the compact view from the slabs before), no expert kernel, and the
+    /// partial sums read `host_y`.
+    fn ffn_combine(
+        &self,
+        f: usize,
+        fb: &mut FfnBufs,
+        host_y: Option<HostY>,
+    ) -> Result<(), ExchangeError> {
         let (gpu, cfg, knobs) = (self.gpu, self.cfg, self.cfg.knobs);
         let p = cfg.placement();
         let cap = cfg.capacity;
         let (ns, epr) = (cfg.topology.attention_count(), p.experts_per_rank);
         let (ws, slab, a) = (self.r.ws, self.a.slab(), &self.a);
-        if let Some(snap) = fb.snapshot.as_mut() {
+        if let (None, Some(snap)) = (host_y, fb.snapshot.as_mut()) {
             let first = cfg.topology.attention_ranks().start as u64;
             let off = slab.slab_off + first * u64::from(slab.cap) * slab.row_bytes;
             let bytes = ns * slab.cap as usize * slab.row_bytes as usize;
@@ -1889,9 +2028,9 @@ impl Launch<'_> {
             epr,
             sources: ns,
         };
-        match (fb.identity, fb.swiglu.as_mut()) {
-            (true, _) => {}
-            (false, None) => {
+        match (host_y, fb.identity, fb.swiglu.as_mut()) {
+            (Some(_), _, _) | (None, true, _) => {}
+            (None, false, None) => {
                 // SAFETY: the engine's launch invariant (`FusedEngine`): `pv.ws` and `self.r.ctl`
                 // are live; `pv` names the plan and expanded area of `geometry`'s count-first
                 // areas, the plan written earlier on this stream.
@@ -1906,12 +2045,12 @@ impl Launch<'_> {
                     )
                 }?
             }
-            (false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
+            (None, false, Some(sw)) => swiglu(gpu, &pv, sw, &mut fb.y)?,
         }
-        let y = if fb.identity {
-            ws + a.expanded
-        } else {
-            super::device_address(gpu, &fb.y)
+        let (y, y_rows) = match host_y {
+            Some(h) => (h.y, h.rows),
+            None if fb.identity => (ws + a.expanded, a.exp_rows as usize),
+            None => (super::device_address(gpu, &fb.y), a.exp_rows as usize),
         };
         // the compact view's rows hold block positions, except the source arm's (final
         // rows): one launch per kind, each gated to its arms
@@ -1938,15 +2077,16 @@ impl Launch<'_> {
                 block_starts,
                 max_rows: (ns * cap) as u64,
                 y,
-                y_rows: a.exp_rows as usize,
+                y_rows,
             };
             let r = self.r.gated(c);
             // SAFETY: the engine's launch invariant (`FusedEngine`): `ws` (`r.ws`) and the peer
             // table are live, `c` is the control block or one of the live arm gates of `d.gates`
             // (`arm_gate`); `view`'s plan numbers are the plan's, in this workspace, whose counts
             // keep rows below the capacity; `y` is `fb.y` or the expanded area, both `a.exp_rows`
-            // rows; every workspace holds the return areas at `a.ret_off`, `src_ranks` the `ns`
-            // attention ranks.
+            // rows, or the host experts' outputs, which hold the `y_rows` rows of this round's
+            // device plan (every row its compact view names); every workspace holds the return
+            // areas at `a.ret_off`, `src_ranks` the `ns` attention ranks.
             // the combine flags: raised by the kernel's last block (every workspace holds
             // `MAX_WORLD` flags at `COMBINE_FLAGS`)
             let blocks = knobs.transport_sms;

@@ -1,5 +1,5 @@
-//! The status + counts phase every engine's round starts with: validation, the error word and
-//! every source's counts in one all-gather.
+//! The status + counts phase the staged and NCCL device engines start with: validation, the error word
+//! and every source's counts in one all-gather over the transport's control plane.
 
 use afdep_core::error::ROUTE_ERROR_WORDS;
 use afdep_core::layout::SourceCounts;
@@ -11,25 +11,16 @@ use tracing::debug;
 
 use crate::error::ExchangeError;
 
-/// The status + counts phase common to the engines, collective: each attention rank validates
-/// its input and routes and publishes its error word and its [`SourceCounts`] in one
+/// The status + counts phase of the staged and NCCL device engines, collective: each attention rank
+/// validates its input and routes and publishes its error word and its [`SourceCounts`] in one
 /// all-gather. Returns every source's counts, or [`ExchangeError::Route`] on every rank with the
-/// error of the lowest-numbered rejecting rank.
+/// error of the lowest-numbered rejecting rank. (The fused engine runs the same validation on
+/// the device, `afdep_round_begin`, with the same errors.)
 pub(crate) fn count_phase<T: Transport>(
     cfg: &ExchangeConfig,
     transport: &mut T,
     input: Option<&SourceInput>,
 ) -> Result<Vec<SourceCounts>, ExchangeError> {
-    count_phase_with_tokens(cfg, transport, input).map(|(c, _)| c)
-}
-
-/// [`count_phase`], also returning every source's token count of the round (one more word in
-/// the same all-gather): what the fused engine's arm selection needs.
-pub(crate) fn count_phase_with_tokens<T: Transport>(
-    cfg: &ExchangeConfig,
-    transport: &mut T,
-    input: Option<&SourceInput>,
-) -> Result<(Vec<SourceCounts>, Vec<u64>), ExchangeError> {
     let rank = transport.rank();
     let topo = cfg.topology;
     let p = cfg.placement();
@@ -52,7 +43,7 @@ pub(crate) fn count_phase_with_tokens<T: Transport>(
         (None, None) => Ok(None),
     };
     let count_words = p.owned() + 2 * nf;
-    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words + 1];
+    let mut msg = vec![0u64; ROUTE_ERROR_WORDS.div_ceil(2) + count_words];
     match &local {
         Err(e) => {
             let w = e.to_word();
@@ -63,14 +54,12 @@ pub(crate) fn count_phase_with_tokens<T: Transport>(
         Ok(Some(c)) => {
             let at = ROUTE_ERROR_WORDS.div_ceil(2);
             msg[at..at + count_words].copy_from_slice(&c.to_words());
-            msg[at + count_words] = input.map_or(0, |i| i.routes.tokens as u64);
         }
         Ok(None) => {}
     }
     let gathered = transport.all_gather(bytemuck::cast_slice(&msg))?;
     let per = msg.len() * 8;
     let mut sources: Vec<SourceCounts> = Vec::with_capacity(topo.attention_count());
-    let mut tokens: Vec<u64> = Vec::with_capacity(topo.attention_count());
     for r in 0..world {
         let blob = &gathered[r * per..(r + 1) * per];
         let words: Vec<u64> = bytemuck::pod_collect_to_vec(blob);
@@ -101,8 +90,7 @@ pub(crate) fn count_phase_with_tokens<T: Transport>(
                     }
                 })?;
             sources.push(c);
-            tokens.push(words[at + count_words]);
         }
     }
-    Ok((sources, tokens))
+    Ok(sources)
 }

@@ -29,7 +29,7 @@ pub mod trace;
 
 pub(crate) use agree::agree;
 pub use arm::{DispatchArm, RoundArm};
-pub(crate) use counts::{count_phase, count_phase_with_tokens};
+pub(crate) use counts::count_phase;
 pub use engine::ExchangeEngine;
 pub(crate) use experts::apply_experts;
 pub use group::{RankOutcome, run_group};
@@ -51,7 +51,9 @@ pub(crate) fn check_open(closed: &Option<String>, rank: usize) -> Result<(), Exc
 pub trait ExpertFn: Fn(usize, &[bf16], usize) -> Vec<bf16> {}
 impl<F: Fn(usize, &[bf16], usize) -> Vec<bf16>> ExpertFn for F {}
 
-/// Wall time of each phase of one round on one rank.
+/// Wall time of each phase of one round on one rank. The field docs are the staged engine's
+/// phases; [`FusedEngine::round`](crate::FusedEngine::round) says what each holds there (its
+/// status and counts run on the device, inside `dispatch`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PhaseTimes {
     /// Validation, counting and the status+count all-gather.
@@ -65,17 +67,19 @@ pub struct PhaseTimes {
 }
 
 /// Device time of the two exchange phases of one round on one rank, from CUDA events on the
-/// rank's stream ([`FusedEngine::set_phase_timing`](crate::FusedEngine::set_phase_timing)).
+/// rank's stream ([`FusedEngine::set_phase_timing`](crate::FusedEngine::set_phase_timing)),
+/// taken by [`FusedEngine::round`](crate::FusedEngine::round): the device round's two halves on
+/// either side of the host experts.
 ///
 /// With timing on, each phase starts with a control-plane barrier of every rank, after the rank's
-/// host preparation of the phase (send lists, the combine's plan numbers and routes and their
-/// uploads, the poisoned output buffers), and the first event is recorded right after it; the
-/// second follows the phase's last kernel. So a span holds only this rank's kernels of the phase
-/// and their waits for peers that started the phase at the same barrier, not the host work of
-/// another rank (an FFN rank's host experts, a source's send lists):
+/// host work before it (the input's copy to the device; an FFN rank's read-back, host experts
+/// and their upload), and the first event is recorded right after it; the second follows the
+/// phase's last kernel. So a span holds only this rank's kernels of the phase and their waits
+/// for peers that started the phase at the same barrier, not the host work of another rank:
 ///
-/// - **dispatch**: a source's dispatch and signal kernels; an FFN rank's copy epilogue, which
-///   waits for every source's flag and then expands; both on a rank that is both (EP).
+/// - **dispatch**: the front half: the start (validation, the status exchange, the verdict and
+///   the arm), a source's counts and rows, an FFN rank's plan and epilogue, which waits for
+///   every source's rows; both on a rank that is both (EP).
 /// - **combine**: an FFN rank's partial sums into the sources' return areas and signal; a source's
 ///   combine, which waits for every FFN rank's flag and then sums; both on a rank that is both.
 ///
