@@ -30,7 +30,17 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
   case $part in
     pipeline)
       timeout "$(cap200)" bash docs/perf/exchange_pipeline_run.sh /tmp/b4 $W/pipeline \
-        > $W/pipeline.txt 2>&1; echo "pipeline rc=$?" >> $W/steps.txt;;
+        > $W/pipeline.txt 2>&1; echo "pipeline rc=$?" >> $W/steps.txt
+      # PIPE_VARIANTS="NAME:VAR=VALUE ...": the table again with one environment variable set
+      # (e.g. fronts:AFDEP_FUSED_FRONTS=1), RATIOS/HIDDENS as for the default run; tables into
+      # steps.txt
+      cat $W/pipeline/table.md >> $W/steps.txt 2>/dev/null
+      for v in ${PIPE_VARIANTS:-}; do
+        n=${v%%:*}; e=${v#*:}
+        timeout "$(cap200)" env "$e" bash docs/perf/exchange_pipeline_run.sh /tmp/b4 $W/pipeline-$n \
+          > $W/pipeline-$n.txt 2>&1; echo "pipeline $n ($e) rc=$?" >> $W/steps.txt
+        cat $W/pipeline-$n/table.md >> $W/steps.txt 2>/dev/null
+      done;;
     load)
       timeout "$(cap200)" bash docs/perf/exchange_load_run.sh /tmp/b4 $W/load \
         > $W/load.txt 2>&1; echo "load rc=$?" >> $W/steps.txt;;
