@@ -52,6 +52,15 @@ pub mod fault {
     }
 }
 
+/// What a persistent grid is made of ([`GpuContext::persistent_grid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GridUnit {
+    /// Single blocks.
+    Block,
+    /// 2-block clusters (`__cluster_dims__(2, 1, 1)`).
+    Pair,
+}
+
 impl std::fmt::Debug for GpuContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuContext")
@@ -393,54 +402,58 @@ impl GpuContext {
         grid_share(blocks, self.gemm_sms(), self.sm_count, multiple)
     }
 
-    /// The grid of a persistent kernel: blocks resident at once on the whole device for
-    /// `kernel` (not specialised by experts or top-k) with `block` threads and `smem` bytes of
-    /// dynamic shared memory. The first call per (kernel, smem) raises the function's
-    /// dynamic shared-memory limit to `smem` and asks the driver for the occupancy; later
-    /// calls answer from the context, so launches pay no driver queries.
-    pub fn persistent_blocks(
+    /// The grid of a persistent kernel, in blocks: with [`GridUnit::Block`] the blocks of
+    /// `kernel` (not specialised by experts or top-k) resident at once on the whole device with
+    /// `block` threads and `smem` bytes of dynamic shared memory; with [`GridUnit::Pair`]
+    /// (a kernel compiled with `__cluster_dims__(2, 1, 1)`) twice the 2-block clusters resident
+    /// at once (0 when not one pair fits). The first call per (kernel, smem) raises the
+    /// function's dynamic shared-memory limit to `smem` and asks the driver for the occupancy;
+    /// later calls answer from the context, so launches pay no driver queries.
+    pub fn persistent_grid(
         &self,
         kernel: KernelId,
         block: u32,
         smem: u32,
+        unit: GridUnit,
     ) -> Result<u32, KernelError> {
-        let key = (kernel, smem);
-        if let Some(&n) = self
-            .persistent
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-        {
-            return Ok(n);
-        }
-        let f = self.function(kernel, 0, 0)?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(KernelError::driver(format!("setting {kernel}'s shared memory size")))?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
-            .map_err(KernelError::driver(format!("reading {kernel}'s occupancy")))?
-            .max(1);
-        let n = per_sm * self.sm_count;
-        tracing::debug!(%kernel, per_sm, blocks = n, "persistent grid");
-        self.persistent
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, n);
-        Ok(n)
+        self.cached_grid(kernel, smem, |f| match unit {
+            GridUnit::Block => {
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)
+                    .map_err(KernelError::driver(format!("reading {kernel}'s occupancy")))?
+                    .max(1);
+                let n = per_sm * self.sm_count;
+                tracing::debug!(%kernel, per_sm, blocks = n, "persistent grid");
+                Ok(n)
+            }
+            GridUnit::Pair => {
+                // The cluster size comes from the kernel's compile-time attribute (none in the
+                // config).
+                let cfg = cudarc::driver::LaunchConfig {
+                    grid_dim: (2 * self.sm_count.max(1), 1, 1),
+                    block_dim: (block, 1, 1),
+                    shared_mem_bytes: smem,
+                };
+                let clusters = f
+                    .occupancy_max_active_clusters(cfg, self.stream())
+                    .map_err(KernelError::driver(format!(
+                        "reading {kernel}'s cluster occupancy"
+                    )))?;
+                let n = 2 * clusters;
+                tracing::debug!(%kernel, clusters, blocks = n, "persistent grid of block pairs");
+                Ok(n)
+            }
+        })
     }
 
-    /// The blocks of a persistent grid of `kernel` compiled with 2-block clusters
-    /// (`__cluster_dims__(2, 1, 1)`): twice the clusters that can be resident at once with
-    /// `block` threads and `smem` bytes of dynamic shared memory per block (0 when not one
-    /// pair fits). Cached per (kernel, smem) like [`GpuContext::persistent_blocks`].
-    pub fn persistent_pair_blocks(
+    /// A persistent grid's size for (kernel, smem), from the context's cache or, the first
+    /// time, from `measure` after the function's dynamic shared-memory limit was raised to
+    /// `smem`.
+    fn cached_grid(
         &self,
         kernel: KernelId,
-        block: u32,
         smem: u32,
+        measure: impl FnOnce(&CudaFunction) -> Result<u32, KernelError>,
     ) -> Result<u32, KernelError> {
         let key = (kernel, smem);
         if let Some(&n) = self
@@ -457,19 +470,7 @@ impl GpuContext {
             smem as i32,
         )
         .map_err(KernelError::driver(format!("setting {kernel}'s shared memory size")))?;
-        // The cluster size comes from the kernel's compile-time attribute (none in the config).
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (2 * self.sm_count.max(1), 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let clusters = f
-            .occupancy_max_active_clusters(cfg, self.stream())
-            .map_err(KernelError::driver(format!(
-                "reading {kernel}'s cluster occupancy"
-            )))?;
-        let n = 2 * clusters;
-        tracing::debug!(%kernel, clusters, blocks = n, "persistent grid of block pairs");
+        let n = measure(&f)?;
         self.persistent
             .lock()
             .unwrap_or_else(|p| p.into_inner())

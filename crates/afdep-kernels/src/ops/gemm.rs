@@ -40,7 +40,7 @@ use cudarc::driver::{
 
 use super::tma::{self, Swizzle, TmaMap};
 use super::{as_u32, grid, need};
-use crate::context::{GpuContext, launch_err};
+use crate::context::{GpuContext, GridUnit, launch_err};
 use crate::error::KernelError;
 use crate::sources::{BLOCK, KernelId};
 
@@ -638,7 +638,8 @@ fn launch_rows_auto(
         // row_tiles = ceil(capacity / 128) + groups (set_groups)
         let rows = row_tiles.saturating_sub(groups) * WS_TILE_M as u64;
         let pair_blocks = if pairs_for(pairing_for(), rows, groups) {
-            let resident = ctx.persistent_pair_blocks(ks.ws2, WS_BLOCK, WS_SMEM_BYTES as u32)?;
+            let resident =
+                ctx.persistent_grid(ks.ws2, WS_BLOCK, WS_SMEM_BYTES as u32, GridUnit::Pair)?;
             if resident >= 2 {
                 ctx.gemm_grid(resident, 2)
             } else {
@@ -739,7 +740,7 @@ fn launch(
     let f = ctx.function(kernel, 0, 0)?;
     let blocks = match grid {
         Grid::Blocks(tiles) => {
-            let resident = ctx.persistent_blocks(kernel, block, smem)?;
+            let resident = ctx.persistent_grid(kernel, block, smem, GridUnit::Block)?;
             tiles.clamp(1, u64::from(ctx.gemm_grid(resident, 1)))
         }
         Grid::Pairs(pairs) => {
