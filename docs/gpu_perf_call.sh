@@ -154,7 +154,7 @@ PY
       cp $W/epiab.jsonl "$OUT/" 2>/dev/null;;
     fold)
       # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
-      # in every arm, graph replays, eager device rounds and host-planned rounds, 3A:1F with
+      # in every arm, graph replays, eager device rounds and host-expert rounds, 3A:1F with
       # SwiGLU experts, then 2A:2F graph auto and an fp8 graph row; each run at most 25 s
       # FOLD_CAND=NAME checks bundle/cand-NAME.gz instead
       fz="$ROOT/bundle/afdepfold.gz"; [ -n "${FOLD_CAND:-}" ] && fz="$ROOT/bundle/cand-$FOLD_CAND.gz"

@@ -6,10 +6,11 @@
 //!   (the payload-first copy epilogue) and run their experts, results come back by a second
 //!   all-to-all-v and are combined in the fixed order of docs/design.md, "Specification: AFD
 //!   exchange". Its results are bit-identical to [`afdep_core::oracle::exchange`].
-//! - [`fused`]: the **fused exchange engine** over [`afdep_transport::NvlinkIpc`] (first
-//!   version: payload-first, bf16): dispatch, copy epilogue and combine are GPU kernels that
-//!   store into the peers' symmetric workspaces and wait on flags with a bound; bit-identical to
-//!   the staged engine and the oracle.
+//! - [`fused`]: the **fused exchange engine** over [`afdep_transport::NvlinkIpc`]: every round
+//!   is a device round (validation, arm, counts, plan, rows, epilogue and combine are GPU
+//!   kernels that store into the peers' symmetric workspaces and wait on flags with a bound),
+//!   with device experts or, in `FusedEngine::round`, the caller's host experts between the
+//!   epilogue and the combine; bit-identical to the staged engine and the oracle.
 //! - `nccl_device` (cargo feature `nccl`): the **NCCL device engine**, the exchange round over
 //!   NCCL with packing, expansion, experts and combine on the GPU and grouped
 //!   `ncclSend`/`ncclRecv` of capacity-padded slabs (capturable in a CUDA graph); bit-identical

@@ -7,7 +7,8 @@
 //! zero-token rank, a hot expert, masked slots; the arm rule of `min_token_bucket` (bf16 and
 //! fp8 payloads); arms switching from round to round; repeated seeds with identical output
 //! hashes; a rejected route in a count-first round; ranks that disagree on the arm skip the
-//! round with a typed error, no hang. (fp8 in every arm: `gpu_nvlink_fp8`.)
+//! round with a typed error, no hang; every arm with the front kernels on (`set_fronts`, off
+//! by default). (fp8 in every arm: `gpu_nvlink_fp8`.)
 //!
 //! Every engine runs all arms in turn on the same inputs (one group per configuration), so the
 //! round-numbered flags of one arm must never satisfy another arm's waits.
@@ -147,6 +148,49 @@ fn every_arm_on_a_single_rank_ep1() {
     };
     for (inp, per_arm) in rounds.iter().zip(&got) {
         for g in per_arm {
+            check_round(&c, inp, g, None);
+        }
+    }
+}
+
+/// `FusedEngine::round` with the front kernels on (`set_fronts(true)`): off by default since
+/// 2026-12-07, so no other test runs `Part::Front` with them. Every forced arm and the rule's
+/// (`None`), switching from round to round on the same engines, on ratios whose ranks are
+/// single-role (3A:1F, 2A:2F, 1A:3F: a front per rank) and on EP2 (both roles: per phase), each
+/// round bit-identical to the oracle.
+#[test]
+fn host_expert_rounds_with_the_fronts_match_the_oracle() {
+    let _serial = serial();
+    let arms = [
+        None,
+        Some(DispatchArm::PayloadFirst),
+        Some(DispatchArm::CountFirst),
+        Some(DispatchArm::CountFirstSource),
+    ];
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP2"] {
+        let c = cfg(topo, 40, 12, 3);
+        let rounds = every_ratio_rounds(&c);
+        let world = c.topology.world_size();
+        let Some(g) = fused_group(world, &c, 128 << 20, TIMEOUT) else {
+            return;
+        };
+        let expanded: Vec<Vec<SourceInput>> = rounds
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r.clone(), arms.len()))
+            .collect();
+        let make = |_rank: usize, cfg: ExchangeConfig, t: NvlinkIpc| {
+            let mut eng = FusedEngine::new(cfg, t)?;
+            eng.set_fronts(true);
+            Ok(Cycling {
+                eng,
+                arms: arms.to_vec(),
+                ran: Vec::new(),
+            })
+        };
+        let got = run_group(g, &vec![c.clone(); world], &expanded, None, &make)
+            .unwrap_or_else(|e| panic!("{topo}: set-up failed: {e:?}"));
+        for (i, (inp, g)) in expanded.iter().zip(&got).enumerate() {
+            println!("{topo} round {i} (arm {:?})", arms[i % arms.len()]);
             check_round(&c, inp, g, None);
         }
     }

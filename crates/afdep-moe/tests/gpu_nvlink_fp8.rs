@@ -133,9 +133,9 @@ fn fused_fp8_hidden_7168_and_top_8() {
     }
 }
 
-/// A NaN in a travelling row fails every rank with the typed error, in every arm (the host
-/// status + counts phase rejects it before anything moves), and the next round of each arm is
-/// exact.
+/// A NaN in a travelling row fails every rank with the typed error, in every arm (the device
+/// round's payload check, `afdep_round_check_payload`, rejects it before anything moves), and
+/// the next round of each arm is exact.
 #[test]
 fn fused_fp8_rejects_a_non_finite_row_on_every_rank_and_goes_on() {
     let _serial = serial();

@@ -17,7 +17,7 @@ use super::problem::*;
 pub(super) struct RoundTimes {
     /// Host wall time of the whole round.
     pub(super) wall: f64,
-    /// Host: status + counts.
+    /// Host: status + counts (fused eager rounds: the host preparation, `ExchangeRow::counts_us`).
     pub(super) counts: f64,
     /// Dispatch (device with the fused engine, host with the staged one).
     pub(super) dispatch: f64,

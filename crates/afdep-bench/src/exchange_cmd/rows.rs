@@ -61,7 +61,10 @@ pub struct ExchangeRow {
     pub round_us: f64,
     /// Median wall time of a whole round on the host (slowest rank), µs.
     pub wall_us: f64,
-    /// Median host time of the status + count phase (slowest rank), µs.
+    /// Median host time of the status + count phase (slowest rank), µs. Fused engine, `mode`
+    /// `eager` (`FusedEngine::round`, whose status and counts run on the device, inside
+    /// `dispatch_us`): the round's host preparation instead (the input copied to the device,
+    /// the outputs poisoned, the front half's launches, and the phase-timing barrier).
     pub counts_us: f64,
     /// Median dispatch phase (slowest rank), µs; `null` in graph mode (per-phase times come from
     /// eager rounds only).

@@ -710,7 +710,8 @@ impl FusedEngine {
     /// replay: before the graph launch) and one right after them; [`FusedEngine::last_round_time`]
     /// gives the span of the last round: this rank's whole round on the device, its waits for
     /// its peers included. Collective in effect (the barrier): every rank must set the same.
-    /// Needs [`FusedEngine::prepare_device`]; creates the events now, outside any round.
+    /// Needs device-round state ([`FusedEngine::prepare_device`], or a first
+    /// [`FusedEngine::round`]); creates the events now, outside any round.
     pub fn set_round_timing(&mut self, on: bool) -> Result<(), ExchangeError> {
         let rank = self.rank();
         let timer = if on {
@@ -748,7 +749,8 @@ impl FusedEngine {
     /// its phase boundaries, and [`FusedEngine::last_trace`] gives the last completed round's
     /// timeline (a replay: only of a graph captured with tracing on). The stamp buffer is
     /// allocated at the first call and kept (graphs captured with tracing on write into it).
-    /// Needs [`FusedEngine::prepare_device`]; not collective.
+    /// Needs device-round state ([`FusedEngine::prepare_device`], or a first
+    /// [`FusedEngine::round`]); not collective.
     pub fn set_trace(&mut self, on: bool) -> Result<(), ExchangeError> {
         let rank = self.rank();
         let d = self.device.as_mut().ok_or_else(|| ExchangeError::Input {
@@ -1723,12 +1725,14 @@ pub(super) fn verdict(rank: usize, ctl: &[u32]) -> Result<(), ExchangeError> {
 pub(super) enum Part {
     /// The whole round, with the device experts ([`FusedEngine::launch_device_round`]).
     Whole,
-    /// Steps 0 to 5 of the [module docs](self): the payload check, the start (validation,
-    /// verdict, arm), counts, plan, rows and epilogue (one front kernel per single-role rank,
-    /// [`FusedEngine::set_fronts`], or a launch per phase); on an FFN rank the expanded rows
-    /// are complete once they have run.
+    /// Steps 1 and 2 of the [module docs](self) (steps 0 to 5 of `launch_round`'s comments):
+    /// the payload check, the start (validation, verdict, arm), counts, plan, rows and epilogue
+    /// (one front kernel per single-role rank when [`FusedEngine::set_fronts`] turned them on,
+    /// else a launch per phase); on an FFN rank the expanded rows are complete once they have
+    /// run.
     Front,
-    /// Steps 6 and 7: the FFN rank's expert outputs and partial sums, the source's combine.
+    /// Steps 3 and 4 of the [module docs](self) (6 and 7 of `launch_round`'s comments): the FFN
+    /// rank's expert outputs and partial sums, the source's combine.
     /// `Some`: the expert outputs were computed on the host ([`HostY`]): no snapshot and no
     /// expert kernel, the partial sums read them; `None`: the device experts.
     Back(Option<HostY>),

@@ -3,8 +3,9 @@
 //! - [`ExpertFn`]: an FFN rank's experts on the host; [`PhaseTimes`] and [`DevicePhaseTimes`]:
 //!   the host and device spans of a round; [`RoundOutput`]: what a rank gets from a round.
 //! - [`DispatchArm`] and [`RoundArm`] (`arm`): how a round's dispatch runs.
-//! - The set-up agreement and the status + counts phase that every engine starts with
-//!   (`agree`, `counts`), and the host experts of one FFN rank (`experts`).
+//! - The set-up agreement of every engine (`agree`), the host status + counts phase of the
+//!   staged and NCCL device engines (`counts`; the fused engine's runs on the device), and the
+//!   host experts of one FFN rank (`experts`).
 //! - [`ExchangeEngine`] (`engine`): one rank's engine behind one interface, implemented by
 //!   [`StagedEngine`](crate::StagedEngine) and [`FusedEngine`](crate::FusedEngine); and
 //!   [`run_group`] (`group`): one engine per rank of an in-process group, one thread each.

@@ -94,6 +94,10 @@ impl FusedEngine {
     /// [`FusedEngine::prepare_device`] made the device-round state), the span of
     /// [`FusedEngine::last_round_time`] runs from the front half's first launch to the back
     /// half's last one, so it includes the host step between them (read-back, experts, upload).
+    /// Likewise with tracing on ([`FusedEngine::set_trace`], possible under the same
+    /// condition): the stamps are the device round's, so an FFN rank's `experts` span (from its
+    /// epilogue's end stamp to its partial sums' end) holds its host step, and a source's
+    /// `combine` span (from its rows' end stamp) holds its wait for the FFN ranks' host steps.
     pub fn round(
         &mut self,
         input: Option<&SourceInput>,
