@@ -13,7 +13,9 @@
 mod common;
 
 use afdep_kernels::KernelError;
-use afdep_kernels::ops::gemm::{self, Engine, Gather, Groups, KOperand, RowWeights, RowsOut};
+use afdep_kernels::ops::gemm::{
+    self, Engine, Gather, Groups, KOperand, RowWeights, RowsOut, Schedule,
+};
 use afdep_kernels::ops::{download, poison, zeros};
 use common::{gpu, rng};
 use cudarc::driver::CudaSlice;
@@ -302,6 +304,23 @@ impl Drop for ForcedEngine {
     }
 }
 
+/// Forces the ws rows GEMMs' schedule on this thread (`gemm::force_schedule`); the default
+/// comes back when dropped.
+struct ForcedSchedule;
+
+impl ForcedSchedule {
+    fn new(schedule: Schedule) -> Self {
+        gemm::force_schedule(Some(schedule));
+        ForcedSchedule
+    }
+}
+
+impl Drop for ForcedSchedule {
+    fn drop(&mut self) {
+        gemm::force_schedule(None);
+    }
+}
+
 /// The GPU with the classic rows kernel forced on this thread (the default engine, ws, has its
 /// own test), or `None` (skip).
 fn classic_gpu() -> Option<(afdep_kernels::GpuContext, ForcedEngine)> {
@@ -576,8 +595,24 @@ fn joined(
 /// poisoned.
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
+    ws_engine_odd_sizes(Schedule::Static);
+}
+
+/// [`ws_engine_odd_sizes_match_a_host_gemm`] with the dynamic schedule forced: every block
+/// takes its tiles from the context's counter. The launches run one after another on one
+/// context, so each finds the counters its predecessor's last block put back to zero; a
+/// counter left non-zero would make the next launch skip its first tiles, whose rows would
+/// stay poisoned and fail the checks.
+#[test]
+fn ws_engine_dynamic_schedule_odd_sizes_match_a_host_gemm() {
+    ws_engine_odd_sizes(Schedule::Dynamic);
+}
+
+/// The body of the two ws rows tests, under `schedule`.
+fn ws_engine_odd_sizes(schedule: Schedule) {
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
+    let _schedule = ForcedSchedule::new(schedule);
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];
     let (od, offsets, g, rows) = groups_of(&ctx, &sizes);
