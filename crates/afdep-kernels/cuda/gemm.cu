@@ -941,6 +941,23 @@ static __device__ __forceinline__ void mbar_arrive(u32 bar) {
 static __device__ __forceinline__ void producer_sync() {
     asm volatile("bar.sync 1, 128;" ::: "memory");
 }
+// Whether `v` holds for any of consumer warpgroup wc's 128 threads (named barrier 2 + wc). Not
+// .aligned: the threads may come from divergent bounded waits. (With the barrier number as an
+// immediate, chosen by wc, ptxas reserves 4 barriers instead of 16 but dx_add's consumers spill.)
+static __device__ __forceinline__ bool consumer_any(u32 wc, bool v) {
+    u32 r;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.u32 p, %1, 0;\n"
+        "barrier.red.or.pred q, %2, 128, p;\n"
+        "selp.u32 %0, 1, 0, q;\n"
+        "}\n"
+        : "=r"(r)
+        : "r"((u32)v), "r"(2u + wc)
+        : "memory");
+    return r != 0;
+}
 
 // One wgmma m64n256k16 (bf16 in, f32 accumulate into d), both operands in shared memory.
 // TRANS_A / TRANS_B: 0 = K-major, 1 = M- / N-major.
@@ -1202,7 +1219,9 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         const u32 gq = lane / 4, tq = lane % 4;
         for (u32 seq = 0;; seq++) {
             // The block's tile number seq: fixed, or the ring's entry (dynamic schedule); a
-            // consumer whose wait ran out stops.
+            // consumer whose wait ran out stops, and with it its whole warpgroup: its wgmmas
+            // are warpgroup-wide (.sync.aligned), so no thread may leave the loop alone (the
+            // threads' bounded waits can run out at different times, or some not at all).
             u32 t = blockIdx.x + seq * gridDim.x;
             if (sched) {
                 const u32 slot = seq % WS_TRING;
@@ -1210,7 +1229,10 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                                   dead);
                 t = dead ? total : tring[slot];
                 __syncwarp();
-                if (lane == 0) mbar_arrive(tempty0 + 8 * slot);
+                // The warp's reads are done; only a lane 0 that saw the entry land frees it
+                // (an arrival without the wait could complete the slot's previous phase early).
+                if (lane == 0 && !dead) mbar_arrive(tempty0 + 8 * slot);
+                if (consumer_any(wc, t >= total)) break;
             }
             if (t >= total) break;
             const WsTile w = ws_tile(p, tile_prefix, t, ntiles_n, cols);

@@ -176,7 +176,10 @@ impl GpuContext {
     /// (`ops::gemm::Schedule::Dynamic`) hands out its tiles from the first counter and its
     /// last block to finish puts both back to zero, so the next GEMM on this context's stream
     /// (which starts after it) finds them zeroed. Kernels on the one stream never overlap, so
-    /// one pair serves every GEMM of the context.
+    /// one pair serves every GEMM of the context. A CUDA graph that captured such a GEMM
+    /// replays it with this pair on the stream the graph is launched on: a replay must not
+    /// overlap another dynamic GEMM of the context (another graph's, or an eager one), or both
+    /// may skip or repeat tiles and leave the counters non-zero for every later launch.
     pub fn schedule_word(&self) -> Result<u64, KernelError> {
         self.zeroed_words(&self.schedule, 2, "the GEMM tile counters")
     }

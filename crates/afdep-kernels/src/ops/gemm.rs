@@ -1323,8 +1323,8 @@ mod tests {
         #[rustfmt::skip]
         let rust = rust_offsets!(GemmProblem;
             a, b, b2, offsets, a_idx, b_idx, c, c2, c3, c4, aux, r_idx, weights, gsum, lda, ldb,
-            b_gs, ldc, ld2, fault, m, n, k, groups, a_div, b_div, b_split, splits, r_div, tma,
-            wait_ms, inject_tx
+            b_gs, ldc, ld2, fault, sched, m, n, k, groups, a_div, b_div, b_split, splits, r_div,
+            tma, wait_ms, inject_tx
         );
         let text = include_str!("../../cuda/layout/gemm_problem.cuh");
         assert_mirrors(
