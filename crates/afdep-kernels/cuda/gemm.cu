@@ -873,7 +873,12 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // The warp-specialised ROWS engine ("ws"): the large shapes (docs/perf/moe.md, 2026-12-05).
 //
 // Block: 384 threads = three warpgroups and one block per SM (its shared memory allows no
-// second), persistent over the same device-side tile schedule as gemm_rows.
+// second), persistent over the same device-side tile order as gemm_rows: block b takes tiles
+// b, b + grid, ... (static schedule), or, where GemmProblem::sched is set (dynamic schedule),
+// the producer's thread 0 takes the next tile from a device counter when it is ready for one
+// and passes it to the consumers through a ring of mbarrier-guarded entries (WS_TRING), so
+// that the resident blocks take every tile while other kernels keep SMs from the rest of the
+// grid; the last block to finish zeroes the counters for the next launch on the stream.
 // - Warpgroup 0, the producer, gives registers back (setmaxnreg.dec) and only loads: thread 0
 //   issues the TMA boxes of a stage (B always; A where its rows are contiguous) against the
 //   stage's `full` mbarrier; where A is gathered through a_idx (or has no tensor map), all 128
@@ -917,6 +922,14 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // At most 2 with 4 stages: the consumers release stage i - 4 only after consuming i - 3, so
 // the producer waiting to refill it must already have arrived on i - 3.
 #define WS_CP_LAG 2
+// The dynamic schedule (GemmProblem::sched): the producer's thread 0 takes the block's next tile
+// from the counter and passes it to the consumers through a ring of WS_TRING entries, each with
+// a `tfull` (one arrival: the producer's) and a `tempty` mbarrier (one arrival per consumer
+// warp). The producer is at most WS_STAGES k-tiles ahead of the consumers, so at most
+// WS_STAGES + 1 tiles; the ring is larger, and its barriers make any lead safe.
+#define WS_TRING 8
+// The fault step a tile-ring wait records (a stage wait records its k-tile).
+#define WS_RING_STEP 0xffffffffu
 #define WS_A_BYTES (WS_BM * WS_BK * 2)
 #define WS_B_BYTES (WS_BN * WS_BK * 2)
 #define WS_STAGE_BYTES (WS_A_BYTES + WS_B_BYTES)
@@ -980,6 +993,23 @@ static __device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const TmaM
 // Barrier 1 among the producer warpgroup's 128 threads.
 static __device__ __forceinline__ void producer_sync() {
     asm volatile("bar.sync 1, 128;" ::: "memory");
+}
+// Whether `v` holds for any of consumer warpgroup wc's 128 threads (named barrier 2 + wc). Not
+// .aligned: the threads may come from divergent bounded waits. (With the barrier number as an
+// immediate, chosen by wc, ptxas reserves 4 barriers instead of 16 but dx_add's consumers spill.)
+static __device__ __forceinline__ bool consumer_any(u32 wc, bool v) {
+    u32 r;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.u32 p, %1, 0;\n"
+        "barrier.red.or.pred q, %2, 128, p;\n"
+        "selp.u32 %0, 1, 0, q;\n"
+        "}\n"
+        : "=r"(r)
+        : "r"((u32)v), "r"(2u + wc)
+        : "memory");
+    return r != 0;
 }
 
 // One wgmma m64n256k16 (bf16 in, f32 accumulate into d), both operands in shared memory.
@@ -1109,9 +1139,17 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
     __shared__ u32 tile_prefix[AFDEP_GEMM_MAX_GROUPS + 1];
     __shared__ u64 row_off[WS_BM];
     __shared__ __align__(8) u64 bars[2 * WS_STAGES];  // full[s], then empty[s]
+    // The dynamic schedule's tile ring, its barriers (tfull[i], then tempty[i]), and the tile
+    // thread 0 passes to the other producer threads.
+    __shared__ u32 tring[WS_TRING];
+    __shared__ __align__(8) u64 tbars[2 * WS_TRING];
+    __shared__ u32 ws_next;
     const u32 base = stages_base(smem_dyn);
     const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * WS_STAGES;
+    const u32 tfull0 = smem_u32(tbars), tempty0 = tfull0 + 8 * WS_TRING;
     const bool tma_a = (p.tma & AFDEP_GEMM_TMA_A) != 0;
+    // The dynamic schedule is for single blocks; pairs always take the static one.
+    u32* const sched = CL == 1 ? (u32*)p.sched : nullptr;
     if (threadIdx.x == 0) {
         for (u32 s = 0; s < WS_STAGES; s++) {
             // full: the TMA issuer's expect_tx arrival, plus one per producer thread where A
@@ -1119,6 +1157,10 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             // the cluster (a stage's B lands in all of them).
             mbar_init(full0 + 8 * s, tma_a ? 1u : 129u);
             mbar_init(empty0 + 8 * s, 8u * CL);
+        }
+        for (u32 s = 0; s < WS_TRING; s++) {
+            mbar_init(tfull0 + 8 * s, 1u);
+            mbar_init(tempty0 + 8 * s, 8u);
         }
         mbar_init_fence();
     }
@@ -1154,10 +1196,32 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         u32 issued = 0;  // cp.async stages this thread issued
         // A thread whose wait ran out (dead) keeps walking the schedule without waiting or
         // issuing, so that every producer thread reaches every producer_sync.
-        for (u32 t = first; loads && t < total; t += step) {
+        for (u32 seq = 0; loads; seq++) {
+            // This block's (pair's) tile number seq: fixed (static schedule), or the counter's
+            // next (dynamic, single blocks only: thread 0 takes it, hands it to the consumers
+            // through the ring and to the other producer threads through ws_next). A value
+            // >= total ends the block's loop; a dead thread 0 takes none and ends it.
+            u32 t = first + seq * step;
+            if (sched) {
+                if (pt == 0) {
+                    t = dead ? total : atomicAdd(sched, 1u);
+                    if (t > total) t = total;
+                    const u32 slot = seq % WS_TRING;
+                    mbar_wait_bounded(p, tempty0 + 8 * slot, ((seq / WS_TRING) & 1u) ^ 1u,
+                                      WS_RING_STEP, dead);
+                    tring[slot] = t;
+                    mbar_arrive(tfull0 + 8 * slot);
+                    ws_next = t;
+                }
+                // every producer thread has issued the previous tile, and sees t
+                if (!tma_a) producer_sync();
+                t = ws_next;
+            } else if (!tma_a) {
+                producer_sync();  // every producer thread has issued the previous tile
+            }
+            if (t >= total) break;
             const WsTile w = ws_tile<CL>(p, tile_prefix, t, ntiles_n, cols, crank);
             if (!tma_a) {
-                producer_sync();  // every producer thread has issued the previous tile
                 const u32 r = pt;
                 if ((u64)r < w.rows) {
                     const u64 row = w.row0 + r;
@@ -1215,6 +1279,17 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
             for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
                 mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));
         }
+        if (sched && pt == 0) {
+            // This block takes no more tiles. Every block counts itself done after its last
+            // take; the last one puts both counters back to zero for the next GEMM on the
+            // stream (which starts after this grid ends).
+            __threadfence();
+            if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+                __threadfence();
+                atomicExch(sched, 0u);
+                atomicExch(sched + 1, 0u);
+            }
+        }
     } else {
         // ---- consumers ----
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
@@ -1232,7 +1307,24 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                 mbar_arrive_in(bar, crank ^ 1u);  // the peer's
             }
         };
-        for (u32 t = first; t < total; t += step) {
+        for (u32 seq = 0;; seq++) {
+            // The block's tile number seq: fixed, or the ring's entry (dynamic schedule); a
+            // consumer whose wait ran out stops, and with it its whole warpgroup: its wgmmas
+            // are warpgroup-wide (.sync.aligned), so no thread may leave the loop alone (the
+            // threads' bounded waits can run out at different times, or some not at all).
+            u32 t = first + seq * step;
+            if (sched) {
+                const u32 slot = seq % WS_TRING;
+                mbar_wait_bounded(p, tfull0 + 8 * slot, (seq / WS_TRING) & 1u, WS_RING_STEP,
+                                  dead);
+                t = dead ? total : tring[slot];
+                __syncwarp();
+                // The warp's reads are done; only a lane 0 that saw the entry land frees it
+                // (an arrival without the wait could complete the slot's previous phase early).
+                if (lane == 0 && !dead) mbar_arrive(tempty0 + 8 * slot);
+                if (consumer_any(wc, t >= total)) break;
+            }
+            if (t >= total) break;
             const WsTile w = ws_tile<CL>(p, tile_prefix, t, ntiles_n, cols, crank);
             // The second block of a pair past its group's last m-tile has no rows: it keeps
             // the stage protocol (its producer loads its half of B for the first block) and

@@ -29,6 +29,9 @@ pub struct GpuContext {
     persistent: Mutex<HashMap<(KernelId, u32), u32>>,
     /// The fault word (`u32[4]`, see [`fault`]) and its device address, made at first use.
     fault: std::sync::OnceLock<(CudaSlice<u32>, u64)>,
+    /// The GEMMs' tile counters (`u32[2]`, see [`GpuContext::schedule_word`]) and their
+    /// device address, made at first use.
+    schedule: std::sync::OnceLock<(CudaSlice<u32>, u64)>,
     /// The injected fault of the fused kernels ([`GpuContext::set_fault`]).
     #[cfg(feature = "fault-injection")]
     injected: Mutex<Option<crate::ops::fault::Fault>>,
@@ -168,6 +171,7 @@ impl GpuContext {
             gemm_sms: std::sync::atomic::AtomicU32::new(gemm_sms_from_env(sm_count)),
             persistent: Mutex::new(HashMap::new()),
             fault: std::sync::OnceLock::new(),
+            schedule: std::sync::OnceLock::new(),
             #[cfg(feature = "fault-injection")]
             injected: Mutex::new(None),
         })
@@ -176,23 +180,46 @@ impl GpuContext {
     /// The device address of the context's fault word (`u32[4]`, zeroed), allocated at first
     /// use. Kernels with bounded waits record a timeout there instead of trapping.
     pub fn fault_word(&self) -> Result<u64, KernelError> {
-        if let Some((_, p)) = self.fault.get() {
+        self.zeroed_words(&self.fault, 4, "the fault word")
+    }
+
+    /// The device address of the context's GEMM tile counters (`u32[2]`: the next tile, the
+    /// blocks done; zeroed), allocated at first use. A GEMM launched with the dynamic schedule
+    /// (`ops::gemm::Schedule::Dynamic`) hands out its tiles from the first counter and its
+    /// last block to finish puts both back to zero, so the next GEMM on this context's stream
+    /// (which starts after it) finds them zeroed. Kernels on the one stream never overlap, so
+    /// one pair serves every GEMM of the context. A CUDA graph that captured such a GEMM
+    /// replays it with this pair on the stream the graph is launched on: a replay must not
+    /// overlap another dynamic GEMM of the context (another graph's, or an eager one), or both
+    /// may skip or repeat tiles and leave the counters non-zero for every later launch.
+    pub fn schedule_word(&self) -> Result<u64, KernelError> {
+        self.zeroed_words(&self.schedule, 2, "the GEMM tile counters")
+    }
+
+    /// A zeroed `u32[n]` on the device, made once into `cell` (and its address).
+    fn zeroed_words(
+        &self,
+        cell: &std::sync::OnceLock<(CudaSlice<u32>, u64)>,
+        n: usize,
+        what: &'static str,
+    ) -> Result<u64, KernelError> {
+        if let Some((_, p)) = cell.get() {
             return Ok(*p);
         }
         let buf = self
             .stream
-            .alloc_zeros::<u32>(4)
-            .map_err(KernelError::driver("allocating the fault word"))?;
+            .alloc_zeros::<u32>(n)
+            .map_err(KernelError::driver(format!("allocating {what}")))?;
         let p = {
             let (p, _guard) = buf.device_ptr(&self.stream);
             p
         };
         self.stream
             .synchronize()
-            .map_err(KernelError::driver("zeroing the fault word"))?;
-        // Another thread may have won the race: its word is the one kept (ours is dropped).
-        let _ = self.fault.set((buf, p));
-        Ok(self.fault.get().map(|(_, p)| *p).unwrap_or(p))
+            .map_err(KernelError::driver(format!("zeroing {what}")))?;
+        // Another thread may have won the race: its buffer is the one kept (ours is dropped).
+        let _ = cell.set((buf, p));
+        Ok(cell.get().map(|(_, p)| *p).unwrap_or(p))
     }
 
     /// Waits for the stream, then reads and clears the fault word:

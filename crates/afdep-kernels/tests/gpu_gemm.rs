@@ -14,7 +14,7 @@ mod common;
 
 use afdep_kernels::KernelError;
 use afdep_kernels::ops::gemm::{
-    self, Engine, Gather, Groups, KOperand, Pairing, RowWeights, RowsOut,
+    self, Engine, Gather, Groups, KOperand, Pairing, RowWeights, RowsOut, Schedule,
 };
 use afdep_kernels::ops::{download, poison, zeros};
 use common::{gpu, rng};
@@ -304,6 +304,23 @@ impl Drop for ForcedEngine {
     }
 }
 
+/// Forces the ws rows GEMMs' schedule on this thread (`gemm::force_schedule`); the default
+/// comes back when dropped.
+struct ForcedSchedule;
+
+impl ForcedSchedule {
+    fn new(schedule: Schedule) -> Self {
+        gemm::force_schedule(Some(schedule));
+        ForcedSchedule
+    }
+}
+
+impl Drop for ForcedSchedule {
+    fn drop(&mut self) {
+        gemm::force_schedule(None);
+    }
+}
+
 /// The GPU with the classic rows kernel forced on this thread (the default engine, ws, has its
 /// own test), or `None` (skip).
 fn classic_gpu() -> Option<(afdep_kernels::GpuContext, ForcedEngine)> {
@@ -578,7 +595,7 @@ fn joined(
 /// poisoned.
 #[test]
 fn ws_engine_odd_sizes_match_a_host_gemm() {
-    ws_odd_sizes(Pairing::Off);
+    ws_odd_sizes(Pairing::Off, Schedule::Static);
 }
 
 /// The same problems on the ws engine in pairs of blocks (2-block clusters along M sharing B by
@@ -587,7 +604,21 @@ fn ws_engine_odd_sizes_match_a_host_gemm() {
 /// and where only one block of a pair loads an N-major 64-column block.
 #[test]
 fn ws_pairs_odd_sizes_match_a_host_gemm() {
-    ws_odd_sizes(Pairing::On);
+    ws_odd_sizes(Pairing::On, Schedule::Static);
+}
+
+/// [`ws_engine_odd_sizes_match_a_host_gemm`] with the dynamic schedule forced: every block
+/// takes its tiles from the context's counter. The launches run one after another on one
+/// context, so each finds the counters its predecessor's last block put back to zero; a
+/// counter left non-zero would make the next launch skip its first tiles, whose rows would
+/// stay poisoned and fail the checks. Then pairs with the dynamic schedule asked for: the
+/// paired kernels take the static schedule (and leave the counters alone), so the single-block
+/// launches after them still find the counters at zero.
+#[test]
+fn ws_engine_dynamic_schedule_odd_sizes_match_a_host_gemm() {
+    ws_odd_sizes(Pairing::Off, Schedule::Dynamic);
+    ws_odd_sizes(Pairing::On, Schedule::Dynamic);
+    ws_odd_sizes(Pairing::Off, Schedule::Dynamic);
 }
 
 /// Puts the default pairing back on drop.
@@ -606,10 +637,12 @@ impl Drop for ForcedPairing {
     }
 }
 
-fn ws_odd_sizes(pairing: Pairing) {
+/// The body of the ws rows tests, with `pairing` and `schedule` forced.
+fn ws_odd_sizes(pairing: Pairing, schedule: Schedule) {
     let Some(ctx) = gpu() else { return };
     let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
     let _pairs = ForcedPairing::new(pairing);
+    let _schedule = ForcedSchedule::new(schedule);
     let paired_before = gemm::paired_launches();
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];

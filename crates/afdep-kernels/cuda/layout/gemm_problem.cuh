@@ -41,6 +41,8 @@ struct GemmProblem {
     u64 ldc;      // element stride between output rows
     u64 ld2;      // SWIGLU, DSWIGLU: element stride between the [a | b] rows of c2
     u64 fault;    // u32[4] fault word (bounded waits that ran out), or 0
+    u64 sched;    // u32[2] tile counters {next tile, blocks done} of the dynamic schedule (ws
+                  // ROWS kernels), zero between launches; 0: the static schedule
     u32 m, n, k;  // ROWS: m = rows without offsets; KSUM: per-group M x N, k = rows without offsets
     u32 groups;
     u32 a_div, b_div;  // divisors of the gather indices (slot -> token: top-k)
@@ -53,4 +55,4 @@ struct GemmProblem {
                        // expected TMA transactions, so that its wait runs out
 };
 
-static_assert(sizeof(GemmProblem) == 208, "GemmProblem layout");
+static_assert(sizeof(GemmProblem) == 216, "GemmProblem layout");

@@ -271,6 +271,58 @@ pub fn force_wgrad_engine(engine: Option<Engine>) {
     FORCE_WGRAD.with(|f| f.set(engine));
 }
 
+/// How the blocks of a warp-specialised rows GEMM ([`Engine::Ws`]) share its tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// Block b of a grid of G takes tiles b, b + G, b + 2G, … (fixed before the launch).
+    Static,
+    /// Each block takes the next tile from a counter in device memory (the context's
+    /// [`GpuContext::schedule_word`]) when it is ready for one, so the blocks that are
+    /// resident take every tile, also while other kernels hold some SMs and the rest of the
+    /// grid is not resident yet (a persistent grid beside the exchange's waiting kernels:
+    /// `docs/perf/exchange.md`, the microbatch pipeline). The results are the same bits as the
+    /// static schedule's: a tile's arithmetic does not depend on the block that computes it.
+    Dynamic,
+}
+
+/// The schedule every ws rows GEMM uses unless `AFDEP_GEMM_SCHEDULE` or [`force_schedule`]
+/// asks for the other: [`Schedule::Static`] until a measurement says otherwise.
+pub const DEFAULT_SCHEDULE: Schedule = Schedule::Static;
+
+/// The schedule of the ws rows GEMMs: [`force_schedule`]'s choice on this thread, else the
+/// process environment `AFDEP_GEMM_SCHEDULE` (read once: `static` or `dynamic`; unset:
+/// [`DEFAULT_SCHEDULE`]; anything else is warned about and means the default). The classic
+/// kernels and the weight gradients always use the static schedule.
+pub fn schedule_for() -> Schedule {
+    static ENV: OnceLock<Option<Schedule>> = OnceLock::new();
+    if let Some(s) = FORCE_SCHEDULE.with(Cell::get) {
+        return s;
+    }
+    let from_env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_SCHEDULE").as_deref() {
+        Ok("static") => Some(Schedule::Static),
+        Ok("dynamic") => Some(Schedule::Dynamic),
+        Err(_) => None,
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "AFDEP_GEMM_SCHEDULE is neither static nor dynamic: the default schedule is used"
+            );
+            None
+        }
+    });
+    from_env.unwrap_or(DEFAULT_SCHEDULE)
+}
+
+thread_local! {
+    static FORCE_SCHEDULE: Cell<Option<Schedule>> = const { Cell::new(None) };
+}
+
+/// Makes the ws rows GEMMs launched from this thread use `schedule` (`None`: the rule of
+/// [`schedule_for`] again). For tests and same-build comparisons.
+pub fn force_schedule(schedule: Option<Schedule>) {
+    FORCE_SCHEDULE.with(|f| f.set(schedule));
+}
+
 /// The device descriptor (`cuda/layout/gemm_problem.cuh`), field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -295,6 +347,7 @@ struct GemmProblem {
     ldc: u64,
     ld2: u64,
     fault: u64,
+    sched: u64,
     m: u32,
     n: u32,
     k: u32,
@@ -309,7 +362,7 @@ struct GemmProblem {
     inject_tx: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<GemmProblem>() == 208);
+const _: () = assert!(std::mem::size_of::<GemmProblem>() == 216);
 
 /// Bound of one TMA stage wait (a stage lands in microseconds: the bound only turns a lost
 /// transaction into a [`KernelError::DeviceFault`] instead of a hang, with room for
@@ -706,6 +759,11 @@ fn launch_rows(
         _ => (None, None),
     };
     p.tma = if a.is_some() { TMA_A } else { 0 } | if b.is_some() { TMA_B } else { 0 };
+    // The dynamic schedule is for single blocks (the paired kernels ignore `sched`).
+    p.sched = match (engine, schedule_for(), grid) {
+        (Engine::Ws, Schedule::Dynamic, Grid::Blocks(_)) => ctx.schedule_word()?,
+        _ => 0,
+    };
     let (ta, tb, tb2) = (
         a.unwrap_or_default(),
         b.unwrap_or_default(),
@@ -764,7 +822,9 @@ fn launch(
     // afdep_gemm_wgrad none (the callers pass exactly those; only the maps whose `tma` bit is
     // set are read; each was encoded for a live buffer of the problem with the sizes checked
     // below, and TMA never reads outside the sizes it encodes). The fault word is the
-    // context's live 16-byte buffer. The callers below fill it with pointers to live buffers whose sizes they checked
+    // context's live 16-byte buffer; the schedule word (ws rows kernels, where `sched` is
+    // set) its live 8-byte counter pair, zero before the launch (kernels on the context's one
+    // stream do not overlap, and each dynamic launch's last block zeroes it). The callers below fill it with pointers to live buffers whose sizes they checked
     // against the problem: the kernel reads A rows `< capacity` (or gathered rows the index
     // names, checked `< rows of the operand` by construction of the layout), B for `groups`
     // groups, and writes outputs only for rows below the device total (`offsets[groups]` ≤
@@ -1457,8 +1517,8 @@ mod tests {
         #[rustfmt::skip]
         let rust = rust_offsets!(GemmProblem;
             a, b, b2, offsets, a_idx, b_idx, c, c2, c3, c4, aux, r_idx, weights, gsum, lda, ldb,
-            b_gs, ldc, ld2, fault, m, n, k, groups, a_div, b_div, b_split, splits, r_div, tma,
-            wait_ms, inject_tx
+            b_gs, ldc, ld2, fault, sched, m, n, k, groups, a_div, b_div, b_split, splits, r_div,
+            tma, wait_ms, inject_tx
         );
         let text = include_str!("../../cuda/layout/gemm_problem.cuh");
         assert_mirrors(
