@@ -286,46 +286,29 @@ fn dx_odd_sizes_match_a_host_gemm() {
     }
 }
 
-/// Forces an engine on this thread through `force` (`gemm::force_engine`, or
-/// `gemm::force_wgrad_engine` for the weight-gradient engine); the default comes back when
+/// Forces a GEMM choice on this thread through `force` (`gemm::force_engine`,
+/// `force_wgrad_engine`, `force_pairing` or `force_schedule`); the default comes back when
 /// dropped.
-struct ForcedEngine(fn(Option<Engine>));
+struct Forced<T: 'static>(fn(Option<T>));
 
-impl ForcedEngine {
-    fn new(force: fn(Option<Engine>), engine: Engine) -> Self {
-        force(Some(engine));
-        ForcedEngine(force)
+impl<T: 'static> Forced<T> {
+    fn new(force: fn(Option<T>), value: T) -> Self {
+        force(Some(value));
+        Forced(force)
     }
 }
 
-impl Drop for ForcedEngine {
+impl<T: 'static> Drop for Forced<T> {
     fn drop(&mut self) {
         (self.0)(None);
     }
 }
 
-/// Forces the ws rows GEMMs' schedule on this thread (`gemm::force_schedule`); the default
-/// comes back when dropped.
-struct ForcedSchedule;
-
-impl ForcedSchedule {
-    fn new(schedule: Schedule) -> Self {
-        gemm::force_schedule(Some(schedule));
-        ForcedSchedule
-    }
-}
-
-impl Drop for ForcedSchedule {
-    fn drop(&mut self) {
-        gemm::force_schedule(None);
-    }
-}
-
 /// The GPU with the classic rows kernel forced on this thread (the default engine, ws, has its
 /// own test), or `None` (skip).
-fn classic_gpu() -> Option<(afdep_kernels::GpuContext, ForcedEngine)> {
+fn classic_gpu() -> Option<(afdep_kernels::GpuContext, Forced<Engine>)> {
     let ctx = gpu()?;
-    Some((ctx, ForcedEngine::new(gemm::force_engine, Engine::Classic)))
+    Some((ctx, Forced::new(gemm::force_engine, Engine::Classic)))
 }
 
 /// A random permutation of `0..n`.
@@ -621,28 +604,12 @@ fn ws_engine_dynamic_schedule_odd_sizes_match_a_host_gemm() {
     ws_odd_sizes(Pairing::Off, Schedule::Dynamic);
 }
 
-/// Puts the default pairing back on drop.
-struct ForcedPairing;
-
-impl ForcedPairing {
-    fn new(p: Pairing) -> Self {
-        gemm::force_pairing(Some(p));
-        ForcedPairing
-    }
-}
-
-impl Drop for ForcedPairing {
-    fn drop(&mut self) {
-        gemm::force_pairing(None);
-    }
-}
-
 /// The body of the ws rows tests, with `pairing` and `schedule` forced.
 fn ws_odd_sizes(pairing: Pairing, schedule: Schedule) {
     let Some(ctx) = gpu() else { return };
-    let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
-    let _pairs = ForcedPairing::new(pairing);
-    let _schedule = ForcedSchedule::new(schedule);
+    let _ws = Forced::new(gemm::force_engine, Engine::Ws);
+    let _pairs = Forced::new(gemm::force_pairing, pairing);
+    let _schedule = Forced::new(gemm::force_schedule, schedule);
     let paired_before = gemm::paired_launches();
     let mut r = rng(97);
     let sizes = [0usize, 1, 257, 2100, 0, 45, 700, 3];
@@ -812,7 +779,7 @@ fn ws_odd_sizes(pairing: Pairing, schedule: Schedule) {
         // element replaced by its [da | db]), on each engine: on one engine the two forms give
         // the same bits (the engines' tiles differ, so across them only the tolerance holds)
         for engine in [Engine::Ws, Engine::Classic] {
-            let _e = ForcedEngine::new(gemm::force_engine, engine);
+            let _e = Forced::new(gemm::force_engine, engine);
             let mut first: Option<Vec<f32>> = None;
             for in_place in [false, true] {
                 let what = format!("dh_dswiglu {engine:?} in place {in_place}");
@@ -876,7 +843,7 @@ fn ws_odd_sizes(pairing: Pairing, schedule: Schedule) {
                 }
             }
         }
-        // each ForcedEngine above put the default back on drop: the rest is the ws test's
+        // each Forced<Engine> above put the default back on drop: the rest is the ws test's
         gemm::force_engine(Some(Engine::Ws));
     }
 
@@ -921,7 +888,7 @@ fn ws_odd_sizes(pairing: Pairing, schedule: Schedule) {
 #[test]
 fn ws_pairs_and_sm_limits_give_the_bits_of_single_blocks() {
     let Some(ctx) = gpu() else { return };
-    let _ws = ForcedEngine::new(gemm::force_engine, Engine::Ws);
+    let _ws = Forced::new(gemm::force_engine, Engine::Ws);
     let mut r = rng(211);
     let sizes = [1300usize, 0, 256, 257, 900, 129, 1408];
     let (od, _, g, rows) = groups_of(&ctx, &sizes);
@@ -940,7 +907,7 @@ fn ws_pairs_and_sm_limits_give_the_bits_of_single_blocks() {
         up(&ctx, &idx),
     );
     let run = |pairing: Pairing, sms: Option<u32>| {
-        let _p = ForcedPairing::new(pairing);
+        let _p = Forced::new(gemm::force_pairing, pairing);
         ctx.set_gemm_sms(sms);
         let before = gemm::paired_launches();
         let mut out: Vec<Vec<f32>> = Vec::new();
@@ -1022,7 +989,7 @@ fn ws_pairs_and_sm_limits_give_the_bits_of_single_blocks() {
 #[test]
 fn ws_wgrad_odd_sizes_match_a_host_gemm() {
     let Some(ctx) = gpu() else { return };
-    let _ws = ForcedEngine::new(gemm::force_wgrad_engine, Engine::Ws);
+    let _ws = Forced::new(gemm::force_wgrad_engine, Engine::Ws);
     let mut r = rng(131);
     let sizes = [0usize, 1, 257, 2100, 45, 700, 3];
     let (od, offsets, g, rows) = groups_of(&ctx, &sizes);

@@ -108,36 +108,53 @@ pub const DEFAULT_ENGINE: Engine = Engine::Ws;
 /// TMA-aligned, a K split not a multiple of 64) runs on the classic kernel whatever is asked.
 pub fn engine_for() -> Engine {
     static ENV: OnceLock<Option<Engine>> = OnceLock::new();
-    chosen_engine(&FORCE, &ENV, "AFDEP_GEMM_ENGINE", DEFAULT_ENGINE)
+    chosen(
+        &FORCE,
+        &ENV,
+        "AFDEP_GEMM_ENGINE",
+        &ENGINE_NAMES,
+        DEFAULT_ENGINE,
+    )
 }
 
-/// One engine choice: this thread's forced engine, else the environment variable `var` (read
-/// once into `env`: `classic`, `ws`, or `auto`/unset for `default`; anything else is warned
-/// about and means `default`).
-fn chosen_engine(
-    force: &'static std::thread::LocalKey<Cell<Option<Engine>>>,
-    env: &OnceLock<Option<Engine>>,
+/// One GEMM choice: this thread's forced value, else the environment variable `var` (read
+/// once into `env`: one of `names`, whose `None` means `default`; unset: `default`; anything
+/// else is warned about and means `default`).
+fn chosen<T: Copy + 'static>(
+    force: &'static std::thread::LocalKey<Cell<Option<T>>>,
+    env: &OnceLock<Option<T>>,
     var: &'static str,
-    default: Engine,
-) -> Engine {
-    if let Some(e) = force.with(Cell::get) {
-        return e;
+    names: &[(&str, Option<T>)],
+    default: T,
+) -> T {
+    if let Some(v) = force.with(Cell::get) {
+        return v;
     }
-    let from_env = *env.get_or_init(|| match std::env::var(var).as_deref() {
-        Ok("classic") => Some(Engine::Classic),
-        Ok("ws") => Some(Engine::Ws),
-        Ok("auto") | Err(_) => None,
-        Ok(other) => {
-            tracing::warn!(
-                variable = var,
-                value = other,
-                "{var} is neither classic, ws nor auto: the default engine is used"
-            );
-            None
+    let from_env = *env.get_or_init(|| {
+        let v = std::env::var(var).ok()?;
+        match names.iter().find(|(n, _)| *n == v) {
+            Some((_, value)) => *value,
+            None => {
+                let known: Vec<&str> = names.iter().map(|(n, _)| *n).collect();
+                tracing::warn!(
+                    variable = var,
+                    value = %v,
+                    "{var} is none of {}: the default is used",
+                    known.join(", ")
+                );
+                None
+            }
         }
     });
     from_env.unwrap_or(default)
 }
+
+/// The names of [`Engine`] in `AFDEP_GEMM_ENGINE` and `AFDEP_GEMM_WGRAD`.
+const ENGINE_NAMES: [(&str, Option<Engine>); 3] = [
+    ("classic", Some(Engine::Classic)),
+    ("ws", Some(Engine::Ws)),
+    ("auto", None),
+];
 
 thread_local! {
     static FORCE: Cell<Option<Engine>> = const { Cell::new(None) };
@@ -187,23 +204,17 @@ pub fn force_pairing(pairing: Option<Pairing>) {
 /// [`DEFAULT_PAIRING`]; anything else is warned about and means the default).
 pub fn pairing_for() -> Pairing {
     static ENV: OnceLock<Option<Pairing>> = OnceLock::new();
-    if let Some(p) = FORCE_PAIRING.with(Cell::get) {
-        return p;
-    }
-    let from_env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_PAIRS").as_deref() {
-        Ok("off") => Some(Pairing::Off),
-        Ok("on") => Some(Pairing::On),
-        Ok("auto") => Some(Pairing::Auto),
-        Err(_) => None,
-        Ok(other) => {
-            tracing::warn!(
-                value = other,
-                "AFDEP_GEMM_PAIRS is neither off, on nor auto: the default pairing is used"
-            );
-            None
-        }
-    });
-    from_env.unwrap_or(DEFAULT_PAIRING)
+    chosen(
+        &FORCE_PAIRING,
+        &ENV,
+        "AFDEP_GEMM_PAIRS",
+        &[
+            ("off", Some(Pairing::Off)),
+            ("on", Some(Pairing::On)),
+            ("auto", Some(Pairing::Auto)),
+        ],
+        DEFAULT_PAIRING,
+    )
 }
 
 thread_local! {
@@ -258,7 +269,13 @@ pub const DEFAULT_WGRAD_ENGINE: Engine = Engine::Ws;
 /// unset: [`DEFAULT_WGRAD_ENGINE`]). Independent of the rows engine ([`engine_for`]).
 pub fn wgrad_engine_for() -> Engine {
     static ENV: OnceLock<Option<Engine>> = OnceLock::new();
-    chosen_engine(&FORCE_WGRAD, &ENV, "AFDEP_GEMM_WGRAD", DEFAULT_WGRAD_ENGINE)
+    chosen(
+        &FORCE_WGRAD,
+        &ENV,
+        "AFDEP_GEMM_WGRAD",
+        &ENGINE_NAMES,
+        DEFAULT_WGRAD_ENGINE,
+    )
 }
 
 thread_local! {
@@ -295,22 +312,16 @@ pub const DEFAULT_SCHEDULE: Schedule = Schedule::Static;
 /// kernels and the weight gradients always use the static schedule.
 pub fn schedule_for() -> Schedule {
     static ENV: OnceLock<Option<Schedule>> = OnceLock::new();
-    if let Some(s) = FORCE_SCHEDULE.with(Cell::get) {
-        return s;
-    }
-    let from_env = *ENV.get_or_init(|| match std::env::var("AFDEP_GEMM_SCHEDULE").as_deref() {
-        Ok("static") => Some(Schedule::Static),
-        Ok("dynamic") => Some(Schedule::Dynamic),
-        Err(_) => None,
-        Ok(other) => {
-            tracing::warn!(
-                value = other,
-                "AFDEP_GEMM_SCHEDULE is neither static nor dynamic: the default schedule is used"
-            );
-            None
-        }
-    });
-    from_env.unwrap_or(DEFAULT_SCHEDULE)
+    chosen(
+        &FORCE_SCHEDULE,
+        &ENV,
+        "AFDEP_GEMM_SCHEDULE",
+        &[
+            ("static", Some(Schedule::Static)),
+            ("dynamic", Some(Schedule::Dynamic)),
+        ],
+        DEFAULT_SCHEDULE,
+    )
 }
 
 thread_local! {
