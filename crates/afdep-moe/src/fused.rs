@@ -221,6 +221,8 @@ pub struct FusedEngine {
     poison: bool,
     /// Device rounds launch one front kernel per rank ([`FusedEngine::set_fronts`]).
     fronts: bool,
+    /// A source's combine waits in one block first ([`FusedEngine::set_combine_prewait`]).
+    combine_prewait: bool,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -339,6 +341,7 @@ impl FusedEngine {
             device: None,
             poison: true,
             fronts: device_round::fronts_from_env(),
+            combine_prewait: false,
         })
     }
 

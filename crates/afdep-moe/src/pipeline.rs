@@ -286,9 +286,14 @@ impl PipelineRank {
             }
         }
         let mut slots = slots;
+        let several = slots.len() > 1;
         for e in &mut slots {
             // every slot may run every microbatch (one slot: sequential rounds)
             e.prepare_staged(max_microbatches)?;
+            // with several slots, the sources' combines wait in one block
+            // (`FusedEngine::set_combine_prewait`: the slots' waiting grids beside the FFN
+            // ranks' GEMMs on one GPU)
+            e.set_combine_prewait(several);
         }
         Ok(PipelineRank {
             slots,

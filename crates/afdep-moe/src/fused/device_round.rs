@@ -704,6 +704,18 @@ impl FusedEngine {
         self.fronts = on;
     }
 
+    /// Whether a source's combine in device rounds first waits for the FFN ranks' combine
+    /// flags in a kernel of one block, so that no grid of `transport_sms` blocks waits out the
+    /// FFN ranks' experts (default off: one more dependent launch per round). The microbatch
+    /// pipeline turns it on for its slots ([`crate::pipeline::PipelineRank::new`]): with two
+    /// slots of emulated ranks on one GPU the sources' waiting combine grids can occupy every
+    /// SM while the GEMM they wait for needs a whole one (docs/perf/exchange.md, the
+    /// pipeline's 3A:1F timeout). The results are the same bit for bit; graphs keep what they
+    /// captured.
+    pub fn set_combine_prewait(&mut self, on: bool) {
+        self.combine_prewait = on;
+    }
+
     /// Turns timing of device rounds on or off. With timing on, every device round (eager, or a
     /// graph replay) starts with a control-plane barrier of every rank after its input was
     /// loaded, then a CUDA event on this rank's stream right before the round's launches (a
@@ -1437,6 +1449,7 @@ impl FusedEngine {
             gates,
             one_launch: arm == RoundArm::Auto,
             planned: arm == RoundArm::Auto && src_index.is_none(),
+            combine_prewait: self.combine_prewait,
         };
         let source = match (src_index, d.src.as_ref()) {
             (Some(s), Some(b)) => Some(RoundSource {
@@ -1766,6 +1779,9 @@ struct Launch<'a> {
     /// The FFN rank's plan ran for every arm at step 3 (an Auto round on an FFN-only rank):
     /// the epilogue is one launch too.
     planned: bool,
+    /// A source's combine waits in a kernel of one block first
+    /// ([`FusedEngine::set_combine_prewait`]).
+    combine_prewait: bool,
 }
 
 impl Launch<'_> {
@@ -2100,9 +2116,32 @@ impl Launch<'_> {
     }
 
     /// Source: the combine (waits for every FFN rank's flag, then sums the partials).
+    ///
+    /// With [`FusedEngine::set_combine_prewait`] the wait runs first in a kernel of one block
+    /// (`cf::wait` on the combine flags) and the combine's grid starts only after it, its own
+    /// wait then passing at once. The wait lasts as long as the FFN ranks' experts; on a GPU
+    /// shared by emulated ranks and several pipeline slots, waiting grids of `transport_sms`
+    /// blocks per source (3A:1F with two slots: 6 × 24 = 144 blocks, one per SM, more than an
+    /// H100's 132 SMs) can leave no SM free for a ws GEMM block (one block needs a whole SM's
+    /// registers), so the GEMM the waits depend on never becomes resident until they time out.
     fn source_combine(&self, b: &mut SourceBufs) -> Result<(), ExchangeError> {
         let cfg = self.cfg;
         let p = cfg.placement();
+        if self.combine_prewait {
+            // SAFETY: the engine's launch invariant (`FusedEngine`): `self.r`'s workspace,
+            // control block and error word are live; the workspace holds `MAX_WORLD` flags at
+            // `COMBINE_FLAGS`; `ffn_ranks` holds the `p.ffn_ranks` FFN ranks.
+            unsafe {
+                cf::wait(
+                    self.gpu,
+                    &self.r,
+                    self.ffn_ranks,
+                    p.ffn_ranks,
+                    super::COMBINE_FLAGS,
+                    fk::fault::COMBINE_WAIT,
+                )
+            }?;
+        }
         let routes = fk::CombineRoutes {
             idx: &b.idx,
             ffn_ranks: self.ffn_ranks,
