@@ -453,6 +453,11 @@ impl PipelineRank {
                 what: format!("microbatch {i}'s round is missing from slot {s}"),
             })?;
             if let Err(e) = r.result {
+                // the first fails the run; the later ones are logged (a slot's timeout may
+                // follow another microbatch's fault)
+                if first_err.is_some() {
+                    tracing::error!(rank, microbatch = i, slot = s, error = %e, "a later microbatch failed too");
+                }
                 first_err.get_or_insert(PipelineError::Round {
                     microbatch: i,
                     source: Box::new(e),

@@ -67,8 +67,16 @@ pub(super) fn run_threads(
 }
 
 /// Each rank's result of a [`run_group`], in rank order: the first rank's error (with its
-/// rank) or panic fails the run.
+/// rank) or panic fails the run; every failed rank's error is logged first (a rank's timeout
+/// often follows another rank's fault, which only its own error names).
 pub(super) fn by_rank<R>(outcomes: Vec<RankOutcome<R, anyhow::Error>>) -> Result<Vec<R>> {
+    for (rank, r) in outcomes.iter().enumerate() {
+        match r {
+            Err(_) => tracing::error!(rank, "the rank's thread panicked"),
+            Ok(Err(e)) => tracing::error!(rank, error = format!("{e:#}"), "the rank failed"),
+            Ok(Ok(_)) => {}
+        }
+    }
     outcomes
         .into_iter()
         .enumerate()
