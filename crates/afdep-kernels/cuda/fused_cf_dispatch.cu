@@ -5,7 +5,7 @@
 // stores each row straight to its final expanded row(s) in the FFN rank's expanded area (one
 // per (token, local expert): block start + slot position), and the compact view's metadata
 // (the payload-first format, expanded_row[k] the final row) into its slab row there; then the
-// grid's last block raises the dispatch flags (sig_off; what afdep_fused_signal did after it).
+// grid's last block raises the dispatch flags (sig_off).
 // Mode AFDEP_CF_STREAM (the streaming variant): with `gate` set, the same wait first; then each
 // row (payload and metadata, expanded_row[k] the slot's block position) goes into this source's
 // slab, and its row flag is raised to the round (release, system scope) as soon as the row is
@@ -17,9 +17,9 @@
 // with `gate` and no dispatch flags, payload-first as AFDEP_CF_STREAM without the wait and with
 // the dispatch flags at sig_off.
 //
-// The payload kind is a template constant (as in fused_dispatch.cu): afdep_cf_dispatch stores
-// bf16 rows, afdep_cf_dispatch_fp8 quantises each row once while it stores it
-// (common/fp8.cuh, bit for bit afdep_core::fp8): streaming, codes and scales into the slab row
+// The payload kind is a template constant: afdep_cf_dispatch stores bf16 rows,
+// afdep_cf_dispatch_fp8 quantises each row once while it stores it (common/fp8.cuh, bit for
+// bit afdep_core::fp8): streaming, codes and scales into the slab row
 // (the fp8 slab row format of layout/fused.cuh); source arm, the codes to every final expanded
 // row's codes (exp_q_off, hidden u8 per row) and the scales to its scales (exp_sc_off,
 // hidden / 128 f32 per row), which the FFN rank dequantises after the dispatch flags

@@ -192,8 +192,7 @@ static __device__ __forceinline__ void afdep_combine_reduce_rows(
 // (f cap + t) ret_row_bytes: hidden f32, or hidden bf16 with bf16 partials. One warp per compact
 // row, grid-stride; 8 channels per lane, 16-byte loads and stores when hidden is a multiple of 8.
 // me: this FFN rank; sig_off (AFDEP_NO_COMBINE_SIGNAL: none): the grid's last block then raises
-// flag `me` at sig_off in every source's workspace (the combine flags; what afdep_fused_signal
-// did as a kernel of its own after this one).
+// flag `me` at sig_off in every source's workspace (the combine flags).
 #define AFDEP_COMBINE_REDUCE_PARAMS                                                               \
     const u8 *ws, const u32 *ctl, const u64 *__restrict__ peers,                                 \
         const u32 *__restrict__ src_rank, u32 ns, const u64 *__restrict__ so,                   \

@@ -10,9 +10,7 @@
 // rank's route word, or arms differ) and the arm of the round (every rank's the same: the
 // requested one, or for AFDEP_ARM_AUTO the rule over the largest source's token count) go into
 // the control block and its arm gates, and every later kernel of the round skips when its
-// control block (or gate) is not go. afdep_round_bump is the host-planned round's counterpart
-// (routes validated on the host): round + 1, verdict go, the token count (and the ticket
-// zeroed, as afdep_round_begin does).
+// control block (or gate) is not go.
 // afdep_round_stamp: a timestamp of a traced round's phase boundary.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
 // the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
@@ -40,16 +38,6 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     if (blockIdx.x != 0) return;
     afdep_begin_block(ws, ctl, peers, world, me, src_index, idx, w, L, experts, owned, timeout_ns,
                       err, payload, bucket, gates);
-}
-
-// One thread: the round of a host-planned round (its routes were validated on the host): round
-// + 1, verdict go, this source's token count.
-extern "C" __global__ void afdep_round_bump(u32* ctl, u32 tokens) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    ctl[AFDEP_CTL_ROUND] += 1;
-    ctl[AFDEP_CTL_TICKET] = 0u;
-    ctl[AFDEP_CTL_VERDICT] = AFDEP_CTL_GO;
-    ctl[AFDEP_CTL_TOKENS] = tokens;
 }
 
 // One thread: the device's global nanosecond timer (%globaltimer) into stamps[slot]: a phase

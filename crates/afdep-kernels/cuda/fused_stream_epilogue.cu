@@ -9,10 +9,10 @@
 // The payload kind is a template constant: afdep_cf_stream_epilogue expands bf16 rows;
 // afdep_cf_stream_epilogue_fp8 reads the slab row's codes and scales (layout/fused.cuh) and
 // writes them to the expanded row's codes (exp_q_off) and scales (exp_sc_off) and their
-// dequantised bf16 values (common/fp8.cuh) to the expanded row (exp_off), as the payload-first
-// copy epilogue of fp8 does. afdep_cf_dequant is the source arm's counterpart on the FFN rank:
-// after every source's dispatch flag, the codes and scales the sources stored into the expanded
-// rows are dequantised into the bf16 expanded rows.
+// dequantised bf16 values (common/fp8.cuh) to the expanded row (exp_off). afdep_cf_dequant is
+// the source arm's counterpart on the FFN rank: after every source's dispatch flag, the codes
+// and scales the sources stored into the expanded rows are dequantised into the bf16 expanded
+// rows.
 
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"

@@ -310,25 +310,6 @@ kernel_registry! {
         /// Reference: statistics of the error metric of two tensors.
         RefErrStats = "afdep_ref_err_stats",
     }
-    /// `fused_dispatch.cu`: payload-first dispatch stores through the peer table (bf16, and fp8
-    /// quantised on the way) and the flag signal of the fused exchange (not specialised).
-    FusedDispatch = "fused_dispatch.cu", experts: false, top_k: false {
-        /// `afdep_fused_dispatch`: a source's rows into its slabs in the FFN ranks' workspaces.
-        FusedDispatch = "afdep_fused_dispatch",
-        /// `afdep_fused_signal`: raises this rank's flag in peers' workspaces.
-        FusedSignal = "afdep_fused_signal",
-        /// `afdep_fused_dispatch_fp8`: [`KernelId::FusedDispatch`] with fp8 payloads, quantised
-        /// while stored.
-        FusedDispatchFp8 = "afdep_fused_dispatch_fp8",
-    }
-    /// `fused_epilogue.cu`: the payload-first copy epilogue (specialised by top-k).
-    FusedEpilogue = "fused_epilogue.cu", experts: false, top_k: true {
-        /// `afdep_fused_copy_epilogue`: waits for the sources, expands the slabs.
-        FusedCopyEpilogue = "afdep_fused_copy_epilogue",
-        /// `afdep_fused_copy_epilogue_fp8`: the copy epilogue of fp8 payloads (codes, scales and
-        /// dequantised rows).
-        FusedCopyEpilogueFp8 = "afdep_fused_copy_epilogue_fp8",
-    }
     /// `fused_combine.cu`: the combine's two halves, the FFN ranks' partial sums and the sources'
     /// fixed-order sum, with f32 partials and with bf16 partials (specialised by top-k).
     FusedCombine = "fused_combine.cu", experts: false, top_k: true {
@@ -392,8 +373,6 @@ kernel_registry! {
     FusedRound = "fused_round.cu", experts: false, top_k: true {
         /// Device round: round + 1, device route validation, the verdict shared among ranks.
         RoundBegin = "afdep_round_begin",
-        /// Device round: round + 1 of a host-validated round.
-        RoundBump = "afdep_round_bump",
         /// Device round: the reproducible device expert (a per-expert scale).
         RoundExperts = "afdep_round_experts",
         /// `afdep_round_check_payload`: a device round's fp8 payload check (non-finite rows).
@@ -795,12 +774,11 @@ mod tests {
                 .is_err()
         );
         let v = runtime_variants();
-        // router, validate, layout, permute, gemm, moe, reference, fused dispatch, epilogue,
-        // combine, count-first counts, dispatch, streaming epilogue, device round, fronts,
-        // NCCL round (top-k), fp8
+        // router, validate, layout, permute, gemm, moe, reference, fused combine, count-first
+        // counts, dispatch, streaming epilogue, device round, fronts, NCCL round (top-k), fp8
         assert_eq!(
             v.len(),
-            12 + 4 + 3 + 4 + 1 + 12 + 1 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
+            12 + 4 + 3 + 4 + 1 + 12 + 1 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 1
         );
         assert!(v.iter().all(|m| m.check().is_ok()));
     }

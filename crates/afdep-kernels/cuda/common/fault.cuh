@@ -21,7 +21,7 @@
 // The points (bits of AFDEP_FAULT). P1 ... N3 name the faults of the reference record's suite
 // (docs/design.md, "The reference record").
 // Every 5th row's store delayed 20 us before it is stored (its flag follows the store):
-// afdep_cf_dispatch (both modes), afdep_fused_dispatch(_fp8). The record's P1.
+// afdep_cf_dispatch (both modes). The record's P1.
 #define AFDEP_FAULT_LATE_ROWS 0x1u
 // Every 7th streaming row flag released 10 us after its row's stores completed (and were
 // fenced): afdep_cf_dispatch, streaming mode. The record's P2.
@@ -35,9 +35,9 @@
 // An FFN rank's prefix sums computed 20 us late (after its counts wait, before the plan):
 // afdep_cf_plan. The record's P4b.
 #define AFDEP_FAULT_LATE_PREFIX 0x10u
-// Every flag signal released 10 us after its fence: afdep_fused_signal (the host-planned
-// payload-first dispatch flags) and the last blocks of afdep_cf_dispatch (dispatch flags of the
-// device plan's payload-first and source arms) and afdep_fused_combine_reduce (combine flags).
+// Every flag signal released 10 us after its fence: the last blocks of afdep_cf_dispatch
+// (dispatch flags of the device plan's payload-first and source arms) and
+// afdep_fused_combine_reduce (combine flags).
 #define AFDEP_FAULT_LATE_SIGNAL 0x20u
 // Every 5th compact row's partial sum stored into its source's return area 20 us late (the
 // combine flag follows): afdep_fused_combine_reduce.
@@ -52,10 +52,9 @@
 #define AFDEP_FAULT_SKIP_OFFSET_WAIT 0x200u
 // The combine skips its wait for the FFN ranks' combine flags: afdep_fused_combine.
 #define AFDEP_FAULT_SKIP_COMBINE_WAIT 0x400u
-// An FFN rank skips its wait for the sources' dispatch flags: afdep_fused_copy_epilogue(_fp8),
-// afdep_cf_wait (the source arm's and device rounds' dispatch flag wait), afdep_cf_plan (the
-// payload-first wait before its plan), afdep_cf_stream_epilogue(_fp8) (an Auto round's source
-// arm wait).
+// An FFN rank skips its wait for the sources' dispatch flags: afdep_cf_wait (the source arm's
+// and device rounds' dispatch flag wait), afdep_cf_plan (the payload-first wait before its
+// plan), afdep_cf_stream_epilogue(_fp8) (an Auto round's source arm wait).
 #define AFDEP_FAULT_SKIP_DISPATCH_WAIT 0x800u
 
 #ifdef AFDEP_FAULT

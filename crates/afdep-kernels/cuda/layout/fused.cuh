@@ -21,7 +21,10 @@
 // An expanded row that does not exist (u64::MAX).
 #define AFDEP_FUSED_NO_ROW 0xffffffffffffffffull
 
-// Fault codes of the error word u32[4] = {code, peer rank, round, 0} (first fault wins).
+// Fault codes of the error word u32[4] = {code, peer rank, round, 0} (first fault wins). A wait
+// for the dispatch flags takes its code as an argument: the host passes
+// AFDEP_FUSED_FAULT_DISPATCH_WAIT (afdep_kernels::ops::fused::fault::DISPATCH_WAIT) for the
+// plan's payload-first wait (phase/counts.cuh).
 #define AFDEP_FUSED_FAULT_DISPATCH_WAIT 1u
 #define AFDEP_FUSED_FAULT_COMBINE_WAIT 2u
 
@@ -73,13 +76,6 @@ static_assert(alignof(afdep_fused_layout) == 8, "FusedLayout's alignment");
 #define AFDEP_PARTIALS_F32 0
 #define AFDEP_PARTIALS_BF16 1
 
-// Bytes of the payload part of a slab row: where the metadata starts.
-template <int PAYLOAD>
-static __device__ __forceinline__ u64 afdep_fused_payload_bytes(u32 hidden) {
-    if (PAYLOAD == AFDEP_PAYLOAD_FP8) return afdep_align16(hidden) + afdep_align16(4ull * (hidden / 128u));
-    return afdep_align16(2ull * hidden);
-}
-
 // Records a fault (the first one wins).
 static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32 peer, u32 round) {
     if (atomicCAS(err, 0u, code) == 0u) {
@@ -87,17 +83,6 @@ static __device__ __forceinline__ void afdep_fused_fault(u32* err, u32 code, u32
         err[2] = round;
         __threadfence_system();
     }
-}
-
-// The slab row of compact row c: source s is the last with slab_starts[s] <= c, the row its
-// (c - slab_starts[s])-th of cap in the slab of rank src_rank[s].
-static __device__ __forceinline__ const u8* afdep_fused_compact_row(
-    const u8* ws, const u32* __restrict__ src_rank, const u64* __restrict__ slab_starts,
-    u32 sources, u64 slab_off, u32 cap, u64 row_bytes, u64 c) {
-    u32 s = 0;
-    while (s + 1 < sources && slab_starts[s + 1] <= c) s++;
-    const u64 i = c - slab_starts[s];
-    return ws + slab_off + ((u64)src_rank[s] * cap + i) * row_bytes;
 }
 
 // Copies `bytes` bytes (a multiple of 2, below 2^32) from src to dst with one warp: 16-byte
@@ -177,8 +162,8 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
 // raises a flag reads the round number from it, and every kernel of a round returns at once when
 // the verdict is not AFDEP_CTL_GO, so a round needs no round number or token count from the host
 // (a captured CUDA graph replays with the values of the moment).
-//   ctl[0]  round     incremented once per round on the device (afdep_round_begin or
-//                     afdep_round_bump), never by the host
+//   ctl[0]  round     incremented once per round on the device (afdep_round_begin), never
+//                     by the host
 //   ctl[1]  verdict   AFDEP_CTL_GO, AFDEP_CTL_REJECTED (some source's route was rejected: every
 //                     rank skips the data phases), AFDEP_CTL_FAULTED (a status wait ran out),
 //                     AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms: skipped too)
@@ -190,8 +175,8 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
 //                     like tokens): AFDEP_ARM_* or AFDEP_ARM_AUTO (the token-bucket rule)
 //   ctl[10] arm       the arm the round takes (afdep_round_begin: the same on every rank)
 //   ctl[11] ticket    the blocks of the running kernel that are done (afdep_last_block): zero
-//                     between kernels (reset by the last block, and by afdep_round_begin /
-//                     afdep_round_bump in the control block and every arm gate)
+//                     between kernels (reset by the last block, and by afdep_round_begin in
+//                     the control block and every arm gate)
 //   ctl[12..15)       a front's in-grid handoffs (fused_front.cu): begun, ready and the exit
 //                     ticket; zero between kernels (reset by the front's last block)
 // With verdict AFDEP_CTL_ARMS_DIFFER (ranks asked for different arms; every rank skips the

@@ -22,11 +22,10 @@
 //! of faults and their expected outcomes, and `gpu_nvlink_faults` the test.
 //!
 //! A skipping fault only removes a wait: every read and write after it stays within bounds the
-//! kernel checks anyway (the copy epilogue's `exp_rows`, the streaming epilogue's and the source
-//! arm's `exp_rows`, the combine's return rows of its own tokens below the capacity), so a
-//! skipped wait gives
-//! wrong data, never an access out of bounds, and no skipped wait leaves another kernel spinning
-//! past the transport's timeout (the flags it skipped are still raised, and only grow).
+//! kernel checks anyway (the streaming epilogue's and the source arm's `exp_rows`, the combine's
+//! return rows of its own tokens below the capacity), so a skipped wait gives wrong data, never
+//! an access out of bounds, and no skipped wait leaves another kernel spinning past the
+//! transport's timeout (the flags it skipped are still raised, and only grow).
 
 use std::fmt;
 
@@ -36,7 +35,7 @@ use crate::sources::SourceFile;
 /// `AFDEP_FAULT_` prefix; a test checks they agree).
 pub mod point {
     /// Every 5th row's store delayed 20 µs (its flag follows the store): `afdep_cf_dispatch`
-    /// (both modes), `afdep_fused_dispatch(_fp8)`.
+    /// (both modes).
     pub const LATE_ROWS: u32 = 0x1;
     /// Every 7th streaming row flag released 10 µs after its row's stores: `afdep_cf_dispatch`.
     pub const LATE_ROW_FLAGS: u32 = 0x2;
@@ -47,10 +46,9 @@ pub mod point {
     pub const LATE_OFFSET_FLAGS: u32 = 0x8;
     /// An FFN rank's prefix sums computed 20 µs late (after its counts wait): `afdep_cf_plan`.
     pub const LATE_PREFIX: u32 = 0x10;
-    /// Every flag signal released 10 µs after its fence: `afdep_fused_signal` (the host-planned
-    /// payload-first dispatch flags) and the last blocks of `afdep_cf_dispatch` (the device
-    /// plan's payload-first and source-arm dispatch flags) and `afdep_fused_combine_reduce`
-    /// (combine flags).
+    /// Every flag signal released 10 µs after its fence: the last blocks of `afdep_cf_dispatch`
+    /// (the device plan's payload-first and source-arm dispatch flags) and
+    /// `afdep_fused_combine_reduce` (combine flags).
     pub const LATE_SIGNAL: u32 = 0x20;
     /// Every 5th compact row's partial sum stored into its source's return area 20 µs late (the
     /// combine flag follows): `afdep_fused_combine_reduce`.
@@ -65,9 +63,9 @@ pub mod point {
     pub const SKIP_OFFSET_WAIT: u32 = 0x200;
     /// The combine skips its wait for the combine flags: `afdep_fused_combine`.
     pub const SKIP_COMBINE_WAIT: u32 = 0x400;
-    /// An FFN rank skips its wait for the dispatch flags: `afdep_fused_copy_epilogue(_fp8)`,
-    /// `afdep_cf_wait`, `afdep_cf_plan` (the payload-first wait before the plan),
-    /// `afdep_cf_stream_epilogue(_fp8)` (an Auto round's source-arm wait).
+    /// An FFN rank skips its wait for the dispatch flags: `afdep_cf_wait`, `afdep_cf_plan` (the
+    /// payload-first wait before the plan), `afdep_cf_stream_epilogue(_fp8)` (an Auto round's
+    /// source-arm wait).
     pub const SKIP_DISPATCH_WAIT: u32 = 0x800;
 
     /// Every point with its name in `common/fault.cuh` (without the `AFDEP_FAULT_` prefix).
@@ -91,8 +89,6 @@ pub mod point {
 pub fn points_in(file: SourceFile) -> u32 {
     use point::*;
     match file {
-        SourceFile::FusedDispatch => LATE_ROWS | LATE_SIGNAL,
-        SourceFile::FusedEpilogue => SKIP_DISPATCH_WAIT,
         SourceFile::FusedCombine => LATE_RETURN_ROWS | LATE_SIGNAL | SKIP_COMBINE_WAIT,
         SourceFile::FusedCounts => {
             LATE_COUNTS | LATE_OFFSET_FLAGS | LATE_PREFIX | SKIP_DISPATCH_WAIT
@@ -146,8 +142,8 @@ pub enum Fault {
     /// Late prefix sums (P4b): an FFN rank computes its plan 20 µs late, after its counts
     /// arrived.
     LatePrefix,
-    /// Deferred dispatch and combine flags: every `afdep_fused_signal` releases its flags 10 µs
-    /// after its fence.
+    /// Deferred dispatch and combine flags: every dispatch and combine flag (the last blocks of
+    /// `afdep_cf_dispatch` and `afdep_fused_combine_reduce`) is released 10 µs after its fence.
     LateSignals,
     /// Late return rows: every 5th compact row's partial sum (the FFN rank's share of a token's
     /// combine) is stored into its source's return area 20 µs late (the combine flag follows).
@@ -164,9 +160,8 @@ pub enum Fault {
     /// The combine skips its wait for the combine flags, with [`Fault::LateReturnRows`]: it
     /// adds the FFN ranks' partial sums before they land.
     SkipCombineWait,
-    /// The FFN rank skips its wait for the dispatch flags (payload-first copy epilogue, the
-    /// source arm's wait), with [`Fault::LateRows`]: it expands slabs (or reads the expanded
-    /// rows) before the rows land.
+    /// The FFN rank skips its wait for the dispatch flags (the source arm's wait, the plan's
+    /// payload-first wait), with [`Fault::LateRows`]: it reads rows before they land.
     SkipDispatchWait,
 }
 
@@ -427,9 +422,8 @@ mod tests {
         }
         // one per skip point and wait: the rows' offsets wait (phase/cf_dispatch.cuh), the
         // stream epilogue's row wait and its source-arm wait (phase/stream_epilogue.cuh), the
-        // plan's payload-first wait (phase/counts.cuh), the copy epilogues' shared wait
-        // (afdep_fused_wait_sources), cf_wait, the combine
-        assert_eq!(seen, 7);
+        // plan's payload-first wait (phase/counts.cuh), cf_wait, the combine
+        assert_eq!(seen, 6);
     }
 
     #[test]

@@ -73,7 +73,7 @@ pub struct Fp8Rows<'a> {
 }
 
 /// Quantises `rows` rows of `x` (`hidden` a multiple of 128) with the fused dispatch's warp
-/// quantiser and dequantises the codes with the copy epilogue's dequantiser.
+/// quantiser and dequantises the codes with the streaming epilogue's dequantiser.
 pub fn quantise_rows(
     ctx: &GpuContext,
     x: &CudaSlice<bf16>,

@@ -1,6 +1,9 @@
-//! Launchers of the fused exchange kernels of payload-first rounds (`fused_dispatch.cu`,
-//! `fused_epilogue.cu`) and of the combine of every arm and of device rounds
-//! (`fused_combine.cu`: [`combine_reduce`], [`combine`]).
+//! Launchers of the combine of the fused exchange, every arm (`fused_combine.cu`:
+//! [`combine_reduce`], [`combine`]), and what every fused launcher shares: the slab row format
+//! ([`slab_row_bytes_for`]), the error word's fault codes ([`fault`]), the rank addresses
+//! ([`RankAddrs`]), the preload of every fused kernel ([`preload`]). The rows themselves are
+//! stored and expanded by the count-first kernels of every arm ([`super::fused_cf`],
+//! [`super::fused_front`]).
 //!
 //! These kernels store into other ranks' memory through a **peer table**: the device address of
 //! a `u64[world]` array whose entry r is rank r's workspace base, valid in this context (what
@@ -14,19 +17,15 @@
 //! sit at 256-byte aligned offsets of a 256-byte aligned workspace (`FusedEngine::new` checks
 //! it). With any other hidden size its element path runs.
 //!
-//! Waiting kernels ([`copy_epilogue`], [`combine`]) spin on flags at system scope for at most
-//! `timeout_ns` (`%globaltimer`), then record a fault in the error word (`u32[4]`:
-//! `{code, peer rank, round, 0}`, codes in [`fault`]) and leave: no trap, no hang. Their grid is
-//! capped by the caller (`blocks`): ranks that share a GPU must leave SMs for each other's
-//! kernels while they wait.
+//! Waiting kernels ([`combine`], and those of `fused_cf`, `fused_round` and `fused_front`) spin
+//! on flags at system scope for at most `timeout_ns` (`%globaltimer`), then record a fault in
+//! the error word (`u32[4]`: `{code, peer rank, round, 0}`, codes in [`fault`]) and leave: no
+//! trap, no hang. Their grid is capped by the caller (`blocks`): ranks that share a GPU must
+//! leave SMs for each other's kernels while they wait.
 //!
-//! Payloads: one launcher per step for both kinds. [`dispatch`] and [`copy_epilogue`] move
-//! bf16 rows; with fp8 payloads [`dispatch`] quantises each row while it stores it into the slab
-//! (e4m3 codes and one f32 scale per 128 channels, `cuda/common/fp8.cuh`, bit for bit
-//! [`afdep_core::fp8`]) and [`copy_epilogue`] expands codes and scales into the expanded layout
-//! along with the dequantised bf16 rows ([`Expanded::Fp8`]). The payload kind is a compile-time
-//! constant of the kernels (one entry per kind); the slab row layout of each is
-//! [`slab_payload_bytes`] + the metadata.
+//! Payloads: a slab row holds bf16 rows, or with fp8 payloads e4m3 codes and one f32 scale per
+//! 128 channels (`cuda/common/fp8.cuh`, bit for bit [`afdep_core::fp8`]); the slab row layout of
+//! each kind is [`slab_payload_bytes`] + the metadata.
 //!
 //! # Safety of the launchers
 //!
@@ -39,8 +38,9 @@
 //!
 //! - a **live workspace** `ws`: the base of this rank's workspace, 256-byte aligned, large
 //!   enough for every area the geometry arguments name (the slabs of a [`SlabGeometry`], the
-//!   count-first areas of a [`super::fused_layout::FusedLayout`], flag areas of one `u32` per rank at the
-//!   flag offsets, return areas at `ret_off`), laid out the same in every rank's workspace;
+//!   count-first areas of a [`super::fused_layout::FusedLayout`], flag areas of one `u32` per
+//!   rank at the flag offsets, return areas at `ret_off`), laid out the same in every rank's
+//!   workspace;
 //! - a **live peer table** `peers`: a `u64[world]` whose entry r is the base of rank r's
 //!   workspace mapped into this context, each a live workspace of the same layout; every rank a
 //!   launcher is given (a rank list, `me`) is below `world`;
@@ -54,7 +54,7 @@
 use afdep_core::{CombinePartials, PayloadKind, bf16};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::fused_layout::{COMBINE_FLAGS, DISPATCH_FLAGS, FusedLayout};
+use super::fused_layout::{COMBINE_FLAGS, FusedLayout};
 use super::{as_u32, need};
 use crate::context::{GpuContext, launch_err};
 use crate::error::KernelError;
@@ -62,7 +62,8 @@ use crate::sources::{BLOCK, KernelId};
 
 /// Fault codes of the fused kernels' error word (`layout/fused.cuh`).
 pub mod fault {
-    /// A copy epilogue's wait for a source's dispatch flag ran out (peer = that source).
+    /// A wait for a source's dispatch flag ran out (peer = that source): the code the device
+    /// round passes to the plan's payload-first wait (`fused_cf::PlanWait`).
     pub const DISPATCH_WAIT: u32 = 1;
     /// A combine's wait for an FFN rank's combine flag ran out (peer = that FFN rank).
     pub const COMBINE_WAIT: u32 = 2;
@@ -82,9 +83,9 @@ pub const fn slab_row_bytes(hidden: usize, k: usize) -> usize {
     (2 * hidden).div_ceil(16) * 16 + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
-/// Bytes of the payload part of a slab row (where its metadata starts): `hidden` bf16, or
-/// `hidden` e4m3 codes and `hidden / 128` f32 scales, each part rounded up to 16
-/// (`afdep_fused_payload_bytes` in `layout/fused.cuh`).
+/// Bytes of the payload part of a slab row (where its metadata starts: the layout's
+/// `meta_off`): `hidden` bf16, or `hidden` e4m3 codes and `hidden / 128` f32 scales, each part
+/// rounded up to 16 (the slab row of `layout/fused.cuh`).
 pub const fn slab_payload_bytes(payload: PayloadKind, hidden: usize) -> usize {
     match payload {
         PayloadKind::Bf16 => (2 * hidden).div_ceil(16) * 16,
@@ -99,8 +100,8 @@ pub const fn slab_row_bytes_for(payload: PayloadKind, hidden: usize, k: usize) -
     slab_payload_bytes(payload, hidden) + (4 * meta_words(k)).div_ceil(16) * 16
 }
 
-/// Loads every fused kernel (payload-first with bf16 and fp8 payloads, count-first
-/// ([`super::fused_cf`]) and the device round ([`super::fused_round`])) for `top_k` now (module
+/// Loads every fused kernel (the combine, count-first ([`super::fused_cf`]), the device round
+/// ([`super::fused_round`]) and the fronts ([`super::fused_front`])) for `top_k` now (module
 /// compiled or read from the cache, and each function loaded with `cuFuncLoad`), so that no launch
 /// during a round loads one lazily: with CUDA's lazy loading, loading a kernel may synchronise the
 /// context, which would deadlock against a kernel of another rank on the same GPU that spins
@@ -126,19 +127,14 @@ pub fn preload(ctx: &GpuContext, top_k: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The kernels of this module that [`preload`] loads (with those of `fused_cf` and
-/// `fused_round`): every kernel a fused round may launch. A test checks the three lists against
-/// the registry: a kernel missing here is loaded lazily in the middle of a round.
-const PRELOADED: [KernelId; 9] = [
-    KernelId::FusedDispatch,
-    KernelId::FusedSignal,
-    KernelId::FusedCopyEpilogue,
+/// The kernels of this module that [`preload`] loads (with those of `fused_cf`, `fused_round`
+/// and `fused_front`): every kernel a fused round may launch. A test checks the four lists
+/// against the registry: a kernel missing here is loaded lazily in the middle of a round.
+const PRELOADED: [KernelId; 4] = [
     KernelId::FusedCombineReduce,
     KernelId::FusedCombine,
     KernelId::FusedCombineReduceBf16,
     KernelId::FusedCombineBf16,
-    KernelId::FusedDispatchFp8,
-    KernelId::FusedCopyEpilogueFp8,
 ];
 
 /// The function of fused kernel `id` for a round of top-k `k`, from the module its launcher
@@ -153,16 +149,13 @@ pub(super) fn fused_function(
 ) -> Result<cudarc::driver::CudaFunction, KernelError> {
     let at_one = matches!(
         id,
-        KernelId::CfPlan
-            | KernelId::CfWait
-            | KernelId::RoundBump
-            | KernelId::RoundExperts
-            | KernelId::RoundStamp
+        KernelId::CfPlan | KernelId::CfWait | KernelId::RoundExperts | KernelId::RoundStamp
     );
     ctx.function(id, 0, if at_one { 1 } else { k })
 }
 
-/// Warps per block of every fused kernel (here, `fused_cf`, `fused_round`).
+/// Warps per block of every fused kernel but the combine (`fused_cf`, `fused_round`,
+/// `fused_front`).
 const WARPS: u64 = (BLOCK / 32) as u64;
 
 /// The grid of a kernel with one warp per item: enough blocks for `rows` warps, at least one,
@@ -231,286 +224,6 @@ pub struct SlabGeometry {
     pub hidden: u32,
 }
 
-/// The send list of one source for one round: row r sends token `token[r]` to rank
-/// `dst_rank[r]`, row `slab_row[r]` of this source's slab there, with metadata
-/// `meta[r * meta_words ..]`.
-#[derive(Debug)]
-pub struct SendList<'a> {
-    /// Token index per send row.
-    pub token: &'a CudaSlice<u32>,
-    /// Destination rank per send row.
-    pub dst_rank: &'a CudaSlice<u32>,
-    /// Slab row per send row.
-    pub slab_row: &'a CudaSlice<u32>,
-    /// Metadata, `rows × meta_words` u32.
-    pub meta: &'a CudaSlice<u32>,
-    /// Send rows.
-    pub rows: usize,
-}
-
-/// Whether the slab rows of `geo` hold `payload` rows of its hidden size and top-k `top_k`.
-fn check_row_bytes(
-    geo: &SlabGeometry,
-    payload: PayloadKind,
-    top_k: usize,
-) -> Result<(), KernelError> {
-    let hidden = geo.hidden as usize;
-    if geo.row_bytes < slab_row_bytes_for(payload, hidden, top_k) as u64 {
-        return Err(KernelError::Shape(format!(
-            "slab rows of {} bytes cannot hold {payload} payloads of hidden {hidden} and top-k \
-             {top_k}",
-            geo.row_bytes
-        )));
-    }
-    Ok(())
-}
-
-fn check_fp8_hidden(hidden: usize) -> Result<(), KernelError> {
-    if hidden % afdep_core::fp8::GROUP != 0 {
-        return Err(KernelError::Shape(format!(
-            "fp8 payloads need hidden a multiple of 128, not {hidden}"
-        )));
-    }
-    Ok(())
-}
-
-/// Payload-first dispatch (`afdep_fused_dispatch`, `afdep_fused_dispatch_fp8`, the workspace
-/// layout passed by value): stores every send row (payload of `x`, `tokens × hidden`, then
-/// metadata) into this source's (`r.me`) slab of its destination, through `r.peers` (the device
-/// address of the peer table). The payload kind, hidden size and top-k are `layout`'s. At most
-/// `blocks` blocks. fp8 payloads are quantised while they are stored (codes, then `hidden / 128`
-/// scales, then the metadata; [`slab_row_bytes_for`]): `hidden` must be a multiple of 128 and
-/// every row that is sent finite (the engine checks it on the host:
-/// `RouteError::NonFinitePayload`).
-///
-/// # Safety
-///
-/// `r.peers` is a live peer table ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); every `send.dst_rank` entry is below its
-/// world, every `send.slab_row` entry below `layout.cap`, every `send.token` entry below `tokens`,
-/// and every workspace holds the slabs of `layout` for every rank (`slab_off + world × cap ×
-/// row_bytes` bytes).
-pub unsafe fn dispatch(
-    ctx: &GpuContext,
-    x: &CudaSlice<bf16>,
-    tokens: usize,
-    send: &SendList<'_>,
-    r: &RankAddrs,
-    layout: &FusedLayout,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    if send.rows == 0 {
-        return Ok(());
-    }
-    let (payload, top_k, geo) = (layout.payload_kind(), layout.top_k as usize, layout.slab());
-    let hidden = geo.hidden as usize;
-    let mw = meta_words(top_k);
-    need("x", x, tokens * hidden)?;
-    need("token", send.token, send.rows)?;
-    need("dst_rank", send.dst_rank, send.rows)?;
-    need("slab_row", send.slab_row, send.rows)?;
-    need("meta", send.meta, send.rows * mw)?;
-    check_row_bytes(&geo, payload, top_k)?;
-    let id = match payload {
-        PayloadKind::Bf16 => KernelId::FusedDispatch,
-        PayloadKind::Fp8E4m3 => {
-            check_fp8_hidden(hidden)?;
-            KernelId::FusedDispatchFp8
-        }
-    };
-    let rows = send.rows as u64;
-    let mw = as_u32("meta words", mw)?;
-    let me = as_u32("rank", r.me)?;
-    let f = fused_function(ctx, id, 0)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(x)
-        .arg(send.token)
-        .arg(send.dst_rank)
-        .arg(send.slab_row)
-        .arg(send.meta)
-        .arg(&mw)
-        .arg(&rows)
-        .arg(&r.peers)
-        .arg(layout)
-        .arg(&me);
-    // SAFETY: afdep_fused_dispatch{,_fp8}(const u16* x, const u32* token, const u32* dst_rank,
-    // const u32* slab_row, const u32* meta, u32 meta_words, u64 rows, const u64* peers,
-    // afdep_fused_layout L (by value: FusedLayout, #[repr(C)], asserted equal in
-    // layout/fused.cuh; its slab_off, cap, row_bytes, hidden), u32 me): warp r < rows reads x[token[r]]
-    // (the caller's tokens are < `tokens`, x holds tokens × hidden, checked; fp8: hidden a
-    // multiple of 128, checked, so 16-byte reads stay in the row of a cudaMalloc'd buffer) and
-    // meta[r] (checked), and writes at most row_bytes bytes (enough for this payload and the
-    // metadata, checked) at slab row (me, slab_row[r]) of the workspace peers[dst_rank[r]]; the
-    // caller guarantees the peer table is live, that dst_rank < world, slab_row < cap, and that
-    // every workspace holds the slabs of every rank.
-    unsafe { b.launch(blocks_for(rows, blocks)) }.map_err(launch_err(id))?;
-    Ok(())
-}
-
-/// Raises this rank's (`me`) flag to the round of the control block at device address `ctl`
-/// ([`super::fused_round`]) at `flag_off` in the workspace of every rank of `ranks`
-/// (`afdep_fused_signal`, release at system scope), after everything this stream did before;
-/// nothing when the round is skipped.
-///
-/// # Safety
-///
-/// `peers` is a live peer table and `ctl` a live control block ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)); the first `n` entries of `ranks` are
-/// below the peer table's world and every workspace holds `world` u32 flags at `flag_off`.
-pub unsafe fn signal(
-    ctx: &GpuContext,
-    peers: u64,
-    ranks: &CudaSlice<u32>,
-    n: usize,
-    flag_off: u64,
-    me: usize,
-    ctl: u64,
-) -> Result<(), KernelError> {
-    if n == 0 {
-        return Ok(());
-    }
-    need("ranks", ranks, n)?;
-    let n32 = as_u32("ranks", n)?;
-    let me = as_u32("rank", me)?;
-    let f = fused_function(ctx, KernelId::FusedSignal, 0)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&peers)
-        .arg(ranks)
-        .arg(&n32)
-        .arg(&flag_off)
-        .arg(&me)
-        .arg(&ctl);
-    // SAFETY: afdep_fused_signal(const u64* peers, const u32* ranks, u32 n, u64 flag_off, u32
-    // me, const u32* ctl): reads the caller's live control block; thread i < n (ranks holds n,
-    // checked) stores 4 bytes at flag_off + 4 me of workspace peers[ranks[i]]; the caller
-    // guarantees the ranks are < world and the flag area holds world u32.
-    unsafe { b.launch(blocks_for(n.div_ceil(32) as u64, u32::MAX)) }
-        .map_err(launch_err(KernelId::FusedSignal))?;
-    Ok(())
-}
-
-/// The sources of one copy epilogue: their ranks and the exclusive prefix of their slab rows.
-#[derive(Debug)]
-pub struct EpilogueSources<'a> {
-    /// Rank of each source, in source order.
-    pub rank: &'a CudaSlice<u32>,
-    /// `sources + 1` entries: slab row prefix (the compact view's source offsets).
-    pub slab_starts: &'a CudaSlice<u64>,
-    /// Number of sources.
-    pub sources: usize,
-    /// Total compact rows (`slab_starts[sources]`).
-    pub total: u64,
-    /// Rows of the expanded outputs (each output holds this many rows; a slot whose expanded
-    /// row lies past them is not written).
-    pub expanded_rows: usize,
-}
-
-/// The outputs of an fp8 [`copy_epilogue`]: `rows × hidden` codes, `rows × hidden / 128` scales
-/// and `rows × hidden` dequantised bf16 values of the expanded layout.
-#[derive(Debug)]
-pub struct Fp8Expanded<'a> {
-    /// e4m3 codes.
-    pub q: &'a mut CudaSlice<u8>,
-    /// f32 scales, one per 128 channels.
-    pub scales: &'a mut CudaSlice<f32>,
-    /// Dequantised rows (`bf16(f32(q) · scale)`).
-    pub dequant: &'a mut CudaSlice<bf16>,
-}
-
-/// Where a [`copy_epilogue`] writes the expanded rows; the variant is the payload kind.
-#[derive(Debug)]
-pub enum Expanded<'a> {
-    /// bf16 payloads: the rows.
-    Bf16(&'a mut CudaSlice<bf16>),
-    /// fp8 payloads: the codes, scales and dequantised rows.
-    Fp8(Fp8Expanded<'a>),
-}
-
-/// The copy epilogue (`afdep_fused_copy_epilogue`, `afdep_fused_copy_epilogue_fp8`, the
-/// slabs of `layout`): waits for every source's dispatch flag (`>= round`, at
-/// [`DISPATCH_FLAGS`] of this rank's workspace `r.ws`, at most `r.timeout_ns`), then copies
-/// every slab row's payload to the expanded rows its metadata names: bf16 rows, or the codes,
-/// scales and dequantised values of fp8 payloads (`out` holds `src.expanded_rows` rows of each;
-/// the caller's metadata names rows below that, and a row past them is not written). A timeout
-/// records [`fault::DISPATCH_WAIT`] in `r.err`.
-///
-/// # Safety
-///
-/// `r.ws` is a live workspace and `r.err` a live error word ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)) that hold the slabs of `layout` and
-/// `world` u32 flags at [`DISPATCH_FLAGS`]; every `src.rank` entry is below the world, and the
-/// slab rows that `src.slab_starts` counts for each source are below `layout.cap` and hold the
-/// metadata its dispatch stored.
-pub unsafe fn copy_epilogue(
-    ctx: &GpuContext,
-    r: &RankAddrs,
-    src: &EpilogueSources<'_>,
-    layout: &FusedLayout,
-    round: u32,
-    mut out: Expanded<'_>,
-    blocks: u32,
-) -> Result<(), KernelError> {
-    if src.sources == 0 {
-        return Ok(());
-    }
-    let (geo, top_k, expanded_rows) = (layout.slab(), layout.top_k as usize, src.expanded_rows);
-    let hidden = geo.hidden as usize;
-    need("source ranks", src.rank, src.sources)?;
-    need("slab starts", src.slab_starts, src.sources + 1)?;
-    let (payload, id) = match &out {
-        Expanded::Bf16(e) => {
-            need("expanded", *e, expanded_rows * hidden)?;
-            (PayloadKind::Bf16, KernelId::FusedCopyEpilogue)
-        }
-        Expanded::Fp8(o) => {
-            check_fp8_hidden(hidden)?;
-            need("expanded codes", o.q, expanded_rows * hidden)?;
-            let scales = expanded_rows * (hidden / afdep_core::fp8::GROUP);
-            need("expanded scales", o.scales, scales)?;
-            need("expanded rows", o.dequant, expanded_rows * hidden)?;
-            (PayloadKind::Fp8E4m3, KernelId::FusedCopyEpilogueFp8)
-        }
-    };
-    check_row_bytes(&geo, payload, top_k)?;
-    let k = as_u32("top_k", top_k)?;
-    let ns = as_u32("sources", src.sources)?;
-    let rows = expanded_rows as u64;
-    let f = fused_function(ctx, id, k)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&r.ws)
-        .arg(src.rank)
-        .arg(src.slab_starts)
-        .arg(&ns)
-        .arg(&DISPATCH_FLAGS)
-        .arg(&layout.slab_off)
-        .arg(&layout.cap)
-        .arg(&layout.row_bytes)
-        .arg(&layout.hidden)
-        .arg(&round)
-        .arg(&r.timeout_ns)
-        .arg(&r.err);
-    match &mut out {
-        Expanded::Bf16(e) => b.arg(&mut **e),
-        Expanded::Fp8(o) => b.arg(&mut *o.q).arg(&mut *o.scales).arg(&mut *o.dequant),
-    };
-    b.arg(&rows);
-    // (The copy epilogues take the layout's slab fields as scalars, not the struct: by value it
-    // costs the fp8 entry at K = 1 an 8-byte spill under NVRTC 13.0, `cargo xtask kernels`.)
-    // SAFETY: afdep_fused_copy_epilogue(const u8* ws, const u32* src_rank, const u64*
-    // slab_starts, u32 sources, u64 flag_off, u64 slab_off, u32 cap, u64 row_bytes, u32 hidden,
-    // u32 round, u64 timeout_ns, u32* err, u16* expanded, u64 exp_rows) with K compiled in (fp8:
-    // afdep_fused_copy_epilogue_fp8 with u8* expanded_q, float* expanded_scales, u16* expanded
-    // in place of expanded): thread 0 of each block reads the sources' flags of this rank's live
-    // workspace; after they are raised, warp c < slab_starts[sources] reads slab row
-    // (src_rank[s], c - slab_starts[s]) (< cap, the caller's counts; row_bytes holds the payload
-    // and the metadata, checked) and writes the expanded rows its metadata names that are below
-    // exp_rows = expanded_rows (the kernel skips any other) of the outputs, which hold
-    // expanded_rows rows each (checked; cudaMalloc'd, so fp8's 16-byte stores of rows of a
-    // multiple of 128 channels are aligned); err is a live u32[4].
-    unsafe { b.launch(blocks_for(src.total, blocks)) }.map_err(launch_err(id))?;
-    Ok(())
-}
-
 /// What an FFN rank's combine reads of its round: the compact view in its slabs (each row's
 /// metadata names the token, its slots' local experts, weights and expanded rows), where to
 /// find the plan's numbers on the device, and the expert outputs.
@@ -539,7 +252,7 @@ pub struct CompactView {
 /// What a compact view's metadata names as a slot's expanded row ([`CompactView`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockStarts {
-    /// The expanded row itself (the source arm; host-planned payload-first rounds).
+    /// The expanded row itself (the source arm).
     Final,
     /// The slot's position in its (expert, source) block, whose start is in the plan's block
     /// starts at this device address (`u64[experts_per_rank × sources]`,
@@ -756,8 +469,6 @@ pub(super) mod tests {
             .chain(super::super::fused_front::KERNELS)
             .collect();
         let fused = [
-            S::FusedDispatch,
-            S::FusedEpilogue,
             S::FusedCombine,
             S::FusedCounts,
             S::FusedCfDispatch,

@@ -2,9 +2,8 @@
 //! [`FusedLayout`], computed in one place ([`FusedLayout::new`]) from the exchange config, and
 //! mirrored on the device by `struct afdep_fused_layout` in `cuda/layout/fused.cuh`, whose
 //! `static_assert`s pin its size and every field's offset (a test here compares them with
-//! `offset_of!`). Every fused launcher takes it, and passes it by value to its kernel (the
-//! payload-first copy epilogues take its slab fields as scalars instead; [`FusedLayout::slab`]
-//! is that view).
+//! `offset_of!`). Every fused launcher takes it, and passes it by value to its kernel
+//! ([`FusedLayout::slab`] is the view of its slab fields that the launchers check rows against).
 //!
 //! Every rank's workspace has this layout (byte offsets from its base; every area 256-byte
 //! aligned):
@@ -185,7 +184,7 @@ impl FusedLayout {
         }
     }
 
-    /// The slabs, as the payload-first launchers take them.
+    /// The slabs (what the count-first launchers check their rows against).
     pub fn slab(&self) -> SlabGeometry {
         SlabGeometry {
             slab_off: self.slab_off,

@@ -7,11 +7,10 @@
 //! workspace): the round number, the round's verdict, the route error word of the lowest
 //! rejecting rank and this source's token count. Every fused kernel that raises or waits for a
 //! flag takes the control block's device address (`ctl`) instead of a round number: the round
-//! is incremented on the device ([`begin`] or [`bump`]) and read there, and every kernel of a
-//! round returns at once when the verdict is not go. A round's launches therefore depend on no
-//! host value that changes from round to round, and can be captured in a CUDA graph whose
-//! replays run new rounds with new routes and token counts (worst-case grids and buffers, sized
-//! by the capacity).
+//! is incremented on the device ([`begin`]) and read there, and every kernel of a round returns
+//! at once when the verdict is not go. A round's launches therefore depend on no host value that
+//! changes from round to round, and can be captured in a CUDA graph whose replays run new rounds
+//! with new routes and token counts (worst-case grids and buffers, sized by the capacity).
 //!
 //! **The status area** (`u32[2][64][`[`STATUS_WORDS`]`]` in every workspace, by round parity
 //! and rank): [`begin`] stores this rank's record (its verdict word: the route error word of
@@ -121,10 +120,9 @@ pub const FAULT_STATUS_WAIT: u32 = 32;
 pub const PAYLOAD_STATE_WORDS: usize = 16;
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 5] = [
+pub const KERNELS: [KernelId; 4] = [
     KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
-    KernelId::RoundBump,
     KernelId::RoundExperts,
     KernelId::RoundStamp,
 ];
@@ -304,24 +302,6 @@ pub struct PayloadRows<'a> {
     pub idx: &'a CudaSlice<i32>,
     /// This source's attention index.
     pub source: usize,
-}
-
-/// The round start of a host-planned round (`afdep_round_bump`, one thread): round + 1,
-/// verdict go, token count `tokens` in the control block at `ctl`.
-///
-/// # Safety
-///
-/// `ctl` is a live control block ([the launchers'
-/// contract](crate::ops::fused#safety-of-the-launchers)).
-pub unsafe fn bump(ctx: &GpuContext, ctl: u64, tokens: usize) -> Result<(), KernelError> {
-    let t = as_u32("tokens", tokens)?;
-    let f = fused_function(ctx, KernelId::RoundBump, 1)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&ctl).arg(&t);
-    // SAFETY: afdep_round_bump(u32* ctl, u32 tokens), one thread: writes three words of the
-    // caller's live control block.
-    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundBump))?;
-    Ok(())
 }
 
 /// A phase boundary of a traced round (`afdep_round_stamp`, one thread): the device's global

@@ -5,8 +5,8 @@
 //! A fault delays a store or a flag (the reference record's P1–P4b, docs/design.md, "The reference
 //! record", and their payload-first and combine counterparts: every round must stay bit-identical
 //! to the oracle) or skips a bounded wait together with a delay that opens the race the wait closes
-//! (the record's N2, N3 and the combine's and copy epilogue's counterparts: the oracle comparison
-//! must catch it). Every rank of the group sets the same fault between rounds; rounds with host
+//! (the record's N2, N3 and the counterparts of the combine's and the FFN rank's dispatch flag
+//! waits: the oracle comparison must catch it). Every rank of the group sets the same fault between rounds; rounds with host
 //! experts, device rounds and graphs captured afterwards all run the fault-built kernels (a graph captured
 //! before keeps the kernels it captured). `docs/gpu.md` lists the faults and their expected
 //! outcomes; `tests/gpu_nvlink_faults.rs` runs them.
