@@ -67,10 +67,14 @@ pub(super) fn run_threads(
 }
 
 /// Each rank's result of a [`run_group`], in rank order: the first rank's error (with its
-/// rank) or panic fails the run; every failed rank's error is logged first (a rank's timeout
+/// rank) or panic fails the run; the later failed ranks' errors are logged (a rank's timeout
 /// often follows another rank's fault, which only its own error names).
 pub(super) fn by_rank<R>(outcomes: Vec<RankOutcome<R, anyhow::Error>>) -> Result<Vec<R>> {
+    let first_failed = outcomes.iter().position(|r| !matches!(r, Ok(Ok(_))));
     for (rank, r) in outcomes.iter().enumerate() {
+        if Some(rank) == first_failed {
+            continue; // returned below
+        }
         match r {
             Err(_) => tracing::error!(rank, "the rank's thread panicked"),
             Ok(Err(e)) => tracing::error!(rank, error = format!("{e:#}"), "the rank failed"),
