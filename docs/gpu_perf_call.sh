@@ -18,7 +18,7 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # PARTS: which parts, in this order (default "onstream wgrad pipeline soak suite"; also "load", the
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
-# oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, and "ncu", per-kernel times of the record
+# oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, "skew", this build's 1-token round per arm and barrier spin, and "ncu", per-kernel times of the record
 # shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
 # "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone; "bins", the matrix binaries named in BINS; "gemmsms", the
 # overlap and pipeline tables with the GEMMs limited to GEMM_SMS SMs and without); each part gets at most
@@ -250,6 +250,28 @@ PY
       else
         echo "suite: not run (time)" >> $W/steps.txt
       fi;;
+    skew)
+      # issue 20: where the 1-token graph round's fixed cost goes, this build only, no rebuild:
+      # 3A:1F, identity experts, graph replays, 1 and 2,048 tokens, 30 after 5 warm-ups, each arm
+      # (SKEW_ARMS) and, for the auto arm, the loopback barrier's spin raised to 20 ms
+      # (AFDEP_LOOPBACK_SPIN: no rank sleeps on the condition variable before the round's start
+      # event) and one transport SM budget of 7 (SKEW_SMS); rows into skew.jsonl, a line each
+      for rep in $(seq 1 "${SKEW_REPS:-1}"); do
+        for v in ${SKEW_ARMS:-payload-first count-first count-first-source auto} auto:spin auto:sms; do
+          arm=${v%%:*}; e=; extra=
+          case $v in *:spin) e="AFDEP_LOOPBACK_SPIN=20000";; *:sms) extra="--transport-sms ${SKEW_SMS:-7}";; esac
+          # shellcheck disable=SC2086 # VAR=VALUE or nothing; a flag or nothing
+          env $e timeout "$(( $(left) > 60 ? 40 : 5 ))" /tmp/b4/bin/afdep exchange --backend cuda \
+            --transport nvlink --device 0 --topology 3A:1F --graph --arm "$arm" --expert identity \
+            --tokens 1,2048 --rounds 30 --warmup 5 $extra --json-out $W/skew-$rep-${v/:/-}.jsonl \
+            > $W/skew-$rep-${v/:/-}.txt 2>&1
+          echo "skew $v rep $rep rc=$?" >> $W/steps.txt
+          python3 -c "import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l); print('skew', sys.argv[2], r.get('arm'), r.get('tokens'), r.get('round_us'), r.get('status'))" \
+            $W/skew-$rep-${v/:/-}.jsonl "$v" >> $W/steps.txt 2>/dev/null
+        done
+      done;;
     *) echo "unknown part $part" >> $W/steps.txt;;
   esac
 done
