@@ -4,6 +4,9 @@
 //   hand   - one cross-stream flag handoff between two resident kernels (a release store seen
 //            by a spinning acquire load with a 64 ns sleep, as afdep_wait_ge; system and GPU
 //            scope);
+//   serial - one thread's dependent global-memory operations (what a one-thread control path,
+//            such as a status all-gather or a loop of flag waits, is made of): a pointer chase
+//            of relaxed volatile loads, of ld.acquire.sys loads, and a store + system fence;
 //   skew   - the device-side start spread of four ranks' graphs launched after a host spin
 //            barrier by four threads of one process (as `afdep exchange --graph` with emulated
 //            ranks), by one thread back to back, and as one joint graph of four branches.
@@ -87,6 +90,23 @@ __global__ void k_ping(u32* mine, u32* other, int n, int first, int sys, u64* t)
     if (first) t[1] = now();
 }
 
+// serial: thread 0 chases n pointers (mode 0: volatile loads, 1: ld.acquire.sys), or (mode 2)
+// stores then fences at system scope n times; t[0], t[1] around it, next[] the chase's links
+__global__ void k_serial(u32* next, int n, int mode, u64* t) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    u32 j = 0;
+    const u64 t0 = now();
+    for (int i = 0; i < n; i++) {
+        if (mode == 0) j = *(volatile u32*)(next + j);
+        else if (mode == 1) j = ld_acq_sys(next + j);
+        else { next[4096 + (i & 63)] = i; __threadfence_system(); }
+    }
+    const u64 t1 = now();
+    t[0] = t0;
+    t[1] = t1;
+    t[2] = j;
+}
+
 static double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -158,6 +178,25 @@ static void run_hand(int sys, int n) {
     std::printf("hand  %s scope: one handoff %.3f us (median of 10 runs of %d round trips)\n",
                 sys ? "sys" : "gpu", median(one), n);
     CK(cudaFree(f));
+}
+
+static void run_serial(int mode, int n) {
+    u32* next;
+    CK(cudaMalloc(&next, (4096 + 64) * 4));
+    std::vector<u32> h(4096);
+    for (int i = 0; i < 4096; i++) h[i] = (u32)((i * 1031 + 17) % 4096);  // a long cycle
+    CK(cudaMemcpy(next, h.data(), 4096 * 4, cudaMemcpyHostToDevice));
+    std::vector<double> v;
+    for (int r = 0; r < 11; r++) {
+        k_serial<<<1, 32>>>(next, n, mode, g_t);
+        CK(cudaDeviceSynchronize());
+        u64 t[2];
+        CK(cudaMemcpy(t, g_t, 16, cudaMemcpyDeviceToHost));
+        if (r) v.push_back((t[1] - t[0]) / 1e3 / n);
+    }
+    const char* what[] = {"volatile load chase", "ld.acquire.sys chase", "store + fence.sys"};
+    std::printf("serial %-22s one op %.3f us (median of 10 runs of %d)\n", what[mode], median(v), n);
+    CK(cudaFree(next));
 }
 
 // skew: four ranks' graphs (each: RK kernels, the first stamps its start into t[rank])
@@ -264,6 +303,9 @@ int main() {
     run_chain("1 block, ticket, sys fence", chain_ticket, s);
     run_hand(1, 1000);
     run_hand(0, 1000);
+    run_serial(0, 256);
+    run_serial(1, 256);
+    run_serial(2, 256);
     run_skew(1);
     run_skew(8);
     return 0;
