@@ -94,6 +94,13 @@ static __device__ __forceinline__ void afdep_st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A strong (relaxed, system scope) store: after a system fence (__threadfence_system) of the
+// same thread it completes a release pattern (the PTX memory model: a fence followed by a strong
+// write), so a thread that raises several flags fences once instead of once per flag.
+static __device__ __forceinline__ void afdep_st_relaxed_sys(u32* p, u32 v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 static __device__ __forceinline__ u64 afdep_globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -156,6 +156,33 @@ static __device__ __forceinline__ bool afdep_wait_flags(const u8* ws, u64 flag_o
     return true;
 }
 
+// The waits of afdep_wait_flags by the 32 lanes of one warp at once (every lane calls it; lane
+// j waits for ranks[j], ranks[j + 32], ...): the flags are awaited concurrently, so the wait
+// costs one handoff's latency instead of n in a row. Every lane gets whether all were reached;
+// when some ran out, lane 0 records `code` naming the lowest i among them (the rank
+// afdep_wait_flags names when the earlier flags arrive).
+static __device__ __forceinline__ bool afdep_wait_flags_warp(const u8* ws, u64 flag_off,
+                                                             const u32* __restrict__ ranks,
+                                                             u32 n, u32 round, u64 timeout_ns,
+                                                             u32* err, u32 code) {
+    const u32 lane = afdep_lane();
+    u32 bad = n;
+    for (u32 i = lane; i < n; i += 32) {
+        const u32* flag = (const u32*)(ws + flag_off + 4ull * ranks[i]);
+        if (!afdep_wait_ge(flag, round, timeout_ns)) {
+            bad = i;
+            break;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u32 other = __shfl_xor_sync(0xffffffffu, bad, o);
+        bad = other < bad ? other : bad;
+    }
+    if (bad < n && lane == 0) afdep_fused_fault(err, code, ranks[bad], round);
+    return bad >= n;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The round control block (fused_round.cu; host side afdep_kernels::ops::fused_round and
 // afdep_moe::fused): u32[16] in every rank's own workspace. Every fused kernel that waits for or
@@ -268,9 +295,9 @@ static __device__ __forceinline__ bool afdep_last_block(const u32* ctl) {
 }
 
 // Raises flag `me` at flag_off of workspace peers[ranks[i]] to `round` for every i < n (thread
-// 0 of the calling block, after a system fence: release, system scope). The tail of a kernel
-// whose last block (afdep_last_block) publishes the grid's stores; a fault point that delays
-// the flags goes before it.
+// 0 of the calling block, after a system fence: one fence, then strong stores, a release
+// pattern per flag at system scope). The tail of a kernel whose last block (afdep_last_block)
+// publishes the grid's stores; a fault point that delays the flags goes before it.
 static __device__ __forceinline__ void afdep_raise_flags(const u64* __restrict__ peers,
                                                          const u32* __restrict__ ranks, u32 n,
                                                          u64 flag_off, u32 me, u32 round) {
@@ -278,7 +305,7 @@ static __device__ __forceinline__ void afdep_raise_flags(const u64* __restrict__
     __threadfence_system();
 #pragma unroll 1
     for (u32 i = 0; i < n; i++)
-        afdep_st_release_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), round);
+        afdep_st_relaxed_sys((u32*)((u8*)peers[ranks[i]] + flag_off + 4ull * me), round);
 }
 
 // The signal of a kernel's last block: flag `me` at flag_off in the workspaces of ranks[0..n)

@@ -54,29 +54,53 @@ static __device__ __forceinline__ void afdep_begin_block(
         }
     }
     __syncthreads();
-    if (tid != 0) return;
-    u32 word[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
-    if (src_index != AFDEP_NO_SOURCE && best != ~0ull) {
-        afdep_route_word(word, best, src_index, tokens, L.cap, idx, w, experts, owned);
-    } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
-        // valid routes: the payload check's word (zero when every travelling row is finite)
+    // warp 0 publishes and gathers the records, a lane per rank (lane q, q + 32, ...: rank q's
+    // record written, its flag raised, rank q's record awaited), so the all-gather costs one
+    // handoff's latency instead of `world` in a row; thread 0 then reads the records in rank
+    // order as before
+    __shared__ u32 word[AFDEP_ROUTE_ERROR_WORDS];
+    __shared__ u32 arrived[64];  // the status area's records per parity: world <= 64
+    if (tid >= 32) return;
+    if (tid == 0) {
 #pragma unroll
-        for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
+        for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = 0u;
+        if (src_index != AFDEP_NO_SOURCE && best != ~0ull) {
+            u32 wd[AFDEP_ROUTE_ERROR_WORDS] = {0, 0, 0, 0, 0, 0};
+            afdep_route_word(wd, best, src_index, tokens, L.cap, idx, w, experts, owned);
+#pragma unroll
+            for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = wd[i];
+        } else if (src_index != AFDEP_NO_SOURCE && payload != nullptr) {
+            // valid routes: the payload check's word (zero when every travelling row is finite)
+#pragma unroll
+            for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) word[i] = payload[i];
+        }
     }
+    __syncwarp();
     const u32 request = ctl[AFDEP_CTL_ARM_REQUEST];
     const u64 mine = ((u64)(round & 1u) * 64 + me) * AFDEP_STATUS_WORDS;
-    for (u32 q = 0; q < world; q++) {
+    for (u32 q = tid; q < world; q += 32) {
         u32* rec = (u32*)((u8*)peers[q] + L.status) + mine;
 #pragma unroll
         for (int i = 0; i < AFDEP_ROUTE_ERROR_WORDS; i++) rec[i] = word[i];
         rec[AFDEP_STATUS_TOKENS] = afdep_sat_u32(tokens);
         rec[AFDEP_STATUS_REQUEST] = request;
     }
+    // each lane's fence orders its own records before its flags (a fence, then strong stores:
+    // the release pattern of afdep_st_relaxed_sys)
     __threadfence_system();
-    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, true, 20000);
-    for (u32 q = 0; q < world; q++)
-        afdep_st_release_sys((u32*)((u8*)peers[q] + L.status) + mine + AFDEP_STATUS_WORDS - 1,
+    AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_STATUS, tid == 0, 20000);
+    __syncwarp();
+    for (u32 q = tid; q < world; q += 32)
+        afdep_st_relaxed_sys((u32*)((u8*)peers[q] + L.status) + mine + AFDEP_STATUS_WORDS - 1,
                              round);
+    for (u32 q = tid; q < world; q += 32) {
+        const u32* flag = (const u32*)(ws + L.status) +
+                          ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS + AFDEP_STATUS_WORDS - 1;
+        arrived[q] = afdep_wait_ge(flag, round, timeout_ns) ? 1u : 0u;
+    }
+    // the lanes' acquires, then the warp barrier: thread 0 reads what every lane awaited
+    __syncwarp();
+    if (tid != 0) return;
     // every rank's record of this round (all of them, also after a rejection: a rank publishes
     // round r + 1 only after reading every record of round r, which keeps the parity slots safe)
     u32 verdict = AFDEP_CTL_GO;
@@ -86,7 +110,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     for (u32 q = 0; q < world; q++) {
         const volatile u32* rec =
             (const volatile u32*)(ws + L.status) + ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS;
-        if (!afdep_wait_ge((const u32*)(rec + AFDEP_STATUS_WORDS - 1), round, timeout_ns)) {
+        if (arrived[q] == 0u) {
             afdep_fused_fault(err, AFDEP_FUSED_FAULT_STATUS_WAIT, q, round);
             verdict = AFDEP_CTL_FAULTED;
             break;

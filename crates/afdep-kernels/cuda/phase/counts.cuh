@@ -114,18 +114,22 @@ static __device__ __forceinline__ void afdep_plan_block(
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u32 tid = threadIdx.x;
-    if (tid == 0) {
+    // the waits by warp 0, every source's flag at once (afdep_wait_flags_warp)
+    if (tid < 32) {
         const bool pre_wait = pre == AFDEP_PLAN_PRE_ALWAYS ||
                               (pre == AFDEP_PLAN_PRE_PAYLOAD_FIRST &&
                                afdep_ctl_arm(ctl) == AFDEP_ARM_PAYLOAD_FIRST);
-        if (pre_wait && !afdep_fused_faulted(err)) {
+        // decided by lane 0 (one fault firing, the same branch for the whole warp)
+        u32 wait = 0;
+        if (tid == 0 && pre_wait && !afdep_fused_faulted(err)) {
             AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-            afdep_wait_flags(ws, pre_off, src_rank, ns, round, timeout_ns, err, pre_code);
+            wait = 1;
         }
-        ok = afdep_wait_flags(ws, cflag_off, src_rank, ns, round, timeout_ns, err,
-                              AFDEP_FUSED_FAULT_COUNTS_WAIT)
-                 ? 1u
-                 : 0u;
+        if (__shfl_sync(0xffffffffu, wait, 0) != 0u)
+            afdep_wait_flags_warp(ws, pre_off, src_rank, ns, round, timeout_ns, err, pre_code);
+        const bool got = afdep_wait_flags_warp(ws, cflag_off, src_rank, ns, round, timeout_ns,
+                                               err, AFDEP_FUSED_FAULT_COUNTS_WAIT);
+        if (tid == 0) ok = got ? 1u : 0u;
     }
     __syncthreads();
     if (!ok) return;
@@ -150,14 +154,31 @@ static __device__ __forceinline__ void afdep_plan_block(
     for (u64 i = a; i < b; i++) sum += cnt[i];
     part[tid] = sum;
     __syncthreads();
-    if (tid == 0) {
-        u64 run = 0;
-        for (u32 i = 0; i < AFDEP_BLOCK; i++) {
-            const u64 v = part[i];
-            part[i] = run;
+    // the segment sums' exclusive scan by warp 0: each lane a run of PER sums, the runs' totals
+    // scanned across the warp by shuffles (a thread's serial loop over AFDEP_BLOCK shared-memory
+    // words was a few µs on the round's critical path)
+    static_assert(AFDEP_BLOCK % 32 == 0, "whole warps");
+    constexpr u32 PER = AFDEP_BLOCK / 32;
+    if (tid < 32) {
+        u64 own = 0;
+#pragma unroll
+        for (u32 i = 0; i < PER; i++) own += part[tid * PER + i];
+        u64 incl = own;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u64 v = __shfl_up_sync(0xffffffffu, incl, o);
+            if ((int)tid >= o) incl += v;
+        }
+        u64 run = incl - own;
+#pragma unroll
+        for (u32 i = 0; i < PER; i++) {
+            const u64 v = part[tid * PER + i];
+            part[tid * PER + i] = run;
             run += v;
         }
-        eo[epr] = run;
+        if (tid == 31) eo[epr] = incl;
+    }
+    if (tid == 0) {
         u64 srun = 0;
         for (u32 s = 0; s < ns; s++) {
             so[s] = srun;
@@ -182,8 +203,9 @@ static __device__ __forceinline__ void afdep_plan_block(
     if (tid == 0) {
         __threadfence_system();
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_OFFSET_FLAGS, true, 20000);
+        // one fence, then strong stores: a release pattern per flag (afdep_st_relaxed_sys)
         for (u32 s = 0; s < ns; s++)
-            afdep_st_release_sys((u32*)((u8*)peers[src_rank[s]] + oflag_off + 4ull * me), round);
+            afdep_st_relaxed_sys((u32*)((u8*)peers[src_rank[s]] + oflag_off + 4ull * me), round);
     }
 }
 
