@@ -305,7 +305,10 @@ fn the_token_bucket_selects_the_arm() {
             sources(&c, &[40, 11], Some(4), 44),
         ];
         assert_eq!(DispatchArm::select(&c.knobs, 9), DispatchArm::PayloadFirst);
-        assert_eq!(DispatchArm::select(&c.knobs, 10), DispatchArm::CountFirstSource);
+        assert_eq!(
+            DispatchArm::select(&c.knobs, 10),
+            DispatchArm::CountFirstSource
+        );
         let world = c.topology.world_size();
         let Some(g) = fused_group(world, &c, 128 << 20, TIMEOUT) else {
             return;

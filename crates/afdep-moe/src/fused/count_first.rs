@@ -350,7 +350,11 @@ mod tests {
             c.payload = payload;
             c.validate().unwrap();
             assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst, "{payload}");
-            assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirstSource, "{payload}");
+            assert_eq!(
+                rule(&c, &[9, 10, 3]),
+                DispatchArm::CountFirstSource,
+                "{payload}"
+            );
             assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst, "{payload}");
         }
     }
