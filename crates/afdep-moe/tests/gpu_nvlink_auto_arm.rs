@@ -265,7 +265,8 @@ fn auto_graph_on_a_single_rank_ep1() {
     let mut st: Vec<Step> = steps(&c).into_iter().take(4).collect();
     st.push(Step {
         inputs: sources(&c, &[5], Some(2), 350),
-        force: Some(DispatchArm::CountFirstSource),
+        // the streaming arm, which the rule no longer takes: forced, so every arm runs
+        force: Some(DispatchArm::CountFirst),
         reject: None,
     });
     let arms: Vec<DispatchArm> = st
