@@ -11,8 +11,9 @@
 //       skips (the kernel then reads what the wait protected too early: the checks must see it).
 //       A skip only ever removes a wait: every read and write after it stays within the bounds
 //       the kernel checks anyway.
-// Every firing adds one to afdep_fault_hits, a global of the module the host reads back
-// (GpuContext::fault_hits), so a test can tell that a fault ran.
+// Every firing adds one to afdep_fault_hits (per thread: a skip point before a warp's wait
+// fires once per lane), a global of the module the host reads back (GpuContext::fault_hits), so
+// a test can tell that a fault ran.
 #pragma once
 
 #include "common/ptx.cuh"

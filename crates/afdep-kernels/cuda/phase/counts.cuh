@@ -119,14 +119,12 @@ static __device__ __forceinline__ void afdep_plan_block(
         const bool pre_wait = pre == AFDEP_PLAN_PRE_ALWAYS ||
                               (pre == AFDEP_PLAN_PRE_PAYLOAD_FIRST &&
                                afdep_ctl_arm(ctl) == AFDEP_ARM_PAYLOAD_FIRST);
-        // decided by lane 0 (one fault firing, the same branch for the whole warp)
-        u32 wait = 0;
-        if (tid == 0 && pre_wait && !afdep_fused_faulted(err)) {
+        // lane 0's reading of the error word for the whole warp (the warp wait needs all 32 lanes)
+        const bool faulted = __shfl_sync(0xffffffffu, afdep_fused_faulted(err) ? 1u : 0u, 0) != 0u;
+        if (pre_wait && !faulted) {
             AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-            wait = 1;
-        }
-        if (__shfl_sync(0xffffffffu, wait, 0) != 0u)
             afdep_wait_flags_warp(ws, pre_off, src_rank, ns, round, timeout_ns, err, pre_code);
+        }
         const bool got = afdep_wait_flags_warp(ws, cflag_off, src_rank, ns, round, timeout_ns,
                                                err, AFDEP_FUSED_FAULT_COUNTS_WAIT);
         if (tid == 0) ok = got ? 1u : 0u;

@@ -24,15 +24,15 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
     const u32 round = afdep_ctl_round(ctl);
     if (by_arm != 0u && afdep_ctl_arm(ctl) == AFDEP_ARM_SOURCE) {
         if (blockIdx.x == 0 && threadIdx.x < 32) {
-            // decided by lane 0 (one fault firing, the same branch for the whole warp)
-            u32 wait = 0;
-            if (threadIdx.x == 0 && !afdep_fused_faulted(err)) {
+            // lane 0's reading of the error word for the whole warp (the warp wait needs all
+            // 32 lanes)
+            const bool faulted =
+                __shfl_sync(0xffffffffu, afdep_fused_faulted(err) ? 1u : 0u, 0) != 0u;
+            if (!faulted) {
                 AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_DISPATCH_WAIT)
-                wait = 1;
-            }
-            if (__shfl_sync(0xffffffffu, wait, 0) != 0u)
                 afdep_wait_flags_warp(ws, src_flag_off, src_rank, ns, round, timeout_ns, err,
                                       src_code);
+            }
         }
         return;
     }

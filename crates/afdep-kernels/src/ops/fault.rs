@@ -377,8 +377,9 @@ mod tests {
         out
     }
 
-    /// Every skip point prefixes a bounded wait (`afdep_wait_ge`, or `afdep_wait_flags`, its
-    /// loop over a set of flags) and nothing else that stores: the statement it skips holds the
+    /// Every skip point prefixes a bounded wait (`afdep_wait_ge`, or `afdep_wait_flags` /
+    /// `afdep_wait_flags_warp`, its loop over a set of flags by one thread or one warp; a
+    /// warp's skip fires once per lane) and nothing else that stores: the statement it skips holds the
     /// wait, and its only stores are the wait's own bookkeeping (the block's `ok` flag and the
     /// fault record of a wait that ran out). Each source and each `phase/` header once.
     #[test]
@@ -399,7 +400,9 @@ mod tests {
                 seen += 1;
                 let st = statement_after(&lines, i);
                 assert!(
-                    st.contains("afdep_wait_ge(") || st.contains("afdep_wait_flags("),
+                    st.contains("afdep_wait_ge(")
+                        || st.contains("afdep_wait_flags(")
+                        || st.contains("afdep_wait_flags_warp("),
                     "{name}:{}: the statement after the skip point holds no wait:\n{st}",
                     i + 1
                 );
