@@ -19,7 +19,7 @@
 //! payload_gate = true
 //! warps_per_unit = 4
 //! min_rows_per_unit = 8
-//! min_token_bucket = 2048
+//! min_token_bucket = 1
 //! ```
 //!
 //! Every field is optional: a command-line flag given overrides the file, and a field neither

@@ -185,8 +185,10 @@ impl std::fmt::Display for CombinePartials {
 /// ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ExchangeKnobs {
-    /// Rounds with at least this many tokens on the largest source use count-first dispatch;
-    /// below it, payload-first.
+    /// Rounds with at least this many tokens on the largest source use count-first dispatch
+    /// (the source arm); below it, payload-first. Default 1: every round with a token takes the
+    /// source arm, the fastest arm at every token count measured (docs/perf/exchange.md, "The
+    /// auto arm takes the source arm"); the record's rule is 2048 with the streaming arm.
     pub min_token_bucket: usize,
     /// Most SMs the streaming or copy epilogue may occupy on an FFN rank.
     pub epilogue_sm_cap: u32,
@@ -203,7 +205,7 @@ pub struct ExchangeKnobs {
 impl Default for ExchangeKnobs {
     fn default() -> Self {
         ExchangeKnobs {
-            min_token_bucket: 2048,
+            min_token_bucket: 1,
             epilogue_sm_cap: 16,
             payload_gate: true,
             warps_per_unit: 4,

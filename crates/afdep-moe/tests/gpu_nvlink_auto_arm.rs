@@ -106,7 +106,7 @@ fn steps(c: &ExchangeConfig) -> Vec<Step> {
         ([cap, cap - 1, cap, 0], Some(11), None), // at capacity
         ([15, 15, 15, 15], None, None),           // just below
         ([0, 1, 0, cap], Some(3), None),
-        ([3, 0, 2, 1], None, Some(DispatchArm::CountFirstSource)), // forced below the bucket
+        ([3, 0, 2, 1], None, Some(DispatchArm::CountFirstSource)), // the rule's arm, forced below the bucket
         ([30, 20, 0, cap], None, Some(DispatchArm::PayloadFirst)), // forced above it
         ([1, 1, 1, 1], Some(7), Some(DispatchArm::CountFirst)),
         ([BUCKET, 0, 0, 0], None, None), // the rule again
@@ -229,10 +229,10 @@ fn one_auto_graph_takes_the_rules_arm_every_replay_on_every_ratio() {
             .collect();
         let up = arms
             .windows(2)
-            .any(|w| w[0] == DispatchArm::PayloadFirst && w[1] == DispatchArm::CountFirst);
+            .any(|w| w[0] == DispatchArm::PayloadFirst && w[1] == DispatchArm::CountFirstSource);
         let down = arms
             .windows(2)
-            .any(|w| w[0] == DispatchArm::CountFirst && w[1] == DispatchArm::PayloadFirst);
+            .any(|w| w[0] == DispatchArm::CountFirstSource && w[1] == DispatchArm::PayloadFirst);
         assert!(
             up && down,
             "{topo}: the rounds do not cross the bucket both ways: {arms:?}"
@@ -265,7 +265,8 @@ fn auto_graph_on_a_single_rank_ep1() {
     let mut st: Vec<Step> = steps(&c).into_iter().take(4).collect();
     st.push(Step {
         inputs: sources(&c, &[5], Some(2), 350),
-        force: Some(DispatchArm::CountFirstSource),
+        // the streaming arm, which the rule no longer takes: forced, so every arm runs
+        force: Some(DispatchArm::CountFirst),
         reject: None,
     });
     let arms: Vec<DispatchArm> = st

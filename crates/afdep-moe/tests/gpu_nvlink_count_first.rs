@@ -288,7 +288,7 @@ fn every_arm_under_sm_budgets_and_knobs() {
 }
 
 /// `min_token_bucket`: a round whose largest source has fewer tokens runs payload-first, one
-/// that reaches it runs count-first (streaming); both correct. The same rule for bf16 and fp8
+/// that reaches it runs count-first (the source arm); both correct. The same rule for bf16 and fp8
 /// payloads.
 #[test]
 fn the_token_bucket_selects_the_arm() {
@@ -305,7 +305,10 @@ fn the_token_bucket_selects_the_arm() {
             sources(&c, &[40, 11], Some(4), 44),
         ];
         assert_eq!(DispatchArm::select(&c.knobs, 9), DispatchArm::PayloadFirst);
-        assert_eq!(DispatchArm::select(&c.knobs, 10), DispatchArm::CountFirst);
+        assert_eq!(
+            DispatchArm::select(&c.knobs, 10),
+            DispatchArm::CountFirstSource
+        );
         let world = c.topology.world_size();
         let Some(g) = fused_group(world, &c, 128 << 20, TIMEOUT) else {
             return;
@@ -343,9 +346,9 @@ fn the_token_bucket_selects_the_arm() {
                 arms,
                 [
                     DispatchArm::PayloadFirst,
-                    DispatchArm::CountFirst,
+                    DispatchArm::CountFirstSource,
                     DispatchArm::PayloadFirst,
-                    DispatchArm::CountFirst
+                    DispatchArm::CountFirstSource
                 ],
                 "{payload} rank {rank}"
             );

@@ -59,9 +59,10 @@ pub enum ArmArg {
     CountFirst,
     /// Count-first, source arm: rows stored straight to their expanded positions (`CF_src`).
     CountFirstSource,
-    /// The arm of the token-bucket rule, round by round (`--min-token-bucket`: count-first
-    /// when the largest source's token count reaches it, payload-first below): eager rounds
-    /// choose it on the host; with `--graph`, one graph holds every arm and the device chooses.
+    /// The arm of the token-bucket rule, round by round (`--min-token-bucket`: count-first, the
+    /// source arm, when the largest source's token count reaches it, payload-first below):
+    /// eager rounds choose it on the host; with `--graph`, one graph holds every arm and the
+    /// device chooses.
     Auto,
 }
 
@@ -356,7 +357,8 @@ pub struct ExchangeArgs {
     /// Knob: minimum rows per epilogue work unit [default: 8].
     #[arg(long)]
     pub min_rows_per_unit: Option<u32>,
-    /// Knob: the smallest largest-source token count that uses count-first [default: 2048].
+    /// Knob: the smallest largest-source token count that uses count-first (the source arm)
+    /// [default: 1].
     #[arg(long)]
     pub min_token_bucket: Option<usize>,
     /// The FFN computation.

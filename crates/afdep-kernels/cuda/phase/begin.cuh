@@ -131,7 +131,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     }
     // the same records on every rank, so the same arm and verdict
     const u32 arm = first < AFDEP_ARM_AUTO ? first
-                    : most >= bucket       ? AFDEP_ARM_COUNT_FIRST
+                    : most >= bucket       ? AFDEP_ARM_SOURCE
                                            : AFDEP_ARM_PAYLOAD_FIRST;
     if (verdict == AFDEP_CTL_GO && odd != world) {
         verdict = AFDEP_CTL_ARMS_DIFFER;

@@ -60,9 +60,10 @@
 //!
 //! # Arm selection
 //!
-//! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirst`], the streaming variant)
-//! when the largest source's token count of the round reaches `knobs.min_token_bucket`,
-//! payload-first below it, for bf16 and fp8 payloads alike. The token counts travel in the
+//! [`DispatchArm::select`]: count-first ([`DispatchArm::CountFirstSource`], the source arm; the
+//! record's rule took the streaming variant) when the largest source's token count of the round
+//! reaches `knobs.min_token_bucket` (default 1: every round with a token), payload-first below
+//! it, for bf16 and fp8 payloads alike. The token counts travel in the
 //! device rounds' status records, which every rank reads, so every rank picks the same arm.
 //! [`FusedEngine::set_arm`] overrides the rule (every rank must then set the same arm, like the
 //! configuration; ranks that do not all skip the round with [`ExchangeError::ArmsDiffer`]).
@@ -337,8 +338,8 @@ mod tests {
         };
         assert_eq!(DispatchArm::select(&k, 0), DispatchArm::PayloadFirst);
         assert_eq!(DispatchArm::select(&k, 127), DispatchArm::PayloadFirst);
-        assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirst);
-        assert_eq!(DispatchArm::select(&k, 4096), DispatchArm::CountFirst);
+        assert_eq!(DispatchArm::select(&k, 128), DispatchArm::CountFirstSource);
+        assert_eq!(DispatchArm::select(&k, 4096), DispatchArm::CountFirstSource);
     }
 
     #[test]
@@ -349,7 +350,11 @@ mod tests {
             c.payload = payload;
             c.validate().unwrap();
             assert_eq!(rule(&c, &[9, 0, 3]), DispatchArm::PayloadFirst, "{payload}");
-            assert_eq!(rule(&c, &[9, 10, 3]), DispatchArm::CountFirst, "{payload}");
+            assert_eq!(
+                rule(&c, &[9, 10, 3]),
+                DispatchArm::CountFirstSource,
+                "{payload}"
+            );
             assert_eq!(rule(&c, &[]), DispatchArm::PayloadFirst, "{payload}");
         }
     }

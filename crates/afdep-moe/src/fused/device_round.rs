@@ -85,7 +85,7 @@
 //! count in the control block before the round (the arm forced by [`FusedEngine::set_arm`] at
 //! that time, else "auto"), `afdep_round_begin` shares requests and token counts through the
 //! status records, and every rank takes rank 0's request, or for "auto" the rule: count-first
-//! (streaming) when the largest source's token count of the round reaches
+//! (the source arm) when the largest source's token count of the round reaches
 //! `knobs.min_token_bucket`, payload-first below it ([`DispatchArm::select`]; payload-first
 //! always when the configuration's rule never picks count-first). It writes the arm into the
 //! control block (`CTL_ARM`, read back after the round: [`FusedEngine::last_arm`]) and into
@@ -2322,8 +2322,8 @@ mod tests {
         assert_eq!(RoundArm::Auto.to_string(), "auto");
     }
 
-    /// The device's bucket is the host rule's threshold: payload-first below it, count-first
-    /// from it on, for every largest-source token count around it (and never count-first when
+    /// The device's bucket is the host rule's threshold: payload-first below it, count-first (the
+    /// source arm, as `afdep_round_begin` takes) from it on, for every largest-source token count around it (and never count-first when
     /// the rule never picks it).
     #[test]
     fn the_device_bucket_is_the_host_rule() {
@@ -2337,7 +2337,7 @@ mod tests {
                     for others in [0u64, max / 2] {
                         let host = super::super::count_first::rule(&c, &[others, max, 0]);
                         let device = if max >= b {
-                            DispatchArm::CountFirst
+                            DispatchArm::CountFirstSource
                         } else {
                             DispatchArm::PayloadFirst
                         };

@@ -24,11 +24,14 @@ impl DispatchArm {
         DispatchArm::CountFirstSource,
     ];
 
-    /// The arm of a round whose largest source has `max_tokens` tokens: count-first
-    /// (streaming) when `max_tokens >= knobs.min_token_bucket`, payload-first otherwise.
+    /// The arm of a round whose largest source has `max_tokens` tokens: count-first, the source
+    /// arm, when `max_tokens >= knobs.min_token_bucket`, payload-first otherwise. (The record's
+    /// rule took the streaming count-first arm; measured here, the source arm is faster than
+    /// both others at every token count, on one GPU and across two: docs/perf/exchange.md,
+    /// "The auto arm takes the source arm".)
     pub fn select(knobs: &ExchangeKnobs, max_tokens: usize) -> DispatchArm {
         if max_tokens >= knobs.min_token_bucket {
-            DispatchArm::CountFirst
+            DispatchArm::CountFirstSource
         } else {
             DispatchArm::PayloadFirst
         }
