@@ -513,6 +513,11 @@ impl FusedGraph {
     }
 }
 
+/// The bound of [`FusedEngine::prepare_device`]'s closing barrier when the transport's own
+/// timeout is shorter: a rank whose on-disk kernel cache is cold compiles the expert GEMM's
+/// modules before it arrives, which takes tens of seconds, while its peers wait.
+pub const SETUP_BARRIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 fn bind(gpu: &GpuContext) -> Result<(), ExchangeError> {
@@ -526,7 +531,9 @@ impl FusedEngine {
     /// Allocates this rank's device-round buffers (capacity-sized: inputs and output of a
     /// source; expert scales or SwiGLU weights, outputs and the optional snapshot of an FFN
     /// rank). Once per engine (graphs keep the buffers' addresses). Collective (a barrier at
-    /// the end): every rank of the group calls it before its first device round.
+    /// the end, bounded by the longer of the transport's timeout and
+    /// [`SETUP_BARRIER_TIMEOUT`]: a rank may be compiling kernels into a cold cache): every rank
+    /// of the group calls it before its first device round.
     pub fn prepare_device(&mut self, opts: DeviceRoundOptions) -> Result<(), ExchangeError> {
         let rank = self.rank();
         if self.device.as_ref().is_some_and(|d| !d.host_only) {
@@ -601,8 +608,15 @@ impl FusedEngine {
         };
         let gates = zeros(&self.gpu, ARM_GATES * CTL_WORDS)?;
         self.gpu.synchronize()?;
-        // kernels loaded (the GEMM's at its warm-up) on every rank before any round
-        self.transport.barrier()?;
+        // kernels loaded (the GEMM's at its warm-up) on every rank before any round. A rank
+        // whose kernel cache is cold compiles the GEMM modules here (tens of seconds), so this
+        // one wait is bounded by the set-up bound, not by the rounds' timeout.
+        let round_timeout = self.transport.timeout();
+        self.transport
+            .set_timeout(round_timeout.max(SETUP_BARRIER_TIMEOUT));
+        let arrived = self.transport.barrier();
+        self.transport.set_timeout(round_timeout);
+        arrived?;
         // only now, with everything above done, the buffers `round` made for its host experts
         // go (their timer and tracer stay): a failed preparation leaves the engine as it was
         let (timer, trace) = match self.device.take() {
