@@ -94,11 +94,15 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         [ -n "${cbin[$c]:-}" ] || continue
         cbin[$n]=${cbin[$c]}; cenv[$n]=${rest#*:}; whiches="$whiches $n"
       done
+      # AB_GATE=1: this build again as "gate", every rank's round behind the start gate
+      # (--start-gate: the ranks' rounds start together on the device, rows `start: gate`)
+      declare -A cflag=()
+      [ "${AB_GATE:-0}" = 1 ] && { cbin[gate]=/tmp/b4/bin/afdep; cflag[gate]=--start-gate; whiches="$whiches gate"; }
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
         bin=${cbin[$which]}
         # shellcheck disable=SC2086 # VAR=VALUE or nothing
         env ${cenv[$which]:-} timeout "$(( $(left) > 90 ? 40 : 10 ))" $bin exchange --backend cuda --transport nvlink \
-          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
+          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity ${cflag[$which]:-} \
           --tokens 1,2048 --rounds 30 --warmup 5 --json-out $W/ab52-$which.jsonl \
           > $W/ab52-$which-$rep.txt 2>&1
         echo "ab52 $which rep $rep rc=$?" >> $W/steps.txt
@@ -109,7 +113,7 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
         [ "$which" = old ] && continue
         # shellcheck disable=SC2086
         env ${cenv[$which]:-} timeout "$(( $(left) > 60 ? 30 : 5 ))" ${cbin[$which]} exchange --backend cuda --transport nvlink \
-          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity \
+          --device 0 --topology 3A:1F --graph --arm ${AB_ARM:-auto} --expert identity ${cflag[$which]:-} \
           --tokens 1 --rounds 20 --warmup 5 --trace $W/ab52-trace-$which.json \
           > $W/ab52-trace-$which.txt 2>&1
         echo "ab52 trace $which rc=$?" >> $W/steps.txt

@@ -12,6 +12,7 @@
 // the control block and its arm gates, and every later kernel of the round skips when its
 // control block (or gate) is not go.
 // afdep_round_stamp: a timestamp of a traced round's phase boundary.
+// afdep_round_start_gate: a gated round's start, held until the gate's word reaches the ticket.
 // afdep_round_experts (FFN): the reproducible device expert y = bf16(f32(x) * scale[l]) over
 // the expanded rows of the plan. The combine of a device round is fused_combine.cu's (its FFN half
 // reads the compact view and the device plan; its source half needs only the routes).
@@ -49,6 +50,20 @@ extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slo
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     stamps[slot] = t;
+}
+
+// One thread: the start gate of a gated round (afdep_moe::fused::StartGate). Queued on the
+// rank's stream before the round's launches, it holds them until *word reaches `ticket` (the
+// rank `opener` writes the word once every rank of the group has queued its round), so that
+// the ranks' rounds start together on the device instead of when each rank's host queued
+// them. The wait is bounded: when it runs out it records AFDEP_FUSED_FAULT_START_GATE (peer:
+// the opener) and returns; the round then runs, its own waits bounded as always, and the
+// engine reports the fault.
+extern "C" __global__ void afdep_round_start_gate(const u32* word, u32 ticket, u64 timeout_ns,
+                                                  u32* err, u32 opener) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (!afdep_wait_ge(word, ticket, timeout_ns))
+        afdep_fused_fault(err, AFDEP_FUSED_FAULT_START_GATE, opener, ticket);
 }
 
 // The local expert of expanded row j: the last l < epr with eo[l] <= j (eo: epr + 1 offsets).

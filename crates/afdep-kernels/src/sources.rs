@@ -379,6 +379,8 @@ kernel_registry! {
         RoundCheckPayload = "afdep_round_check_payload",
         /// `afdep_round_stamp`: `%globaltimer` into one slot of a traced round's stamps.
         RoundStamp = "afdep_round_stamp",
+        /// `afdep_round_start_gate`: holds a gated round's launches until its gate opens.
+        RoundStartGate = "afdep_round_start_gate",
     }
     /// `nccl_round.cu`: the device round of the NCCL exchange: packing into capacity-padded
     /// slabs, the FFN rank's plan and expansion, the combine's two halves (specialised by top-k).

@@ -159,8 +159,10 @@ mod count_first;
 pub mod device_round;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod start_gate;
 mod trace;
 pub use device_round::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedGraph};
+pub use start_gate::StartGate;
 
 pub use afdep_kernels::ops::fused_layout::{
     COMBINE_FLAGS, CONTROL, DISPATCH_FLAGS, ERROR_WORD, SLABS,
@@ -223,6 +225,8 @@ pub struct FusedEngine {
     fronts: bool,
     /// A source's combine waits in one block first ([`FusedEngine::set_combine_prewait`]).
     combine_prewait: bool,
+    /// The start gate of device rounds ([`FusedEngine::set_start_gate`]).
+    gate: Option<start_gate::GateUse>,
 }
 
 impl std::fmt::Debug for FusedEngine {
@@ -342,6 +346,7 @@ impl FusedEngine {
             poison: true,
             fronts: device_round::fronts_from_env(),
             combine_prewait: false,
+            gate: None,
         })
     }
 

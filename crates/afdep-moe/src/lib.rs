@@ -49,7 +49,9 @@ pub mod timing;
 #[cfg(feature = "fault-injection")]
 pub use afdep_kernels::ops::fault::Fault;
 pub use error::ExchangeError;
-pub use fused::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph};
+pub use fused::{
+    BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedEngine, FusedGraph, StartGate,
+};
 pub use layer::{DeviceParams, Dispatch, LayerGpuError, LayerRouting, MoeLayer};
 #[cfg(feature = "nccl")]
 pub use nccl_device::NcclDeviceEngine;

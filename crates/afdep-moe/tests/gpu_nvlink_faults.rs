@@ -20,6 +20,9 @@
 //!   comparison must report mismatching rows (or a typed error) in at least one of the rounds
 //!   for each ratio: the checks can fail. Every mismatching row count is printed.
 //!
+//! - A start gate that never opens (`StartGate::set_never_open`): every rank's gated replay is
+//!   a typed device timeout of the phase `start gate` within the bound, on every rank.
+//!
 //! Without a GPU every test prints `SKIP: <reason>` and passes; with `AFDEP_REQUIRE_GPU=1` a
 //! missing GPU fails.
 
@@ -30,7 +33,8 @@ use std::time::{Duration, Instant};
 use afdep_core::oracle::exchange::{self as reference, FfnReceived, SourceInput};
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, Fault, FusedEngine,
+    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, Fault, FusedEngine, FusedGraph,
+    RoundOutput, StartGate,
 };
 use afdep_transport::Transport;
 use exchange_common::*;
@@ -525,4 +529,68 @@ fn combine_without_flag_wait_is_caught() {
 #[test]
 fn epilogue_without_dispatch_wait_is_caught() {
     skip_is_caught(Fault::SkipDispatchWait);
+}
+
+/// A start gate that never opens (`StartGate::set_never_open`): every rank's gated replay
+/// returns [`ExchangeError::DeviceTimeout`] of the phase `start gate` naming rank 0, the opener,
+/// within the bound, and no rank hangs.
+#[test]
+fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
+    let _serial = serial();
+    let c = config("3A:1F", PayloadKind::Bf16);
+    let bound = Duration::from_secs(2);
+    let Some(g) = fused_group(c.topology.world_size(), &c, 16 << 20, bound) else {
+        return;
+    };
+    let gate = StartGate::new();
+    let inp = &rounds(&c, 1)[0];
+    let t0 = Instant::now();
+    // engines and graphs are dropped after every rank's thread is done
+    type Kept = (FusedEngine, FusedGraph);
+    let (outcomes, kept): (Vec<Result<RoundOutput, ExchangeError>>, Vec<Kept>) =
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = g
+                .into_iter()
+                .enumerate()
+                .map(|(rank, t)| {
+                    let (c, gate) = (c.clone(), gate.clone());
+                    sc.spawn(move || {
+                        let mut eng = FusedEngine::new(c.clone(), t).expect("set-up");
+                        eng.prepare_device(DeviceRoundOptions {
+                            experts: DeviceExperts::Identity,
+                            keep_received: false,
+                        })
+                        .expect("device buffers");
+                        let graph = eng.capture(DispatchArm::CountFirstSource).expect("capture");
+                        eng.set_start_gate(Some(gate.clone())).expect("the gate");
+                        let mine = c.topology.attention_index(rank).map(|s| &inp[s]);
+                        // a first gated replay that opens, then one that never does
+                        eng.replay(&graph, mine).expect("an opened gate");
+                        eng.transport_mut().barrier().expect("barrier");
+                        if rank == 0 {
+                            gate.set_never_open(true);
+                        }
+                        eng.transport_mut().barrier().expect("barrier");
+                        let r = eng.replay(&graph, mine);
+                        (r, (eng, graph))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("no panic")).unzip()
+        });
+    let took = t0.elapsed();
+    for (eng, graph) in kept {
+        drop(graph);
+        drop(eng);
+    }
+    for (rank, r) in outcomes.iter().enumerate() {
+        match r {
+            Err(ExchangeError::DeviceTimeout { phase, peer, .. }) => {
+                assert_eq!((*phase, *peer), ("start gate", 0), "rank {rank}");
+            }
+            other => panic!("rank {rank}: {other:?} instead of the start gate's timeout"),
+        }
+    }
+    assert!(took < 10 * bound, "the gate's timeout took {took:?}");
+    println!("never-open gate: every rank timed out in {took:?}");
 }

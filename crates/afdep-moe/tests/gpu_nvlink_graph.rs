@@ -41,7 +41,7 @@ use afdep_core::route::{RouteRules, validate};
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph, RoundOutput,
+    DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph, RoundOutput, StartGate,
 };
 use exchange_common::*;
 
@@ -94,16 +94,18 @@ fn run_modes_with(
     modes: &[Mode],
     opts: &DeviceRoundOptions,
 ) -> Option<(Runs, Nodes)> {
-    run_modes_fronts(c, rounds, modes, opts, true)
+    run_modes_fronts(c, rounds, modes, opts, true, None)
 }
 
-/// [`run_modes_with`] with the front kernels on or off ([`FusedEngine::set_fronts`]).
+/// [`run_modes_with`] with the front kernels on or off ([`FusedEngine::set_fronts`]), and
+/// every rank's rounds behind `gate` when given ([`FusedEngine::set_start_gate`]).
 fn run_modes_fronts(
     c: &ExchangeConfig,
     rounds: &[Vec<SourceInput>],
     modes: &[Mode],
     opts: &DeviceRoundOptions,
     fronts: bool,
+    gate: Option<StartGate>,
 ) -> Option<(Runs, Nodes)> {
     let world = c.topology.world_size();
     let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
@@ -116,10 +118,15 @@ fn run_modes_fronts(
             .map(|(rank, t)| {
                 let cfg = c.clone();
                 let opts = opts.clone();
+                let gate = gate.clone();
                 sc.spawn(move || {
                     let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
                     eng.set_fronts(fronts);
                     eng.prepare_device(opts).expect("device buffers");
+                    if gate.is_some() {
+                        eng.set_start_gate(gate).expect("the start gate");
+                        assert!(eng.start_gate().is_some());
+                    }
                     let graphs: Vec<FusedGraph> = ARMS
                         .iter()
                         .map(|&a| eng.capture(a).expect("capture"))
@@ -306,6 +313,58 @@ fn graph_replays_match_the_oracle_and_eager_rounds_for_every_ratio_and_arm() {
     }
 }
 
+/// The start gate ([`FusedEngine::set_start_gate`]): every rank's eager rounds and graph
+/// replays of every arm held until rank 0 opens the gate once all have queued theirs, on
+/// 3A:1F, 1A:3F and EP4: bit-identical to the oracle and across the modes, with new routing
+/// and token counts on every replay; a rejected route (a dummy expert) under the gate is the
+/// typed route error on every rank, and the next gated round is exact.
+#[test]
+fn gated_rounds_match_the_oracle_and_a_rejection_passes_the_gate() {
+    let _serial = serial();
+    let modes = all_modes();
+    for topo in ["3A:1F", "1A:3F", "EP4"] {
+        let mut c = cfg(topo, 40, 12, 3);
+        c.capacity = 48;
+        c.validate().unwrap();
+        let mut rounds = replay_rounds(&c);
+        let a = c.topology.attention_count();
+        let mut bad = sources(&c, &[5, 9, 7, 2][..a], None, 91);
+        bad[a - 1].routes.idx[1] = c.experts as i32; // a dummy expert
+        let err = bad
+            .iter()
+            .enumerate()
+            .find_map(|(s, inp)| validate(&inp.routes, &RouteRules::exchange(&c), s).err())
+            .expect("the dummy expert is rejected");
+        let bad_at = rounds.len();
+        rounds.push(bad);
+        rounds.push(sources(&c, &[3, 0, 16, 1][..a], Some(4), 92));
+        let opts = DeviceRoundOptions {
+            experts: DeviceExperts::index_scale(c.experts),
+            keep_received: true,
+        };
+        let gate = StartGate::new();
+        let Some((got, _)) = run_modes_fronts(&c, &rounds, &modes, &opts, true, Some(gate.clone()))
+        else {
+            return;
+        };
+        for (m, g) in modes.iter().zip(&got[bad_at]) {
+            check_route_errors(g, &format!("{topo} gated {m:?} "), &err, |rank, e| {
+                assert_eq!(e.to_word(), err.to_word(), "{topo} {m:?} rank {rank}: {e}");
+            });
+        }
+        let (good_rounds, good): (Vec<_>, Vec<_>) = rounds
+            .iter()
+            .cloned()
+            .zip(got)
+            .enumerate()
+            .filter(|(i, _)| *i != bad_at)
+            .map(|(_, x)| x)
+            .unzip();
+        check_modes(&format!("{topo} gated"), &c, &good_rounds, &good, &modes);
+        println!("{topo}: gated rounds exact ({gate:?})");
+    }
+}
+
 /// The launch-per-phase path of single-role ranks (the front kernels off), every mode, at
 /// 3A:1F and 2A:2F: the same results as the oracle and the eager rounds.
 #[test]
@@ -321,7 +380,7 @@ fn graph_replays_without_the_front_kernels_match_the_oracle() {
             experts: DeviceExperts::index_scale(c.experts),
             keep_received: true,
         };
-        let Some((got, nodes)) = run_modes_fronts(&c, &rounds, &modes, &opts, false) else {
+        let Some((got, nodes)) = run_modes_fronts(&c, &rounds, &modes, &opts, false, None) else {
             return;
         };
         node_check(topo, &nodes);

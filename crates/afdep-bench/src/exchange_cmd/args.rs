@@ -284,6 +284,13 @@ pub struct ExchangeArgs {
     /// host, between the FFN rank's epilogue and its partial sums.)
     #[arg(long, conflicts_with = "graph")]
     pub device_rounds: bool,
+    /// Start every rank's device round together on the device (`--graph` or `--device-rounds`,
+    /// the fused engine, ranks as threads on one GPU): each rank's round waits behind a start
+    /// gate (`afdep_moe::fused::StartGate`) that rank 0 opens once every rank has queued its
+    /// round, so `round_us` holds the round itself, not the skew of the ranks' launches into
+    /// the one CUDA context. Rows carry `start: gate` (`host` without it).
+    #[arg(long)]
+    pub start_gate: bool,
     /// Write a timeline of every timed round to FILE as Chrome-trace / Perfetto JSON
     /// (`chrome://tracing`, ui.perfetto.dev): device timestamps (`%globaltimer`) at every
     /// phase boundary of every rank, eager (`--device-rounds`) or inside graph replays
@@ -579,6 +586,22 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
         }
         if a.fault.is_some() {
             bail!("--load: not with --fault (the rounds run twice)");
+        }
+    }
+    if a.start_gate {
+        if !a.device_experts() {
+            bail!(
+                "--start-gate starts device rounds together: it needs --graph or --device-rounds"
+            );
+        }
+        if a.multi_process {
+            bail!(
+                "--start-gate: ranks as threads only (a gate needs every rank in one CUDA \
+                 context; not with --multi-process)"
+            );
+        }
+        if a.pipeline.is_some() {
+            bail!("--start-gate: not with --pipeline (its layer steps are not gated)");
         }
     }
     if a.trace.is_some() {

@@ -370,7 +370,7 @@ fn multi_process_rank(
         .with_context(|| format!("rank {}: setting up {kind}", env.rank))?;
     Ok(Some(match res.engine {
         EngineKind::Staged => Box::new(StagedEngine::new(cfg.clone(), t)?),
-        EngineKind::Fused => fused_rank(a, cfg, t, rank_params(probs, a.device_experts())?)?,
+        EngineKind::Fused => fused_rank(a, cfg, t, rank_params(probs, a.device_experts())?, None)?,
         EngineKind::NcclDevice => nccl_device_rank(a, cfg, t)?,
     }))
 }
@@ -516,6 +516,7 @@ fn row_of(a: &ExchangeArgs, res: &Resolved, prob: &Problem, out: &Outcome) -> Ex
             _ => a.mode(),
         }
         .into(),
+        start: if a.start_gate { "gate" } else { "host" }.into(),
         round_us,
         wall_us: col(|t| t.wall),
         counts_us: col(|t| t.counts),

@@ -12,7 +12,7 @@ use afdep_core::oracle::exchange::SourceInput;
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeEngine, ExchangeError, ExpertFn,
     FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, RoundTrace, StagedEngine,
-    run_group,
+    StartGate, run_group,
 };
 use afdep_transport::{
     AnyTransport, Bootstrap, BootstrapListener, Transport, TransportError, TransportKind,
@@ -212,19 +212,18 @@ pub(super) struct DeviceRank {
     arm: RoundArm,
 }
 
-/// A [`DeviceRank`] over this rank's NvlinkIpc transport: device experts from `expert` (the
+/// A [`DeviceRank`] over this rank's NvlinkIpc transport: device experts from `--expert` (the
 /// identity with no expert kernel, exact; or the SwiGLU experts of `params`), round timing on,
-/// tracing on with `trace`, the arm selected (`auto`: the rule, on the device), and with
-/// `graph` the capture (collective).
+/// tracing on with `--trace`, the arm selected (`auto`: the rule, on the device), the start
+/// gate set when given (`--start-gate`), and with `--graph` the capture (collective).
 pub(super) fn device_rank(
+    a: &ExchangeArgs,
     cfg: &ExchangeConfig,
     t: AnyTransport,
-    arm: ArmArg,
-    expert: ExpertArg,
     params: Option<&LayerParams>,
-    trace: bool,
-    graph: bool,
+    gate: Option<&StartGate>,
 ) -> Result<DeviceRank> {
+    let (arm, expert, trace, graph) = (a.arm, a.expert, a.trace.is_some(), a.graph);
     let t = t
         .into_nvlink()
         .map_err(|t| anyhow::anyhow!("the fused engine needs nvlink, got {}", t.kind()))?;
@@ -243,6 +242,9 @@ pub(super) fn device_rank(
         eng.set_trace(true)?;
     }
     select_arm(&mut eng, arm)?;
+    if let Some(g) = gate {
+        eng.set_start_gate(Some(g.clone()))?;
+    }
     let arm = round_arm(arm);
     let graph = match graph {
         true => Some(eng.capture(arm)?),
@@ -281,18 +283,16 @@ impl ExchangeEngine for DeviceRank {
 
 /// This rank's fused engine of the run: eager rounds with host experts ([`fused_engine`]), or with
 /// `--graph` / `--device-rounds` device rounds ([`device_rank`]; device experts from
-/// `params`).
+/// `params`; behind `gate` when given, `--start-gate`).
 pub(super) fn fused_rank(
     a: &ExchangeArgs,
     cfg: &ExchangeConfig,
     t: AnyTransport,
     params: Option<&LayerParams>,
+    gate: Option<&StartGate>,
 ) -> Result<Box<dyn ExchangeEngine>> {
     Ok(if a.device_experts() {
-        let trace = a.trace.is_some();
-        Box::new(device_rank(
-            cfg, t, a.arm, a.expert, params, trace, a.graph,
-        )?)
+        Box::new(device_rank(a, cfg, t, params, gate)?)
     } else {
         Box::new(fused_engine(cfg, t, a.arm)?)
     })
@@ -419,13 +419,21 @@ pub(super) fn run_fused_threads(
         )?),
         None => None,
     };
+    // one start gate for the group (`--start-gate`), tied to the ranks' one context
+    let gate = a.start_gate.then(StartGate::new);
     let outcomes = run_group(
         (0..world).collect(),
         |rank, _| -> Result<Box<dyn ExchangeEngine>> {
             let t = transports.take(rank)?;
             match res.engine {
                 EngineKind::NcclDevice => nccl_device_rank(a, &res.cfg, t),
-                _ => fused_rank(a, &res.cfg, t, rank_params(probs, a.device_experts())?),
+                _ => fused_rank(
+                    a,
+                    &res.cfg,
+                    t,
+                    rank_params(probs, a.device_experts())?,
+                    gate.as_ref(),
+                ),
             }
         },
         |rank, eng| {

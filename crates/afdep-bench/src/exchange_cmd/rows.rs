@@ -57,6 +57,11 @@ pub struct ExchangeRow {
     /// last two have per-phase times only with `--trace` (`phases_us`).
     #[serde(default = "eager")]
     pub mode: String,
+    /// How the ranks' device rounds started: `host` (each when its rank's host queued it) or
+    /// `gate` (`--start-gate`: together, behind a start gate that opens once every rank has
+    /// queued its round); rows written before the option read as `host`.
+    #[serde(default = "host_start")]
+    pub start: String,
     /// Median time of a round, µs (see `timing`).
     pub round_us: f64,
     /// Median wall time of a whole round on the host (slowest rank), µs.
@@ -143,6 +148,10 @@ pub(super) fn eager() -> String {
 /// The `partials` of rows written before bf16 partials existed.
 pub(super) fn f32_partials() -> String {
     "f32".into()
+}
+
+fn host_start() -> String {
+    "host".into()
 }
 
 pub(super) fn median(mut v: Vec<f64>) -> f64 {

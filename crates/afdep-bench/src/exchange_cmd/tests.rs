@@ -28,6 +28,7 @@ fn row(mode: &str, phases: Option<f64>) -> ExchangeRow {
         rejected_rounds: 0,
         timing: "device".into(),
         mode: mode.into(),
+        start: "host".into(),
         round_us: 41.25,
         wall_us: 900.0,
         counts_us: 0.0,

@@ -249,6 +249,8 @@ static __device__ __forceinline__ bool afdep_wait_flags_warp(const u8* ws, u64 f
 #define AFDEP_FUSED_FAULT_STATUS_WAIT 32u
 // A block of a front (fused_front.cu) waited for its own grid too long (peer = this rank).
 #define AFDEP_FUSED_FAULT_FRONT_WAIT 33u
+// A gated round's start gate did not open in time (peer = the rank that opens it).
+#define AFDEP_FUSED_FAULT_START_GATE 34u
 
 // The round number of the round in flight.
 static __device__ __forceinline__ u32 afdep_ctl_round(const u32* ctl) {

@@ -149,7 +149,11 @@ pub(super) fn fused_function(
 ) -> Result<cudarc::driver::CudaFunction, KernelError> {
     let at_one = matches!(
         id,
-        KernelId::CfPlan | KernelId::CfWait | KernelId::RoundExperts | KernelId::RoundStamp
+        KernelId::CfPlan
+            | KernelId::CfWait
+            | KernelId::RoundExperts
+            | KernelId::RoundStamp
+            | KernelId::RoundStartGate
     );
     ctx.function(id, 0, if at_one { 1 } else { k })
 }

@@ -114,17 +114,22 @@ pub fn gate_address(gates: u64, mask: u32) -> u64 {
 /// of the error word (`AFDEP_FUSED_FAULT_STATUS_WAIT`).
 pub const FAULT_STATUS_WAIT: u32 = 32;
 
+/// A gated round's start gate did not open within the bound ([`start_gate`]; peer = the rank
+/// that opens it); the fault code of the error word (`AFDEP_FUSED_FAULT_START_GATE`).
+pub const FAULT_START_GATE: u32 = 34;
+
 /// Words of the state buffer of [`check_payload`] (`AFDEP_PAYLOAD_STATE_WORDS`): the error
 /// word, a block count and the smallest offence's key; all zero before the first round (the
 /// kernel leaves it so after each round, but for the word).
 pub const PAYLOAD_STATE_WORDS: usize = 16;
 
 /// The kernels of this module, for [`super::fused::preload`].
-pub const KERNELS: [KernelId; 4] = [
+pub const KERNELS: [KernelId; 5] = [
     KernelId::RoundCheckPayload,
     KernelId::RoundBegin,
     KernelId::RoundExperts,
     KernelId::RoundStamp,
+    KernelId::RoundStartGate,
 ];
 
 use super::fused::blocks_for as grid;
@@ -326,6 +331,39 @@ pub fn stamp(
     Ok(())
 }
 
+/// The start gate of a gated round (`afdep_round_start_gate`, one thread), queued on the
+/// context's stream before the round's launches: the stream goes on once the u32 at device
+/// address `word` reaches `ticket`, or after `timeout_ns`, when it records
+/// [`FAULT_START_GATE`] naming `opener` in the error word at `err` (the round still runs; its
+/// waits are bounded as always).
+///
+/// # Safety
+///
+/// `word` is a live u32 of this context's device, `err` a live error word (four u32) of this
+/// context, both for as long as the launch may run.
+pub unsafe fn start_gate(
+    ctx: &GpuContext,
+    word: u64,
+    ticket: u32,
+    timeout_ns: u64,
+    err: u64,
+    opener: usize,
+) -> Result<(), KernelError> {
+    let opener = as_u32("opener", opener)?;
+    let f = fused_function(ctx, KernelId::RoundStartGate, 1)?;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&word)
+        .arg(&ticket)
+        .arg(&timeout_ns)
+        .arg(&err)
+        .arg(&opener);
+    // SAFETY: afdep_round_start_gate(const u32* word, u32 ticket, u64 timeout_ns, u32* err,
+    // u32 opener), one thread: reads *word, may write err[0..3]; both live (the caller's
+    // contract); the argument types match the kernel's.
+    unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundStartGate))?;
+    Ok(())
+}
+
 /// Where an FFN rank's plan and expanded rows are: the count-first areas of its workspace
 /// (the layout's `plan`, `expanded`, `exp_rows` and `hidden`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -435,6 +473,10 @@ mod tests {
         assert_eq!(
             define("AFDEP_FUSED_FAULT_STATUS_WAIT"),
             format!("{FAULT_STATUS_WAIT}u")
+        );
+        assert_eq!(
+            define("AFDEP_FUSED_FAULT_START_GATE"),
+            format!("{FAULT_START_GATE}u")
         );
         const { assert!(CTL_ROUTE + afdep_core::error::ROUTE_ERROR_WORDS <= CTL_TOKENS) };
     }

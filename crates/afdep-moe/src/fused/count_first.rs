@@ -121,6 +121,7 @@ pub(super) fn fault_phase(code: u32) -> Option<&'static str> {
         cf::fault::SOURCE_WAIT => Some("count-first source-arm dispatch"),
         afdep_kernels::ops::fused_round::FAULT_STATUS_WAIT => Some("device round status"),
         afdep_kernels::ops::fused_front::FAULT_FRONT_WAIT => Some("device round front (in-grid)"),
+        afdep_kernels::ops::fused_round::FAULT_START_GATE => Some("start gate"),
         _ => None,
     }
 }

@@ -878,9 +878,11 @@ impl FusedEngine {
             let t0 = Instant::now();
             let local = eng.load_input(arm, Feed::Host(input), true)?;
             eng.clear_trace(None)?;
+            let held = eng.gate_hold()?;
             eng.round_event(true)?;
             eng.launch_device_round(arm)?;
             eng.round_event(false)?;
+            eng.gate_open(held)?;
             let out = eng.finish_device_round(arm, input, local, t0)?;
             eng.read_round_time()?;
             eng.read_trace()?;
@@ -956,12 +958,14 @@ impl FusedEngine {
             let local = eng.load_input(graph.arm, Feed::Host(input), true)?;
             bind(&eng.gpu)?;
             eng.clear_trace(Some(graph.trace_order.as_deref()))?;
+            let held = eng.gate_hold()?;
             eng.round_event(true)?;
             graph
                 .graph
                 .launch()
                 .map_err(KernelError::driver("launching the round's graph"))?;
             eng.round_event(false)?;
+            eng.gate_open(held)?;
             let out = eng.finish_device_round(graph.arm, input, local, t0)?;
             eng.read_round_time()?;
             eng.read_trace()?;
@@ -1102,6 +1106,11 @@ impl FusedEngine {
         self.read_round_time()?;
         self.read_trace()?;
         Ok(out)
+    }
+
+    /// Whether a round queued without waiting is not finished yet.
+    pub(super) fn has_queued(&self) -> bool {
+        self.device.as_ref().is_some_and(|d| d.queued.is_some())
     }
 
     /// Reads the verdict of the round queued by an on-stream round with `wait` false, if any
