@@ -25,6 +25,11 @@
 //!   expert-sorted rows; a combine kernel gathers each token's K rows and sums them with their
 //!   weights in slot order (no atomics, deterministic).
 //!
+//! In the train step every strategy but `Fused` first permutes dy into the experts' row order
+//! (into the expert-sorted rows buffer, free between the forward's combine and the dx GEMM), so
+//! that `dy·W2ᵀ` and `dW2` load contiguous rows; `Fused`, which has no such buffer, gathers dy
+//! rows through the sort index. Either way the GEMMs see the same values in the same order.
+//!
 //! # Numerics (what differs from the f32 oracle)
 //! Storage between kernels is bf16 where the oracle keeps f32: `a`, `b`, `h` and `y` rows of
 //! the forward; `[da | db]`, `w·h`, the per-row data gradients and the router's `dlogits` in
@@ -245,8 +250,8 @@ pub struct MoeLayer {
     /// it, `h` holds w·h (the dW2 operand; the shared expert's `sh` does the same), so the
     /// train step needs no second slots × W buffer. The forward's a, b live in `dab`.
     h: CudaSlice<bf16>,
-    /// Expert-sorted rows (y in the forward, dx rows in the backward), slots × H; empty for
-    /// fused.
+    /// Expert-sorted rows (y in the forward; dy permuted into the experts' row order, then the
+    /// dx rows, in the backward), slots × H; empty for fused.
     rows: CudaSlice<bf16>,
     /// Token-order f32 accumulator (output, then dx), T × H.
     acc: CudaSlice<f32>,
@@ -706,12 +711,23 @@ impl MoeLayer {
                 .memset_zeros(&mut self.gsum)
                 .map_err(KernelError::driver("zeroing the router gradient sums"))?;
         }
+        // dy in the experts' row order, into `rows` (dead between the forward's combine, which
+        // read y from it, and the dx GEMM, which writes it): the two products that read dy then
+        // load contiguous rows (TMA in the rows GEMM) instead of gathering each row through the
+        // slot index. The fused strategy has no `rows` and keeps the gathered loads.
+        let fused = self.dispatch == Dispatch::Fused;
+        let (dyr, dyg) = if fused {
+            (&self.dy, Some(gather))
+        } else {
+            permute(ctx, &self.dy, hd, &self.layout, &mut self.rows)?;
+            (&self.rows, None)
+        };
         // G = dy·W2ᵀ with the SwiGLU backward: [da | db], w·h, g.
         gemm::dh_dswiglu(
             ctx,
             groups,
-            &self.dy,
-            Some(gather),
+            dyr,
+            dyg,
             &self.params.w2,
             w,
             hd,
@@ -726,11 +742,15 @@ impl MoeLayer {
             },
         )?;
         // dW2_e = Σ (w·h)ᵀ dy over the expert's rows.
+        let dyk = match dyg {
+            None => KOperand::rows(dyr, hd),
+            Some(g) => KOperand::gathered(dyr, hd, g),
+        };
         gemm::wgrad(
             ctx,
             groups,
             KOperand::rows(&self.h, w),
-            KOperand::gathered(&self.dy, hd, gather),
+            dyk,
             w,
             hd,
             self.splits.w2,
@@ -757,7 +777,6 @@ impl MoeLayer {
             Some((&mut grads.w3, w)),
         )?;
         // dx_k = [da | db]·[W1 | W3]ᵀ, summed per token in slot order (or scattered).
-        let fused = self.dispatch == Dispatch::Fused;
         if fused {
             stream
                 .memset_zeros(&mut self.acc)
