@@ -26,9 +26,10 @@
 //!   weights in slot order (no atomics, deterministic).
 //!
 //! In the train step every strategy but `Fused` first permutes dy into the experts' row order
-//! (into the expert-sorted rows buffer, free between the forward's combine and the dx GEMM), so
-//! that `dy·W2ᵀ` and `dW2` load contiguous rows; `Fused`, which has no such buffer, gathers dy
-//! rows through the sort index. Either way the GEMMs see the same values in the same order.
+//! (into the expert-sorted rows buffer, free between the forward's combine and the dx GEMM)
+//! when the expert width is at least [`DY_PERMUTE_MIN_WIDTH`], so that `dy·W2ᵀ` and `dW2` load
+//! contiguous rows; otherwise (and always with `Fused`, which has no such buffer) they gather
+//! dy rows through the sort index. Either way the GEMMs see the same values in the same order.
 //!
 //! # Numerics (what differs from the f32 oracle)
 //! Storage between kernels is bf16 where the oracle keeps f32: `a`, `b`, `h` and `y` rows of
@@ -218,6 +219,50 @@ struct Splits {
     s2: usize,
     s13: usize,
     wr: usize,
+}
+
+/// The smallest expert width at which the train step permutes dy into the experts' row order
+/// (module docs). `dy·W2ᵀ` loads each dy row once per 256-column tile of the width and `dW2`
+/// once per 128-row tile of it, so from 1,024 a gathered row is loaded at least four times and
+/// one permuting pass (a read and a write of `slots × hidden`) pays for itself. Measured on the
+/// H100 (2026-12-07, `docs/perf/moe.md`): width 14,336 (Mixtral-like, 16K tokens) train step
+/// 74.9 → 65.2 ms; width 128 (the record's shape, 131K tokens) 13.9 → 14.5 ms, where each row
+/// is loaded once and the permute's 2 GB round trip is pure cost; width 2,880 (GPT-OSS-like,
+/// 4K) unchanged.
+pub const DY_PERMUTE_MIN_WIDTH: usize = 1024;
+
+/// How a train step's `dy·W2ᵀ` and `dW2` read dy (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DyOrder {
+    /// dy permuted into the experts' row order first (contiguous rows, TMA).
+    Permuted,
+    /// dy rows gathered through the sort index.
+    Gathered,
+}
+
+thread_local! {
+    static FORCED_DY_ORDER: std::cell::Cell<Option<DyOrder>> = const { std::cell::Cell::new(None) };
+}
+
+/// Forces the dy order of the train steps queued on this thread (`None`: the width rule,
+/// [`DY_PERMUTE_MIN_WIDTH`]); the `Fused` strategy always gathers (it has no rows buffer).
+/// For tests that must run both paths at any shape.
+pub fn force_dy_order(order: Option<DyOrder>) {
+    FORCED_DY_ORDER.with(|f| f.set(order));
+}
+
+/// The dy order of a train step of `dispatch` at expert width `w`.
+fn dy_order(dispatch: Dispatch, w: usize) -> DyOrder {
+    if dispatch == Dispatch::Fused {
+        return DyOrder::Gathered;
+    }
+    FORCED_DY_ORDER
+        .with(|f| f.get())
+        .unwrap_or(if w >= DY_PERMUTE_MIN_WIDTH {
+            DyOrder::Permuted
+        } else {
+            DyOrder::Gathered
+        })
 }
 
 /// Chunks of the row sum of a weight gradient with `tiles` output tiles over `rows` rows: enough
@@ -716,7 +761,7 @@ impl MoeLayer {
         // load contiguous rows (TMA in the rows GEMM) instead of gathering each row through the
         // slot index. The fused strategy has no `rows` and keeps the gathered loads.
         let fused = self.dispatch == Dispatch::Fused;
-        let (dyr, dyg) = if fused {
+        let (dyr, dyg) = if dy_order(self.dispatch, w) == DyOrder::Gathered {
             (&self.dy, Some(gather))
         } else {
             permute(ctx, &self.dy, hd, &self.layout, &mut self.rows)?;

@@ -597,6 +597,31 @@ fn wgrad_engines_odd_shapes_match_the_oracle() {
     }
 }
 
+/// The train step's two orders of reading dy (`afdep_moe::layer::DyOrder`: permuted into the
+/// experts' row order first, or gathered through the sort index), each forced in turn on the
+/// odd shapes (widths far below the rule's 1,024, so the permuted path runs here too): every
+/// strategy's outputs and gradients against the oracle.
+#[test]
+fn dy_orders_odd_shapes_match_the_oracle() {
+    use afdep_moe::layer::{DyOrder, force_dy_order};
+    for order in [DyOrder::Permuted, DyOrder::Gathered] {
+        println!("dy order forced to {order:?}");
+        force_dy_order(Some(order));
+        struct Restore;
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                afdep_moe::layer::force_dy_order(None);
+            }
+        }
+        let restore = Restore;
+        odd_sweep(
+            &[(136, 64, 60, 3, 0), (96, 328, 5, 1, 40)],
+            &[0, 1, 257, 2100],
+        );
+        drop(restore);
+    }
+}
+
 /// Restores the default weight-gradient engine on this thread when dropped.
 struct RestoreWgradEngine;
 
