@@ -133,6 +133,10 @@ impl FusedEngine {
     /// word to 0 (waited for).
     fn tie_gate(&mut self, gate: StartGate) -> Result<GateUse, ExchangeError> {
         let rank = self.rank();
+        self.gpu
+            .cuda()
+            .bind_to_thread()
+            .map_err(KernelError::driver("binding the context"))?;
         let ctx = self.gpu.cuda().cu_ctx() as usize;
         let mut st = gate.inner.lock().map_err(|_| ExchangeError::Input {
             rank,
@@ -163,9 +167,9 @@ impl FusedEngine {
             });
         }
         if rank == 0 {
-            // SAFETY: `s.addr` is the gate's live u32 (`s.word`, held while the lock is), in
-            // this context, which is bound to the thread (`zeros`/`new_stream` above, or the
-            // engine's calls before); the stream is a live stream of that context.
+            // SAFETY: `s.addr` is the gate's live u32 (`s._word`, held while the lock is), in
+            // this context, which is bound to the thread (above); the stream is a live stream
+            // of that context.
             unsafe { sys::cuMemsetD32Async(s.addr, 0, 1, s.stream.cu_stream()) }
                 .result()
                 .map_err(KernelError::driver("resetting the start gate"))?;
