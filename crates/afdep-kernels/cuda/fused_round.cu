@@ -58,7 +58,7 @@ extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slo
 // the ranks' rounds start together on the device instead of when each rank's host queued
 // them. The wait is bounded: when it runs out it records AFDEP_FUSED_FAULT_START_GATE (peer:
 // the opener) and returns; the round then runs, its own waits bounded as always, and the
-// engine reports the fault.
+// engine reports the fault (its round word holds the ticket).
 extern "C" __global__ void afdep_round_start_gate(const u32* word, u32 ticket, u64 timeout_ns,
                                                   u32* err, u32 opener) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;

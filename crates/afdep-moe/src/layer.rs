@@ -295,8 +295,9 @@ pub struct MoeLayer {
     /// it, `h` holds w·h (the dW2 operand; the shared expert's `sh` does the same), so the
     /// train step needs no second slots × W buffer. The forward's a, b live in `dab`.
     h: CudaSlice<bf16>,
-    /// Expert-sorted rows (y in the forward; dy permuted into the experts' row order, then the
-    /// dx rows, in the backward), slots × H; empty for fused.
+    /// Expert-sorted rows (y in the forward; in the backward dy permuted into the experts' row
+    /// order when the width reaches [`DY_PERMUTE_MIN_WIDTH`] or [`force_dy_order`] asks, then
+    /// the dx rows), slots × H; empty for fused.
     rows: CudaSlice<bf16>,
     /// Token-order f32 accumulator (output, then dx), T × H.
     acc: CudaSlice<f32>,
@@ -759,7 +760,8 @@ impl MoeLayer {
         // dy in the experts' row order, into `rows` (dead between the forward's combine, which
         // read y from it, and the dx GEMM, which writes it): the two products that read dy then
         // load contiguous rows (TMA in the rows GEMM) instead of gathering each row through the
-        // slot index. The fused strategy has no `rows` and keeps the gathered loads.
+        // slot index. Only from DY_PERMUTE_MIN_WIDTH (or when forced); the fused strategy has no
+        // `rows` and always gathers.
         let fused = self.dispatch == Dispatch::Fused;
         let (dyr, dyg) = if dy_order(self.dispatch, w) == DyOrder::Gathered {
             (&self.dy, Some(gather))

@@ -246,6 +246,14 @@ fn check_request(a: &ExchangeArgs, res: &Resolved) -> Result<()> {
     if engine == EngineKind::NcclDevice {
         check_nccl_device(a)?;
     }
+    if a.start_gate && engine != EngineKind::Fused {
+        return Err(Unsupported {
+            engine: engine.name(),
+            what: "--start-gate".into(),
+            have: "host-started rounds (the gate is the fused engine's)".into(),
+        }
+        .into());
+    }
     if !engine.arms().contains(&a.arm) {
         return Err(Unsupported {
             engine: engine.name(),

@@ -175,12 +175,17 @@ pub fn table(rows: &[ExchangeRow]) -> String {
             false => format!("{:?}", r.tokens),
         };
         let phase = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
+        // a gated row says so where the mode is (`--start-gate`)
+        let mode = match r.start.as_str() {
+            "host" => r.mode.clone(),
+            s => format!("{} ({s} start)", r.mode),
+        };
         t.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} | {} | {} |\n",
             r.topology,
             r.engine,
             r.arm,
-            r.mode,
+            mode,
             r.partials,
             r.transport,
             tokens,

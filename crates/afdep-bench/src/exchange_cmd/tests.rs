@@ -457,3 +457,47 @@ fn partials_reach_the_config_and_unsupported_engines_refuse_them() {
     let u = e.downcast_ref::<Unsupported>().expect("unsupported");
     assert_eq!(u.what, "bf16 combine partials");
 }
+
+/// `--start-gate` needs device rounds on threads, no pipeline, and the fused engine: the NCCL
+/// device engine refuses it as unsupported instead of running host-started rounds under a
+/// `start: gate` label.
+#[test]
+fn the_start_gate_is_checked() {
+    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
+    ok(&["--graph", "--start-gate"]).unwrap();
+    ok(&["--device-rounds", "--start-gate"]).unwrap();
+    let e = ok(&["--start-gate"]).unwrap_err().to_string();
+    assert!(e.contains("--graph or --device-rounds"), "{e}");
+    let e = ok(&["--graph", "--multi-process", "--start-gate"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("threads only"), "{e}");
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: ExchangeArgs,
+    }
+    let a = Cli::try_parse_from([
+        "afdep",
+        "--backend",
+        "cuda",
+        "--transport",
+        "nccl",
+        "--expert",
+        "identity",
+        "--graph",
+        "--start-gate",
+    ])
+    .unwrap()
+    .a;
+    let res = a.resolve().unwrap();
+    assert_eq!(res.engine, EngineKind::NcclDevice);
+    let e = check_request(&a, &res).unwrap_err();
+    let u = e.downcast_ref::<Unsupported>().expect("unsupported");
+    assert_eq!(u.what, "--start-gate");
+    // a gated row says so in the table
+    let mut r = row("graph", None);
+    r.start = "gate".into();
+    assert!(super::rows::table(&[r]).contains("| graph (gate start) |"));
+}

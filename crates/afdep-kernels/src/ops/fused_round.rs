@@ -115,7 +115,8 @@ pub fn gate_address(gates: u64, mask: u32) -> u64 {
 pub const FAULT_STATUS_WAIT: u32 = 32;
 
 /// A gated round's start gate did not open within the bound ([`start_gate`]; peer = the rank
-/// that opens it); the fault code of the error word (`AFDEP_FUSED_FAULT_START_GATE`).
+/// that opens it, round = the ticket waited for); the fault code of the error word
+/// (`AFDEP_FUSED_FAULT_START_GATE`).
 pub const FAULT_START_GATE: u32 = 34;
 
 /// Words of the state buffer of [`check_payload`] (`AFDEP_PAYLOAD_STATE_WORDS`): the error

@@ -19,9 +19,10 @@
 //! out the host's launch skew and holds the round itself.
 //!
 //! Every wait stays bounded: a gate that does not open within the transport's timeout records
-//! a fault, and the round returns [`ExchangeError::DeviceTimeout`] with the phase `start gate`
-//! and the opener (rank 0) as the peer (the round itself runs after the gate gives up, its own
-//! waits bounded as always). Ranks on different contexts (separate GPUs or processes) cannot
+//! a fault, and the round returns [`ExchangeError::DeviceTimeout`] with the phase `start gate`,
+//! the opener (rank 0) as the peer and, as its `round`, the gate's ticket (the count of gated
+//! rounds since [`FusedEngine::set_start_gate`]) (the round itself runs after the gate gives
+//! up, its own waits bounded as always). Ranks on different contexts (separate GPUs or processes) cannot
 //! share a gate: [`FusedEngine::set_start_gate`] refuses it.
 
 use std::sync::{Arc, Mutex};
@@ -31,7 +32,7 @@ use afdep_kernels::cudarc::driver::{CudaSlice, CudaStream, sys};
 use afdep_kernels::ops::fused_round as fr;
 use afdep_transport::Transport;
 
-use super::{FusedEngine, device_address};
+use super::FusedEngine;
 use crate::error::ExchangeError;
 
 /// The start gate of the device rounds of one in-process group on one CUDA context; see the
@@ -143,13 +144,21 @@ impl FusedEngine {
             what: "the start gate's lock is poisoned (a rank panicked while setting it)".into(),
         })?;
         if st.is_none() {
-            let word: CudaSlice<u32> = afdep_kernels::ops::zeros(&self.gpu, 1)?;
-            let addr = device_address(&self.gpu, &word);
-            let stream = self
-                .gpu
-                .cuda()
-                .new_stream()
+            // the word is made and zeroed on the gate's own stream, waited for, so every rank's
+            // stream may use it (and it is freed on that stream, after the last round's opening)
+            let stream = afdep_kernels::quiet_stream(self.gpu.cuda())
                 .map_err(KernelError::driver("creating the start gate's stream"))?;
+            let word: CudaSlice<u32> = stream
+                .alloc_zeros(1)
+                .map_err(KernelError::driver("allocating the start gate's word"))?;
+            stream
+                .synchronize()
+                .map_err(KernelError::driver("waiting for the start gate's word"))?;
+            let addr = {
+                let (p, _guard) =
+                    afdep_kernels::cudarc::driver::DevicePtr::device_ptr(&word, &stream);
+                p
+            };
             *st = Some(GateState {
                 ctx,
                 _word: word,
