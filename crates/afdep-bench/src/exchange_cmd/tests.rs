@@ -118,14 +118,20 @@ fn a_graph_run_takes_one_parameter_set() {
     assert_eq!(rank_params(&[], true).unwrap(), None);
 }
 
+/// `afdep exchange --backend cuda --transport nvlink EXTRA..`'s arguments.
 fn args(extra: &[&str]) -> Result<ExchangeArgs, clap::Error> {
+    args_on("nvlink", extra)
+}
+
+/// `afdep exchange --backend cuda --transport TRANSPORT EXTRA..`'s arguments.
+fn args_on(transport: &str, extra: &[&str]) -> Result<ExchangeArgs, clap::Error> {
     use clap::Parser;
     #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
         a: ExchangeArgs,
     }
-    let mut v = vec!["afdep", "--backend", "cuda", "--transport", "nvlink"];
+    let mut v = vec!["afdep", "--backend", "cuda", "--transport", transport];
     v.extend_from_slice(extra);
     Cli::try_parse_from(v).map(|c| c.a)
 }
@@ -368,17 +374,7 @@ fn pipeline_requests_are_checked() {
 /// experts, no `--load`, `--trace` or `--fault abort@..`; other transports name both engines.
 #[test]
 fn backend_cuda_over_nccl_is_the_nccl_device_engine() {
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: ExchangeArgs,
-    }
-    let parse = |transport: &str, extra: &[&str]| {
-        let mut v = vec!["afdep", "--backend", "cuda", "--transport", transport];
-        v.extend_from_slice(extra);
-        Cli::try_parse_from(v).map(|c| c.a).unwrap()
-    };
+    let parse = |transport: &str, extra: &[&str]| args_on(transport, extra).unwrap();
     let a = parse("nccl", &["--expert", "identity"]);
     let res = a.resolve().unwrap();
     assert_eq!(res.engine, EngineKind::NcclDevice);
@@ -431,25 +427,7 @@ fn partials_reach_the_config_and_unsupported_engines_refuse_them() {
     std::fs::write(&file, "partials = \"f16\"\n").unwrap();
     assert!(args(&["--config", path]).unwrap().resolve().is_err());
     // the NCCL device engine
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: ExchangeArgs,
-    }
-    let a = Cli::try_parse_from([
-        "afdep",
-        "--backend",
-        "cuda",
-        "--transport",
-        "nccl",
-        "--expert",
-        "identity",
-        "--partials",
-        "bf16",
-    ])
-    .unwrap()
-    .a;
+    let a = args_on("nccl", &["--expert", "identity", "--partials", "bf16"]).unwrap();
     let res = a.resolve().unwrap();
     assert_eq!(res.engine, EngineKind::NcclDevice);
     assert_eq!(res.engine.partials(), &[CombinePartials::F32]);
@@ -472,25 +450,7 @@ fn the_start_gate_is_checked() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("threads only"), "{e}");
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: ExchangeArgs,
-    }
-    let a = Cli::try_parse_from([
-        "afdep",
-        "--backend",
-        "cuda",
-        "--transport",
-        "nccl",
-        "--expert",
-        "identity",
-        "--graph",
-        "--start-gate",
-    ])
-    .unwrap()
-    .a;
+    let a = args_on("nccl", &["--expert", "identity", "--graph", "--start-gate"]).unwrap();
     let res = a.resolve().unwrap();
     assert_eq!(res.engine, EngineKind::NcclDevice);
     let e = check_request(&a, &res).unwrap_err();

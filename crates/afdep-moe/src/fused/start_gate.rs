@@ -21,9 +21,9 @@
 //! Every wait stays bounded: a gate that does not open within the transport's timeout records
 //! a fault, and the round returns [`ExchangeError::DeviceTimeout`] with the phase `start gate`,
 //! the opener (rank 0) as the peer and, as its `round`, the gate's ticket (the count of gated
-//! rounds since [`FusedEngine::set_start_gate`]) (the round itself runs after the gate gives
-//! up, its own waits bounded as always). Ranks on different contexts (separate GPUs or processes) cannot
-//! share a gate: [`FusedEngine::set_start_gate`] refuses it.
+//! rounds since [`FusedEngine::set_start_gate`]); the round itself runs after the gate gives
+//! up, its own waits bounded as always. Ranks on different contexts (separate GPUs or
+//! processes) cannot share a gate: [`FusedEngine::set_start_gate`] refuses it.
 
 use std::sync::{Arc, Mutex};
 
@@ -32,7 +32,7 @@ use afdep_kernels::cudarc::driver::{CudaSlice, CudaStream, sys};
 use afdep_kernels::ops::fused_round as fr;
 use afdep_transport::Transport;
 
-use super::FusedEngine;
+use super::{FusedEngine, device_address};
 use crate::error::ExchangeError;
 
 /// The start gate of the device rounds of one in-process group on one CUDA context; see the
@@ -154,11 +154,7 @@ impl FusedEngine {
             stream
                 .synchronize()
                 .map_err(KernelError::driver("waiting for the start gate's word"))?;
-            let addr = {
-                let (p, _guard) =
-                    afdep_kernels::cudarc::driver::DevicePtr::device_ptr(&word, &stream);
-                p
-            };
+            let addr = device_address(&self.gpu, &word);
             *st = Some(GateState {
                 ctx,
                 _word: word,
