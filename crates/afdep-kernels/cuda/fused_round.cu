@@ -52,18 +52,23 @@ extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slo
     stamps[slot] = t;
 }
 
-// One thread: the start gate of a gated round (afdep_moe::fused::StartGate). Queued on the
-// rank's stream before the round's launches, it holds them until *word reaches `ticket` (the
-// rank `opener` writes the word once every rank of the group has queued its round), so that
-// the ranks' rounds start together on the device instead of when each rank's host queued
-// them. The wait is bounded: when it runs out it records AFDEP_FUSED_FAULT_START_GATE (peer:
-// the opener) and returns; the round then runs, its own waits bounded as always, and the
-// engine reports the fault (its round word holds the ticket).
-extern "C" __global__ void afdep_round_start_gate(const u32* word, u32 ticket, u64 timeout_ns,
+// One thread: the start gate of a gated round (afdep_moe::fused::StartGate). The first launch
+// of a gated round (queued on the rank's stream before the round's launches, or the first node
+// of a round's graph captured with the gate set), it holds the round until *word reaches this
+// rank's next ticket, *seen + 1 (the rank `opener` writes the ticket once every rank of the
+// group has queued its round), so that the ranks' rounds start together on the device instead
+// of when each rank's host queued them; then *seen = the ticket. The ticket is counted on the
+// device (seen, one u32 per rank, zeroed with the gate's word when the gate is set) so that
+// one captured graph serves every replay. The wait is bounded: when it runs out it records
+// AFDEP_FUSED_FAULT_START_GATE (peer: the opener, round: the ticket) and returns; the round
+// then runs, its own waits bounded as always, and the engine reports the fault.
+extern "C" __global__ void afdep_round_start_gate(const u32* word, u32* seen, u64 timeout_ns,
                                                   u32* err, u32 opener) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const u32 ticket = *(volatile u32*)seen + 1u;
     if (!afdep_wait_ge(word, ticket, timeout_ns))
         afdep_fused_fault(err, AFDEP_FUSED_FAULT_START_GATE, opener, ticket);
+    *(volatile u32*)seen = ticket;
 }
 
 // The local expert of expanded row j: the last l < epr with eo[l] <= j (eo: epr + 1 offsets).

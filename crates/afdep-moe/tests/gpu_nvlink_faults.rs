@@ -531,9 +531,10 @@ fn epilogue_without_dispatch_wait_is_caught() {
     skip_is_caught(Fault::SkipDispatchWait);
 }
 
-/// A start gate that never opens (`StartGate::set_never_open`): every rank's gated replay
-/// returns [`ExchangeError::DeviceTimeout`] of the phase `start gate` naming rank 0, the opener,
-/// within the bound, and no rank hangs.
+/// A start gate that never opens (`StartGate::set_never_open`): after gated replays that open
+/// (of a graph captured without the gate, then of one that holds the gate's kernel), every
+/// rank's gated replay returns [`ExchangeError::DeviceTimeout`] of the phase `start gate`
+/// naming rank 0, the opener, and the ticket as the round, within the bound, and no rank hangs.
 #[test]
 fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
     let _serial = serial();
@@ -545,7 +546,7 @@ fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
     let gate = StartGate::new();
     let inp = &rounds(&c, 1)[0];
     // engines and graphs are dropped after every rank's thread is done
-    type Kept = (FusedEngine, FusedGraph);
+    type Kept = (FusedEngine, FusedGraph, FusedGraph);
     type Outcome = (Result<RoundOutput, ExchangeError>, Duration);
     let (outcomes, kept): (Vec<Outcome>, Vec<Kept>) = std::thread::scope(|sc| {
         let hs: Vec<_> = g
@@ -560,11 +561,15 @@ fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
                         keep_received: false,
                     })
                     .expect("device buffers");
-                    let graph = eng.capture(DispatchArm::CountFirstSource).expect("capture");
+                    // captured without the gate: a gated replay queues the gate's kernel before it
+                    let outside = eng.capture(DispatchArm::CountFirstSource).expect("capture");
                     eng.set_start_gate(Some(gate.clone())).expect("the gate");
+                    // captured with the gate: its kernel is the graph's first node
+                    let inside = eng.capture(DispatchArm::CountFirstSource).expect("capture");
                     let mine = c.topology.attention_index(rank).map(|s| &inp[s]);
-                    // a first gated replay that opens, then one that never does
-                    eng.replay(&graph, mine).expect("an opened gate");
+                    // two gated replays that open (tickets 1 and 2), then one that never does
+                    eng.replay(&outside, mine).expect("an opened gate");
+                    eng.replay(&inside, mine).expect("an opened gate");
                     eng.transport_mut().barrier().expect("barrier");
                     if rank == 0 {
                         gate.set_never_open(true);
@@ -572,15 +577,16 @@ fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
                     eng.transport_mut().barrier().expect("barrier");
                     // only the replay that never opens is timed
                     let t0 = Instant::now();
-                    let r = eng.replay(&graph, mine);
-                    ((r, t0.elapsed()), (eng, graph))
+                    let r = eng.replay(&inside, mine);
+                    ((r, t0.elapsed()), (eng, outside, inside))
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().expect("no panic")).unzip()
     });
-    for (eng, graph) in kept {
-        drop(graph);
+    for (eng, outside, inside) in kept {
+        drop(outside);
+        drop(inside);
         drop(eng);
     }
     for (rank, (r, took)) in outcomes.iter().enumerate() {
@@ -588,8 +594,8 @@ fn a_start_gate_that_never_opens_is_a_device_timeout_on_every_rank() {
             Err(ExchangeError::DeviceTimeout {
                 phase, peer, round, ..
             }) => {
-                // the second gated round waits for ticket 2
-                assert_eq!((*phase, *peer, *round), ("start gate", 0, 2), "rank {rank}");
+                // the third gated round waits for ticket 3
+                assert_eq!((*phase, *peer, *round), ("start gate", 0, 3), "rank {rank}");
             }
             other => panic!("rank {rank}: {other:?} instead of the start gate's timeout"),
         }

@@ -41,7 +41,8 @@ use afdep_core::route::{RouteRules, validate};
 use afdep_core::tensor::fp8_edge_groups;
 use afdep_core::{ExchangeConfig, PayloadKind, bf16};
 use afdep_moe::{
-    DeviceExperts, DeviceRoundOptions, DispatchArm, FusedEngine, FusedGraph, RoundOutput, StartGate,
+    DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeError, FusedEngine, FusedGraph,
+    RoundOutput, StartGate,
 };
 use exchange_common::*;
 
@@ -109,6 +110,8 @@ fn run_modes_fronts(
 ) -> Option<(Runs, Nodes)> {
     let world = c.topology.world_size();
     let g = fused_group(world, c, 16 << 20, TIMEOUT)?;
+    // with a gate: the second gate of `gated_graph_needs_its_gate`
+    let other = StartGate::new();
     // engines and graphs are dropped after every rank's thread is done
     let mut keep: Vec<(FusedEngine, Vec<FusedGraph>)> = Vec::new();
     let per_rank: Vec<RankRuns> = std::thread::scope(|sc| {
@@ -119,18 +122,31 @@ fn run_modes_fronts(
                 let cfg = c.clone();
                 let opts = opts.clone();
                 let gate = gate.clone();
+                let other = other.clone();
                 sc.spawn(move || {
                     let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
                     eng.set_fronts(fronts);
                     eng.prepare_device(opts).expect("device buffers");
+                    // with a gate: the odd arms' graphs captured before it is set (a gated
+                    // replay queues the gate's kernel before them), the even arms' after (the
+                    // gate's kernel is their first node)
+                    let mut graphs: Vec<Option<FusedGraph>> = ARMS
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &a)| {
+                            (gate.is_some() && i % 2 == 1).then(|| eng.capture(a).expect("capture"))
+                        })
+                        .collect();
                     if gate.is_some() {
-                        eng.set_start_gate(gate).expect("the start gate");
+                        eng.set_start_gate(gate.clone()).expect("the start gate");
                         assert!(eng.start_gate().is_some());
                     }
-                    let graphs: Vec<FusedGraph> = ARMS
-                        .iter()
-                        .map(|&a| eng.capture(a).expect("capture"))
-                        .collect();
+                    for (g, &a) in graphs.iter_mut().zip(ARMS.iter()) {
+                        if g.is_none() {
+                            *g = Some(eng.capture(a).expect("capture"));
+                        }
+                    }
+                    let graphs: Vec<FusedGraph> = graphs.into_iter().map(Option::unwrap).collect();
                     let nodes: Vec<Vec<u32>> =
                         graphs.iter().map(|g| g.node_types().unwrap()).collect();
                     let mut out = Vec::new();
@@ -147,6 +163,12 @@ fn run_modes_fronts(
                             })
                             .collect();
                         out.push(per_mode);
+                    }
+                    if gate.is_some() {
+                        let mine = cfg.topology.attention_index(rank).map(|s| &rounds[0][s]);
+                        gated_graph_needs_its_gate(
+                            &mut eng, &graphs[0], &graphs[1], rank, mine, other,
+                        );
                     }
                     (out, nodes, eng, graphs)
                 })
@@ -177,6 +199,38 @@ fn run_modes_fronts(
         }
     }
     Some((out, nodes))
+}
+
+/// After gated rounds (collective, every rank alike): a graph captured with the gate (`inside`)
+/// is refused with `Input` once the gate is removed and behind another gate, before any
+/// collective step (so no rank waits); one captured without it (`outside`) still replays
+/// behind `other` (a second gate shared by every rank) and returns its rows.
+fn gated_graph_needs_its_gate(
+    eng: &mut FusedEngine,
+    inside: &FusedGraph,
+    outside: &FusedGraph,
+    rank: usize,
+    mine: Option<&SourceInput>,
+    other: StartGate,
+) {
+    let refused = |r: Result<RoundOutput, ExchangeError>, what: &str| match r {
+        Err(ExchangeError::Input { rank: r, what: w }) => {
+            assert_eq!(r, rank);
+            assert!(w.contains("start gate"), "rank {rank} {what}: {w}");
+        }
+        other => panic!("rank {rank} {what}: {other:?} instead of Input"),
+    };
+    eng.set_start_gate(None).expect("removing the gate");
+    refused(eng.replay(inside, mine), "no gate");
+    eng.set_start_gate(Some(other)).expect("another gate");
+    refused(eng.replay(inside, mine), "another gate");
+    let r = eng
+        .replay(outside, mine)
+        .expect("an ungated graph behind another gate");
+    if let Some(inp) = mine {
+        let n = r.combined.as_ref().map_or(0, Vec::len);
+        assert_eq!(n, inp.x.len(), "rank {rank}: combined values");
+    }
 }
 
 /// Every run against the oracle (the device expert's host twin is `expert_of(None)`: x × (e

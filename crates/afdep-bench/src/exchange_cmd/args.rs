@@ -288,7 +288,9 @@ pub struct ExchangeArgs {
     /// the fused engine, ranks as threads on one GPU): each rank's round waits behind a start
     /// gate (`afdep_moe::fused::StartGate`) that rank 0 opens once every rank has queued its
     /// round, so `round_us` holds the round itself, not the skew of the ranks' launches into
-    /// the one CUDA context. Rows carry `start: gate` (`host` without it).
+    /// the one CUDA context: it runs from the gate's opening (an event recorded just before rank
+    /// 0 writes the gate) to the rank's last launch. Rows carry `start: gate` (`host` without
+    /// it).
     #[arg(long)]
     pub start_gate: bool,
     /// Write a timeline of every timed round to FILE as Chrome-trace / Perfetto JSON

@@ -59,7 +59,8 @@ pub struct ExchangeRow {
     pub mode: String,
     /// How the ranks' device rounds started: `host` (each when its rank's host queued it) or
     /// `gate` (`--start-gate`: together, behind a start gate that opens once every rank has
-    /// queued its round); rows written before the option read as `host`.
+    /// queued its round; `round_us` from the gate's opening); rows written before the option
+    /// read as `host`.
     #[serde(default = "host_start")]
     pub start: String,
     /// Median time of a round, µs (see `timing`).

@@ -333,19 +333,23 @@ pub fn stamp(
 }
 
 /// The start gate of a gated round (`afdep_round_start_gate`, one thread), queued on the
-/// context's stream before the round's launches: the stream goes on once the u32 at device
-/// address `word` reaches `ticket`, or after `timeout_ns`, when it records
-/// [`FAULT_START_GATE`] naming `opener` in the error word at `err` (the round still runs; its
-/// waits are bounded as always).
+/// context's stream before the round's launches (or captured as a graph's first node): the
+/// stream goes on once the u32 at device address `word` reaches this rank's next ticket, one
+/// more than the u32 at `seen`, which the kernel then advances to it; or after `timeout_ns`,
+/// when it records [`FAULT_START_GATE`] naming `opener` (and the ticket as the round) in the
+/// error word at `err` and advances `seen` all the same (the round still runs; its waits are
+/// bounded as always). Counting the tickets on the device lets one captured graph serve
+/// every replay.
 ///
 /// # Safety
 ///
-/// `word` is a live u32 of this context's device, `err` a live error word (four u32) of this
-/// context, both for as long as the launch may run.
+/// `word` and `seen` are live u32s of this context's device, `err` a live error word (four
+/// u32) of this context, all for as long as the launch (or the graph that captures it) may
+/// run; no other launch writes `seen` meanwhile.
 pub unsafe fn start_gate(
     ctx: &GpuContext,
     word: u64,
-    ticket: u32,
+    seen: u64,
     timeout_ns: u64,
     err: u64,
     opener: usize,
@@ -354,13 +358,13 @@ pub unsafe fn start_gate(
     let f = fused_function(ctx, KernelId::RoundStartGate, 1)?;
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&word)
-        .arg(&ticket)
+        .arg(&seen)
         .arg(&timeout_ns)
         .arg(&err)
         .arg(&opener);
-    // SAFETY: afdep_round_start_gate(const u32* word, u32 ticket, u64 timeout_ns, u32* err,
-    // u32 opener), one thread: reads *word, may write err[0..3]; both live (the caller's
-    // contract); the argument types match the kernel's.
+    // SAFETY: afdep_round_start_gate(const u32* word, u32* seen, u64 timeout_ns, u32* err,
+    // u32 opener), one thread: reads *word, reads and writes *seen, may write err[0..3]; all
+    // live (the caller's contract); the argument types match the kernel's.
     unsafe { b.launch(grid(1, 1)) }.map_err(launch_err(KernelId::RoundStartGate))?;
     Ok(())
 }

@@ -142,6 +142,7 @@ use afdep_kernels::{GpuContext, KernelError};
 use afdep_transport::Transport;
 use std::time::Instant;
 
+use super::start_gate::{Held, StartGate};
 use super::trace::{self, Tracer};
 use super::{CONTROL, DISPATCH_FLAGS, FusedEngine, upload};
 use crate::error::ExchangeError;
@@ -464,6 +465,9 @@ pub struct FusedGraph {
     engine: u64,
     /// The phase order of the stamps the graph holds (captured with tracing on), else `None`.
     trace_order: Option<Vec<TracePhase>>,
+    /// The start gate whose kernel is the graph's first node (captured with a gate set): kept
+    /// alive with the graph, and the only gate it replays behind.
+    gate: Option<StartGate>,
 }
 
 // SAFETY: the graph and its executable are driver handles that any thread may use with the
@@ -476,6 +480,7 @@ impl std::fmt::Debug for FusedGraph {
         f.debug_struct("FusedGraph")
             .field("arm", &self.arm)
             .field("engine", &self.engine)
+            .field("gated", &self.gate.is_some())
             .finish()
     }
 }
@@ -851,16 +856,25 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// With round timing on, after a completed round (its stream waited for): the span.
-    fn read_round_time(&mut self) -> Result<(), ExchangeError> {
+    /// With round timing on, after a completed round (its stream waited for): the span, from
+    /// the start event, or for a gated round (`held`) from the gate's opening
+    /// ([`start_gate`](super::start_gate)).
+    fn read_round_time(&mut self, held: Option<Held>) -> Result<(), ExchangeError> {
+        let Some(t) = self.device.as_ref().and_then(|d| d.timer.as_ref()) else {
+            return Ok(());
+        };
+        let span = match held {
+            Some(_) => self.gate_elapsed(&t.stop)?,
+            None => {
+                let ms = t
+                    .start
+                    .elapsed_ms(&t.stop)
+                    .map_err(KernelError::driver("reading a round event"))?;
+                std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3)
+            }
+        };
         if let Some(t) = self.device.as_mut().and_then(|d| d.timer.as_mut()) {
-            let ms = t
-                .start
-                .elapsed_ms(&t.stop)
-                .map_err(KernelError::driver("reading a round event"))?;
-            t.last = Some(std::time::Duration::from_secs_f64(
-                f64::from(ms.max(0.0)) * 1e-3,
-            ));
+            t.last = Some(span);
         }
         Ok(())
     }
@@ -884,7 +898,7 @@ impl FusedEngine {
             eng.round_event(false)?;
             eng.gate_open(held)?;
             let out = eng.finish_device_round(arm, input, local, t0)?;
-            eng.read_round_time()?;
+            eng.read_round_time(held)?;
             eng.read_trace()?;
             Ok(out)
         })
@@ -904,7 +918,11 @@ impl FusedEngine {
         let s = self.gpu.stream().clone();
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(KernelError::driver("beginning a graph capture"))?;
-        let launched = self.launch_device_round(arm);
+        // with a gate set, the gate's kernel is the graph's first node (`start_gate`)
+        let gate = self.start_gate().cloned();
+        let launched = self
+            .gate_kernel()
+            .and_then(|()| self.launch_device_round(arm));
         let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
         launched?;
         let graph = ended
@@ -930,6 +948,7 @@ impl FusedEngine {
             arm,
             engine,
             trace_order,
+            gate,
         })
     }
 
@@ -953,12 +972,19 @@ impl FusedEngine {
         input: Option<&SourceInput>,
     ) -> Result<RoundOutput, ExchangeError> {
         self.check_graph(graph)?;
+        if let Some(g) = &graph.gate {
+            self.check_same_gate(g)?;
+        }
         self.guarded(|eng| {
             let t0 = Instant::now();
             let local = eng.load_input(graph.arm, Feed::Host(input), true)?;
             bind(&eng.gpu)?;
             eng.clear_trace(Some(graph.trace_order.as_deref()))?;
-            let held = eng.gate_hold()?;
+            // a graph captured with the gate holds its kernel; else, with a gate set, queue it
+            let held = match graph.gate {
+                Some(_) => eng.gate_ticket()?,
+                None => eng.gate_hold()?,
+            };
             eng.round_event(true)?;
             graph
                 .graph
@@ -967,7 +993,7 @@ impl FusedEngine {
             eng.round_event(false)?;
             eng.gate_open(held)?;
             let out = eng.finish_device_round(graph.arm, input, local, t0)?;
-            eng.read_round_time()?;
+            eng.read_round_time(held)?;
             eng.read_trace()?;
             Ok(out)
         })
@@ -1103,7 +1129,7 @@ impl FusedEngine {
             return Ok(no_output());
         }
         let out = self.finish_device_round(arm, None, local, t0)?;
-        self.read_round_time()?;
+        self.read_round_time(None)?;
         self.read_trace()?;
         Ok(out)
     }
@@ -1127,7 +1153,7 @@ impl FusedEngine {
             return Ok(());
         };
         self.finish_device_round(q.arm, None, q.local, q.t0)?;
-        self.read_round_time()?;
+        self.read_round_time(None)?;
         self.read_trace()?;
         Ok(())
     }

@@ -172,7 +172,7 @@ impl FusedEngine {
         drop(outputs);
         let mut out = done?;
         times.combine = t3.elapsed();
-        self.read_round_time()?;
+        self.read_round_time(None)?;
         self.read_trace()?;
         if let Some(ev) = &mut self.events {
             ev.last = Some(ev.read()?);
