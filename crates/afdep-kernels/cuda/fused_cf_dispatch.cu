@@ -26,6 +26,7 @@
 // (afdep_cf_dequant).
 
 #include "common/fp8.cuh"
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"

@@ -24,6 +24,7 @@
 // entries; the launcher picks one by the layout), like the payload kinds' entries: the f32 entries
 // are the template's <false> instances, the same code as before the option.
 
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
@@ -209,6 +210,7 @@ static __device__ __forceinline__ void afdep_combine_reduce_rows(
 template <bool BF16P>
 static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE_REDUCE_PARAMS) {
     if (afdep_ctl_skip(ctl)) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_REDUCE_IN);
     if (rel == AFDEP_REL_BY_ARM) rel = afdep_ctl_arm(ctl) == AFDEP_ARM_SOURCE ? 0u : 1u;
     const bool signal = sig_off != AFDEP_NO_COMBINE_SIGNAL;
     __shared__ AfdepSignal sig;
@@ -217,6 +219,7 @@ static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE
     if (signal && afdep_signal_last(&sig)) {
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
         afdep_signal_raise(&sig);
+        if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_REDUCE_OUT);
     }
 }
 
@@ -292,6 +295,7 @@ static __device__ __forceinline__ bool afdep_combine_wait(const u8* ws, const u3
                                                           u64 timeout_ns, u32* err) {
     __shared__ u32 ok;
     if (threadIdx.x == 0) {
+        if (blockIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COMBINE_IN);
         ok = 1;
         AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_COMBINE_WAIT)
         for (u32 f = 0; f < ffns && ok; f++) {
@@ -301,6 +305,7 @@ static __device__ __forceinline__ bool afdep_combine_wait(const u8* ws, const u3
                 ok = 0;
             }
         }
+        AFDEP_PROBE_AT(AFDEP_PROBE_COMBINE_WAIT);
     }
     __syncthreads();
     return ok != 0;
@@ -323,6 +328,10 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     if (afdep_ctl_skip(ctl)) return;
     if (!afdep_combine_wait(ws, ffn_rank, ffns, flag_off, afdep_ctl_round(ctl), timeout_ns, err)) return;
     afdep_combine_tokens<false>(ws, ffns, L, idx, epr, afdep_ctl_tokens(ctl), out);
+#ifdef AFDEP_PROBE
+    __syncthreads();
+    if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COMBINE_OUT);
+#endif
 }
 
 // The same with bf16 partials: return rows of hidden bf16 (L.ret_row_bytes = 2 hidden).
@@ -331,4 +340,8 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     if (afdep_ctl_skip(ctl)) return;
     if (!afdep_combine_wait(ws, ffn_rank, ffns, flag_off, afdep_ctl_round(ctl), timeout_ns, err)) return;
     afdep_combine_tokens<true>(ws, ffns, L, idx, epr, afdep_ctl_tokens(ctl), out);
+#ifdef AFDEP_PROBE
+    __syncthreads();
+    if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COMBINE_OUT);
+#endif
 }

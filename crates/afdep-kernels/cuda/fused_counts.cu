@@ -11,6 +11,7 @@
 // raises its offset flag there. afdep_cf_wait is a bounded wait for a set of flags.
 // Specialised by AFDEP_TOP_K.
 
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"

@@ -25,6 +25,7 @@
 // out into that fault, never a hang. The FFN front's waiters need only block 0.
 
 #include "common/fp8.cuh"
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
@@ -70,6 +71,7 @@ static __device__ __forceinline__ void afdep_front_exit(u32* ctl) {
     __syncthreads();
     if (threadIdx.x != 0) return;
     if (atomicAdd(ctl + AFDEP_CTL_FRONT_EXIT, 1u) != gridDim.x - 1) return;
+    AFDEP_PROBE_AT(AFDEP_PROBE_FRONT_OUT);
     ctl[AFDEP_CTL_FRONT_BEGUN] = 0u;
     ctl[AFDEP_CTL_FRONT_READY] = 0u;
     *(volatile u32*)(ctl + AFDEP_CTL_FRONT_EXIT) = 0u;
@@ -98,6 +100,7 @@ static __device__ __forceinline__ void afdep_source_front_grid(
     u32* __restrict__ slot_pos, u32* __restrict__ tok_row, u64* counts,
     const u32* __restrict__ ffn_rank, u32 nf, u32 epr, u32 mode, u32 gate, u64 sig_off) {
     if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_FRONT_IN);
         afdep_begin_block(ws, ctl, peers, world, me, src_index, idx, w, L, experts, owned,
                           timeout_ns, err, payload, bucket, gates);
         afdep_front_raise(ctl, AFDEP_CTL_FRONT_BEGUN);
@@ -146,6 +149,7 @@ static __device__ __forceinline__ void afdep_ffn_front_grid(
     u64 pre_off, u32 pre_code, u32 warps_per_unit, u32 min_rows, u32 by_arm, u64 src_flag_off,
     u32 src_code) {
     if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_FRONT_IN);
         afdep_begin_block(ws, ctl, peers, world, me, AFDEP_NO_SOURCE, nullptr, nullptr, L,
                           experts, owned, timeout_ns, err, nullptr, bucket, gates);
         __syncthreads();  // thread 0 wrote the control block

@@ -18,6 +18,7 @@
 // reads the compact view and the device plan; its source half needs only the routes).
 // Specialised by AFDEP_TOP_K.
 
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"
@@ -69,6 +70,7 @@ extern "C" __global__ void afdep_round_start_gate(const u32* word, u32* seen, u6
     if (!afdep_wait_ge(word, ticket, timeout_ns))
         afdep_fused_fault(err, AFDEP_FUSED_FAULT_START_GATE, opener, ticket);
     *(volatile u32*)seen = ticket;
+    AFDEP_PROBE_AT(AFDEP_PROBE_GATE);
 }
 
 // The local expert of expanded row j: the last l < epr with eo[l] <= j (eo: epr + 1 offsets).

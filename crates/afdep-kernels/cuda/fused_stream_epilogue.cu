@@ -15,6 +15,7 @@
 // rows.
 
 #include "common/fp8.cuh"
+#include "common/probe.cuh"
 #include "common/ptx.cuh"
 #include "common/types.cuh"
 #include "layout/fused.cuh"

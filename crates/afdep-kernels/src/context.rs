@@ -308,6 +308,16 @@ impl GpuContext {
         Ok(m)
     }
 
+    /// The modules loaded so far, each with its specialisation.
+    pub fn loaded_modules(&self) -> Vec<(ModuleSpec, Arc<CudaModule>)> {
+        self.modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(s, m)| (*s, m.clone()))
+            .collect()
+    }
+
     /// The function of `kernel` specialised for `experts` and `top_k` (values the kernel's
     /// file is not specialised by are ignored). With the feature `fault-injection` and a fault
     /// set (`GpuContext::set_fault`), from the module built with the fault's points of the
@@ -363,12 +373,9 @@ impl GpuContext {
     #[cfg(feature = "fault-injection")]
     pub fn fault_hits(&self) -> Result<u64, KernelError> {
         let modules: Vec<(ModuleSpec, Arc<CudaModule>)> = self
-            .modules
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
+            .loaded_modules()
+            .into_iter()
             .filter(|(s, _)| s.fault_mask() != 0)
-            .map(|(s, m)| (*s, m.clone()))
             .collect();
         self.ctx
             .bind_to_thread()

@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 pub const HEADERS: &[(&str, &str)] = &[
     ("common/fault.cuh", include_str!("../cuda/common/fault.cuh")),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
+    ("common/probe.cuh", include_str!("../cuda/common/probe.cuh")),
     ("common/ptx.cuh", include_str!("../cuda/common/ptx.cuh")),
     (
         "common/softmax.cuh",

@@ -301,6 +301,15 @@ pub struct ExchangeArgs {
     /// `afdep report trace --trace FILE --png OUT` draws it. Ranks as threads only.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
+    /// Write the probe points inside the round's kernels (after each wait, after each grid-wide
+    /// step: `afdep_kernels::ops::probe`) of every timed round to FILE as JSON, and print each
+    /// rank's median time of each point from the round's first point. Needs kernels built with
+    /// probes (`AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE`; a probe costs an atomic where it fires, so
+    /// take latency tables from builds without), `--graph` or `--device-rounds`, the fused
+    /// engine, ranks as threads. The front kernels run when tracing is off, so do not combine
+    /// it with `--trace` to see them.
+    #[arg(long, value_name = "FILE")]
+    pub probe: Option<PathBuf>,
     /// Run the rounds under a compute load too (`--graph` or `--device-rounds`, ranks as
     /// threads): `gemm` (a bf16 GEMM of 8192 × 8192 × 8192) or `gemm:M,N,K`, afdep's grouped
     /// GEMM with one group, launched back to back on its own stream of every GPU the ranks use
@@ -606,6 +615,23 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
             bail!("--start-gate: not with --pipeline (its layer steps are not gated)");
         }
     }
+    if a.probe.is_some() {
+        if !a.device_experts() {
+            bail!(
+                "--probe reads the kernels of device rounds: it needs --graph or --device-rounds"
+            );
+        }
+        if a.multi_process {
+            bail!("--probe: ranks as threads only (not with --multi-process)");
+        }
+        let opts = std::env::var("AFDEP_NVRTC_OPTIONS").unwrap_or_default();
+        if !opts.split_whitespace().any(|o| o == "-DAFDEP_PROBE") {
+            bail!(
+                "--probe needs kernels built with probes: set AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE \
+                 (have {opts:?})"
+            );
+        }
+    }
     if a.trace.is_some() {
         if !a.device_experts() {
             bail!("--trace times the phases of device rounds: it needs --graph or --device-rounds");
@@ -635,7 +661,7 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
 }
 
 /// The checks of a run of the NCCL device engine (`--backend cuda --transport nccl`): identity
-/// experts only ([`Unsupported`] otherwise), no `--load`, `--trace` or `--fault abort@..` (its
+/// experts only ([`Unsupported`] otherwise), no `--load`, `--trace`, `--probe` or `--fault abort@..` (its
 /// experts run on the device).
 pub(super) fn check_nccl_device(a: &ExchangeArgs) -> Result<()> {
     if a.expert != ExpertArg::Identity {
@@ -646,8 +672,8 @@ pub(super) fn check_nccl_device(a: &ExchangeArgs) -> Result<()> {
         }
         .into());
     }
-    if a.load.is_some() || a.trace.is_some() {
-        bail!("the NCCL device engine runs without --load and --trace");
+    if a.load.is_some() || a.trace.is_some() || a.probe.is_some() {
+        bail!("the NCCL device engine runs without --load, --trace and --probe");
     }
     if let Some(Fault::Abort { .. }) = a.fault {
         bail!("--fault abort@..: not with the NCCL device engine (its experts run on the device)");

@@ -61,6 +61,7 @@
 mod args;
 mod load;
 mod pipeline;
+mod probe_file;
 mod problem;
 mod ranks;
 mod rounds;
@@ -123,6 +124,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
     };
     let mut rows = Vec::new();
     let mut timelines = Vec::new();
+    let mut probe_sets = Vec::new();
     for prob in &probs {
         let outcome = match &mut mp {
             None => {
@@ -145,6 +147,7 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
                     rejected,
                     combined: Vec::new(),
                     traces: Vec::new(),
+                    probes: Vec::new(),
                     load: None,
                 }
             }
@@ -161,24 +164,39 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         if let Some(p) = &a.output {
             write_output(p, prob, &outcome.combined)?;
         }
+        let label = || {
+            format!(
+                "{} {} {} {}, tokens {:?}",
+                res.cfg.topology,
+                a.mode(),
+                a.arm,
+                res.cfg.payload,
+                prob.inputs
+                    .iter()
+                    .map(|i| i.routes.tokens)
+                    .collect::<Vec<_>>()
+            )
+        };
+        let roles = || {
+            (0..res.cfg.topology.world_size())
+                .map(|r| trace_file::role_of(&res.cfg.topology, r))
+                .collect::<Vec<_>>()
+        };
         if a.trace.is_some() {
             timelines.push(trace_file::Timeline {
-                label: format!(
-                    "{} {} {} {}, tokens {:?}",
-                    res.cfg.topology,
-                    a.mode(),
-                    a.arm,
-                    res.cfg.payload,
-                    prob.inputs
-                        .iter()
-                        .map(|i| i.routes.tokens)
-                        .collect::<Vec<_>>()
-                ),
-                roles: (0..res.cfg.topology.world_size())
-                    .map(|r| trace_file::role_of(&res.cfg.topology, r))
-                    .collect(),
+                label: label(),
+                roles: roles(),
                 traces: outcome.traces.clone(),
             });
+        }
+        if a.probe.is_some() && me == 0 {
+            let set = probe_file::ProbeSet {
+                label: label(),
+                roles: roles(),
+                probes: outcome.probes.clone(),
+            };
+            bar.suspend(|| eprintln!("{}", probe_file::table(&set)));
+            probe_sets.push(set);
         }
         if outcome.status == "mismatch" {
             bail!(
@@ -191,6 +209,15 @@ pub fn run(a: ExchangeArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if let (Some(p), 0) = (&a.probe, me) {
+        probe_file::write(p, &probe_sets)
+            .with_context(|| format!("writing the probes {}", p.display()))?;
+        eprintln!(
+            "probes: {} ({} token counts)",
+            p.display(),
+            probe_sets.len()
+        );
+    }
     if let Some(p) = &a.trace {
         trace_file::write(p, &timelines)
             .with_context(|| format!("writing the trace {}", p.display()))?;
@@ -417,6 +444,8 @@ struct Outcome {
     combined: Vec<Vec<bf16>>,
     /// Every rank's timelines of its timed rounds (`--trace`), `[rank][round]`.
     traces: Vec<Vec<RoundTrace>>,
+    /// Every rank's probe points of its timed rounds (`--probe`), `[rank][round]`.
+    probes: Vec<Vec<[u64; afdep_kernels::ops::probe::SLOTS]>>,
     /// `--load`: the rounds alone and the load's measurements.
     load: Option<LoadRow>,
 }
@@ -469,6 +498,7 @@ fn ranks_outcome(a: &ExchangeArgs, prob: &Problem, runs: &[RankRun]) -> Result<O
         rejected: runs[0].rejected,
         combined,
         traces: runs.iter().map(|r| r.traces.clone()).collect(),
+        probes: runs.iter().map(|r| r.probes.clone()).collect(),
         load: None,
     })
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use afdep_core::ExchangeConfig;
 use afdep_core::oracle::LayerParams;
 use afdep_core::oracle::exchange::SourceInput;
+use afdep_kernels::ops::probe;
 use afdep_moe::{
     DeviceExperts, DeviceRoundOptions, DispatchArm, ExchangeEngine, ExchangeError, ExpertFn,
     FusedEngine, FusedGraph, RankOutcome, RoundArm, RoundOutput, RoundTrace, StagedEngine,
@@ -278,6 +279,9 @@ impl ExchangeEngine for DeviceRank {
     }
     fn round_trace(&self) -> Option<RoundTrace> {
         self.eng.last_trace().cloned()
+    }
+    fn round_probe(&mut self) -> Result<Option<[u64; probe::SLOTS]>, ExchangeError> {
+        self.eng.take_probes()
     }
 }
 

@@ -5,6 +5,7 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use afdep_core::bf16;
+use afdep_kernels::ops::probe;
 use afdep_moe::{ExchangeEngine, ExchangeError, RoundOutput, RoundTrace};
 use afdep_transport::TransportError;
 use anyhow::{Context, Result, bail};
@@ -67,6 +68,9 @@ pub(super) struct RankRun {
     /// The timeline of each timed, not rejected round, where the engine traces
     /// ([`ExchangeEngine::round_trace`]; `--trace`).
     pub(super) traces: Vec<RoundTrace>,
+    /// The probe points of each timed, not rejected round, where the kernels are built with
+    /// probes ([`ExchangeEngine::round_probe`]; `--probe`).
+    pub(super) probes: Vec<[u64; probe::SLOTS]>,
 }
 
 /// Runs `warmup + rounds` rounds of `prob` on this rank's engine (faults applied), a barrier
@@ -95,6 +99,7 @@ pub(super) fn rank_rounds(
         times: Vec::with_capacity(rounds),
         rejected: 0,
         traces: Vec::new(),
+        probes: Vec::new(),
     };
     for i in 0..warmup + rounds {
         let timed = i.checked_sub(warmup);
@@ -127,6 +132,11 @@ pub(super) fn rank_rounds(
         let t0 = Instant::now();
         let res = eng.round(this_input, &f);
         let total = t0.elapsed().as_secs_f64() * 1e6;
+        // read (and zeroed) after every round, so that each timed round's are its own
+        let probed = match &res {
+            Ok(_) => eng.round_probe()?,
+            Err(_) => None,
+        };
         if let Some(s) = rejecting {
             match res {
                 Err(ExchangeError::Route { error, .. }) if error.rank() == s => {
@@ -164,6 +174,7 @@ pub(super) fn rank_rounds(
                 round: eng.round_time().map_or(f64::NAN, us),
             });
             run.traces.extend(eng.round_trace());
+            run.probes.extend(probed);
         }
         run.last = Some(out);
     }

@@ -216,6 +216,7 @@ fn rank_run(round: &[f64]) -> RankRun {
         times: times(round),
         rejected: 0,
         traces: Vec::new(),
+        probes: Vec::new(),
     }
 }
 
@@ -434,6 +435,25 @@ fn partials_reach_the_config_and_unsupported_engines_refuse_them() {
     let e = check_request(&a, &res).unwrap_err();
     let u = e.downcast_ref::<Unsupported>().expect("unsupported");
     assert_eq!(u.what, "bf16 combine partials");
+}
+
+/// `--probe` needs device rounds on threads and kernels built with probes (the variable's
+/// value named when it is missing).
+#[test]
+fn probes_are_checked() {
+    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
+    let e = ok(&["--probe", "p.json"]).unwrap_err().to_string();
+    assert!(e.contains("--graph or --device-rounds"), "{e}");
+    let e = ok(&["--graph", "--multi-process", "--probe", "p.json"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("threads only"), "{e}");
+    if !std::env::var("AFDEP_NVRTC_OPTIONS").is_ok_and(|v| v.contains("-DAFDEP_PROBE")) {
+        let e = ok(&["--graph", "--probe", "p.json"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE"), "{e}");
+    }
 }
 
 /// `--start-gate` needs device rounds on threads, no pipeline, and the fused engine: the NCCL

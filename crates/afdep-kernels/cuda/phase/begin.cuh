@@ -93,6 +93,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     for (u32 q = tid; q < world; q += 32)
         afdep_st_relaxed_sys((u32*)((u8*)peers[q] + L.status) + mine + AFDEP_STATUS_WORDS - 1,
                              round);
+    if (tid == 0) AFDEP_PROBE_AT(AFDEP_PROBE_STATUS_OUT);
     for (u32 q = tid; q < world; q += 32) {
         const u32* flag = (const u32*)(ws + L.status) +
                           ((u64)(round & 1u) * 64 + q) * AFDEP_STATUS_WORDS + AFDEP_STATUS_WORDS - 1;
@@ -101,6 +102,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     // the lanes' acquires, then the warp barrier: thread 0 reads what every lane awaited
     __syncwarp();
     if (tid != 0) return;
+    AFDEP_PROBE_AT(AFDEP_PROBE_STATUS_IN);
     // every rank's record of this round (all of them, also after a rejection: a rank publishes
     // round r + 1 only after reading every record of round r, which keeps the parity slots safe)
     u32 verdict = AFDEP_CTL_GO;
@@ -153,5 +155,6 @@ static __device__ __forceinline__ void afdep_begin_block(
     ctl[AFDEP_CTL_TICKET] = 0u;
     ctl[AFDEP_CTL_VERDICT] = verdict;
     ctl[AFDEP_CTL_ROUND] = round;
+    AFDEP_PROBE_AT(AFDEP_PROBE_BEGUN);
 }
 

@@ -54,6 +54,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
                     ok = 0;
                 }
             }
+            AFDEP_PROBE_AT(AFDEP_PROBE_ROWS_PLAN);
         }
         __syncthreads();
     }
@@ -144,6 +145,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
         afdep_signal_raise(&sig);
     }
+    if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_ROWS_OUT);
 }
 
 // The arguments of afdep_cf_dispatch_rows from a caller whose names are its parameters' and

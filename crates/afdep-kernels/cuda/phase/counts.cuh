@@ -74,6 +74,7 @@ static __device__ __forceinline__ void afdep_counts_publish(const u32* ctl, u32 
     // the last block: every block's counts are fenced before its ticket; read them from L2
     const u64 owned = (u64)nf * epr;
     const u32 round = afdep_ctl_round(ctl);
+    if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COUNTS_LAST);
     AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_COUNTS, threadIdx.x == 0, 30000);
     __syncthreads();
     const u64 row = (u64)epr + 1;
@@ -85,6 +86,7 @@ static __device__ __forceinline__ void afdep_counts_publish(const u32* ctl, u32 
     }
     __syncthreads();
     afdep_raise_flags(peers, ffn_rank, nf, L.count_flags, me, round);
+    if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COUNTS_OUT);
 }
 
 // One block. ws: this FFN rank's (`me`) workspace; src_rank[s] for s < ns: the sources' ranks.
@@ -131,6 +133,7 @@ static __device__ __forceinline__ void afdep_plan_block(
     }
     __syncthreads();
     if (!ok) return;
+    if (tid == 0) AFDEP_PROBE_AT(AFDEP_PROBE_PLAN_IN);
     const u64 n = (u64)epr * ns;
     AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_PREFIX, tid == 0, 20000);
     u64* cnt = (u64*)(ws + plan_off);
@@ -204,6 +207,7 @@ static __device__ __forceinline__ void afdep_plan_block(
         // one fence, then strong stores: a release pattern per flag (afdep_st_relaxed_sys)
         for (u32 s = 0; s < ns; s++)
             afdep_st_relaxed_sys((u32*)((u8*)peers[src_rank[s]] + oflag_off + 4ull * me), round);
+        AFDEP_PROBE_AT(AFDEP_PROBE_PLAN_OUT);
     }
 }
 

@@ -33,6 +33,10 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
                 afdep_wait_flags_warp(ws, src_flag_off, src_rank, ns, round, timeout_ns, err,
                                       src_code);
             }
+            if (threadIdx.x == 0) {
+                AFDEP_PROBE_AT(AFDEP_PROBE_EPI_IN);
+                AFDEP_PROBE_AT(AFDEP_PROBE_EPI_OUT);
+            }
         }
         return;
     }
@@ -73,6 +77,7 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
         ok = __shfl_sync(0xffffffffu, ok, 0);
         __syncwarp();  // orders the other lanes' reads of the row after lane 0's acquire
         if (!ok) return;
+        if (lane == 0) AFDEP_PROBE_AT(AFDEP_PROBE_EPI_IN);
         const u8* row = ws + slab_off + slot * row_bytes;
         const u32* meta = (const u32*)(row + meta_off);
         const i32* ids = (const i32*)(meta + 2);
@@ -128,6 +133,7 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
                 afdep_warp_copy(expanded + d * hidden, row, payload, lane);
             }
         }
+        if (lane == 0) AFDEP_PROBE_AT(AFDEP_PROBE_EPI_OUT);
     }
 }
 

@@ -19,6 +19,7 @@ pub mod layout;
 pub mod moe;
 pub mod nccl_round;
 pub mod permute;
+pub mod probe;
 pub mod reference;
 pub mod router;
 pub mod tma;

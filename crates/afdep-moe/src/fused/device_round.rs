@@ -798,6 +798,17 @@ impl FusedEngine {
         Ok(())
     }
 
+    /// The probe points this rank's kernels recorded since the last call (the last round's,
+    /// when called after each round), by slot, zeroed for the next round: `None` unless the
+    /// kernels are built with probes ([`afdep_kernels::ops::probe`], `AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE`).
+    /// Waits for this rank's stream: call it between rounds.
+    pub fn take_probes(
+        &mut self,
+    ) -> Result<Option<[u64; afdep_kernels::ops::probe::SLOTS]>, ExchangeError> {
+        bind(&self.gpu)?;
+        Ok(afdep_kernels::ops::probe::take(&self.gpu)?)
+    }
+
     /// The timeline of the last device round that completed with tracing on
     /// ([`FusedEngine::set_trace`]); `None` when tracing is off, the round failed, or the
     /// replayed graph was captured without tracing.

@@ -49,4 +49,15 @@ pub trait ExchangeEngine {
     fn round_trace(&self) -> Option<RoundTrace> {
         None
     }
+
+    /// The probe points the last round's kernels recorded, by slot
+    /// ([`afdep_kernels::ops::probe`], device nanoseconds, 0 where none fired), zeroed for the
+    /// next round, where the engine's kernels are built with probes
+    /// ([`FusedEngine::take_probes`](crate::FusedEngine::take_probes)); `Ok(None)` by default.
+    /// Between rounds only.
+    fn round_probe(
+        &mut self,
+    ) -> Result<Option<[u64; afdep_kernels::ops::probe::SLOTS]>, ExchangeError> {
+        Ok(None)
+    }
 }

@@ -1,0 +1,68 @@
+// Probe points inside the device round's kernels (measurement builds only). The host side is
+// afdep_kernels::ops::probe; `afdep exchange --probe FILE` writes them per round.
+//
+// A module compiled with -DAFDEP_PROBE (AFDEP_NVRTC_OPTIONS="-DAFDEP_PROBE": the option is part
+// of the kernel cache's key) holds a global afdep_probe[AFDEP_PROBE_SLOTS] of %globaltimer
+// nanoseconds: AFDEP_PROBE_AT(slot) raises slot `slot` to the timer's value (atomicMax, so a
+// point that several blocks pass keeps the last of them; the host zeroes the array before each
+// round). Each rank's engine loads its own modules (its own GpuContext), so the array of a
+// rank's module holds that rank's points only. Without the define every point expands to
+// nothing, so production modules are the same machine code as without this header. The slots
+// below are the host's `probe::SLOTS` (a host test compares the two lists); a point is hit by
+// one thread of its block (the caller's guard).
+#pragma once
+
+#include "common/ptx.cuh"
+#include "common/types.cuh"
+
+#define AFDEP_PROBE_SLOTS 32
+
+// The gate kernel passed its gate (afdep_round_start_gate).
+#define AFDEP_PROBE_GATE 0
+// A front kernel's block 0 started (afdep_source_front, afdep_ffn_front).
+#define AFDEP_PROBE_FRONT_IN 1
+// The round's start: this rank's status stored into every rank's status area (phase/begin.cuh).
+#define AFDEP_PROBE_STATUS_OUT 2
+// The round's start: every rank's status of this round arrived (phase/begin.cuh).
+#define AFDEP_PROBE_STATUS_IN 3
+// The round's start done: verdict and arm in the control block (phase/begin.cuh).
+#define AFDEP_PROBE_BEGUN 4
+// Source: the counts' last block (phase/counts.cuh, before the publish).
+#define AFDEP_PROBE_COUNTS_LAST 5
+// Source: the counts published to the FFN ranks, their flags raised (phase/counts.cuh).
+#define AFDEP_PROBE_COUNTS_OUT 6
+// FFN: every source's counts arrived at the plan (phase/counts.cuh).
+#define AFDEP_PROBE_PLAN_IN 7
+// FFN: the plan written and its offsets published (phase/counts.cuh).
+#define AFDEP_PROBE_PLAN_OUT 8
+// Source: the rows' wait for the FFN ranks' plan passed (phase/cf_dispatch.cuh; the last block).
+#define AFDEP_PROBE_ROWS_PLAN 9
+// Source: a block's rows stored and flagged (phase/cf_dispatch.cuh; the last block).
+#define AFDEP_PROBE_ROWS_OUT 10
+// FFN: the epilogue's wait for a source's rows passed (phase/stream_epilogue.cuh; the last).
+#define AFDEP_PROBE_EPI_IN 11
+// FFN: a block's epilogue done (phase/stream_epilogue.cuh; the last block).
+#define AFDEP_PROBE_EPI_OUT 12
+// A front kernel's last block left (afdep_front_exit).
+#define AFDEP_PROBE_FRONT_OUT 13
+// FFN: the combine's partial sums started (fused_combine.cu, block 0).
+#define AFDEP_PROBE_REDUCE_IN 14
+// FFN: the partial sums stored and the combine flags raised (fused_combine.cu, last block).
+#define AFDEP_PROBE_REDUCE_OUT 15
+// Source: the combine started (fused_combine.cu, block 0).
+#define AFDEP_PROBE_COMBINE_IN 16
+// Source: the combine's wait for every FFN rank's flag passed (fused_combine.cu; the last).
+#define AFDEP_PROBE_COMBINE_WAIT 17
+// Source: a block's combined rows stored (fused_combine.cu; the last block).
+#define AFDEP_PROBE_COMBINE_OUT 18
+
+#ifdef AFDEP_PROBE
+extern "C" __device__ unsigned long long afdep_probe[AFDEP_PROBE_SLOTS];
+static __device__ __forceinline__ void afdep_probe_at(u32 slot) {
+    if (slot < AFDEP_PROBE_SLOTS)
+        atomicMax(afdep_probe + slot, (unsigned long long)afdep_globaltimer_ns());
+}
+#define AFDEP_PROBE_AT(slot) afdep_probe_at((u32)(slot))
+#else
+#define AFDEP_PROBE_AT(slot) ((void)0)
+#endif
