@@ -19,7 +19,7 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 # overlap table of docs/perf/exchange_load_run.sh, "trace", the four trace files of issue 19 on a
 # quiet GPU, "ab52", this build's graph round against 52a7948's (issue 20), "fold", a candidate build's
 # oracle checks (bundle/afdepfold.gz), "partials", bf16 against f32 combine partials, "skew", this build's 1-token round per arm and barrier spin, and "ncu", per-kernel times of the record
-# shape; "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
+# shape; "probe", the probe points inside the 1- and 2,048-token rounds' kernels (issue 20); "candtests", a candidate's fused test binaries (bundle/cand-NAME-tests.txz, FOLD_CAND=NAME);
 # "onstream", gpu_nvlink_on_stream alone twice; "epiab", `afdep moe` against bundle/afdep-pre.gz (EPI_CELLS); "fused", the fused engine's binaries; "soak", gpu_soak alone; "bins", the matrix binaries named in BINS; "gemmsms", the
 # overlap and pipeline tables with the GEMMs limited to GEMM_SMS SMs and without); each part gets at most
 # 200 s (the suite: the time left). SUITE: run_suite.sh's arguments (default the record shape
@@ -98,6 +98,11 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       # (--start-gate: the ranks' rounds start together on the device, rows `start: gate`)
       declare -A cflag=()
       [ "${AB_GATE:-0}" = 1 ] && { cbin[gate]=/tmp/b4/bin/afdep; cflag[gate]=--start-gate; whiches="$whiches gate"; }
+      # AB_GATE_CANDS="NAME ...": candidate NAME's binary again as NAME-gate, behind the gate
+      for c in ${AB_GATE_CANDS:-}; do
+        [ -n "${cbin[$c]:-}" ] || continue
+        cbin[$c-gate]=${cbin[$c]}; cflag[$c-gate]=--start-gate; whiches="$whiches $c-gate"
+      done
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
         bin=${cbin[$which]}
         # shellcheck disable=SC2086 # VAR=VALUE or nothing
@@ -156,6 +161,22 @@ for l in open(sys.argv[1]):
           r.get("status"), r.get("digest"), r.get("device"))
 PY
       cp $W/epiab.jsonl "$OUT/" 2>/dev/null;;
+    probe)
+      # issue 20: the probe points inside the kernels (a build of this bundle's kernels with
+      # -DAFDEP_PROBE, compiled into the same cache under their own key): 3A:1F graph replays,
+      # auto arm, identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups, behind the
+      # start gate and host-started; the medians table of each into steps.txt
+      for st in gate host; do
+        fl=; [ $st = gate ] && fl=--start-gate
+        # shellcheck disable=SC2086 # a flag or nothing
+        AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE timeout "$(( $(left) > 120 ? 90 : 10 ))" /tmp/b4/bin/afdep exchange \
+          --backend cuda --transport nvlink --device 0 --topology 3A:1F --graph --arm auto \
+          --expert identity $fl --tokens 1,2048 --rounds 30 --warmup 5 --probe $W/probe-$st.json \
+          --json-out $W/probe-$st.jsonl > $W/probe-$st.txt 2>&1
+        echo "probe $st rc=$?" >> $W/steps.txt
+        grep -A30 "^probes:" $W/probe-$st.txt >> $W/steps.txt
+      done
+      cp $W/probe-*.json $W/probe-*.jsonl "$OUT/" 2>/dev/null;;
     fold)
       # the candidate build (bundle/afdepfold.gz) checked against the oracle (every row's status)
       # in every arm, graph replays, eager device rounds and host-expert rounds, 3A:1F with
