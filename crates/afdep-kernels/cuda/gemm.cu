@@ -121,19 +121,6 @@ static __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
 
-// 16-byte cp.async with zero fill when !pred (src is not read then).
-static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
-    const u32 n = pred ? 16u : 0u;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
-                 : "memory");
-}
-static __device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-static __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 // Makes this thread's generic-proxy shared-memory writes (cp.async) visible to the async proxy
 // that wgmma reads shared memory through.
 static __device__ __forceinline__ void fence_proxy_async() {
@@ -345,7 +332,7 @@ static __device__ __forceinline__ void load_a_rows(const GemmProblem& p, const u
         const u64 off = row_off[r];
         const u32 kk = k0 + c * 8;
         const bool ok = off != ~0ull && kk < p.k;
-        cp_async16(sa + kmaj_off(r, c), ok ? a + off + kk : a, ok);
+        afdep_cp_async16(sa + kmaj_off(r, c), ok ? a + off + kk : a, ok);
     }
 }
 
@@ -368,7 +355,7 @@ static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, 
             const u16* src = second ? b2 : b1;
             const u32 kb = second ? kk - p.b_split : kk;
             const bool ok = nn < p.n && kk < p.k;
-            cp_async16(sb + kmaj_off(r, c), ok ? src + (u64)nn * p.ldb + kb : src, ok);
+            afdep_cp_async16(sb + kmaj_off(r, c), ok ? src + (u64)nn * p.ldb + kb : src, ok);
         } else {
             const u32 r = id / 16, c = id % 16;  // r: k within the tile, c: n chunk
             const u32 kk = k0 + r;
@@ -386,7 +373,7 @@ static __device__ __forceinline__ void load_b_rows(const GemmProblem& p, u32 g, 
                 }
             }
             const bool ok = nn < p.n && kk < p.k;
-            cp_async16(sb + mnmaj_off(r, c), ok ? src + (u64)kb * p.ldb + nn : src, ok);
+            afdep_cp_async16(sb + mnmaj_off(r, c), ok ? src + (u64)kb * p.ldb + nn : src, ok);
         }
     }
 }
@@ -416,7 +403,7 @@ static __device__ __forceinline__ void load_ksum(const u16* base, u64 ld, const 
         const u32 r = id / 16, c = id % 16;
         const u32 cc = c0 + c * 8;
         const bool ok = rows[i] != ~0ull && cc < lim;
-        cp_async16(s + mnmaj_off(r, c), ok ? base + rows[i] * ld + cc : base, ok);
+        afdep_cp_async16(s + mnmaj_off(r, c), ok ? base + rows[i] * ld + cc : base, ok);
     }
 }
 
@@ -616,11 +603,11 @@ static __device__ __forceinline__ void k_loop(const GemmProblem& p, u32 base, u3
 #pragma unroll
     for (int s = 0; s < PREFETCH; s++) {
         if ((u32)s < ktiles) issue((u32)s, (u32)s);
-        cp_async_commit();
+        afdep_cp_async_commit();
     }
     for (u32 kt = 0; kt < ktiles; kt++) {
         const u32 slot = kt % STAGES;
-        cp_async_wait<PREFETCH - 1>();
+        afdep_cp_async_wait<PREFETCH - 1>();
         fence_proxy_async();
         if (tx_bytes) {
             mbar_wait_bounded(p, bars + 8 * slot, (phases >> slot) & 1u, kt, dead);
@@ -629,7 +616,7 @@ static __device__ __forceinline__ void k_loop(const GemmProblem& p, u32 base, u3
         __syncthreads();
         const u32 nk = kt + PREFETCH;
         if (nk < ktiles) issue(nk % STAGES, nk);
-        cp_async_commit();
+        afdep_cp_async_commit();
         const u32 sa = base + slot * STAGE_BYTES;
         wgmma_fence();
         mma_stage<A_KMAJ, B_KMAJ>(sa, sa + TILE_BYTES, acc, wg);
@@ -637,7 +624,7 @@ static __device__ __forceinline__ void k_loop(const GemmProblem& p, u32 base, u3
         wgmma_wait<1>();
     }
     wgmma_wait<0>();
-    cp_async_wait<0>();
+    afdep_cp_async_wait<0>();
 }
 
 // ROWS B by TMA for group g (the host set AFDEP_GEMM_TMA_B only where these boxes describe
@@ -1254,13 +1241,13 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
                         const u32 r = pt / 8 + 16 * i;
                         const u64 off = row_off[r];
                         const bool ok = off != ~0ull && kk < p.k;
-                        cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? a + off + kk : a, ok);
+                        afdep_cp_async16(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? a + off + kk : a, ok);
                     }
-                    cp_async_commit();
+                    afdep_cp_async_commit();
                     // The stage issued WS_CP_LAG stages ago has landed: fence it into the async
                     // proxy (wgmma reads it) and arrive.
                     if (issued >= WS_CP_LAG) {
-                        cp_async_wait<WS_CP_LAG>();
+                        afdep_cp_async_wait<WS_CP_LAG>();
                         fence_proxy_async();
                         mbar_arrive(full0 + 8 * ((stage + WS_STAGES - WS_CP_LAG) % WS_STAGES));
                     }
@@ -1274,7 +1261,7 @@ static __device__ __forceinline__ void gemm_rows_ws(const GemmProblem& p, const 
         }
         if (!tma_a && !dead) {
             // The last stages (at most WS_CP_LAG) not yet arrived on.
-            cp_async_wait<0>();
+            afdep_cp_async_wait<0>();
             fence_proxy_async();
             for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
                 mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));
@@ -1534,7 +1521,7 @@ static __device__ __forceinline__ void wsk_copy(const u16* src, u32 s, const u64
     for (u32 i = 0; i < WS_BK / ROWS_PER; i++) {
         const u64 o = off[r0 + ROWS_PER * i];
         const bool ok = col_ok && o != ~0ull;
-        cp_async16((s0 ^ (((ROWS_PER * i) & 7u) << 4)) + ROWS_PER * i * 128,
+        afdep_cp_async16((s0 ^ (((ROWS_PER * i) & 7u) << 4)) + ROWS_PER * i * 128,
                    ok ? src + o + cc : src, ok);
     }
 }
@@ -1626,11 +1613,11 @@ static __device__ __forceinline__ void gemm_ksum_ws(const GemmProblem& p, const 
                         if (!tma_b)
                             wsk_copy<WSK_B_BLOCKS>((const u16*)p.b, sb, src_off[buf][1], w.n0,
                                                    p.n, pt);
-                        cp_async_commit();
+                        afdep_cp_async_commit();
                         // The stage issued WS_CP_LAG stages ago has landed: fence it into the
                         // async proxy (wgmma reads it) and arrive.
                         if (issued >= WS_CP_LAG) {
-                            cp_async_wait<WS_CP_LAG>();
+                            afdep_cp_async_wait<WS_CP_LAG>();
                             fence_proxy_async();
                             mbar_arrive(full0 + 8 * ((stage + WS_STAGES - WS_CP_LAG) % WS_STAGES));
                         }
@@ -1647,7 +1634,7 @@ static __device__ __forceinline__ void gemm_ksum_ws(const GemmProblem& p, const 
         }
         if (cp && !dead) {
             // The last stages (at most WS_CP_LAG) not yet arrived on.
-            cp_async_wait<0>();
+            afdep_cp_async_wait<0>();
             fence_proxy_async();
             for (u32 j = issued < WS_CP_LAG ? issued : WS_CP_LAG; j > 0; j--)
                 mbar_arrive(full0 + 8 * ((stage + WS_STAGES - j) % WS_STAGES));

@@ -41,14 +41,18 @@ static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 // Tensor-core logits: logits[t, e] = sum_h x[t, h] * wr[h, e] with mma.sync m16n8k16 (bf16 in,
 // f32 accumulate). Block tile RM_M = 128 tokens (8 warps x 16 rows) x RM_N experts (E rounded
 // up to 16, then to a power of two, at most 128: wider E takes several column blocks, adjacent
-// in the grid so that they share the x tile in L2), k-step RM_K = 64. The x tile is loaded with 16-byte vectors
-// (hidden % 8 == 0, x 16-byte aligned: checked by the launcher) into registers one k-step
-// ahead; wr (small, L2-resident) straight into shared memory. Tails in tokens, hidden and E are
-// zero-filled on load and predicated on store.
+// in the grid so that they share the x tile in L2), k-step RM_K = 64. Both operands go through
+// a ring of RM_S shared-memory stages filled by 16-byte cp.async copies (x needs hidden % 8 == 0
+// and a 16-byte aligned x: checked by the launcher; wr too when E % 8 == 0, else it is stored
+// element by element), RM_S - 1 k-steps ahead of the tensor cores, so that the loads of x (the
+// kernel's bytes) and of the wr tile (from L2) overlap the math instead of waiting for it.
+// Tails in tokens, hidden and E are zero-filled on load and predicated on store. The shared
+// memory is dynamic (afdep_kernels::ops::router::mma_smem_bytes computes the same size).
 
 #ifndef AFDEP_EMU  // the CPU emulator (crates/afdep-kernels/emu) has no tensor cores
 #define RM_M 128
 #define RM_K 64
+#define RM_S 3
 #define RM_E16 ((E + 15) / 16 * 16)
 // Column tile: a power of two from 16 to 128 (an E in between takes the next one, its extra
 // columns zero-filled and not stored): the tile shapes the register budget of two blocks per SM
@@ -59,21 +63,45 @@ static_assert(AFDEP_BLOCK == 256, "the logits tilings assume 256 threads");
 #define RM_BS (RM_N + 8)  // shared row stride of the wr tile
 #define RM_NT (RM_N / 8)  // n-tiles of 8 per warp
 #define RM_AV (RM_M * RM_K / 8 / AFDEP_BLOCK)  // 16-byte x vectors per thread per k-step
+#define RM_A_STAGE (RM_M * RM_AS)  // elements of one stage's x tile
+#define RM_B_STAGE (RM_K * RM_BS)  // elements of one stage's wr tile
 
 static_assert(RM_AV * 8 * AFDEP_BLOCK == RM_M * RM_K, "x tile split");
 static_assert(RM_NT % 2 == 0, "n-tiles come in pairs (ldmatrix x4)");
+static_assert(RM_S >= 2, "the ring needs two stages at least");
 
-static __device__ __forceinline__ void afdep_rm_load_x(const u16* __restrict__ x, u64 m0, u32 k0,
-                                                       u32 tokens, u32 hidden,
-                                                       uint4 (&ra)[RM_AV]) {
+// Queues the copies of k-step k0 into the stage at as (x tile) and bs (wr tile): cp.async for
+// every 16-byte vector (zero-filled outside tokens x hidden and E), the wr tile by plain stores
+// when E % 8 != 0. The caller commits the group.
+static __device__ __forceinline__ void afdep_rm_issue(const u16* __restrict__ x,
+                                                      const u16* __restrict__ wr, u16* as,
+                                                      u16* bs, u64 m0, u32 n0, u32 k0,
+                                                      u32 tokens, u32 hidden) {
+    const u32 tid = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < RM_AV; r++) {
-        const u32 i = threadIdx.x + r * AFDEP_BLOCK;
-        const u64 m = m0 + i / (RM_K / 8);
-        const u32 c = k0 + (i % (RM_K / 8)) * 8;
-        ra[r] = m < tokens && c < hidden ? afdep_ld_nc_v4(x + m * hidden + c)
-                                         : make_uint4(0, 0, 0, 0);
+        const u32 i = tid + r * AFDEP_BLOCK;
+        const u32 row = i / (RM_K / 8), col = (i % (RM_K / 8)) * 8;
+        const u64 m = m0 + row;
+        const u32 c = k0 + col;
+        const bool ok = m < tokens && c < hidden;
+        afdep_cp_async16((u32)__cvta_generic_to_shared(as + row * RM_AS + col),
+                         ok ? x + m * hidden + c : x, ok);
     }
+#if E % 8 == 0
+    for (u32 i = tid; i < RM_K * RM_N / 8; i += AFDEP_BLOCK) {
+        const u32 k = i / (RM_N / 8), n = (i % (RM_N / 8)) * 8;
+        const bool ok = k0 + k < hidden && n0 + n < E;
+        afdep_cp_async16((u32)__cvta_generic_to_shared(bs + k * RM_BS + n),
+                         ok ? wr + (u64)(k0 + k) * E + n0 + n : wr, ok);
+    }
+#else
+    for (u32 i = tid; i < RM_K * RM_N; i += AFDEP_BLOCK) {
+        const u32 k = i / RM_N, n = i % RM_N;
+        bs[k * RM_BS + n] =
+            k0 + k < hidden && n0 + n < E ? __ldg(wr + (u64)(k0 + k) * E + n0 + n) : (u16)0;
+    }
+#endif
 }
 
 static __device__ __forceinline__ void afdep_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2,
@@ -102,19 +130,27 @@ static __device__ __forceinline__ void afdep_mma_bf16(float (&c)[4], u32 a0, u32
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 2)
     afdep_router_logits_mma(const u16* __restrict__ x, const u16* __restrict__ wr,
                             float* __restrict__ logits, u32 tokens, u32 hidden) {
-    __shared__ __align__(16) u16 as[RM_M * RM_AS];
-    __shared__ __align__(16) u16 bs[RM_K * RM_BS];
+    extern __shared__ __align__(16) u16 rm_smem[];
+    u16* as = rm_smem;                      // RM_S stages of the x tile
+    u16* bs = rm_smem + RM_S * RM_A_STAGE;  // RM_S stages of the wr tile
     const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const u64 m0 = (u64)(blockIdx.x / RM_NCH) * RM_M;
     const u32 n0 = (blockIdx.x % RM_NCH) * RM_N;
+    const u32 nk = (hidden + RM_K - 1) / RM_K;
     float acc[RM_NT][4];
 #pragma unroll
     for (int n = 0; n < RM_NT; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[n][i] = 0.0f;
 
-    uint4 ra[RM_AV];
-    afdep_rm_load_x(x, m0, 0, tokens, hidden, ra);
+    // the first RM_S - 1 k-steps in flight (a group each, empty past the last k-step)
+#pragma unroll
+    for (u32 s = 0; s < RM_S - 1; s++) {
+        if (s < nk)
+            afdep_rm_issue(x, wr, as + s * RM_A_STAGE, bs + s * RM_B_STAGE, m0, n0, s * RM_K,
+                           tokens, hidden);
+        afdep_cp_async_commit();
+    }
     // ldmatrix row addresses of this lane: A rows warp*16 + (lane % 8) + 8 * ((lane / 8) % 2),
     // column + 8 * (lane / 16); B (transposed) k rows (lane % 8) + 8 * ((lane / 8) % 2),
     // columns + 8 * (lane / 16).
@@ -122,41 +158,30 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 2)
     const u32 a_base = (u32)__cvta_generic_to_shared(as + (warp * 16 + lr) * RM_AS + lc);
     const u32 b_base = (u32)__cvta_generic_to_shared(bs + lr * RM_BS + lc);
 
-    for (u32 k0 = 0; k0 < hidden; k0 += RM_K) {
-#pragma unroll
-        for (int r = 0; r < RM_AV; r++) {
-            const u32 i = tid + r * AFDEP_BLOCK;
-            *(uint4*)(as + (i / (RM_K / 8)) * RM_AS + (i % (RM_K / 8)) * 8) = ra[r];
-        }
-#if E % 8 == 0
-        for (u32 i = tid; i < RM_K * RM_N / 8; i += AFDEP_BLOCK) {
-            const u32 k = i / (RM_N / 8), n = (i % (RM_N / 8)) * 8;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (k0 + k < hidden && n0 + n < E) v = afdep_ld_nc_v4(wr + (u64)(k0 + k) * E + n0 + n);
-            *(uint4*)(bs + k * RM_BS + n) = v;
-        }
-#else
-        for (u32 i = tid; i < RM_K * RM_N; i += AFDEP_BLOCK) {
-            const u32 k = i / RM_N, n = i % RM_N;
-            bs[k * RM_BS + n] =
-                k0 + k < hidden && n0 + n < E ? __ldg(wr + (u64)(k0 + k) * E + n0 + n) : (u16)0;
-        }
-#endif
+    for (u32 kt = 0; kt < nk; kt++) {
+        // k-step kt has landed (this thread's copies), and every thread is done with the stage
+        // the next issue overwrites (read in k-step kt - 1)
+        afdep_cp_async_wait<RM_S - 2>();
         __syncthreads();
-        if (k0 + RM_K < hidden) afdep_rm_load_x(x, m0, k0 + RM_K, tokens, hidden, ra);
+        const u32 kn = kt + RM_S - 1, sn = kn % RM_S;
+        if (kn < nk)
+            afdep_rm_issue(x, wr, as + sn * RM_A_STAGE, bs + sn * RM_B_STAGE, m0, n0, kn * RM_K,
+                           tokens, hidden);
+        afdep_cp_async_commit();
+        const u32 s = kt % RM_S;
+        const u32 a_s = a_base + s * RM_A_STAGE * 2, b_s = b_base + s * RM_B_STAGE * 2;
 #pragma unroll
         for (u32 kk = 0; kk < RM_K; kk += 16) {
             u32 a0, a1, a2, a3;
-            afdep_ldsm_x4(a_base + kk * 2, a0, a1, a2, a3);
+            afdep_ldsm_x4(a_s + kk * 2, a0, a1, a2, a3);
 #pragma unroll
             for (int np = 0; np < RM_NT / 2; np++) {
                 u32 b0, b1, b2, b3;
-                afdep_ldsm_x4_t(b_base + (kk * RM_BS + np * 16) * 2, b0, b1, b2, b3);
+                afdep_ldsm_x4_t(b_s + (kk * RM_BS + np * 16) * 2, b0, b1, b2, b3);
                 afdep_mma_bf16(acc[2 * np], a0, a1, a2, a3, b0, b1);
                 afdep_mma_bf16(acc[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        __syncthreads();
     }
     // Fragment of n-tile n: rows g and g + 8 (g = lane / 4), columns 2 (lane % 4) + {0, 1}.
     const u64 r0 = m0 + warp * 16 + lane / 4;

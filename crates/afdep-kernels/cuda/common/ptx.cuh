@@ -117,3 +117,20 @@ static __device__ __forceinline__ bool afdep_wait_ge(const u32* flag, u32 target
     }
     return true;
 }
+
+// 16-byte cp.async (global to shared, L2 only) with zero fill when !pred (src is not read
+// then, but must still be a valid address).
+static __device__ __forceinline__ void afdep_cp_async16(u32 dst, const void* src, bool pred) {
+    const u32 n = pred ? 16u : 0u;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+// Closes this thread's group of cp.async copies issued since the last commit.
+static __device__ __forceinline__ void afdep_cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+static __device__ __forceinline__ void afdep_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}

@@ -38,6 +38,23 @@ const MMA_TOKENS: u32 = 128;
 /// `ceil(round_up(E, 16) / 128)` column blocks per token block (the kernel's column tile is 128
 /// wide whenever E is above 64, so the count is the same).
 const MMA_EXPERTS: u32 = 128;
+/// k-step of the tensor-core logits kernel (`RM_K`).
+const MMA_K: u32 = 64;
+/// Shared-memory stages of its cp.async ring (`RM_S`).
+const MMA_STAGES: u32 = 3;
+
+/// The tensor-core logits kernel's column tile for `experts` (`RM_N`): E rounded up to 16, then
+/// to a power of two, at most 128.
+fn mma_col_tile(experts: u32) -> u32 {
+    experts.next_multiple_of(16).next_power_of_two().clamp(16, MMA_EXPERTS)
+}
+
+/// Dynamic shared memory of the tensor-core logits kernel for `experts`, bytes: `RM_S` stages
+/// of a `RM_M × (RM_K + 8)` x tile and a `RM_K × (RM_N + 8)` wr tile, bf16 (the kernel's
+/// `RM_A_STAGE` and `RM_B_STAGE`; the 8-element pads make its ldmatrix reads conflict-free).
+pub fn mma_smem_bytes(experts: u32) -> u32 {
+    MMA_STAGES * (MMA_TOKENS * (MMA_K + 8) + MMA_K * (mma_col_tile(experts) + 8)) * 2
+}
 
 fn check_spec(experts: usize, top_k: usize) -> Result<(u32, u32), KernelError> {
     let e = as_u32("experts", experts)?;
@@ -124,10 +141,21 @@ pub fn router_logits(
         )
     };
     let f = ctx.function(id, e, k)?;
+    let smem = if mma { mma_smem_bytes(e) } else { 0 };
+    if mma {
+        // above the 48 KiB default for E > 16 (the ring's three stages)
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(KernelError::driver(format!(
+            "setting {id}'s shared memory size to {smem} bytes"
+        )))?;
+    }
     let cfg = LaunchConfig {
         grid_dim,
         block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(x).arg(wr).arg(logits).arg(&t).arg(&h);
@@ -136,7 +164,10 @@ pub fn router_logits(
     // bf16 is 16-bit storage. The buffers hold tokens × hidden, hidden × experts and
     // tokens × experts elements (checked above), and the kernels bound every access by tokens,
     // hidden and E. The mma kernel's 16-byte loads of x need hidden % 8 == 0 (chosen only
-    // then) and a 16-byte aligned x: a CudaSlice starts at its allocation (256-byte aligned).
+    // then) and a 16-byte aligned x: a CudaSlice starts at its allocation (256-byte aligned);
+    // so do its 16-byte loads of wr when E % 8 == 0 (rows of E elements, 16-byte multiples).
+    // Its dynamic shared memory is `mma_smem_bytes(E)`, the size its stages index (the
+    // function's limit raised to it above).
     unsafe { b.launch(cfg) }.map_err(launch_err(id))?;
     Ok(())
 }
@@ -238,4 +269,34 @@ pub fn router(
     let dims = TopkDims::new(tokens, shape.experts, shape.top_k, shape.renormalize);
     router_topk(ctx, &logits, dims, &mut out, None)?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The launcher's tile constants are the kernel's, and its shared-memory size is what the
+    /// kernel's stages index.
+    #[test]
+    fn mma_constants_match_the_kernel() {
+        let text = include_str!("../../cuda/router.cu");
+        for line in [
+            format!("#define RM_M {MMA_TOKENS}"),
+            format!("#define RM_K {MMA_K}"),
+            format!("#define RM_S {MMA_STAGES}"),
+            "#define RM_AS (RM_K + 8)".to_string(),
+            "#define RM_BS (RM_N + 8)".to_string(),
+        ] {
+            assert!(text.contains(&line), "router.cu lacks `{line}`");
+        }
+        // RM_N: E rounded up to 16, then to a power of two, at most 128
+        for (e, n) in [(1, 16), (5, 16), (16, 16), (24, 32), (48, 64), (64, 64), (96, 128)] {
+            assert_eq!(mma_col_tile(e), n, "E {e}");
+        }
+        assert_eq!(mma_col_tile(129), 128);
+        assert_eq!(mma_col_tile(256), 128);
+        // E 64: 3 × (128 × 72 + 64 × 72) × 2 bytes; two blocks fit the H100's 227 KiB at E 128
+        assert_eq!(mma_smem_bytes(64), 3 * (128 * 72 + 64 * 72) * 2);
+        assert!(2 * mma_smem_bytes(128) <= 227 * 1024);
+    }
 }
