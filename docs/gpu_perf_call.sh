@@ -102,6 +102,7 @@ for part in ${PARTS:-onstream wgrad pipeline soak suite}; do
       for c in ${AB_GATE_CANDS:-}; do
         [ -n "${cbin[$c]:-}" ] || continue
         cbin[$c-gate]=${cbin[$c]}; cflag[$c-gate]=--start-gate; whiches="$whiches $c-gate"
+        [ -n "${cenv[$c]:-}" ] && cenv[$c-gate]=${cenv[$c]}
       done
       for rep in $(seq 1 "${AB_REPS:-2}"); do for which in $whiches; do
         bin=${cbin[$which]}
@@ -166,15 +167,19 @@ PY
       # -DAFDEP_PROBE, compiled into the same cache under their own key): 3A:1F graph replays,
       # auto arm, identity experts, 1 and 2,048 tokens, 30 replays after 5 warm-ups, behind the
       # start gate and host-started; the medians table of each into steps.txt
-      for st in gate host; do
-        fl=; [ $st = gate ] && fl=--start-gate
-        # shellcheck disable=SC2086 # a flag or nothing
-        AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE timeout "$(( $(left) > 120 ? 90 : 10 ))" /tmp/b4/bin/afdep exchange \
+      # PROBE_RUNS: NAME or NAME:VAR=VALUE each (default "gate host"); a NAME containing
+      # "gate" runs behind the start gate
+      for spec in ${PROBE_RUNS:-gate host}; do
+        st=${spec%%:*}; envs=; [ "$st" != "$spec" ] && envs=${spec#*:}
+        fl=; case $st in *gate*) fl=--start-gate;; esac
+        # shellcheck disable=SC2086 # a flag or nothing, VAR=VALUE or nothing
+        env $envs AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE timeout "$(( $(left) > 120 ? 90 : 10 ))" /tmp/b4/bin/afdep exchange \
           --backend cuda --transport nvlink --device 0 --topology 3A:1F --graph --arm auto \
           --expert identity $fl --tokens 1,2048 --rounds 30 --warmup 5 --probe $W/probe-$st.json \
           --json-out $W/probe-$st.jsonl > $W/probe-$st.txt 2>&1
         echo "probe $st rc=$?" >> $W/steps.txt
-        grep -A30 "^probes:" $W/probe-$st.txt >> $W/steps.txt
+        echo "probe run $st ($envs)" >> $W/steps.txt
+        grep -A40 "^probes:" $W/probe-$st.txt >> $W/steps.txt
       done
       cp $W/probe-*.json $W/probe-*.jsonl "$OUT/" 2>/dev/null;;
     fold)

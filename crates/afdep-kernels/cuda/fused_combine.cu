@@ -216,7 +216,9 @@ static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE
     __shared__ AfdepSignal sig;
     if (signal) afdep_signal_keep(&sig, ctl, peers, src_rank, ns, sig_off, me);
     afdep_combine_reduce_rows<BF16P>(AFDEP_COMBINE_REDUCE_ARGS);
+    if (threadIdx.x % 32 == 0) AFDEP_PROBE_AT(AFDEP_PROBE_REDUCE_ROWS);
     if (signal && afdep_signal_last(&sig)) {
+        AFDEP_PROBE_AT(AFDEP_PROBE_REDUCE_TICKET);
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
         afdep_signal_raise(&sig);
         if (threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_REDUCE_OUT);

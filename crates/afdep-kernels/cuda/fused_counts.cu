@@ -31,6 +31,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                     const u64* __restrict__ peers, const u32* __restrict__ ffn_rank,
                     const afdep_fused_layout L, u32 me) {
     if (afdep_ctl_skip(ctl)) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COUNTS_IN);
     afdep_counts_rows(idx, ctl, nf, epr, slot_pos, tok_row, counts);
     if (!afdep_last_block(ctl)) return;
     afdep_counts_publish(ctl, nf, epr, counts, peers, ffn_rank, L, me);

@@ -64,8 +64,8 @@ fn medians(rel: &[Vec<Vec<Option<f64>>>], ranks: usize) -> Vec<BTreeMap<usize, f
         .collect()
 }
 
-/// The table of `set`'s medians: a row per point that fired on some rank (in slot order), a
-/// column per rank, µs from the round's first point.
+/// The table of `set`'s medians: a row per point that fired on some rank (in the order of its
+/// earliest median on any rank), a column per rank, µs from the round's first point.
 pub(super) fn table(set: &ProbeSet) -> String {
     let rel = relative(set);
     let med = medians(&rel, set.probes.len());
@@ -81,10 +81,18 @@ pub(super) fn table(set: &ProbeSet) -> String {
     t.push_str("\n|---|");
     t.push_str(&"---:|".repeat(set.roles.len()));
     t.push('\n');
-    for (p, name) in POINTS.iter().enumerate() {
-        if med.iter().all(|m| !m.contains_key(&p)) {
-            continue;
-        }
+    // the points that fired, in the order of their earliest median on any rank
+    let mut order: Vec<(f64, usize)> = (0..POINTS.len())
+        .filter_map(|p| {
+            med.iter()
+                .filter_map(|m| m.get(&p).copied())
+                .reduce(f64::min)
+                .map(|v| (v, p))
+        })
+        .collect();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    for (_, p) in order {
+        let name = POINTS[p];
         t.push_str(&format!("| {name} |"));
         for m in &med {
             match m.get(&p) {

@@ -55,6 +55,26 @@
 #define AFDEP_PROBE_COMBINE_WAIT 17
 // Source: a block's combined rows stored (fused_combine.cu; the last block).
 #define AFDEP_PROBE_COMBINE_OUT 18
+// The round's start entered (phase/begin.cuh, thread 0: the kernel or the front's block 0).
+#define AFDEP_PROBE_BEGIN_IN 19
+// The round's start: the routes checked (phase/begin.cuh, after the block's check).
+#define AFDEP_PROBE_BEGIN_CHECKED 20
+// Source: the counts kernel's block 0 started (fused_counts.cu).
+#define AFDEP_PROBE_COUNTS_IN 21
+// FFN: the plan entered (phase/counts.cuh, thread 0, before its waits).
+#define AFDEP_PROBE_PLAN_ENTER 22
+// Source: the rows kernel's block 0 started (phase/cf_dispatch.cuh).
+#define AFDEP_PROBE_ROWS_IN 23
+// Source: a warp's rows copied (phase/cf_dispatch.cuh; the last warp that stored a row).
+#define AFDEP_PROBE_ROWS_COPIED 24
+// Source: the rows' last block took its ticket (phase/cf_dispatch.cuh, before the flags).
+#define AFDEP_PROBE_ROWS_TICKET 25
+// FFN: the epilogue's block 0 started (phase/stream_epilogue.cuh).
+#define AFDEP_PROBE_EPI_ENTER 26
+// FFN: a block's partial sums stored (fused_combine.cu; the last block, before its ticket).
+#define AFDEP_PROBE_REDUCE_ROWS 27
+// FFN: the partial sums' last block took its ticket (fused_combine.cu, before the flags).
+#define AFDEP_PROBE_REDUCE_TICKET 28
 
 #ifdef AFDEP_PROBE
 extern "C" __device__ unsigned long long afdep_probe[AFDEP_PROBE_SLOTS];

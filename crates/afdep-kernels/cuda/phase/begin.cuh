@@ -34,6 +34,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     __shared__ u32 round;
     const u32 tid = threadIdx.x;
     if (tid == 0) {
+        AFDEP_PROBE_AT(AFDEP_PROBE_BEGIN_IN);
         round = ctl[AFDEP_CTL_ROUND] + 1;
         best = ~0ull;
     }
@@ -60,6 +61,7 @@ static __device__ __forceinline__ void afdep_begin_block(
     // order as before
     __shared__ u32 word[AFDEP_ROUTE_ERROR_WORDS];
     __shared__ u32 arrived[64];  // the status area's records per parity: world <= 64
+    if (tid == 0) AFDEP_PROBE_AT(AFDEP_PROBE_BEGIN_CHECKED);
     if (tid >= 32) return;
     if (tid == 0) {
 #pragma unroll

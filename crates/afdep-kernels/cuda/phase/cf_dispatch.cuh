@@ -43,6 +43,7 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
     __shared__ AfdepSignal sig;
     if (sig_off != AFDEP_CF_NO_SIGNAL) afdep_signal_keep(&sig, ctl, peers, ffn_rank, nf, sig_off, me);
     if (threadIdx.x == 0) ok = 1;
+    if (blockIdx.x == 0 && threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_ROWS_IN);
     __syncthreads();
     AFDEP_FAULT_SKIP(AFDEP_FAULT_SKIP_OFFSET_WAIT)
     if (wait) {
@@ -136,12 +137,14 @@ static __device__ __forceinline__ void afdep_cf_dispatch_rows(
                 afdep_st_release_sys((u32*)(dst + rflag_off + 4ull * ((u64)me * cap + row)), round);
             }
         }
+        if (lane == 0) AFDEP_PROBE_AT(AFDEP_PROBE_ROWS_COPIED);
     }
     // the dispatch flags (sig_off != AFDEP_CF_NO_SIGNAL): the grid's last block raises this
     // source's flag at sig_off in every FFN rank's workspace once every block's rows are stored
     // (as the separate signal kernel did: also after a wait that ran out, whose fault the
     // round's verdict reports)
     if (sig_off != AFDEP_CF_NO_SIGNAL && afdep_signal_last(&sig)) {
+        AFDEP_PROBE_AT(AFDEP_PROBE_ROWS_TICKET);
         AFDEP_FAULT_DELAY(AFDEP_FAULT_LATE_SIGNAL, true, 10000);
         afdep_signal_raise(&sig);
     }

@@ -116,6 +116,7 @@ static __device__ __forceinline__ void afdep_plan_block(
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
     const u32 tid = threadIdx.x;
+    if (tid == 0) AFDEP_PROBE_AT(AFDEP_PROBE_PLAN_ENTER);
     // the waits by warp 0, every source's flag at once (afdep_wait_flags_warp)
     if (tid < 32) {
         const bool pre_wait = pre == AFDEP_PLAN_PRE_ALWAYS ||

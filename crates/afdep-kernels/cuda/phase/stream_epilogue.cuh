@@ -22,6 +22,7 @@ static __device__ __forceinline__ void afdep_cf_stream_rows(
     u64 timeout_ns, u32* err, u32 by_arm, u64 src_flag_off, u32 src_code) {
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);
+    if (blockIdx.x == 0 && threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_EPI_ENTER);
     if (by_arm != 0u && afdep_ctl_arm(ctl) == AFDEP_ARM_SOURCE) {
         if (blockIdx.x == 0 && threadIdx.x < 32) {
             // lane 0's reading of the error word for the whole warp (the warp wait needs all

@@ -21,7 +21,7 @@ pub const SLOTS: usize = 32;
 
 /// The probe points by slot, as `cuda/common/probe.cuh` numbers them (`AFDEP_PROBE_<NAME>` in
 /// upper case).
-pub const POINTS: [&str; 19] = [
+pub const POINTS: [&str; 29] = [
     "gate",
     "front_in",
     "status_out",
@@ -41,6 +41,16 @@ pub const POINTS: [&str; 19] = [
     "combine_in",
     "combine_wait",
     "combine_out",
+    "begin_in",
+    "begin_checked",
+    "counts_in",
+    "plan_enter",
+    "rows_in",
+    "rows_copied",
+    "rows_ticket",
+    "epi_enter",
+    "reduce_rows",
+    "reduce_ticket",
 ];
 
 /// The name of the module global that holds the probes.
