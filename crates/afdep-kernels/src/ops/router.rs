@@ -46,7 +46,10 @@ const MMA_STAGES: u32 = 3;
 /// The tensor-core logits kernel's column tile for `experts` (`RM_N`): E rounded up to 16, then
 /// to a power of two, at most 128.
 fn mma_col_tile(experts: u32) -> u32 {
-    experts.next_multiple_of(16).next_power_of_two().clamp(16, MMA_EXPERTS)
+    experts
+        .next_multiple_of(16)
+        .next_power_of_two()
+        .clamp(16, MMA_EXPERTS)
 }
 
 /// Dynamic shared memory of the tensor-core logits kernel for `experts`, bytes: `RM_S` stages
@@ -290,7 +293,15 @@ mod tests {
             assert!(text.contains(&line), "router.cu lacks `{line}`");
         }
         // RM_N: E rounded up to 16, then to a power of two, at most 128
-        for (e, n) in [(1, 16), (5, 16), (16, 16), (24, 32), (48, 64), (64, 64), (96, 128)] {
+        for (e, n) in [
+            (1, 16),
+            (5, 16),
+            (16, 16),
+            (24, 32),
+            (48, 64),
+            (64, 64),
+            (96, 128),
+        ] {
             assert_eq!(mma_col_tile(e), n, "E {e}");
         }
         assert_eq!(mma_col_tile(129), 128);
