@@ -140,6 +140,8 @@ fn run_modes_fronts(
                     if gate.is_some() {
                         eng.set_start_gate(gate.clone()).expect("the start gate");
                         assert!(eng.start_gate().is_some());
+                        // gated rounds are timed from the gate's opening (start_gate.rs)
+                        eng.set_round_timing(true).expect("round timing");
                     }
                     for (g, &a) in graphs.iter_mut().zip(ARMS.iter()) {
                         if g.is_none() {
@@ -154,12 +156,22 @@ fn run_modes_fronts(
                         let mine = cfg.topology.attention_index(rank).map(|s| &inp[s]);
                         let per_mode: Vec<RankResult> = modes
                             .iter()
-                            .map(|m| match *m {
-                                Mode::Eager(a) => eng.device_round(a, mine),
-                                Mode::Graph(a) => {
-                                    let i = ARMS.iter().position(|&x| x == a).unwrap();
-                                    eng.replay(&graphs[i], mine)
+                            .map(|m| {
+                                let r = match *m {
+                                    Mode::Eager(a) => eng.device_round(a, mine),
+                                    Mode::Graph(a) => {
+                                        let i = ARMS.iter().position(|&x| x == a).unwrap();
+                                        eng.replay(&graphs[i], mine)
+                                    }
+                                };
+                                if gate.is_some() && r.is_ok() {
+                                    let t = eng.last_round_time();
+                                    assert!(
+                                        t.is_some_and(|t| t > Duration::ZERO && t < TIMEOUT),
+                                        "rank {rank} {m:?}: a gated round's time {t:?}"
+                                    );
                                 }
+                                r
                             })
                             .collect();
                         out.push(per_mode);

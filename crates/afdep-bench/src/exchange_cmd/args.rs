@@ -625,7 +625,10 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
             bail!("--probe: ranks as threads only (not with --multi-process)");
         }
         let opts = std::env::var("AFDEP_NVRTC_OPTIONS").unwrap_or_default();
-        if !opts.split_whitespace().any(|o| o == "-DAFDEP_PROBE") {
+        if !opts
+            .split_whitespace()
+            .any(|o| o == "-DAFDEP_PROBE" || o.starts_with("-DAFDEP_PROBE="))
+        {
             bail!(
                 "--probe needs kernels built with probes: set AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE \
                  (have {opts:?})"

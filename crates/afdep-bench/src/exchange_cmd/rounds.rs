@@ -132,11 +132,9 @@ pub(super) fn rank_rounds(
         let t0 = Instant::now();
         let res = eng.round(this_input, &f);
         let total = t0.elapsed().as_secs_f64() * 1e6;
-        // read (and zeroed) after every round, so that each timed round's are its own
-        let probed = match &res {
-            Ok(_) => eng.round_probe()?,
-            Err(_) => None,
-        };
+        // read (and zeroed) after every round, a failed one too, so that each timed round's
+        // are its own
+        let probed = eng.round_probe()?;
         if let Some(s) = rejecting {
             match res {
                 Err(ExchangeError::Route { error, .. }) if error.rank() == s => {

@@ -8,8 +8,9 @@
 // round). Each rank's engine loads its own modules (its own GpuContext), so the array of a
 // rank's module holds that rank's points only. Without the define every point expands to
 // nothing, so production modules are the same machine code as without this header. The slots
-// below are the host's `probe::SLOTS` (a host test compares the two lists); a point is hit by
-// one thread of its block (the caller's guard).
+// below are the host's `probe::POINTS` (a host test compares the two lists); a point is hit by
+// one thread of its block or of its warp (the caller's guard), and the points after a bounded
+// wait fire also when the wait ran out (the round then reports the fault).
 #pragma once
 
 #include "common/ptx.cuh"
@@ -77,7 +78,8 @@
 #define AFDEP_PROBE_REDUCE_TICKET 28
 
 #ifdef AFDEP_PROBE
-extern "C" __device__ unsigned long long afdep_probe[AFDEP_PROBE_SLOTS];
+// this module's probes (read back by the host; a global's name is not mangled)
+__device__ unsigned long long afdep_probe[AFDEP_PROBE_SLOTS];
 static __device__ __forceinline__ void afdep_probe_at(u32 slot) {
     if (slot < AFDEP_PROBE_SLOTS)
         atomicMax(afdep_probe + slot, (unsigned long long)afdep_globaltimer_ns());

@@ -146,7 +146,7 @@ pub fn router_logits(
     let f = ctx.function(id, e, k)?;
     let smem = if mma { mma_smem_bytes(e) } else { 0 };
     if mma {
-        // above the 48 KiB default for E > 16 (the ring's three stages)
+        // above the 48 KiB default at every E (the ring's three stages)
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,

@@ -70,7 +70,8 @@
 //! [`FusedEngine::set_round_timing`] times whole rounds on the device: a barrier of every rank
 //! after the input is loaded, then CUDA events on the rank's stream around the round's launches
 //! (a replay: around the graph launch); [`FusedEngine::last_round_time`] (`afdep exchange
-//! --graph`).
+//! --graph`). A gated round ([`FusedEngine::set_start_gate`]) is timed from the gate's opening
+//! instead ([`start_gate`](super::start_gate)).
 //!
 //! # One graph for every arm
 //!
@@ -740,7 +741,9 @@ impl FusedEngine {
     /// loaded, then a CUDA event on this rank's stream right before the round's launches (a
     /// replay: before the graph launch) and one right after them; [`FusedEngine::last_round_time`]
     /// gives the span of the last round: this rank's whole round on the device, its waits for
-    /// its peers included. Collective in effect (the barrier): every rank must set the same.
+    /// its peers included (with a start gate set: from the gate's opening, an event on the
+    /// gate's stream, to the event after the launches). Collective in effect (the barrier):
+    /// every rank must set the same.
     /// Needs device-round state ([`FusedEngine::prepare_device`], or a first
     /// [`FusedEngine::round`]); creates the events now, outside any round.
     pub fn set_round_timing(&mut self, on: bool) -> Result<(), ExchangeError> {
@@ -1058,7 +1061,8 @@ impl FusedEngine {
     /// (new rows and routes every replay), the graph is launched on this rank's stream, the
     /// combined rows are copied into `input.out`, with the stream ordering and the one host
     /// wait for the verdict of [`FusedEngine::device_round_on_stream`] (or, with `wait` false,
-    /// its deferred verdict). Collective.
+    /// its deferred verdict). Collective. On-stream rounds take no start gate: a graph captured
+    /// with one ([`FusedEngine::set_start_gate`]) is refused with [`ExchangeError::Input`].
     ///
     /// # Safety
     /// As [`FusedEngine::device_round_on_stream`].
@@ -1070,6 +1074,15 @@ impl FusedEngine {
         wait: bool,
     ) -> Result<(), ExchangeError> {
         self.check_graph(graph)?;
+        if graph.gate.is_some() {
+            // its gate kernel would wait for a ticket that no on-stream round opens
+            return Err(ExchangeError::Input {
+                rank: self.rank(),
+                what: "the graph was captured with a start gate: replay it with \
+                       FusedEngine::replay (an on-stream replay has no gate to open)"
+                    .into(),
+            });
+        }
         self.guarded(|eng| {
             // SAFETY: the caller's contract.
             unsafe { eng.on_stream(graph.arm, Some(graph), input, stream, wait) }
