@@ -7,6 +7,10 @@
 //   serial - one thread's dependent global-memory operations (what a one-thread control path,
 //            such as a status all-gather or a loop of flag waits, is made of): a pointer chase
 //            of relaxed volatile loads, of ld.acquire.sys loads, and a store + system fence;
+//   icache - one thread's straight-line code of N instructions between two stamps, in a chain
+//            of four dependent kernels in a graph (A, A again, B, B again: A and B the same
+//            length but different code): the first run of a code on an SM against the second,
+//            i.e. what fetching a kernel's instructions into a cold SM costs (its code in L2);
 //   skew   - the device-side start spread of four ranks' graphs launched after a host spin
 //            barrier by four threads of one process (as `afdep exchange --graph` with emulated
 //            ranks), by one thread back to back, and as one joint graph of four branches.
@@ -107,6 +111,27 @@ __global__ void k_serial(u32* next, int n, int mode, u64* t) {
     t[2] = j;
 }
 
+// icache: N multiply-adds over 8 registers (each reads another register, so ptxas can fold
+// none), straight-line; TAG makes two instantiations of one length different code. Stamps
+// t[2 i] before and t[2 i + 1] after the body; the registers' xor goes to t[64 + i].
+template <int N, int TAG>
+__global__ void k_code(u64* t, int i, u32 seed) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    u32 x[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = seed + (u32)(j * 7 + TAG);
+    const u64 t0 = now();
+#pragma unroll
+    for (int j = 0; j < N; j++) x[j & 7] = x[j & 7] * (3u + 2u * TAG) + x[(j + 3) & 7];
+    const u64 t1 = now();
+    t[2 * i] = t0;
+    t[2 * i + 1] = t1;
+    t[64 + i] = x[0] ^ x[1] ^ x[2] ^ x[3] ^ x[4] ^ x[5] ^ x[6] ^ x[7];
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    t[96 + i] = sm;
+}
+
 static double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -197,6 +222,40 @@ static void run_serial(int mode, int n) {
     const char* what[] = {"volatile load chase", "ld.acquire.sys chase", "store + fence.sys"};
     std::printf("serial %-22s one op %.3f us (median of 10 runs of %d)\n", what[mode], median(v), n);
     CK(cudaFree(next));
+}
+
+template <int N>
+static void icache_chain(cudaStream_t s) {
+    k_code<N, 0><<<1, 32, 0, s>>>(g_t, 0, 1u);
+    k_code<N, 0><<<1, 32, 0, s>>>(g_t, 1, 2u);
+    k_code<N, 1><<<1, 32, 0, s>>>(g_t, 2, 3u);
+    k_code<N, 1><<<1, 32, 0, s>>>(g_t, 3, 4u);
+}
+
+template <int N>
+static void run_icache(cudaStream_t s) {
+    cudaGraphExec_t e = capture(s, icache_chain<N>);
+    std::vector<double> first, second, other, gap;
+    u64 h[100];
+    for (int r = 0; r < REPS + 5; r++) {
+        CK(cudaGraphLaunch(e, s));
+        CK(cudaStreamSynchronize(s));
+        CK(cudaMemcpy(h, g_t, sizeof h, cudaMemcpyDeviceToHost));
+        if (r < 5) continue;
+        first.push_back((h[1] - h[0]) / 1e3);
+        first.push_back((h[5] - h[4]) / 1e3);
+        // the second run of a code: on the SM of its first run, or on another one
+        (h[97] == h[96] ? second : other).push_back((h[3] - h[2]) / 1e3);
+        (h[99] == h[98] ? second : other).push_back((h[7] - h[6]) / 1e3);
+        gap.push_back((h[4] - h[3]) / 1e3);
+    }
+    std::printf("icache %5d instructions (%3d KiB of code): body first run %.2f us, second run on "
+                "the same SM %.2f us (%zu of %zu), on another SM %.2f us; gap to the next kernel "
+                "%.2f us\n",
+                N, N * 16 / 1024, median(first), second.empty() ? -1.0 : median(second),
+                second.size(), second.size() + other.size(), other.empty() ? -1.0 : median(other),
+                median(gap));
+    CK(cudaGraphExecDestroy(e));
 }
 
 // skew: four ranks' graphs (each: RK kernels, the first stamps its start into t[rank])
@@ -306,6 +365,10 @@ int main() {
     run_serial(0, 256);
     run_serial(1, 256);
     run_serial(2, 256);
+    run_icache<256>(s);
+    run_icache<1024>(s);
+    run_icache<2048>(s);
+    run_icache<4096>(s);
     run_skew(1);
     run_skew(8);
     return 0;
