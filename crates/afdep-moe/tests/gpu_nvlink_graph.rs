@@ -214,7 +214,8 @@ fn run_modes_fronts(
 }
 
 /// After gated rounds (collective, every rank alike): a graph captured with the gate (`inside`)
-/// is refused with `Input` once the gate is removed and behind another gate, before any
+/// is refused with `Input` on the caller's stream (no gate opens there), once the gate is
+/// removed and behind another gate, before any
 /// collective step (so no rank waits); one captured without it (`outside`) still replays
 /// behind `other` (a second gate shared by every rank) and returns its rows.
 fn gated_graph_needs_its_gate(
@@ -232,6 +233,15 @@ fn gated_graph_needs_its_gate(
         }
         other => panic!("rank {rank} {what}: {other:?} instead of Input"),
     };
+    // an on-stream replay has no gate to open: refused before it touches stream or input
+    // SAFETY: the refusal returns before the (default) stream or any device pointer is used
+    match unsafe { eng.replay_on_stream(inside, None, std::ptr::null_mut(), true) } {
+        Err(ExchangeError::Input { rank: r, what: w }) => {
+            assert_eq!(r, rank);
+            assert!(w.contains("start gate"), "rank {rank} on stream: {w}");
+        }
+        other => panic!("rank {rank} on stream: {other:?} instead of Input"),
+    }
     eng.set_start_gate(None).expect("removing the gate");
     refused(eng.replay(inside, mine), "no gate");
     eng.set_start_gate(Some(other)).expect("another gate");
