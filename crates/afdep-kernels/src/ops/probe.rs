@@ -78,8 +78,12 @@ pub fn take(gpu: &GpuContext) -> Result<Option<[u64; SLOTS]>, KernelError> {
     let mut out = [0u64; SLOTS];
     for (spec, m) in gpu.loaded_modules() {
         // a module without probe points (the GEMMs, the layouts) has no such global
-        let Ok(mut g) = m.get_global(GLOBAL, stream) else {
-            continue;
+        let mut g = match m.get_global(GLOBAL, stream) {
+            Ok(g) => g,
+            Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_FOUND => continue,
+            Err(e) => {
+                return Err(KernelError::driver(format!("finding the probes of {spec}"))(e));
+            }
         };
         if g.len() != SLOTS * 8 {
             return Err(KernelError::Unsupported(format!(
