@@ -72,9 +72,15 @@ pub struct KernelsArgs {
     python: String,
 }
 
-/// The workspace root (xtask lives in `<root>/xtask`).
+/// The workspace root (xtask lives in `<root>/xtask`): from `CARGO_MANIFEST_DIR` as `cargo
+/// run` sets it for this run, else as it was when this binary was built. (Worktrees that share
+/// one target folder share one `target/debug/xtask`; the build-time path alone would send a
+/// stale binary to the sources of the worktree that built it.)
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest
         .parent()
         .expect("xtask is inside the workspace")
         .to_path_buf()
