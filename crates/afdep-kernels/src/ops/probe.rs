@@ -56,14 +56,18 @@ pub const POINTS: [&str; 29] = [
 /// The name of the module global that holds the probes.
 const GLOBAL: &str = "afdep_probe";
 
-/// Whether `gpu` compiles its modules with the probe points (`-DAFDEP_PROBE` among its NVRTC
-/// options).
-pub fn compiled_in(gpu: &GpuContext) -> bool {
-    gpu.jit()
-        .options()
-        .extra_options
+/// Whether NVRTC options `options` build the probe points (`-DAFDEP_PROBE`, with or without a
+/// value).
+pub fn requested(options: &[String]) -> bool {
+    options
         .iter()
         .any(|o| o == "-DAFDEP_PROBE" || o.starts_with("-DAFDEP_PROBE="))
+}
+
+/// Whether `gpu` compiles its modules with the probe points ([`requested`] of its NVRTC
+/// options).
+pub fn compiled_in(gpu: &GpuContext) -> bool {
+    requested(&gpu.jit().options().extra_options)
 }
 
 /// Every probe point this context's loaded modules recorded since the last call (per slot, the
@@ -75,7 +79,8 @@ pub fn take(gpu: &GpuContext) -> Result<Option<[u64; SLOTS]>, KernelError> {
         return Ok(None);
     }
     let stream = gpu.stream();
-    let mut out = [0u64; SLOTS];
+    // every module's array copied out and zeroed on the stream, then one wait for them all
+    let mut copies: Vec<Vec<u8>> = Vec::new();
     for (spec, m) in gpu.loaded_modules() {
         // a module without probe points (the GEMMs, the layouts) has no such global
         let mut g = match m.get_global(GLOBAL, stream) {
@@ -99,7 +104,11 @@ pub fn take(gpu: &GpuContext) -> Result<Option<[u64; SLOTS]>, KernelError> {
         stream
             .memset_zeros(&mut g)
             .map_err(KernelError::driver(format!("zeroing the probes of {spec}")))?;
-        gpu.synchronize()?;
+        copies.push(b);
+    }
+    gpu.synchronize()?;
+    let mut out = [0u64; SLOTS];
+    for b in &copies {
         for (o, c) in out.iter_mut().zip(b.chunks_exact(8)) {
             let v = u64::from_le_bytes(c.try_into().expect("8 bytes"));
             *o = (*o).max(v);
@@ -114,6 +123,15 @@ mod tests {
 
     /// The header's `AFDEP_PROBE_<NAME> <slot>` defines are [`POINTS`], slot for slot, below
     /// `AFDEP_PROBE_SLOTS` = [`SLOTS`].
+    #[test]
+    fn probes_are_requested_by_the_define() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(requested(&o(&["-DAFDEP_PROBE"])));
+        assert!(requested(&o(&["-lineinfo", "-DAFDEP_PROBE=1"])));
+        assert!(!requested(&o(&["-DAFDEP_PROBES", "-DAFDEP_FAULT=1"])));
+        assert!(!requested(&[]));
+    }
+
     #[test]
     fn points_match_the_header() {
         let text = include_str!("../../cuda/common/probe.cuh");
