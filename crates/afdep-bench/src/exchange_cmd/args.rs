@@ -582,53 +582,42 @@ pub(super) fn staged_recv_bytes(cfg: &ExchangeConfig) -> usize {
     dispatch.max(combine).max(1)
 }
 
-/// The checks of `--graph`, `--device-rounds`, `--trace` and `--load` against the other flags
-/// (a clear error).
+/// `flag` (what it does: `why`) needs device rounds (`--graph` or `--device-rounds`) with the
+/// ranks as threads of this process.
+fn device_rounds_on_threads(a: &ExchangeArgs, flag: &str, why: &str) -> Result<()> {
+    if !a.device_experts() {
+        bail!("{flag} {why}: it needs --graph or --device-rounds");
+    }
+    if a.multi_process {
+        bail!("{flag}: ranks as threads only (not with --multi-process)");
+    }
+    Ok(())
+}
+
+/// The checks of `--graph`, `--device-rounds`, `--trace`, `--probe`, `--start-gate` and
+/// `--load` against the other flags (a clear error).
 pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
     if a.load.is_some() {
-        if !a.device_experts() {
-            bail!(
-                "--load runs device rounds beside a GEMM: it needs --graph or --device-rounds \
-                 (with --backend cuda --transport nvlink)"
-            );
-        }
-        if a.multi_process {
-            bail!("--load: ranks as threads only (not with --multi-process)");
-        }
+        device_rounds_on_threads(
+            a,
+            "--load",
+            "runs device rounds beside a GEMM (with --backend cuda --transport nvlink)",
+        )?;
         if a.fault.is_some() {
             bail!("--load: not with --fault (the rounds run twice)");
         }
     }
     if a.start_gate {
-        if !a.device_experts() {
-            bail!(
-                "--start-gate starts device rounds together: it needs --graph or --device-rounds"
-            );
-        }
-        if a.multi_process {
-            bail!(
-                "--start-gate: ranks as threads only (a gate needs every rank in one CUDA \
-                 context; not with --multi-process)"
-            );
-        }
+        // a gate needs every rank in one CUDA context
+        device_rounds_on_threads(a, "--start-gate", "starts device rounds together")?;
         if a.pipeline.is_some() {
             bail!("--start-gate: not with --pipeline (its layer steps are not gated)");
         }
     }
     if a.probe.is_some() {
-        if !a.device_experts() {
-            bail!(
-                "--probe reads the kernels of device rounds: it needs --graph or --device-rounds"
-            );
-        }
-        if a.multi_process {
-            bail!("--probe: ranks as threads only (not with --multi-process)");
-        }
-        let opts = std::env::var("AFDEP_NVRTC_OPTIONS").unwrap_or_default();
-        if !opts
-            .split_whitespace()
-            .any(|o| o == "-DAFDEP_PROBE" || o.starts_with("-DAFDEP_PROBE="))
-        {
+        device_rounds_on_threads(a, "--probe", "reads the kernels of device rounds")?;
+        let opts = afdep_kernels::JitOptions::from_env().extra_options;
+        if !afdep_kernels::ops::probe::requested(&opts) {
             bail!(
                 "--probe needs kernels built with probes: set AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE \
                  (have {opts:?})"
@@ -636,12 +625,7 @@ pub(super) fn check_graph(a: &ExchangeArgs) -> Result<()> {
         }
     }
     if a.trace.is_some() {
-        if !a.device_experts() {
-            bail!("--trace times the phases of device rounds: it needs --graph or --device-rounds");
-        }
-        if a.multi_process {
-            bail!("--trace: ranks as threads only (not with --multi-process)");
-        }
+        device_rounds_on_threads(a, "--trace", "times the phases of device rounds")?;
     }
     if !a.device_experts() {
         return Ok(());

@@ -167,19 +167,32 @@ fn load_specs_parse() {
     assert_eq!(args(&["--graph"]).unwrap().load, None);
 }
 
+/// `check_graph` of `--backend cuda --transport nvlink EXTRA..`.
+fn check(extra: &[&str]) -> Result<()> {
+    check_graph(&args(extra).unwrap())
+}
+
+/// `flag` (its arguments) is refused without device rounds and with the ranks as processes;
+/// with `accepted`, it also passes with `--graph` and with `--device-rounds`.
+fn needs_device_rounds_on_threads(flag: &[&'static str], accepted: bool) {
+    let with = |pre: &[&'static str]| [pre, flag].concat();
+    if accepted {
+        check(&with(&["--graph"])).unwrap();
+        check(&with(&["--device-rounds"])).unwrap();
+    }
+    let e = check(flag).unwrap_err().to_string();
+    assert!(e.contains("--graph or --device-rounds"), "{flag:?}: {e}");
+    let e = check(&with(&["--graph", "--multi-process"]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("threads only"), "{flag:?}: {e}");
+}
+
 /// `--load` needs device rounds, threads and no fault.
 #[test]
 fn load_needs_device_rounds_on_threads() {
-    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
-    ok(&["--graph", "--load", "gemm"]).unwrap();
-    ok(&["--device-rounds", "--load", "gemm"]).unwrap();
-    let e = ok(&["--load", "gemm"]).unwrap_err().to_string();
-    assert!(e.contains("--graph or --device-rounds"), "{e}");
-    let e = ok(&["--graph", "--multi-process", "--load", "gemm"])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("threads only"), "{e}");
-    let e = ok(&["--graph", "--fault", "reject@0:1", "--load", "gemm"])
+    needs_device_rounds_on_threads(&["--load", "gemm"], true);
+    let e = check(&["--graph", "--fault", "reject@0:1", "--load", "gemm"])
         .unwrap_err()
         .to_string();
     assert!(e.contains("--fault"), "{e}");
@@ -441,15 +454,11 @@ fn partials_reach_the_config_and_unsupported_engines_refuse_them() {
 /// value named when it is missing).
 #[test]
 fn probes_are_checked() {
-    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
-    let e = ok(&["--probe", "p.json"]).unwrap_err().to_string();
-    assert!(e.contains("--graph or --device-rounds"), "{e}");
-    let e = ok(&["--graph", "--multi-process", "--probe", "p.json"])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("threads only"), "{e}");
-    if !std::env::var("AFDEP_NVRTC_OPTIONS").is_ok_and(|v| v.contains("-DAFDEP_PROBE")) {
-        let e = ok(&["--graph", "--probe", "p.json"])
+    let probes =
+        afdep_kernels::ops::probe::requested(&afdep_kernels::JitOptions::from_env().extra_options);
+    needs_device_rounds_on_threads(&["--probe", "p.json"], probes);
+    if !probes {
+        let e = check(&["--graph", "--probe", "p.json"])
             .unwrap_err()
             .to_string();
         assert!(e.contains("AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE"), "{e}");
@@ -461,15 +470,7 @@ fn probes_are_checked() {
 /// `start: gate` label.
 #[test]
 fn the_start_gate_is_checked() {
-    let ok = |extra: &[&str]| check_graph(&args(extra).unwrap());
-    ok(&["--graph", "--start-gate"]).unwrap();
-    ok(&["--device-rounds", "--start-gate"]).unwrap();
-    let e = ok(&["--start-gate"]).unwrap_err().to_string();
-    assert!(e.contains("--graph or --device-rounds"), "{e}");
-    let e = ok(&["--graph", "--multi-process", "--start-gate"])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("threads only"), "{e}");
+    needs_device_rounds_on_threads(&["--start-gate"], true);
     let a = args_on("nccl", &["--expert", "identity", "--graph", "--start-gate"]).unwrap();
     let res = a.resolve().unwrap();
     assert_eq!(res.engine, EngineKind::NcclDevice);
