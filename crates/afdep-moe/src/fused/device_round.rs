@@ -808,6 +808,9 @@ impl FusedEngine {
     pub fn take_probes(
         &mut self,
     ) -> Result<Option<[u64; afdep_kernels::ops::probe::SLOTS]>, ExchangeError> {
+        if !afdep_kernels::ops::probe::compiled_in(&self.gpu) {
+            return Ok(None);
+        }
         bind(&self.gpu)?;
         Ok(afdep_kernels::ops::probe::take(&self.gpu)?)
     }
@@ -877,16 +880,14 @@ impl FusedEngine {
         let Some(t) = self.device.as_ref().and_then(|d| d.timer.as_ref()) else {
             return Ok(());
         };
-        let span = match held {
-            Some(_) => self.gate_elapsed(&t.stop)?,
-            None => {
-                let ms = t
-                    .start
-                    .elapsed_ms(&t.stop)
-                    .map_err(KernelError::driver("reading a round event"))?;
-                std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3)
-            }
+        let ms = match held {
+            Some(_) => self.gate_elapsed_ms(&t.stop)?,
+            None => t
+                .start
+                .elapsed_ms(&t.stop)
+                .map_err(KernelError::driver("reading a round event"))?,
         };
+        let span = std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3);
         if let Some(t) = self.device.as_mut().and_then(|d| d.timer.as_mut()) {
             t.last = Some(span);
         }

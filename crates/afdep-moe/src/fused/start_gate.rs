@@ -324,12 +324,9 @@ impl FusedEngine {
         Ok(())
     }
 
-    /// After a completed gated round (its stream waited for): the time from the gate's opening
-    /// to `stop`, an event recorded on this rank's stream after the round's launches.
-    pub(super) fn gate_elapsed(
-        &self,
-        stop: &CudaEvent,
-    ) -> Result<std::time::Duration, ExchangeError> {
+    /// After a completed gated round (its stream waited for): the milliseconds from the gate's
+    /// opening to `stop`, an event recorded on this rank's stream after the round's launches.
+    pub(super) fn gate_elapsed_ms(&self, stop: &CudaEvent) -> Result<f32, ExchangeError> {
         let g = self.gate.as_ref().expect("a gated round has a gate");
         let st = g.gate.inner.lock().map_err(|_| ExchangeError::Input {
             rank: self.rank(),
@@ -340,10 +337,9 @@ impl FusedEngine {
         // created with timing; `stop` completed (the caller waited for its stream) and the
         // opening event was recorded before the write that let this rank's round pass its gate
         // (`gate_open`), on a stream whose work before that write has completed.
-        let ms = unsafe { result::event::elapsed(s.open.cu_event(), stop.cu_event()) }
-            .map_err(KernelError::driver("reading the start gate's opening"))?;
-        Ok(std::time::Duration::from_secs_f64(
-            f64::from(ms.max(0.0)) * 1e-3,
-        ))
+        Ok(
+            unsafe { result::event::elapsed(s.open.cu_event(), stop.cu_event()) }
+                .map_err(KernelError::driver("reading the start gate's opening"))?,
+        )
     }
 }
