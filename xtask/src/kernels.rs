@@ -336,7 +336,12 @@ pub fn run(a: KernelsArgs) -> Result<()> {
         ])
         .env("LD_LIBRARY_PATH", ld)
         .env("AFDEP_CUDA_INCLUDE", &inc)
-        .env("AFDEP_KERNEL_CACHE", &cache);
+        .env("AFDEP_KERNEL_CACHE", &cache)
+        // compile_all refuses a build of another worktree's sources (a shared target folder)
+        .env(
+            "AFDEP_EXPECT_KERNEL_CRATE",
+            root.join("crates").join("afdep-kernels"),
+        );
     if let Some(j) = a.jobs {
         cmd.args(["--jobs", &j.to_string()]);
     }

@@ -8,16 +8,41 @@
 //! feature `fault-injection` (as `cargo xtask kernels` does), it also compiles every fault's
 //! modules (`afdep_kernels::ops::fault`) at the smallest and the largest top-k. The JIT
 //! settings come from the environment (`AFDEP_CUDA_INCLUDE`, `AFDEP_KERNEL_CACHE`,
-//! `AFDEP_NVRTC_OPTIONS`).
+//! `AFDEP_NVRTC_OPTIONS`). With `AFDEP_EXPECT_KERNEL_CRATE` set (`cargo xtask kernels` sets it
+//! to its workspace's `crates/afdep-kernels`), a binary built from another folder's sources
+//! refuses to run.
 
 use std::process::ExitCode;
 use std::sync::Mutex;
 
 use afdep_kernels::jit::{Arch, CompiledModule, Jit, JitOptions};
 use afdep_kernels::sources::{
-    KernelId, ModuleSpec, RUNTIME_EXPERTS, RUNTIME_TOP_K, SourceFile, source_digest,
+    EMBEDDED_FROM, KernelId, ModuleSpec, RUNTIME_EXPERTS, RUNTIME_TOP_K, SourceFile, source_digest,
 };
 use afdep_kernels::{KernelError, KernelResources};
+
+/// Whether the library this binary links embeds the expected crate's sources
+/// (`afdep_kernels::sources::EMBEDDED_FROM`). Worktrees that share one target folder can leave
+/// a build of another worktree's library that cargo takes as fresh (seen on 2026-12-07: a
+/// kernel check ran on the wrong sources, and rebuilding this example alone did not help).
+fn built_from_this_workspace() -> Result<(), String> {
+    let Some(want) = std::env::var_os("AFDEP_EXPECT_KERNEL_CRATE") else {
+        return Ok(());
+    };
+    let canon = |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let built = canon(std::path::Path::new(EMBEDDED_FROM));
+    let want = canon(std::path::Path::new(&want));
+    if built == want {
+        return Ok(());
+    }
+    Err(format!(
+        "this build embeds the kernel sources of {} but the workspace's are {}: the target \
+         folder holds a stale build from another worktree; run `cargo clean -p afdep-kernels` \
+         with the same CARGO_TARGET_DIR, then again",
+        built.display(),
+        want.display()
+    ))
+}
 
 fn main() -> ExitCode {
     let mut arch = Arch::hopper();
@@ -60,6 +85,10 @@ fn main() -> ExitCode {
         }
     }
 
+    if let Err(e) = built_from_this_workspace() {
+        eprintln!("compile_all: {e}");
+        return ExitCode::FAILURE;
+    }
     let jit = match Jit::new(JitOptions::from_env()) {
         Ok(j) => j,
         Err(e) => {

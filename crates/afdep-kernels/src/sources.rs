@@ -9,6 +9,12 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
+/// The folder of the crate whose sources this build embeds (its `CARGO_MANIFEST_DIR` at
+/// compile time): worktrees that share one target folder can leave a build of another
+/// worktree's sources that cargo takes as fresh, and this tells (`cargo xtask kernels` checks
+/// it through the `compile_all` example).
+pub const EMBEDDED_FROM: &str = env!("CARGO_MANIFEST_DIR");
+
 /// The embedded headers: `(include name, text)`, sorted by name.
 pub const HEADERS: &[(&str, &str)] = &[
     ("common/fault.cuh", include_str!("../cuda/common/fault.cuh")),
