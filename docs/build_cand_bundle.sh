@@ -7,10 +7,13 @@
 #   bash docs/build_cand_bundle.sh              # from the repository root
 #
 # Environment:
-#   CANDS   "NAME=REV ..." (default "plan=plan-lean pdl=pdl combo=combo dh=dh-prefetch"): a
-#           stripped release `afdep` of each REV as bundle/afdep-NAME.gz
-#   TESTS   "NAME=REV:BIN,BIN ..." (default "pdl=pdl:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream
-#           plan=plan-lean:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"):
+#   CANDS   "NAME=SPEC ..." (default: the four diffs of docs/candidates/, as plan, pdl, combo,
+#           dh): a stripped release `afdep` of each as bundle/afdep-NAME.gz. SPEC is a commit,
+#           or `diff:FILE`: this checkout's HEAD with FILE applied (`git diff main...BRANCH` of
+#           a branch that did not land; docs/candidates/ keeps them, since branches do not
+#           survive into a new session's checkout either)
+#   TESTS   "NAME=SPEC:BIN,BIN ..." (default "pdl=diff:docs/candidates/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream
+#           plan=diff:docs/candidates/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"):
 #           afdep-moe test binaries of REV as bundle/NAME-tests.txz (folder NAME-tests/)
 #   OLD     the baseline commit of issue 20 (default 52a7948), as bundle/afdep-52.gz
 #   WT      where the worktrees go (default /tmp/afdep-cand-wt)
@@ -22,8 +25,9 @@
 set -euo pipefail
 ROOT=$(pwd)
 [ -f "$ROOT/Cargo.toml" ] && [ -d "$ROOT/crates/afdep-kernels" ] || { echo "run from the repository root" >&2; exit 2; }
-CANDS=${CANDS:-"plan=plan-lean pdl=pdl combo=combo dh=dh-prefetch"}
-TESTS=${TESTS:-"pdl=pdl:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream plan=plan-lean:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"}
+D=docs/candidates
+CANDS=${CANDS:-"plan=diff:$D/plan-lean.diff pdl=diff:$D/pdl.diff combo=diff:$D/combo.diff dh=diff:$D/dh-prefetch.diff"}
+TESTS=${TESTS:-"pdl=diff:$D/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream plan=diff:$D/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"}
 OLD=${OLD:-52a7948}
 WT=${WT:-/tmp/afdep-cand-wt}
 MEMBERS="-p afdep-core -p afdep-kernels -p afdep-moe -p afdep-transport -p afdep-bench"
@@ -35,12 +39,19 @@ rm -rf "$WT/b4"
 cargo xtask gpu-test --bundle "$WT/b4"
 tar cf - -C "$WT" b4 | xz -6 -T2 > bundle/bundle.txz
 
-# build NAME REV WHAT...: a worktree of REV and a copy of main's target folder, cleaned
+# prepare NAME SPEC: a worktree of SPEC (a commit, or diff:FILE on HEAD) and a copy of main's
+# target folder, cleaned
 prepare() {
-  local name=$1 rev=$2
-  rm -rf "$WT/src-$name" "$WT/tgt-$name"
+  local name=$1 spec=$2
   git worktree remove --force "$WT/src-$name" 2>/dev/null || true
-  git worktree add -q --detach "$WT/src-$name" "$rev"
+  rm -rf "$WT/src-$name" "$WT/tgt-$name"
+  case $spec in
+    diff:*)
+      git worktree add -q --detach "$WT/src-$name" HEAD
+      git -C "$WT/src-$name" apply --index "$ROOT/${spec#diff:}"
+      git -C "$WT/src-$name" -c user.name=cand -c user.email=cand@localhost commit -q -m "candidate $name: ${spec#diff:}";;
+    *) git worktree add -q --detach "$WT/src-$name" "$spec";;
+  esac
   cp -a "$ROOT/target" "$WT/tgt-$name"
   (cd "$WT/src-$name" && CARGO_TARGET_DIR="$WT/tgt-$name" cargo clean -q $MEMBERS --release)
 }
@@ -61,7 +72,7 @@ for spec in $CANDS "52=$OLD"; do
 done
 
 for spec in $TESTS; do
-  name=${spec%%=*}; rest=${spec#*=}; rev=${rest%%:*}; bins=${rest#*:}
+  name=${spec%%=*}; rest=${spec#*=}; rev=${rest%:*}; bins=${rest##*:}
   echo "== $bins of $rev as bundle/$name-tests.txz"
   [ -d "$WT/src-$name" ] || prepare "$name" "$rev"
   args=()
