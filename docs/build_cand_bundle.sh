@@ -15,29 +15,33 @@
 #   TESTS   "NAME=SPEC:BIN,BIN ..." (default "pdl=diff:docs/candidates/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream
 #           plan=diff:docs/candidates/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"):
 #           afdep-moe test binaries of REV as bundle/NAME-tests.txz (folder NAME-tests/)
-#   OLD     the baseline commit of issue 20 (default 52a7948), as bundle/afdep-52.gz
+#   OLD     the baseline commit of issue 20 (default 52a7948), as bundle/afdep-52.gz ("" leaves
+#           it out)
+#   MAIN    0 leaves main's GPU-test bundle out (default 1)
 #   WT      where the worktrees go (default /tmp/afdep-cand-wt)
 #
 # Each build gets its own copy of main's target folder with the workspace's crates cleaned:
 # worktrees that share one target folder can link another worktree's sources (cargo takes the
-# build as fresh; see afdep_kernels::sources::EMBEDDED_FROM), and every binary is checked for
-# its own worktree's path before it is packed.
+# build as fresh; see afdep_kernels::sources::EMBEDDED_FROM), and every binary's debug info is
+# checked for its own worktree's folder before it is stripped and packed.
 set -euo pipefail
 ROOT=$(pwd)
 [ -f "$ROOT/Cargo.toml" ] && [ -d "$ROOT/crates/afdep-kernels" ] || { echo "run from the repository root" >&2; exit 2; }
 D=docs/candidates
 CANDS=${CANDS:-"plan=diff:$D/plan-lean.diff pdl=diff:$D/pdl.diff combo=diff:$D/combo.diff dh=diff:$D/dh-prefetch.diff"}
 TESTS=${TESTS:-"pdl=diff:$D/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream plan=diff:$D/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"}
-OLD=${OLD:-52a7948}
+OLD=${OLD-52a7948}
 WT=${WT:-/tmp/afdep-cand-wt}
 MEMBERS="-p afdep-core -p afdep-kernels -p afdep-moe -p afdep-transport -p afdep-bench"
 FEAT_T=afdep-moe/nccl,afdep-moe/ucx,afdep-moe/cuda,afdep-moe/fault-injection
 mkdir -p bundle "$WT"
 
-echo "== main's GPU-test bundle (bundle/bundle.txz, folder b4)"
-rm -rf "$WT/b4"
-cargo xtask gpu-test --bundle "$WT/b4"
-tar cf - -C "$WT" b4 | xz -6 -T2 > bundle/bundle.txz
+if [ "${MAIN:-1}" != 0 ]; then
+  echo "== main's GPU-test bundle (bundle/bundle.txz, folder b4)"
+  rm -rf "$WT/b4"
+  cargo xtask gpu-test --bundle "$WT/b4"
+  tar cf - -C "$WT" b4 | xz -6 -T2 > bundle/bundle.txz
+fi
 
 # prepare NAME SPEC: a worktree of SPEC (a commit, or diff:FILE on HEAD) and a copy of main's
 # target folder, cleaned
@@ -55,12 +59,14 @@ prepare() {
   cp -a "$ROOT/target" "$WT/tgt-$name"
   (cd "$WT/src-$name" && CARGO_TARGET_DIR="$WT/tgt-$name" cargo clean -q $MEMBERS --release)
 }
-# the binary must embed its own worktree's kernel sources
+# the binary must come from its own worktree (its debug info names the folder it was built in;
+# checked before strip)
 check_own() {
-  strings "$1" | grep -q "$2/crates/afdep-kernels" || { echo "$1 was not built from $2" >&2; exit 1; }
+  # (no grep -q: with pipefail, strings killed by SIGPIPE would fail the check)
+  strings "$1" | grep -F "$2" > /dev/null || { echo "$1 was not built from $2" >&2; exit 1; }
 }
 
-for spec in $CANDS "52=$OLD"; do
+for spec in $CANDS ${OLD:+"52=$OLD"}; do
   name=${spec%%=*}; rev=${spec#*=}
   echo "== afdep of $rev as bundle/afdep-$name.gz"
   prepare "$name" "$rev"
@@ -80,7 +86,7 @@ for spec in $TESTS; do
   (cd "$WT/src-$name" && CARGO_TARGET_DIR="$WT/tgt-$name" cargo test -q --release --no-run -p afdep-moe \
     --features "$FEAT_T" "${args[@]}" --message-format=json) > "$WT/$name-tests.json"
   rm -rf "$WT/$name-tests"; mkdir -p "$WT/$name-tests"
-  python3 - "$WT/$name-tests.json" "$WT/$name-tests" "$WT/src-$name/crates/afdep-kernels" <<'PY'
+  python3 - "$WT/$name-tests.json" "$WT/$name-tests" "$WT/src-$name" <<'PY'
 import json, subprocess, sys
 for line in open(sys.argv[1]):
     try:
