@@ -8,7 +8,8 @@
 #   candidate, alternating, two repeats; probe: the probe points of the gated rounds; epiab
 #   (EPI=1): `afdep moe` of main against dh-prefetch at the Mixtral- and GPT-OSS-like cells;
 #   candtests (CANDTESTS=1): plan-lean's fused test binaries in two lanes; icache: the
-#   instruction-fetch micro-measurement (docs/perf/micro/run.sh). Everything into $OUT/e1.tgz.
+#   instruction-fetch micro-measurement (docs/perf/micro/run.sh). TESTS=0 leaves the tests out,
+#   ICACHE=0 the micro. Everything into $OUT/e1.tgz.
 set -u
 START=$(date +%s); LIMIT=${LIMIT:-540}
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }
@@ -21,6 +22,7 @@ step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; cat /tmp/b4/commit.txt;
   /tmp/b4/bin/afdep kernels --digest; /tmp/afdep-plan kernels --digest; /tmp/afdep-pdl kernels --digest; /tmp/afdep-combo kernels --digest; /tmp/afdep-52 kernels --digest 2>&1 | tail -1; } > $W/env.txt 2>&1
 cat $W/env.txt
+if [ "${TESTS:-1}" != 0 ]; then
 step tests
 ( cd /tmp/b4 && timeout 170 tests/gpu_nvlink_graph --test-threads=1 > $W/t-graph.log 2>&1; echo "gpu_nvlink_graph rc=$? $(grep '^test result' $W/t-graph.log | tail -1)" >> $W/steps.txt
   timeout 60 tests/gpu_nvlink_faults a_start_gate_that_never_opens --test-threads=1 --nocapture > $W/t-never.log 2>&1; echo "never-open rc=$? $(grep '^test result' $W/t-never.log | tail -1)" >> $W/steps.txt ) &
@@ -29,6 +31,7 @@ step tests
 ( cd /tmp/pdl-tests && AFDEP_GRAPH_PDL=1 RUST_LOG=afdep_moe=info timeout 170 ./gpu_nvlink_graph --test-threads=1 > $W/t-pdl-graph.log 2>&1; echo "pdl gpu_nvlink_graph rc=$? $(grep '^test result' $W/t-pdl-graph.log | tail -1) edges-lines=$(grep -c 'programmatic' $W/t-pdl-graph.log)" >> $W/steps.txt
   AFDEP_GRAPH_PDL=1 timeout 60 ./gpu_nvlink_faults a_start_gate_that_never_opens --test-threads=1 --nocapture > $W/t-pdl-never.log 2>&1; echo "pdl never-open rc=$? $(grep '^test result' $W/t-pdl-never.log | tail -1)" >> $W/steps.txt ) &
 wait
+fi
 step ab
 declare -A cbin=([new]=/tmp/b4/bin/afdep [old]=/tmp/afdep-52 [newg]=/tmp/b4/bin/afdep [plang]=/tmp/afdep-plan [frontsg]=/tmp/b4/bin/afdep [pdlg]=/tmp/afdep-pdl [pdloffg]=/tmp/afdep-pdl [pdl]=/tmp/afdep-pdl [combog]=/tmp/afdep-combo)
 declare -A cenv=([frontsg]=AFDEP_FUSED_FRONTS=1 [pdlg]="AFDEP_GRAPH_PDL=1 RUST_LOG=afdep_moe=info" [pdl]=AFDEP_GRAPH_PDL=1 [combog]=AFDEP_GRAPH_PDL=1)
@@ -94,7 +97,7 @@ done; }
 wait
 fi
 step icache
-[ "$(left)" -gt 40 ] && timeout $(( $(left) - 20 )) bash docs/perf/micro/run.sh $W > $W/floor.txt 2>&1; echo "icache rc=$?" >> $W/steps.txt
+[ "${ICACHE:-1}" != 0 ] && [ "$(left)" -gt 40 ] && timeout $(( $(left) - 20 )) bash docs/perf/micro/run.sh $W > $W/floor.txt 2>&1; echo "icache rc=$?" >> $W/steps.txt
 step end
 cp $W/steps.txt $W/env.txt "$OUT/"
 tar czf "$OUT/e1.tgz" -C /tmp e1
