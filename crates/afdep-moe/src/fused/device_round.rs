@@ -956,13 +956,22 @@ impl FusedEngine {
         let launched = self
             .gate_kernel()
             .and_then(|()| self.launch_device_round(arm));
-        let ended = RoundGraph::end_capture(&s, self.programmatic);
+        // programmatic edges only where the kernels hold the wait (sm_90 on)
+        let programmatic = self.programmatic && self.gpu.arch().has_grid_dependency_control();
+        if self.programmatic && !programmatic {
+            tracing::warn!(
+                rank,
+                arch = %self.gpu.arch(),
+                "programmatic graph edges need sm_90 or later; captured without"
+            );
+        }
+        let ended = RoundGraph::end_capture(&s, programmatic);
         launched?;
         let graph = ended?.ok_or_else(|| ExchangeError::Input {
             rank,
             what: "the captured round is empty".into(),
         })?;
-        if self.programmatic {
+        if programmatic {
             tracing::info!(
                 rank,
                 edges = graph.programmatic_edges(),

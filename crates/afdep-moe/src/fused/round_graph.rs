@@ -49,6 +49,12 @@ pub const GRID_DEPENDENCY_KERNELS: &[&str] = &[
     "afdep_source_front_fp8",
 ];
 
+/// Kernels whose outgoing edges stay full dependencies: `afdep_cf_wait` is the combine's
+/// one-block pre-wait ([`FusedEngine::set_combine_prewait`](super::FusedEngine::set_combine_prewait)),
+/// whose purpose is that the combine's grid is not resident while the FFN ranks' experts run;
+/// a programmatic edge out of it would launch that grid at once, parked in its wait.
+pub const NOT_PROGRAMMATIC_FROM: &[&str] = &["afdep_cf_wait"];
+
 /// A round's graph and its executable (owned; destroyed on drop), launched on the stream it
 /// was captured on.
 pub(crate) struct RoundGraph {
@@ -168,8 +174,8 @@ unsafe fn kernel_name(node: sys::CUgraphNode) -> Result<Option<String>, KernelEr
     ))
 }
 
-/// Rewrites every edge from a kernel node into a kernel node of [`GRID_DEPENDENCY_KERNELS`]
-/// as a programmatic edge; returns how many.
+/// Rewrites every edge from a kernel node (but those of [`NOT_PROGRAMMATIC_FROM`]) into a
+/// kernel node of [`GRID_DEPENDENCY_KERNELS`] as a programmatic edge; returns how many.
 ///
 /// # Safety
 /// `graph` is a live graph that is not instantiated yet and that no other thread uses.
@@ -213,7 +219,10 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> Result<usize, KernelEr
         let into_waiting = b
             .as_deref()
             .is_some_and(|k| GRID_DEPENDENCY_KERNELS.contains(&k));
-        if a.is_none() || !into_waiting {
+        let from_kernel = a
+            .as_deref()
+            .is_some_and(|k| !NOT_PROGRAMMATIC_FROM.contains(&k));
+        if !from_kernel || !into_waiting {
             continue;
         }
         let mut prog: sys::CUgraphEdgeData = data[i];
@@ -255,9 +264,11 @@ mod tests {
                 .match_indices(&format!("{}(", k.entry()))
                 .map(|(i, _)| i)
                 .find(|&i| {
+                    // not a forward declaration: no ';' before the body's '{' either
+                    let head_end = text[i..].find('{').map_or(text.len(), |b| i + b);
                     text[..i]
                         .rfind("extern \"C\" __global__")
-                        .is_some_and(|e| !text[e..i].contains([';', '{', '}']))
+                        .is_some_and(|e| !text[e..head_end].contains([';', '}']))
                 })
                 .unwrap_or_else(|| panic!("{}: no definition found", k.entry()));
             let body = &text[def..];
