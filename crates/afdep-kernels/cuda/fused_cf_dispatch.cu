@@ -51,11 +51,13 @@
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_cf_dispatch(AFDEP_CF_DISPATCH_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_cf_dispatch_rows<AFDEP_PAYLOAD_BF16>(AFDEP_CF_DISPATCH_ARGS);
 }
 
 // fp8 rows: hidden a multiple of 128, x and the destinations 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_cf_dispatch_fp8(AFDEP_CF_DISPATCH_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_cf_dispatch_rows<AFDEP_PAYLOAD_FP8>(AFDEP_CF_DISPATCH_ARGS);
 }

@@ -227,6 +227,7 @@ static __device__ __forceinline__ void afdep_combine_reduce_kernel(AFDEP_COMBINE
 
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce(AFDEP_COMBINE_REDUCE_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_combine_reduce_kernel<false>(ws, ctl, peers, src_rank, ns, so, bs, rel, L, y, y_rows,
                                        f, me, sig_off);
 }
@@ -234,6 +235,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
 // The same with bf16 partials: each partial rounded to hidden bf16 (L.ret_row_bytes = 2 hidden).
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_reduce_bf16(AFDEP_COMBINE_REDUCE_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_combine_reduce_kernel<true>(ws, ctl, peers, src_rank, ns, so, bs, rel, L, y, y_rows,
                                       f, me, sig_off);
 }
@@ -327,6 +329,7 @@ static __device__ __forceinline__ bool afdep_combine_wait(const u8* ws, const u3
 
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine(AFDEP_COMBINE_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (afdep_ctl_skip(ctl)) return;
     if (!afdep_combine_wait(ws, ffn_rank, ffns, flag_off, afdep_ctl_round(ctl), timeout_ns, err)) return;
     afdep_combine_tokens<false>(ws, ffns, L, idx, epr, afdep_ctl_tokens(ctl), out);
@@ -339,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
 // The same with bf16 partials: return rows of hidden bf16 (L.ret_row_bytes = 2 hidden).
 extern "C" __global__ void __launch_bounds__(AFDEP_COMBINE_BLOCK)
     afdep_fused_combine_bf16(AFDEP_COMBINE_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (afdep_ctl_skip(ctl)) return;
     if (!afdep_combine_wait(ws, ffn_rank, ffns, flag_off, afdep_ctl_round(ctl), timeout_ns, err)) return;
     afdep_combine_tokens<true>(ws, ffns, L, idx, epr, afdep_ctl_tokens(ctl), out);

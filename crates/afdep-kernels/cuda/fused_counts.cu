@@ -30,6 +30,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                     u32* __restrict__ slot_pos, u32* __restrict__ tok_row, u64* counts,
                     const u64* __restrict__ peers, const u32* __restrict__ ffn_rank,
                     const afdep_fused_layout L, u32 me) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (afdep_ctl_skip(ctl)) return;
     if (blockIdx.x == 0 && threadIdx.x == 0) AFDEP_PROBE_AT(AFDEP_PROBE_COUNTS_IN);
     afdep_counts_rows(idx, ctl, nf, epr, slot_pos, tok_row, counts);
@@ -42,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_plan(u8* ws, const u64* __restrict__ peers, const u32* __restrict__ src_rank,
                   u32 ns, u32 epr, const afdep_fused_layout L, u32 me, const u32* ctl,
                   u64 timeout_ns, u32* err, u32 pre, u64 pre_off, u32 pre_code) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_plan_block(ws, peers, src_rank, ns, epr, L, me, ctl, timeout_ns, err, pre, pre_off,
                      pre_code);
 }
@@ -53,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_wait(const u8* ws, const u32* __restrict__ ranks, u32 n, u64 flag_off,
                   const u32* ctl, u64 timeout_ns, u32* err, u32 code) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     if (afdep_ctl_skip(ctl)) return;
     const u32 round = afdep_ctl_round(ctl);

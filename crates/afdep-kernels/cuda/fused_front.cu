@@ -131,12 +131,14 @@ static __device__ __forceinline__ void afdep_source_front_grid(
 // bf16 rows. At most one block per SM is asked for, as for afdep_cf_dispatch.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_source_front(AFDEP_SOURCE_FRONT_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_source_front_grid<AFDEP_PAYLOAD_BF16>(AFDEP_SOURCE_FRONT_ARGS);
 }
 
 // fp8 rows (afdep_cf_dispatch_fp8's).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK, 1)
     afdep_source_front_fp8(AFDEP_SOURCE_FRONT_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_source_front_grid<AFDEP_PAYLOAD_FP8>(AFDEP_SOURCE_FRONT_ARGS);
 }
 
@@ -175,11 +177,13 @@ static __device__ __forceinline__ void afdep_ffn_front_grid(
 // bf16 rows.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_ffn_front(AFDEP_FFN_FRONT_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_ffn_front_grid<AFDEP_PAYLOAD_BF16>(AFDEP_FFN_FRONT_ARGS);
 }
 
 // fp8 rows (afdep_cf_stream_epilogue_fp8's).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_ffn_front_fp8(AFDEP_FFN_FRONT_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_ffn_front_grid<AFDEP_PAYLOAD_FP8>(AFDEP_FFN_FRONT_ARGS);
 }

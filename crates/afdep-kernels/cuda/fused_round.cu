@@ -37,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
                       u32 src_index, const i32* __restrict__ idx, const float* __restrict__ w,
                       const afdep_fused_layout L, u64 experts, u64 owned, u64 timeout_ns,
                       u32* err, const u32* payload, u64 bucket, u32* __restrict__ gates) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (blockIdx.x != 0) return;
     afdep_begin_block(ws, ctl, peers, world, me, src_index, idx, w, L, experts, owned, timeout_ns,
                       err, payload, bucket, gates);
@@ -47,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // rank's stream, it runs after the first finished and before the second starts; inside a
 // captured graph it is a kernel node like the others, so replays stamp too.
 extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slot) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -65,6 +67,7 @@ extern "C" __global__ void afdep_round_stamp(unsigned long long* stamps, u32 slo
 // then runs, its own waits bounded as always, and the engine reports the fault.
 extern "C" __global__ void afdep_round_start_gate(const u32* word, u32* seen, u64 timeout_ns,
                                                   u32* err, u32 opener) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     const u32 ticket = *(volatile u32*)seen + 1u;
     if (!afdep_wait_ge(word, ticket, timeout_ns))
@@ -107,6 +110,7 @@ static __device__ __forceinline__ Plan afdep_plan(const u8* ws, u64 plan_off, u3
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_experts(const u8* ws, const u32* ctl, const afdep_fused_layout L, u32 epr, u32 ns,
                         const float* __restrict__ scale, u16* __restrict__ y) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     if (afdep_ctl_skip(ctl)) return;
     const Plan p = afdep_plan(ws, L.plan, epr, ns);
     const u64 total = p.eo[epr] < L.exp_rows ? p.eo[epr] : L.exp_rows;
@@ -153,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_round_check_payload(const u16* __restrict__ x, const i32* __restrict__ idx,
                               const u32* ctl, const afdep_fused_layout L, u32 src_index,
                               u32* state) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     __shared__ u32 last;
     unsigned long long* key = (unsigned long long*)(state + AFDEP_PAYLOAD_KEY_WORD);
     const u64 tokens = afdep_ctl_tokens(ctl);

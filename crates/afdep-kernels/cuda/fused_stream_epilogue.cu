@@ -36,12 +36,14 @@
 // bf16 rows (exp_q_off and exp_sc_off unused).
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_stream_epilogue(AFDEP_CF_STREAM_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_cf_stream_rows<AFDEP_PAYLOAD_BF16>(AFDEP_CF_STREAM_ARGS);
 }
 
 // fp8 rows: hidden a multiple of 128; the areas 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_stream_epilogue_fp8(AFDEP_CF_STREAM_PARAMS) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     afdep_cf_stream_rows<AFDEP_PAYLOAD_FP8>(AFDEP_CF_STREAM_ARGS);
 }
 
@@ -51,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
 // warp per row, 16 codes per lane and step; nothing when the round is skipped.
 extern "C" __global__ void __launch_bounds__(AFDEP_BLOCK)
     afdep_cf_dequant(u8* ws, const u32* ctl, const afdep_fused_layout L, u32 epr, u32 ns) {
+    AFDEP_GRID_DEPENDENCY_SYNC();
     const u64 plan_off = L.plan, exp_off = L.expanded, exp_q_off = L.exp_q;
     const u64 exp_sc_off = L.exp_scales, exp_rows = L.exp_rows;
     const u32 hidden = L.hidden;

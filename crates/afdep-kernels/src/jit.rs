@@ -55,6 +55,21 @@ impl Arch {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The version number, e.g. 90 for `sm_90a`.
+    pub fn version(&self) -> Option<u32> {
+        self.0
+            .strip_prefix("sm_")?
+            .trim_end_matches(['a', 'f'])
+            .parse()
+            .ok()
+    }
+
+    /// Whether kernels compiled for it hold `griddepcontrol` (programmatic dependent launch,
+    /// sm_90 on; `AFDEP_GRID_DEPENDENCY_SYNC` compiles to nothing before).
+    pub fn has_grid_dependency_control(&self) -> bool {
+        self.version().is_some_and(|v| v >= 90)
+    }
 }
 
 impl std::fmt::Display for Arch {
@@ -540,6 +555,20 @@ impl Jit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grid_dependency_control_from_sm_90() {
+        for (name, v, pdl) in [
+            ("sm_90a", Some(90), true),
+            ("sm_100f", Some(100), true),
+            ("sm_89", Some(89), false),
+            ("sm_80", Some(80), false),
+        ] {
+            let a = Arch::parse(name).unwrap();
+            assert_eq!(a.version(), v, "{name}");
+            assert_eq!(a.has_grid_dependency_control(), pdl, "{name}");
+        }
+    }
 
     #[test]
     fn arch_from_compute_capability() {

@@ -159,6 +159,7 @@ mod count_first;
 pub mod device_round;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod round_graph;
 pub mod start_gate;
 mod trace;
 pub use device_round::{BorrowedRound, DeviceExperts, DeviceRoundOptions, FusedGraph};
@@ -223,6 +224,8 @@ pub struct FusedEngine {
     poison: bool,
     /// Device rounds launch one front kernel per rank ([`FusedEngine::set_fronts`]).
     fronts: bool,
+    /// Captured graphs get programmatic edges ([`FusedEngine::set_programmatic_graphs`]).
+    programmatic: bool,
     /// A source's combine waits in one block first ([`FusedEngine::set_combine_prewait`]).
     combine_prewait: bool,
     /// The start gate of device rounds ([`FusedEngine::set_start_gate`]).
@@ -345,6 +348,7 @@ impl FusedEngine {
             device: None,
             poison: true,
             fronts: device_round::fronts_from_env(),
+            programmatic: device_round::programmatic_from_env(),
             combine_prewait: false,
             gate: None,
         })

@@ -95,17 +95,20 @@ fn run_modes_with(
     modes: &[Mode],
     opts: &DeviceRoundOptions,
 ) -> Option<(Runs, Nodes)> {
-    run_modes_fronts(c, rounds, modes, opts, true, None)
+    run_modes_fronts(c, rounds, modes, opts, true, false, None)
 }
 
-/// [`run_modes_with`] with the front kernels on or off ([`FusedEngine::set_fronts`]), and
-/// every rank's rounds behind `gate` when given ([`FusedEngine::set_start_gate`]).
+/// [`run_modes_with`] with the front kernels on or off ([`FusedEngine::set_fronts`]), the
+/// graphs' kernel-to-kernel edges programmatic or not
+/// ([`FusedEngine::set_programmatic_graphs`]: then every graph must hold some), and every
+/// rank's rounds behind `gate` when given ([`FusedEngine::set_start_gate`]).
 fn run_modes_fronts(
     c: &ExchangeConfig,
     rounds: &[Vec<SourceInput>],
     modes: &[Mode],
     opts: &DeviceRoundOptions,
     fronts: bool,
+    programmatic: bool,
     gate: Option<StartGate>,
 ) -> Option<(Runs, Nodes)> {
     let world = c.topology.world_size();
@@ -126,6 +129,7 @@ fn run_modes_fronts(
                 sc.spawn(move || {
                     let mut eng = FusedEngine::new(cfg.clone(), t).expect("set-up");
                     eng.set_fronts(fronts);
+                    eng.set_programmatic_graphs(programmatic);
                     eng.prepare_device(opts).expect("device buffers");
                     // with a gate: the odd arms' graphs captured before it is set (a gated
                     // replay queues the gate's kernel before them), the even arms' after (the
@@ -149,6 +153,14 @@ fn run_modes_fronts(
                         }
                     }
                     let graphs: Vec<FusedGraph> = graphs.into_iter().map(Option::unwrap).collect();
+                    if programmatic {
+                        for (g, a) in graphs.iter().zip(ARMS) {
+                            assert!(
+                                g.programmatic_edges() > 0,
+                                "rank {rank} {a:?}: no programmatic edge in the graph"
+                            );
+                        }
+                    }
                     let nodes: Vec<Vec<u32>> =
                         graphs.iter().map(|g| g.node_types().unwrap()).collect();
                     let mut out = Vec::new();
@@ -419,7 +431,8 @@ fn gated_rounds_match_the_oracle_and_a_rejection_passes_the_gate() {
             keep_received: true,
         };
         let gate = StartGate::new();
-        let Some((got, _)) = run_modes_fronts(&c, &rounds, &modes, &opts, true, Some(gate.clone()))
+        let Some((got, _)) =
+            run_modes_fronts(&c, &rounds, &modes, &opts, true, false, Some(gate.clone()))
         else {
             return;
         };
@@ -456,11 +469,44 @@ fn graph_replays_without_the_front_kernels_match_the_oracle() {
             experts: DeviceExperts::index_scale(c.experts),
             keep_received: true,
         };
-        let Some((got, nodes)) = run_modes_fronts(&c, &rounds, &modes, &opts, false, None) else {
+        let Some((got, nodes)) = run_modes_fronts(&c, &rounds, &modes, &opts, false, false, None)
+        else {
             return;
         };
         node_check(topo, &nodes);
         check_modes(topo, &c, &rounds, &got, &modes);
+    }
+}
+
+/// Programmatic edges in the captured rounds ([`FusedEngine::set_programmatic_graphs`]): every
+/// rank's graph of every arm holds some, and every mode matches the oracle and the eager rounds
+/// bit for bit, with the fronts off and on, host-started and behind the start gate, on 3A:1F,
+/// 2A:2F, 1A:3F, EP4 and EP1.
+#[test]
+fn programmatic_graphs_match_the_oracle() {
+    let _serial = serial();
+    let modes = all_modes();
+    for topo in ["3A:1F", "2A:2F", "1A:3F", "EP4", "EP1"] {
+        for (fronts, gated) in [(false, false), (true, true), (false, true)] {
+            let mut c = cfg(topo, 40, 12, 3);
+            c.capacity = 48;
+            c.validate().unwrap();
+            let rounds = replay_rounds(&c);
+            let opts = DeviceRoundOptions {
+                experts: DeviceExperts::index_scale(c.experts),
+                keep_received: true,
+            };
+            let gate = gated.then(StartGate::new);
+            let Some((got, nodes)) =
+                run_modes_fronts(&c, &rounds, &modes, &opts, fronts, true, gate)
+            else {
+                return;
+            };
+            let what = format!("{topo} programmatic (fronts {fronts}, gate {gated})");
+            node_check(&what, &nodes);
+            check_modes(&what, &c, &rounds, &got, &modes);
+            println!("{what}: exact");
+        }
     }
 }
 

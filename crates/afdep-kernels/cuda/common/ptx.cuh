@@ -134,3 +134,22 @@ template <int N>
 static __device__ __forceinline__ void afdep_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+
+// Programmatic dependent launch (sm_90): the first statement of every kernel of a round's chain
+// (the fused_*.cu entries; afdep_moe::fused::round_graph makes the captured graph's edges into
+// them programmatic). griddepcontrol.wait holds the kernel until the grids it depends on have
+// completed and their memory is visible (it returns at once when the kernel was not launched
+// behind a programmatic edge), so the kernel reads nothing before it; launch_dependents then
+// lets the next kernel of the chain be launched and wait likewise, resident, instead of being
+// launched only when this grid ends.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AFDEP_GRID_DEPENDENCY_SYNC()                                  \
+    do {                                                              \
+        asm volatile("griddepcontrol.wait;" ::: "memory");            \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+    } while (0)
+#else
+#define AFDEP_GRID_DEPENDENCY_SYNC() \
+    do {                             \
+    } while (0)
+#endif

@@ -129,7 +129,9 @@
 use afdep_core::ExchangeConfig;
 use afdep_core::oracle::exchange::SourceInput;
 use afdep_core::{PayloadKind, RouteError, bf16};
-use afdep_kernels::cudarc::driver::{CudaGraph, CudaSlice, result as cures, sys};
+use afdep_kernels::cudarc::driver::{CudaSlice, result as cures, sys};
+
+use super::round_graph::RoundGraph;
 use afdep_kernels::ops::fused::{self as fk, RankAddrs};
 use afdep_kernels::ops::fused_cf::{self as cf, CfMode, CfSource, FfnRanks};
 use afdep_kernels::ops::fused_front::{self as ff, FrontStart};
@@ -461,7 +463,7 @@ fn no_output() -> RoundOutput {
 /// A dispatch + combine round of one rank captured in a CUDA graph ([`FusedEngine::capture`]);
 /// replay it with [`FusedEngine::replay`].
 pub struct FusedGraph {
-    graph: CudaGraph,
+    graph: RoundGraph,
     arm: RoundArm,
     engine: u64,
     /// The phase order of the stamps the graph holds (captured with tracing on), else `None`.
@@ -491,6 +493,12 @@ impl FusedGraph {
     /// chosen on the device per replay; [`FusedEngine::last_arm`] after a replay).
     pub fn arm(&self) -> RoundArm {
         self.arm
+    }
+
+    /// How many of the graph's edges are programmatic ([`FusedEngine::set_programmatic_graphs`]
+    /// at capture; 0 without).
+    pub fn programmatic_edges(&self) -> usize {
+        self.graph.programmatic_edges()
     }
 
     /// Kernel, copy and other nodes of the captured graph, by the driver's node type.
@@ -724,6 +732,16 @@ impl FusedEngine {
         self.fronts = on;
     }
 
+    /// Whether [`FusedEngine::capture`] makes the captured graph's kernel-to-kernel edges
+    /// programmatic (default off, or as the environment variable `AFDEP_GRAPH_PDL` says: `1`/`on`
+    /// turns it on): each kernel of a rank's chain is then launched while the one before it
+    /// runs and waits on the device for it ([`round_graph`](super::round_graph)), instead of
+    /// being launched when it ends. The results are the same bit for bit; eager rounds and
+    /// graphs captured before are unchanged.
+    pub fn set_programmatic_graphs(&mut self, on: bool) {
+        self.programmatic = on;
+    }
+
     /// Whether a source's combine in device rounds first waits for the FFN ranks' combine
     /// flags in a kernel of one block, so that no grid of `transport_sms` blocks waits out the
     /// FFN ranks' experts (default off: one more dependent launch per round). The microbatch
@@ -938,14 +956,28 @@ impl FusedEngine {
         let launched = self
             .gate_kernel()
             .and_then(|()| self.launch_device_round(arm));
-        let ended = s.end_capture(sys::CUgraphInstantiate_flags(0));
-        launched?;
-        let graph = ended
-            .map_err(KernelError::driver("ending the graph capture"))?
-            .ok_or_else(|| ExchangeError::Input {
+        // programmatic edges only where the kernels hold the wait (sm_90 on)
+        let programmatic = self.programmatic && self.gpu.arch().has_grid_dependency_control();
+        if self.programmatic && !programmatic {
+            tracing::warn!(
                 rank,
-                what: "the captured round is empty".into(),
-            })?;
+                arch = %self.gpu.arch(),
+                "programmatic graph edges need sm_90 or later; captured without"
+            );
+        }
+        let ended = RoundGraph::end_capture(&s, programmatic);
+        launched?;
+        let graph = ended?.ok_or_else(|| ExchangeError::Input {
+            rank,
+            what: "the captured round is empty".into(),
+        })?;
+        if programmatic {
+            tracing::info!(
+                rank,
+                edges = graph.programmatic_edges(),
+                "captured round: programmatic kernel-to-kernel edges"
+            );
+        }
         graph
             .upload()
             .map_err(KernelError::driver("uploading the graph"))?;
@@ -1741,24 +1773,43 @@ fn rows_mode(arm: RoundArm, payload_gate: bool) -> CfMode {
     }
 }
 
-/// The default of [`FusedEngine::set_fronts`]: off unless `AFDEP_FUSED_FRONTS` is `1` or `on`
-/// (read once; said in the log when on, warned about when it is neither on nor off).
+/// The default of [`FusedEngine::set_fronts`]: off unless `AFDEP_FUSED_FRONTS` is `1` or `on`.
 pub(super) fn fronts_from_env() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("AFDEP_FUSED_FRONTS").as_deref() {
+    *ON.get_or_init(|| {
+        switch_from_env(
+            "AFDEP_FUSED_FRONTS",
+            "device rounds launch one front kernel per rank",
+        )
+    })
+}
+
+/// The default of [`FusedEngine::set_programmatic_graphs`]: off unless `AFDEP_GRAPH_PDL` is
+/// `1` or `on`.
+pub(super) fn programmatic_from_env() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        switch_from_env(
+            "AFDEP_GRAPH_PDL",
+            "captured rounds' kernel-to-kernel edges are programmatic",
+        )
+    })
+}
+
+/// An on/off environment switch: `1`/`on` is on (said in the log), `0`/`off` or unset off, and
+/// anything else off with a warning.
+fn switch_from_env(name: &str, what: &str) -> bool {
+    match std::env::var(name).as_deref() {
         Ok("1") | Ok("on") => {
-            tracing::info!("AFDEP_FUSED_FRONTS: device rounds launch one front kernel per rank");
+            tracing::info!("{name}: {what}");
             true
         }
         Ok("0") | Ok("off") | Err(_) => false,
         Ok(other) => {
-            tracing::warn!(
-                value = other,
-                "AFDEP_FUSED_FRONTS is not 1/on or 0/off; fronts off"
-            );
+            tracing::warn!(value = other, "{name} is not 1/on or 0/off; off");
             false
         }
-    })
+    }
 }
 
 /// The arm a device round took, from its control block `ctl` after the round (every rank the
