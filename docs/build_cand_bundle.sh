@@ -7,13 +7,11 @@
 #   bash docs/build_cand_bundle.sh              # from the repository root
 #
 # Environment:
-#   CANDS   "NAME=SPEC ..." (default: the four diffs of docs/candidates/, as plan, pdl, combo,
-#           dh): a stripped release `afdep` of each as bundle/afdep-NAME.gz. SPEC is a commit,
+#   CANDS   "NAME=SPEC ..." (default: the diffs of docs/candidates/, as plan and dh): a stripped release `afdep` of each as bundle/afdep-NAME.gz. SPEC is a commit,
 #           or `diff:FILE`: this checkout's HEAD with FILE applied (`git diff main...BRANCH` of
 #           a branch that did not land; docs/candidates/ keeps them, since branches do not
 #           survive into a new session's checkout either)
-#   TESTS   "NAME=SPEC:BIN,BIN ..." (default "pdl=diff:docs/candidates/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream
-#           plan=diff:docs/candidates/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"):
+#   TESTS   "NAME=SPEC:BIN,BIN ..." (default "plan=diff:docs/candidates/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"):
 #           afdep-moe test binaries of REV as bundle/NAME-tests.txz (folder NAME-tests/)
 #   OLD     the baseline commit of issue 20 (default 52a7948), as bundle/afdep-52.gz ("" leaves
 #           it out)
@@ -28,8 +26,8 @@ set -euo pipefail
 ROOT=$(pwd)
 [ -f "$ROOT/Cargo.toml" ] && [ -d "$ROOT/crates/afdep-kernels" ] || { echo "run from the repository root" >&2; exit 2; }
 D=docs/candidates
-CANDS=${CANDS:-"plan=diff:$D/plan-lean.diff pdl=diff:$D/pdl.diff combo=diff:$D/combo.diff dh=diff:$D/dh-prefetch.diff"}
-TESTS=${TESTS:-"pdl=diff:$D/pdl.diff:gpu_nvlink_graph,gpu_nvlink_faults,gpu_nvlink_on_stream plan=diff:$D/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"}
+CANDS=${CANDS:-"plan=diff:$D/plan-lean.diff dh=diff:$D/dh-prefetch.diff"}
+TESTS=${TESTS:-"plan=diff:$D/plan-lean.diff:gpu_nvlink_graph,gpu_nvlink_count_first,gpu_nvlink_engines,gpu_nvlink_faults,gpu_nvlink_fp8,gpu_nvlink_rejects,gpu_nvlink_auto_arm,gpu_nvlink_on_stream,gpu_pipeline"}
 OLD=${OLD-52a7948}
 WT=${WT:-/tmp/afdep-cand-wt}
 MEMBERS="-p afdep-core -p afdep-kernels -p afdep-moe -p afdep-transport -p afdep-bench"

@@ -2,8 +2,8 @@
 # One quiet device call for issue 20's and issue 17's candidate branches, from the bundle of
 # docs/build_cand_bundle.sh (carry ["bundle"]; this script is copied into it):
 #   LIMIT=570 [EPI=1] [AB_WHICH=...] [PROBES=...] bash bundle/gpu_cand_call.sh
-# tests: main's gpu_nvlink_graph and never-open gate, beside the pdl branch's with programmatic
-#   edges on (AFDEP_GRAPH_PDL=1); ab: the gated 1-token and 2,048-token graph rounds (3A:1F,
+# tests: main's gpu_nvlink_graph and never-open gate, beside the same with programmatic
+#   edges on (AFDEP_GRAPH_PDL=1, main since 2026-12-08); ab: the gated 1-token and 2,048-token graph rounds (3A:1F,
 #   auto, identity experts) of 52a7948 (host-started, as issue 20 measured it), main and each
 #   candidate, alternating, two repeats; probe: the probe points of the gated rounds; epiab
 #   (EPI=1): `afdep moe` of main against dh-prefetch at the Mixtral- and GPT-OSS-like cells;
@@ -15,28 +15,30 @@ START=$(date +%s); LIMIT=${LIMIT:-540}
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 ROOT=$PWD; W=/tmp/e1; mkdir -p $W "$OUT"
 cd /tmp && [ -d /tmp/b4 ] || tar xf "$ROOT/bundle/bundle.txz"
-for n in 52 plan pdl combo; do gzip -dc "$ROOT/bundle/afdep-$n.gz" > /tmp/afdep-$n && chmod +x /tmp/afdep-$n; done
+for n in 52 plan; do [ -f "$ROOT/bundle/afdep-$n.gz" ] && gzip -dc "$ROOT/bundle/afdep-$n.gz" > /tmp/afdep-$n && chmod +x /tmp/afdep-$n; done
 cd "$ROOT"
 export AFDEP_REQUIRE_GPU=1 AFDEP_KERNEL_CACHE=/tmp/kc
 step() { echo "== $1 $(date -u +%T) left $(left)" | tee -a $W/steps.txt; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; cat /tmp/b4/commit.txt;
-  /tmp/b4/bin/afdep kernels --digest; /tmp/afdep-plan kernels --digest; /tmp/afdep-pdl kernels --digest; /tmp/afdep-combo kernels --digest; /tmp/afdep-52 kernels --digest 2>&1 | tail -1; } > $W/env.txt 2>&1
+  /tmp/b4/bin/afdep kernels --digest; /tmp/afdep-plan kernels --digest; /tmp/afdep-52 kernels --digest 2>&1 | tail -1; } > $W/env.txt 2>&1
 cat $W/env.txt
 if [ "${TESTS:-1}" != 0 ]; then
 step tests
 ( cd /tmp/b4 && timeout 170 tests/gpu_nvlink_graph --test-threads=1 > $W/t-graph.log 2>&1; echo "gpu_nvlink_graph rc=$? $(grep '^test result' $W/t-graph.log | tail -1)" >> $W/steps.txt
   timeout 60 tests/gpu_nvlink_faults a_start_gate_that_never_opens --test-threads=1 --nocapture > $W/t-never.log 2>&1; echo "never-open rc=$? $(grep '^test result' $W/t-never.log | tail -1)" >> $W/steps.txt ) &
-# the pdl branch's graph tests with programmatic edges on (every capture of the binary), beside
-[ -d /tmp/pdl-tests ] || tar xf "$ROOT/bundle/pdl-tests.txz" -C /tmp
-( cd /tmp/pdl-tests && AFDEP_GRAPH_PDL=1 RUST_LOG=afdep_moe=info timeout 170 ./gpu_nvlink_graph --test-threads=1 > $W/t-pdl-graph.log 2>&1; echo "pdl gpu_nvlink_graph rc=$? $(grep '^test result' $W/t-pdl-graph.log | tail -1) edges-lines=$(grep -c 'programmatic' $W/t-pdl-graph.log)" >> $W/steps.txt
+# main's graph tests again with programmatic edges on (every capture of the binary), beside
+( cd /tmp/b4/tests && AFDEP_GRAPH_PDL=1 timeout 170 ./gpu_nvlink_graph --test-threads=1 > $W/t-pdl-graph.log 2>&1; echo "pdl gpu_nvlink_graph rc=$? $(grep '^test result' $W/t-pdl-graph.log | tail -1)" >> $W/steps.txt
   AFDEP_GRAPH_PDL=1 timeout 60 ./gpu_nvlink_faults a_start_gate_that_never_opens --test-threads=1 --nocapture > $W/t-pdl-never.log 2>&1; echo "pdl never-open rc=$? $(grep '^test result' $W/t-pdl-never.log | tail -1)" >> $W/steps.txt ) &
 wait
 fi
 step ab
-declare -A cbin=([new]=/tmp/b4/bin/afdep [old]=/tmp/afdep-52 [newg]=/tmp/b4/bin/afdep [plang]=/tmp/afdep-plan [frontsg]=/tmp/b4/bin/afdep [pdlg]=/tmp/afdep-pdl [pdloffg]=/tmp/afdep-pdl [pdl]=/tmp/afdep-pdl [combog]=/tmp/afdep-combo)
-declare -A cenv=([frontsg]=AFDEP_FUSED_FRONTS=1 [pdlg]="AFDEP_GRAPH_PDL=1 RUST_LOG=afdep_moe=info" [pdl]=AFDEP_GRAPH_PDL=1 [combog]=AFDEP_GRAPH_PDL=1)
-declare -A cflag=([newg]=--start-gate [plang]=--start-gate [frontsg]=--start-gate [pdlg]=--start-gate [pdloffg]=--start-gate [combog]=--start-gate)
-for rep in 1 2; do for which in ${AB_WHICH:-old newg pdlg plang combog new pdl pdloffg frontsg}; do
+# names: old (52a7948, host-started), new / newg (main, host-started / gated), pdl / pdlg (main
+# with AFDEP_GRAPH_PDL=1), plang (the plan-lean candidate, gated, with PDL), frontsg (main's
+# fronts, gated, with PDL)
+declare -A cbin=([new]=/tmp/b4/bin/afdep [old]=/tmp/afdep-52 [newg]=/tmp/b4/bin/afdep [pdlg]=/tmp/b4/bin/afdep [pdl]=/tmp/b4/bin/afdep [plang]=/tmp/afdep-plan [frontsg]=/tmp/b4/bin/afdep)
+declare -A cenv=([pdlg]=AFDEP_GRAPH_PDL=1 [pdl]=AFDEP_GRAPH_PDL=1 [plang]=AFDEP_GRAPH_PDL=1 [frontsg]="AFDEP_FUSED_FRONTS=1 AFDEP_GRAPH_PDL=1")
+declare -A cflag=([newg]=--start-gate [pdlg]=--start-gate [plang]=--start-gate [frontsg]=--start-gate)
+for rep in 1 2; do for which in ${AB_WHICH:-old newg pdlg plang new pdl frontsg}; do
   [ "$(left)" -gt ${AB_RESERVE:-200} ] || break 2
   env ${cenv[$which]:-} timeout 60 ${cbin[$which]} exchange --backend cuda --transport nvlink \
     --device 0 --topology 3A:1F --graph --arm auto --expert identity ${cflag[$which]:-} \
@@ -52,7 +54,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/ab-*.jsonl")):
         print("ab", w, r.get("tokens"), "median_us", r.get("median_us", r.get("round_us")), r.get("status"), r.get("start"), r.get("digest"))
 PY
 step probe
-for spec in ${PROBES:-newg:/tmp/b4/bin/afdep: pdlg:/tmp/afdep-pdl:AFDEP_GRAPH_PDL=1 plang:/tmp/afdep-plan: combog:/tmp/afdep-combo:AFDEP_GRAPH_PDL=1 frontsg:/tmp/b4/bin/afdep:AFDEP_FUSED_FRONTS=1}; do
+for spec in ${PROBES:-pdlg:/tmp/b4/bin/afdep:AFDEP_GRAPH_PDL=1 plang:/tmp/afdep-plan:AFDEP_GRAPH_PDL=1}; do
   IFS=: read -r n bin envs <<< "$spec"
   [ "$(left)" -gt ${PROBE_RESERVE:-110} ] || break
   env $envs AFDEP_NVRTC_OPTIONS=-DAFDEP_PROBE timeout 90 $bin exchange --backend cuda --transport nvlink --device 0 \
