@@ -10,7 +10,7 @@
 //! reads nothing of its predecessor's before the wait: the edge changes when the kernel is
 //! launched, not what it sees.
 //!
-//! [`RoundGraph::end_capture`] ends a stream capture, rewrites the edges whose both ends are
+//! `RoundGraph::end_capture` ends a stream capture, rewrites the edges whose both ends are
 //! kernel nodes and whose downstream kernel is one of [`GRID_DEPENDENCY_KERNELS`] (others, such
 //! as memset or event nodes, or a kernel without the wait, keep their full dependency), then
 //! instantiates the graph. cudarc's `CudaGraph` instantiates inside its `end_capture`, before
